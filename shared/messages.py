@@ -1,0 +1,131 @@
+"""Typed messages that cross process boundaries (gateway <-> Redis <-> worker), packed with msgpack."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+
+@dataclass
+class SamplingParams:
+    """How to turn logits into tokens. Sampling is a pure function of (seed, position, logits)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # the gateway fills one in, so a resumed request samples the same stream
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; N = also return the top-N alternatives
+    skip_prefix_cache: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class GenerationRequest:
+    """One request as the gateway enqueues it: token ids only, never HTTP objects."""
+
+    req_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float | None = None  # unix time after which nobody waits for the answer
+    priority: str = "interactive"
+    created: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["params"] = self.params.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationRequest:
+        data = dict(data)
+        data["params"] = SamplingParams.from_dict(data["params"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def pack(self) -> bytes:
+        return pack(self.to_dict())
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> GenerationRequest:
+        return cls.from_dict(unpack(raw))
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token and of the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class TokenEvent:
+    """One message on `tok:{id}`. `seq` is the index of the first token of `token_ids` in the output."""
+
+    seq: int
+    attempt: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    usage: Usage | None = None
+    error: str | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def pack(self) -> bytes:
+        data = dataclasses.asdict(self)
+        return pack({k: v for k, v in data.items() if v is not None})
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> TokenEvent:
+        data = unpack(raw)
+        if data.get("logprobs") is not None:
+            data["logprobs"] = [
+                TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]])
+                for lp in data["logprobs"]
+            ]
+        if data.get("usage") is not None:
+            data["usage"] = Usage(**data["usage"])
+        return cls(**data)
+
+
+def pack(data: Any) -> bytes:
+    return msgpack.packb(data, use_bin_type=True)
+
+
+def unpack(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)

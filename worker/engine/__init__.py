@@ -1,0 +1,1 @@
+"""The serving engine: KV block pool, block manager, scheduler, model runner, sampler."""
