@@ -28,6 +28,10 @@ class Keys:
         """Hash: payload, attempt (fencing token), status, checkpointed token ids."""
         return f"{self.prefix}req:{req_id}"
 
+    def checkpoint(self, req_id: str) -> str:
+        """String of the token ids generated so far, appended as little-endian uint32 each step."""
+        return f"{self.prefix}req:{req_id}:ckpt"
+
     def tokens(self, req_id: str) -> str:
         """Pub/sub channel of a request's token events."""
         return f"{self.prefix}tok:{req_id}"

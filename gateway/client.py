@@ -1,0 +1,73 @@
+"""The engine client interface the gateway's handlers talk to, so they can run against a fake."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from shared.messages import GenerationRequest, TokenEvent
+
+
+class EngineError(Exception):
+    """The fleet could not produce an answer; `status` is the HTTP status the client gets."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class EngineUnavailable(EngineError):
+    """Redis does not answer (or dropped the connection): nothing can be enqueued or received."""
+
+
+class EngineTimeout(EngineError):
+    """No event arrived in time, or the request's deadline passed."""
+
+    status = 504
+    error_type = "timeout"
+
+
+class WorkerError(EngineError):
+    """A worker ended the request with `error` or `abort` (poison request, dead-lettered, ...)."""
+
+
+class EventStream(ABC):
+    """The token events of one submitted request, in arrival order (stale or repeated ones included:
+    the consumer filters by attempt and seq). Iteration never ends by itself; the consumer stops
+    after the final event and must call `aclose()` in every case."""
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    @abstractmethod
+    async def __anext__(self) -> TokenEvent:
+        """The next event; raises EngineTimeout or EngineUnavailable."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Stop receiving this request's events (does not cancel the request)."""
+
+
+class EngineClient(ABC):
+    """What the handlers need from the fleet: submit, cancel, readiness."""
+
+    async def start(self) -> None:
+        """Open connections and background tasks (called from the app's lifespan)."""
+
+    async def close(self) -> None:
+        """Release everything `start` opened."""
+
+    @abstractmethod
+    async def submit(self, request: GenerationRequest) -> EventStream:
+        """Start receiving the request's events, then enqueue it (idempotent by request id).
+        Raises EngineUnavailable when the fleet cannot take it."""
+
+    @abstractmethod
+    async def cancel(self, req_id: str) -> None:
+        """Tell the workers that nobody waits for `req_id` any more."""
+
+    @abstractmethod
+    async def is_ready(self) -> bool:
+        """True when the fleet's Redis answers."""
+

@@ -1,0 +1,5 @@
+import sys
+
+from kvfleet.cli import main
+
+sys.exit(main())

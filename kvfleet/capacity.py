@@ -1,0 +1,207 @@
+"""Capacity arithmetic of the seed design: a memory budget (weights first, KV cache from what is
+left), a throughput budget (accelerators for a demand), their cost, and two "what if" levers
+(a smaller KV dtype, prefix caching). Pure functions over typed inputs; no I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+KV_DTYPE_LABELS = {4: "fp32", 2: "bf16/fp16", 1: "fp8/int8"}
+# --kv-bytes-per-token is quoted at this element size (the seed's 0.5 MB is a 2-byte cache).
+REFERENCE_KV_DTYPE_BYTES = 2
+SECONDS_PER_HOUR = 3600
+TOKENS_PER_MILLION = 1_000_000
+
+
+class WeightsDoNotFit(ValueError):
+    """The model's weights alone exceed the accelerator's memory."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    num_params: int
+    bytes_per_param: float
+    gpu_memory_bytes: int
+    kv_bytes_per_token: int  # at kv_dtype
+    kv_dtype: str
+    contexts: tuple[tuple[int, float | None], ...]  # (context tokens, mix weight or None)
+    demand_tokens_per_s: float
+    gpu_tokens_per_s: float
+    streams_per_gpu: int
+    cost_per_gpu_hour: float | None
+    prefix_prompts: int
+    prefix_opening_tokens: int
+    prefix_share: float | None  # fraction of prompt tokens served from a cached opening
+
+
+@dataclass(frozen=True)
+class Memory:
+    gpu_memory_bytes: int
+    weights_bytes: int
+    free_kv_bytes: int
+    kv_bytes_per_token: int
+    kv_dtype: str
+    tokens_that_fit: int
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    context_tokens: float  # a mix average need not be whole
+    kv_bytes_per_conversation: int
+    conversations_per_gpu: int
+    mix_weight: float | None = None
+
+
+@dataclass(frozen=True)
+class Throughput:
+    gpu_tokens_per_s: float
+    streams_per_gpu: int
+    tokens_per_s_per_stream: float
+    demand_tokens_per_s: float
+    gpus_needed: int
+
+
+@dataclass(frozen=True)
+class Cost:
+    cost_per_gpu_hour: float
+    fleet_cost_per_hour: float
+    cost_per_million_tokens_full_gpu: float  # one accelerator at its full rate
+    cost_per_million_tokens_fleet: float  # the rounded-up fleet at this demand
+
+
+@dataclass(frozen=True)
+class KvDtypeWhatIf:
+    kv_dtype: str
+    kv_bytes_per_token: int
+    capacity_factor: float
+    contexts: list[ContextFit]
+
+
+@dataclass(frozen=True)
+class PrefixWhatIf:
+    prompts: int
+    opening_tokens: int
+    computations_without_cache: int
+    computations_with_cache: int
+    computations_saved: int
+    prefix_share: float | None
+    prefill_fraction_left: float | None  # of prompt-token computations, at prefix_share
+    live_kv_unchanged: bool = True  # caching saves prefill work, not decode-time KV memory
+
+
+@dataclass(frozen=True)
+class Plan:
+    memory: Memory
+    contexts: list[ContextFit]
+    mix: ContextFit | None
+    throughput: Throughput
+    cost: Cost | None
+    kv_dtype_what_ifs: list[KvDtypeWhatIf]
+    prefix_what_if: PrefixWhatIf
+    warnings: list[str] = field(default_factory=list)
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    memory = plan_memory(inputs)
+    contexts = [fit_context(memory.free_kv_bytes, memory.kv_bytes_per_token, tokens)
+                for tokens, _ in inputs.contexts]
+    mix = fit_mix(memory, inputs.contexts)
+    throughput = plan_throughput(inputs)
+    return Plan(memory, contexts, mix, throughput, plan_cost(inputs, throughput),
+                kv_dtype_what_ifs(inputs, memory), prefix_what_if(inputs),
+                memory_warnings(contexts, mix, inputs.streams_per_gpu))
+
+
+def plan_memory(inputs: PlanInputs) -> Memory:
+    weights_bytes = math.ceil(inputs.num_params * inputs.bytes_per_param)
+    free_kv_bytes = inputs.gpu_memory_bytes - weights_bytes
+    if free_kv_bytes <= 0:
+        raise WeightsDoNotFit(weights_bytes, inputs.gpu_memory_bytes)
+    return Memory(inputs.gpu_memory_bytes, weights_bytes, free_kv_bytes,
+                  inputs.kv_bytes_per_token, inputs.kv_dtype,
+                  free_kv_bytes // inputs.kv_bytes_per_token)
+
+
+def fit_context(free_kv_bytes: int, kv_bytes_per_token: int, context_tokens: float,
+                mix_weight: float | None = None) -> ContextFit:
+    kv_bytes = math.ceil(context_tokens * kv_bytes_per_token)
+    return ContextFit(context_tokens, kv_bytes, free_kv_bytes // kv_bytes, mix_weight)
+
+
+def fit_mix(memory: Memory, contexts: tuple[tuple[int, float | None], ...]) -> ContextFit | None:
+    """The mix's average conversation: Σ weight × tokens, then how many such fit."""
+    if any(weight is None for _, weight in contexts):
+        return None
+    mean_tokens = sum(tokens * weight for tokens, weight in contexts)
+    return fit_context(memory.free_kv_bytes, memory.kv_bytes_per_token, mean_tokens, 1.0)
+
+
+def plan_throughput(inputs: PlanInputs) -> Throughput:
+    return Throughput(
+        gpu_tokens_per_s=inputs.gpu_tokens_per_s,
+        streams_per_gpu=inputs.streams_per_gpu,
+        tokens_per_s_per_stream=inputs.gpu_tokens_per_s / inputs.streams_per_gpu,
+        demand_tokens_per_s=inputs.demand_tokens_per_s,
+        gpus_needed=math.ceil(inputs.demand_tokens_per_s / inputs.gpu_tokens_per_s),
+    )
+
+
+def plan_cost(inputs: PlanInputs, throughput: Throughput) -> Cost | None:
+    if inputs.cost_per_gpu_hour is None:
+        return None
+    fleet_cost_per_hour = throughput.gpus_needed * inputs.cost_per_gpu_hour
+    return Cost(
+        cost_per_gpu_hour=inputs.cost_per_gpu_hour,
+        fleet_cost_per_hour=fleet_cost_per_hour,
+        cost_per_million_tokens_full_gpu=cost_per_million_tokens(
+            inputs.cost_per_gpu_hour, inputs.gpu_tokens_per_s),
+        cost_per_million_tokens_fleet=cost_per_million_tokens(
+            fleet_cost_per_hour, inputs.demand_tokens_per_s),
+    )
+
+
+def cost_per_million_tokens(cost_per_hour: float, tokens_per_s: float) -> float:
+    return cost_per_hour / (tokens_per_s * SECONDS_PER_HOUR) * TOKENS_PER_MILLION
+
+
+def kv_dtype_what_ifs(inputs: PlanInputs, memory: Memory) -> list[KvDtypeWhatIf]:
+    """Every element size smaller than the current one: bytes per token scale with it."""
+    current_bytes = KV_DTYPE_BYTES[inputs.kv_dtype]
+    what_ifs = []
+    for dtype_bytes in sorted({b for b in KV_DTYPE_BYTES.values() if b < current_bytes},
+                              reverse=True):
+        kv_bytes_per_token = max(1, round(inputs.kv_bytes_per_token * dtype_bytes / current_bytes))
+        contexts = [fit_context(memory.free_kv_bytes, kv_bytes_per_token, tokens)
+                    for tokens, _ in inputs.contexts]
+        what_ifs.append(KvDtypeWhatIf(KV_DTYPE_LABELS[dtype_bytes], kv_bytes_per_token,
+                                      current_bytes / dtype_bytes, contexts))
+    return what_ifs
+
+
+def prefix_what_if(inputs: PlanInputs) -> PrefixWhatIf:
+    """The seed's example: N prompts sharing one opening compute it once instead of N times."""
+    without_cache = inputs.prefix_prompts * inputs.prefix_opening_tokens
+    with_cache = inputs.prefix_opening_tokens
+    share = inputs.prefix_share
+    return PrefixWhatIf(inputs.prefix_prompts, inputs.prefix_opening_tokens, without_cache,
+                        with_cache, without_cache - with_cache, share,
+                        None if share is None else 1.0 - share)
+
+
+def memory_warnings(contexts: list[ContextFit], mix: ContextFit | None,
+                    streams_per_gpu: int) -> list[str]:
+    """Where memory, not the throughput figure, caps the group size."""
+    warnings = []
+    for fit in contexts + ([mix] if mix else []):
+        label = ("conversations of the mix's average length" if fit is mix
+                 else f"conversations of {fit.context_tokens:,.0f} tokens")
+        if fit.conversations_per_gpu == 0:
+            warnings.append(f"no {label} fit in the free KV memory")
+        elif fit.conversations_per_gpu < streams_per_gpu:
+            warnings.append(
+                f"only {fit.conversations_per_gpu} {label} fit, fewer than the "
+                f"{streams_per_gpu} streams behind the per-accelerator rate: at that context "
+                f"memory caps the group, so the rate is optimistic")
+    return warnings

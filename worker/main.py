@@ -1,0 +1,65 @@
+"""Start one worker process: load the model into an engine, then serve the model's streams."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import redis
+import torch
+
+from shared.keys import Keys
+from shared.models import resolve_model_path, served_model_id
+from shared.settings import WorkerSettings
+from worker.engine.engine import Engine, EngineConfig
+from worker.protocol import WorkerProtocol
+from worker.service import WorkerService
+
+log = logging.getLogger("kvfleet.worker")
+
+
+def engine_config(settings: WorkerSettings) -> EngineConfig:
+    return EngineConfig(
+        block_size=settings.block_size,
+        kv_memory_bytes=settings.kv_memory_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_batched_tokens=settings.max_batched_tokens,
+        max_running=settings.max_running,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        device=settings.device,
+        dtype=settings.dtype,
+    )
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    from transformers import AutoTokenizer
+
+    if settings.num_threads > 0:
+        torch.set_num_threads(settings.num_threads)
+    path = resolve_model_path(settings.model, settings.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = Engine.from_pretrained(path, engine_config(settings), tokenizer=tokenizer)
+    for line in engine.budget_report():
+        log.info("%s", line)
+    return engine
+
+
+def run_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (or `stop` is set)."""
+    if not settings.redis_url:
+        raise SystemExit("kvfleet worker: set --redis-url or KVFLEET_REDIS_URL")
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    worker_id = settings.resolved_worker_id()
+    engine = build_engine(settings)
+    # Socket timeout above the blocking XREADGROUP's BLOCK, so a quiet stream never times out.
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10,
+                                  socket_connect_timeout=5, health_check_interval=30)
+    protocol = WorkerProtocol(client, Keys(settings.key_prefix), served_model_id(settings.model),
+                              worker_id, result_ttl_s=settings.result_ttl_s)
+    log.info("worker %s serving %s from %s", worker_id, protocol.model, settings.redis_url)
+    WorkerService(settings, engine, client, protocol).run(stop)
+    log.info("worker %s stopped", worker_id)

@@ -1,0 +1,293 @@
+"""The worker's Redis service loop: pull work when the KV pool has room, step the engine, publish.
+
+One thread runs the loop (engine steps and the protocol's writes); a second thread only heartbeats
+and keeps this worker's pending stream entries fresh, from a stats snapshot the loop leaves it, so a
+long step never lets the heartbeat lapse.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+
+from shared.messages import TokenEvent, Usage
+from shared.settings import WorkerSettings
+from shared.status import RequestStatus
+from worker.engine.engine import Engine, RequestOutput
+from worker.protocol import Delivery, Publication, WorkerProtocol
+
+log = logging.getLogger(__name__)
+
+_STATUS_OF_REASON = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+    "error": RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass
+class Inflight:
+    delivery: Delivery
+    attempt: int
+
+
+class WorkerService:
+    """Serves one model's request streams with one engine."""
+
+    def __init__(self, settings: WorkerSettings, engine: Engine, client: redis.Redis,
+                 protocol: WorkerProtocol):
+        self.settings = settings
+        self.engine = engine
+        self.client = client
+        self.protocol = protocol
+        self.inflight: dict[str, Inflight] = {}
+        self._backlog: list[Publication] = []  # produced but not yet published (Redis was down)
+        self._stats_snapshot: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._pubsub = None
+        self._last_orphan_check = 0.0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set; survive Redis outages with backoff."""
+        self._snapshot_stats()
+        beat = threading.Thread(target=self._heartbeat_loop, args=(stop,), daemon=True)
+        beat.start()
+        backoff_s = 0.1
+        while not stop.is_set():
+            try:
+                if self._pubsub is None:
+                    self._connect()
+                self.run_once()
+                backoff_s = 0.1
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("redis unavailable (%s); retrying in %.1f s", exc, backoff_s)
+                self._pubsub = None
+                stop.wait(backoff_s)
+                backoff_s = min(backoff_s * 2, 5.0)
+        self._shutdown()
+        beat.join(timeout=2)
+
+    def _connect(self) -> None:
+        self.protocol.ensure_groups()
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(self.protocol.keys.cancel())
+        self._pubsub = pubsub
+
+    def _shutdown(self) -> None:
+        """Leave unfinished work pending: another worker claims it once our heartbeat is gone."""
+        try:
+            self.protocol.remove_heartbeat()
+        except redis.RedisError:
+            pass
+        if self.inflight:
+            log.info("stopping with %d requests in flight; they resume elsewhere",
+                     len(self.inflight))
+
+    # ---- one iteration ---------------------------------------------------------------------
+
+    def run_once(self) -> None:
+        """Cancel, admit, step, publish: one turn of the loop."""
+        if self._backlog:  # publish what a Redis outage held back before producing more
+            self._publish_items([])
+        self._handle_cancels()
+        self._admit(block=not self.engine.has_unfinished())
+        if self.engine.has_unfinished():
+            outputs = self.engine.step()
+            self._publish_outputs(outputs)
+        self._snapshot_stats()
+
+    def _handle_cancels(self) -> None:
+        while True:
+            message = self._pubsub.get_message(timeout=0)
+            if message is None:
+                return
+            if message.get("type") != "message":
+                continue
+            req_id = message["data"].decode()
+            if req_id in self.inflight:
+                output = self.engine.abort(req_id)
+                log.info("cancelled %s", req_id)
+                if output is not None:
+                    self._publish_outputs([output])
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def _admit(self, block: bool) -> None:
+        """Take new work only while the pool holds its prompt plus the watermark (rule 2)."""
+        now = time.monotonic()
+        if now - self._last_orphan_check >= self.settings.heartbeat_interval_s:
+            self._last_orphan_check = now
+            self._claim_orphans()
+        stats = self.engine.stats()
+        if stats.num_waiting > 0:  # work already here that does not fit yet
+            return
+        reserved_tokens = 0
+        while stats.num_running + len(self.inflight) < self.settings.max_running * 2:
+            peeked = self.protocol.peek_next()
+            if peeked is None:
+                if block and not self.inflight:
+                    self._wait_for_work()
+                return
+            stream, request = peeked
+            needed = reserved_tokens + len(request.prompt_token_ids)
+            if not self.engine.can_admit(needed):
+                return  # leave it in the stream for a worker with room
+            delivery = self.protocol.read_new(stream, block_ms=None)
+            if delivery is None:
+                return
+            reserved_tokens += len(delivery.request.prompt_token_ids)
+            self._start(delivery)
+            block = False
+
+    def _wait_for_work(self) -> None:
+        """Idle: block briefly (below the socket timeout) until a request arrives."""
+        delivery = None
+        for stream in self.protocol.streams:
+            # Only the first stream blocks; the wait is short so cancels and orphans stay timely.
+            delivery = self.protocol.read_new(stream, block_ms=self.settings.read_block_ms
+                                              if stream == self.protocol.streams[0] else None)
+            if delivery:
+                break
+        if delivery is not None:  # the pool is idle: whatever fits at all fits now
+            self._start(delivery)
+
+    def _claim_orphans(self) -> None:
+        """Resume requests of workers whose heartbeat expired (their entries idle past the TTL)."""
+        min_idle_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        while self.engine.can_admit(self.engine_block_size()):
+            delivery = self.protocol.claim_orphan(min_idle_ms)
+            if delivery is None:
+                return
+            log.info("claimed %s from a dead worker (delivery %d)", delivery.request.req_id,
+                     delivery.times_delivered)
+            self._start(delivery)
+
+    def engine_block_size(self) -> int:
+        return self.engine.config.block_size
+
+    def _start(self, delivery: Delivery) -> None:
+        request = delivery.request
+        req_id = request.req_id
+        if req_id in self.inflight:  # our own entry came back to us; we are still serving it
+            return
+        attempt, checkpoint = self.protocol.start_attempt(req_id)
+        seq = len(checkpoint)
+        if delivery.times_delivered > self.settings.max_deliveries:
+            log.error("request %s delivered %d times: dead-lettered", req_id,
+                      delivery.times_delivered)
+            self.protocol.fail(delivery, attempt, seq, f"request failed on "
+                               f"{delivery.times_delivered - 1} workers; moved to the dead-letter "
+                               f"stream", dead_letter=True)
+            return
+        if request.deadline is not None and time.time() > request.deadline:
+            self.protocol.fail(delivery, attempt, seq, "request deadline passed before a worker "
+                               "could start it")
+            return
+        if seq and self._already_finished(request, checkpoint):
+            self._finish_from_checkpoint(delivery, attempt, checkpoint)
+            return
+        try:
+            self.engine.add_request(req_id, request.prompt_token_ids, request.params,
+                                    output_token_ids=checkpoint or None)
+        except ValueError as exc:
+            self.protocol.fail(delivery, attempt, seq, str(exc))
+            return
+        self.inflight[req_id] = Inflight(delivery, attempt)
+
+    def _already_finished(self, request, checkpoint: list[int]) -> bool:
+        """The previous attempt recorded the last token but died before its final event."""
+        return len(checkpoint) >= request.params.max_tokens
+
+    def _finish_from_checkpoint(self, delivery: Delivery, attempt: int, checkpoint: list[int]):
+        request = delivery.request
+        event = TokenEvent(seq=len(checkpoint), attempt=attempt, finish_reason="length",
+                           usage=Usage(len(request.prompt_token_ids), len(checkpoint)))
+        self.protocol.publish([Publication(request.req_id, attempt, event,
+                                           RequestStatus.FINISHED_LENGTH, delivery.stream,
+                                           delivery.entry_id)])
+
+    # ---- publishing ------------------------------------------------------------------------
+
+    def _publish_outputs(self, outputs: list[RequestOutput]) -> None:
+        items = []
+        for output in outputs:
+            inflight = self.inflight.get(output.req_id)
+            if inflight is None or (not output.new_token_ids and output.finish_reason is None):
+                continue
+            items.append(self._publication(output, inflight))
+            if output.finish_reason is not None:
+                del self.inflight[output.req_id]
+        self._publish_items(items)
+
+    def _publication(self, output: RequestOutput, inflight: Inflight) -> Publication:
+        final = output.finish_reason is not None
+        event = TokenEvent(
+            seq=output.num_output_tokens - len(output.new_token_ids),
+            attempt=inflight.attempt,
+            token_ids=list(output.new_token_ids),
+            logprobs=output.new_logprobs,
+            finish_reason=output.finish_reason,
+            usage=Usage(output.num_prompt_tokens, output.num_output_tokens,
+                        output.num_cached_tokens) if final else None,
+            error="the worker failed while generating" if output.finish_reason == "error" else None,
+        )
+        status = _STATUS_OF_REASON[output.finish_reason] if final else None
+        return Publication(output.req_id, inflight.attempt, event, status,
+                           inflight.delivery.stream, inflight.delivery.entry_id)
+
+    def _publish_items(self, items: list[Publication]) -> None:
+        pending = self._backlog + items
+        self._backlog = pending  # kept until Redis has taken them
+        accepted = self.protocol.publish(pending)
+        self._backlog = []
+        for item, ok in zip(pending, accepted):
+            if not ok and item.req_id in self.inflight:
+                # Fenced: another worker owns a newer attempt; stop generating at once.
+                log.warning("attempt %d of %s is stale; stopping it", item.attempt, item.req_id)
+                self.engine.abort(item.req_id)
+                del self.inflight[item.req_id]
+
+    # ---- heartbeat -------------------------------------------------------------------------
+
+    def _snapshot_stats(self) -> None:
+        stats = self.engine.stats()
+        entries: dict[str, list[str]] = {}
+        for inflight in self.inflight.values():
+            entries.setdefault(inflight.delivery.stream, []).append(inflight.delivery.entry_id)
+        with self._lock:
+            self._stats_snapshot = {
+                "blocks_total": stats.num_blocks_total,
+                "blocks_free": stats.num_blocks_free,
+                "running": stats.num_running,
+                "waiting": stats.num_waiting,
+                "preemptions": stats.num_preemptions,
+                "generated_tokens": stats.num_generated_tokens,
+                "prefix_queried_tokens": stats.prefix_queried_tokens,
+                "prefix_hit_tokens": stats.prefix_hit_tokens,
+            }
+            self._pending_entries = entries
+
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        last_tokens, last_t = None, time.monotonic()
+        while not stop.is_set():
+            with self._lock:
+                fields = dict(self._stats_snapshot)
+                entries = dict(getattr(self, "_pending_entries", {}))
+            now = time.monotonic()
+            tokens = fields.get("generated_tokens", 0)
+            rate = 0.0 if last_tokens is None else (tokens - last_tokens) / max(now - last_t, 1e-6)
+            last_tokens, last_t = tokens, now
+            fields["tokens_per_s"] = round(rate, 2)
+            try:
+                self.protocol.heartbeat(fields, self.settings.heartbeat_ttl_s)
+                self.protocol.refresh_pending(entries)
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            stop.wait(self.settings.heartbeat_interval_s)
