@@ -8,6 +8,7 @@ or on what was sampled before; a request resumed at position p continues the sam
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
 
@@ -19,6 +20,9 @@ from shared.messages import SamplingParams, TokenLogprob
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 _MASK64 = (1 << 64) - 1
+
+# top_p looks for its cutoff among this many most likely tokens before sorting the whole vocab.
+_TOP_P_CANDIDATES = 256
 
 
 @dataclass
@@ -50,43 +54,64 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(inputs)} inputs")
         if not inputs:
             return []
-        scores = logits.detach().to(torch.float32, copy=True)  # [N, vocab], modified in place
+        modifies = any(_needs_penalties(inp) or _needs_min_tokens(inp) for inp in inputs)
+        # float32; a private copy only when rows are modified in place (the caller's stay intact)
+        scores = logits.detach().to(torch.float32, copy=modifies)  # [N, vocab]
         raw_logprobs = _raw_logprobs(scores, inputs)  # before any penalty or temperature
-        apply_penalties(scores, inputs)
-        apply_min_tokens(scores, inputs, self.eos_token_ids)
+        if modifies:
+            apply_penalties(scores, inputs)
+            apply_min_tokens(scores, inputs, self.eos_token_ids)
         token_ids = _choose_tokens(scores, inputs)
         return list(zip(token_ids, _token_logprobs(raw_logprobs, token_ids, inputs)))
+
+
+def _needs_penalties(inp: SamplerInput) -> bool:
+    p = inp.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _needs_min_tokens(inp: SamplerInput) -> bool:
+    return inp.position < inp.params.min_tokens
 
 
 # --- penalties and masks (in place on float32 scores [N, vocab]) ----------------------------------
 
 
 def apply_penalties(scores: torch.Tensor, inputs: list[SamplerInput]) -> None:
-    """HF repetition penalty over prompt + output, then OpenAI presence/frequency over output."""
-    rep_rows = [i for i, inp in enumerate(inputs) if inp.params.repetition_penalty != 1.0]
-    if rep_rows:
-        seen = token_counts(
-            [inputs[i].prompt_token_ids + inputs[i].output_token_ids for i in rep_rows],
-            scores.shape[1],
-            scores.device,
-        ) > 0  # [R, vocab]
-        penalty = _row_values(scores, [inputs[i].params.repetition_penalty for i in rep_rows])
-        sub = scores[rep_rows]
-        penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
-        scores[rep_rows] = torch.where(seen, penalised, sub)
+    """HF repetition penalty over prompt + output, then OpenAI presence/frequency over output.
 
-    out_rows = [
-        i
-        for i, inp in enumerate(inputs)
-        if inp.params.presence_penalty != 0.0 or inp.params.frequency_penalty != 0.0
-    ]
-    if out_rows:
-        counts = token_counts(
-            [inputs[i].output_token_ids for i in out_rows], scores.shape[1], scores.device
-        ).to(torch.float32)  # [R, vocab]
-        frequency = _row_values(scores, [inputs[i].params.frequency_penalty for i in out_rows])
-        presence = _row_values(scores, [inputs[i].params.presence_penalty for i in out_rows])
-        scores[out_rows] -= counts * frequency + (counts > 0).to(torch.float32) * presence
+    Only the (row, token) pairs that occur are touched: one gather and one index_put per penalty.
+    """
+    vocab_size = scores.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    penalties: list[float] = []
+    for i, inp in enumerate(inputs):
+        if inp.params.repetition_penalty == 1.0:
+            continue
+        seen = {t for t in chain(inp.prompt_token_ids, inp.output_token_ids) if 0 <= t < vocab_size}
+        rows.extend([i] * len(seen))
+        cols.extend(seen)
+        penalties.extend([inp.params.repetition_penalty] * len(seen))
+    if rows:
+        index = (_index(rows, scores.device), _index(cols, scores.device))
+        values = scores[index]
+        penalty = torch.tensor(penalties, dtype=torch.float32, device=scores.device)
+        scores[index] = torch.where(values < 0, values * penalty, values / penalty)
+
+    rows, cols, amounts = [], [], []
+    for i, inp in enumerate(inputs):
+        presence, frequency = inp.params.presence_penalty, inp.params.frequency_penalty
+        if presence == 0.0 and frequency == 0.0:
+            continue
+        for token_id, count in Counter(inp.output_token_ids).items():
+            if 0 <= token_id < vocab_size:
+                rows.append(i)
+                cols.append(token_id)
+                amounts.append(count * frequency + presence)
+    if rows:
+        index = (_index(rows, scores.device), _index(cols, scores.device))
+        scores[index] -= torch.tensor(amounts, dtype=torch.float32, device=scores.device)
 
 
 def apply_min_tokens(
@@ -94,13 +119,13 @@ def apply_min_tokens(
 ) -> None:
     """Mask the tokens that would stop a request until it has min_tokens output tokens.
 
-    With ignore_eos, EOS does not stop the request, so it stays sampleable; stop_token_ids do.
+    With ignore_eos, EOS does not stop the request, so it stays sampleable; stop_token_ids do not.
     """
     vocab_size = scores.shape[1]
     rows: list[int] = []
     cols: list[int] = []
     for i, inp in enumerate(inputs):
-        if inp.position >= inp.params.min_tokens:
+        if not _needs_min_tokens(inp):
             continue
         blocked = set(inp.params.stop_token_ids)
         if not inp.params.ignore_eos:
@@ -112,90 +137,99 @@ def apply_min_tokens(
         scores[_index(rows, scores.device), _index(cols, scores.device)] = float("-inf")
 
 
-def token_counts(
-    token_lists: list[list[int]], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """How often each token occurs in each list: int64 [len(token_lists), vocab_size].
-
-    One bincount over (row * vocab + token) for the whole batch; ids outside the vocab are ignored.
-    """
-    num_rows = len(token_lists)
-    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.int64)
-    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(num_rows), lengths)
-    in_vocab = (ids >= 0) & (ids < vocab_size)
-    flat = (rows * vocab_size + ids)[in_vocab].to(device)
-    return torch.bincount(flat, minlength=num_rows * vocab_size).view(num_rows, vocab_size)
-
-
 # --- choosing tokens ------------------------------------------------------------------------------
 
 
 def _choose_tokens(scores: torch.Tensor, inputs: list[SamplerInput]) -> list[int]:
-    token_ids = [0] * len(inputs)
     greedy_rows = [i for i, inp in enumerate(inputs) if inp.is_greedy]
     random_rows = [i for i, inp in enumerate(inputs) if not inp.is_greedy]
+    if not random_rows:
+        return scores.argmax(dim=-1).tolist()
+    token_ids = [0] * len(inputs)
     if greedy_rows:
-        chosen = scores[greedy_rows].argmax(dim=-1).tolist()
-        for row, token_id in zip(greedy_rows, chosen):
+        for row, token_id in zip(greedy_rows, scores[greedy_rows].argmax(dim=-1).tolist()):
             token_ids[row] = token_id
-    if random_rows:
-        sub = scores[random_rows]  # a copy: [R, vocab]
-        chosen = _sample_random(sub, [inputs[i] for i in random_rows]).tolist()
-        for row, token_id in zip(random_rows, chosen):
-            token_ids[row] = token_id
+    sub = scores if not greedy_rows else scores[random_rows]  # [R, vocab]
+    chosen = _sample_random(sub, [inputs[i] for i in random_rows]).tolist()
+    for row, token_id in zip(random_rows, chosen):
+        token_ids[row] = token_id
     return token_ids
 
 
 def _sample_random(scores: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p (HF order), then Gumbel-max: argmax(scores + noise)."""
-    scores /= _row_values(scores, [inp.params.temperature for inp in inputs])
-    _apply_top_k(scores, inputs)
-    _apply_top_p(scores, inputs)
-    _apply_min_p(scores, inputs)
+    scores = scores / _column(scores, [inp.params.temperature for inp in inputs])  # new tensor
+    _apply_top_k(scores, [inp.params.top_k for inp in inputs])
+    _apply_top_p(scores, [inp.params.top_p for inp in inputs])
+    _apply_min_p(scores, [inp.params.min_p for inp in inputs])
     keys = [noise_key(inp.params.seed, inp.position) for inp in inputs]
-    noise = gumbel_noise(keys, scores.shape[1]).to(scores.device)
-    return (scores + noise).argmax(dim=-1)
+    return (scores + gumbel_noise(keys, scores.shape[1]).to(scores.device)).argmax(dim=-1)
 
 
-def _apply_top_k(scores: torch.Tensor, inputs: list[SamplerInput]) -> None:
+def _apply_top_k(scores: torch.Tensor, top_ks: list[int]) -> None:
     """Keep the k highest scores (and any tied with the k-th: device-independent, like vLLM)."""
     vocab_size = scores.shape[1]
-    rows = [i for i, inp in enumerate(inputs) if 0 < inp.params.top_k < vocab_size]
+    rows = [i for i, k in enumerate(top_ks) if 0 < k < vocab_size]
     if not rows:
         return
-    ks = [inputs[i].params.top_k for i in rows]
-    sub = scores[rows]
+    ks = [top_ks[i] for i in rows]
+    sub = _rows(scores, rows)
     top_values = sub.topk(max(ks), dim=-1).values  # [R, max_k], descending
     kth = top_values.gather(1, _index(ks, scores.device).unsqueeze(1) - 1)  # [R, 1]
-    scores[rows] = sub.masked_fill(sub < kth, float("-inf"))
+    _mask_rows(scores, rows, sub < kth)
 
 
-def _apply_top_p(scores: torch.Tensor, inputs: list[SamplerInput]) -> None:
-    """Keep the smallest set of highest scores whose probability mass reaches top_p."""
-    rows = [i for i, inp in enumerate(inputs) if inp.params.top_p < 1.0]
+def _apply_top_p(scores: torch.Tensor, top_ps: list[float]) -> None:
+    """Keep the smallest set of highest-probability tokens whose mass reaches top_p.
+
+    The set is looked for among the top _TOP_P_CANDIDATES first; only rows whose candidates hold
+    too little mass sort the whole vocab. Either way a row's cutoff depends on that row alone.
+    """
+    rows = [i for i, p in enumerate(top_ps) if p < 1.0]
     if not rows:
         return
-    sub = scores[rows]
-    sorted_scores = sub.sort(dim=-1, descending=True).values  # [R, vocab]
-    probs = sorted_scores.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    top_p = _row_values(scores, [inputs[i].params.top_p for i in rows])
-    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)  # [R, 1]
-    # Threshold by value, not by sorted position, so ties do not depend on the sort's order.
-    cutoff = sorted_scores.gather(1, num_kept - 1)
-    scores[rows] = sub.masked_fill(sub < cutoff, float("-inf"))
+    probs = _rows(scores, rows).softmax(dim=-1)  # [R, vocab]
+    top_p = _column(scores, [top_ps[i] for i in rows])
+    num_candidates = min(_TOP_P_CANDIDATES, scores.shape[1])
+    candidates = probs.topk(num_candidates, dim=-1).values  # [R, C], descending
+    cutoff = _top_p_cutoff(candidates, top_p)
+    short = candidates.sum(dim=-1) < top_p.squeeze(1)  # mass beyond the candidates is needed
+    if short.any():
+        full = probs[short].sort(dim=-1, descending=True).values
+        cutoff[short] = _top_p_cutoff(full, top_p[short])
+    _mask_rows(scores, rows, probs < cutoff)
 
 
-def _apply_min_p(scores: torch.Tensor, inputs: list[SamplerInput]) -> None:
+def _top_p_cutoff(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The smallest kept probability [R, 1]: token j is kept iff the mass before it is < top_p."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)
+    # by value, not by sorted position, so ties do not depend on the sort's order
+    return sorted_probs.gather(1, num_kept - 1)
+
+
+def _apply_min_p(scores: torch.Tensor, min_ps: list[float]) -> None:
     """Drop tokens with probability < min_p * the top probability, i.e. score < max + log(min_p)."""
-    rows = [i for i, inp in enumerate(inputs) if inp.params.min_p > 0.0]
+    rows = [i for i, p in enumerate(min_ps) if p > 0.0]
     if not rows:
         return
-    sub = scores[rows]
-    log_min_p = _row_values(scores, [inputs[i].params.min_p for i in rows]).log()
+    sub = _rows(scores, rows)
+    log_min_p = _column(scores, [min_ps[i] for i in rows]).log()
     threshold = sub.max(dim=-1, keepdim=True).values + log_min_p
-    scores[rows] = sub.masked_fill(sub < threshold, float("-inf"))
+    _mask_rows(scores, rows, sub < threshold)
+
+
+def _rows(scores: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """scores[rows]: the tensor itself when that is every row, else a copy."""
+    return scores if len(rows) == scores.shape[0] else scores[rows]
+
+
+def _mask_rows(scores: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
+    """In place: scores[rows[j], t] = -inf where mask[j, t]; mask is [len(rows), vocab]."""
+    if len(rows) == scores.shape[0]:
+        scores.masked_fill_(mask, float("-inf"))
+    else:
+        scores[rows] = scores[rows].masked_fill(mask, float("-inf"))
 
 
 # --- counter-based noise --------------------------------------------------------------------------
@@ -266,7 +300,7 @@ def _token_logprobs(
 # --- small helpers --------------------------------------------------------------------------------
 
 
-def _row_values(like: torch.Tensor, values: list[float]) -> torch.Tensor:
+def _column(like: torch.Tensor, values: list[float]) -> torch.Tensor:
     """Per-row parameters as a float32 column [R, 1] on `like`'s device."""
     return torch.tensor(values, dtype=torch.float32, device=like.device).unsqueeze(1)
 

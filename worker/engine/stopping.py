@@ -8,12 +8,12 @@ from shared.messages import SamplingParams
 from shared.status import RequestStatus
 
 # Extra tokens decoded before the stop-string window: a window that starts inside a multi-byte
-# character decodes its first bytes as replacement characters (UTF-8 has at most 3 continuation bytes).
+# character decodes its first bytes as replacement characters (at most 3 continuation bytes).
 _WINDOW_SLACK_TOKENS = 4
 
 
 class StopChecker:
-    """Stateless: the verdict depends only on the arguments, so it survives preemption and resume."""
+    """Stateless: the verdict depends only on the arguments, so it survives preemption/resume."""
 
     def __init__(self, eos_token_ids: list[int], max_model_len: int, tokenizer: Any = None):
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -29,7 +29,8 @@ class StopChecker:
         has min_tokens output tokens (the sampler masks EOS and stop ids until then).
         """
         num_output = len(output_token_ids)
-        if num_output > 0 and num_output >= params.min_tokens and self._is_stop(output_token_ids, params):
+        may_stop = num_output > 0 and num_output >= params.min_tokens
+        if may_stop and self._is_stop(output_token_ids, params):
             return RequestStatus.FINISHED_STOPPED
         if num_output >= params.max_tokens or prompt_len + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -69,7 +70,8 @@ class StopChecker:
         while True:
             window = output_token_ids[-(num_tokens + 1) :]
             before = self._decode(window[:-1])
-            if len(before) >= min_chars + _WINDOW_SLACK_TOKENS or len(window) == len(output_token_ids):
+            enough = len(before) >= min_chars + _WINDOW_SLACK_TOKENS
+            if enough or len(window) == len(output_token_ids):
                 return before, self._decode(window)
             num_tokens *= 2
 

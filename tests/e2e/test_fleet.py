@@ -1,0 +1,137 @@
+"""End to end through real processes: HTTP -> gateway -> Redis stream -> worker -> pub/sub -> SSE,
+on the default model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+import torch
+
+from shared.models import DEFAULT_MODEL, resolve_model_path
+from tests.e2e.procs import Fleet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server, tmp_path_factory):
+    fleet = Fleet(redis_server.url, tmp_path_factory.mktemp("fleet-logs"))
+    try:
+        fleet.start_gateway()
+        fleet.start_worker()
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def chat(url: str, messages, timeout_s: float = 120, **extra) -> dict:
+    body = {"model": DEFAULT_MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, **extra}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_models_lists_the_served_model(fleet):
+    data = httpx.get(f"{fleet.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in data["data"]] == [DEFAULT_MODEL]
+
+
+def test_streamed_chat_completion_answers_sensibly(fleet):
+    body = {"model": DEFAULT_MODEL, "messages": QUESTION, "stream": True, "max_tokens": 30,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{fleet.url}/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert "Paris" in text
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == "stop"
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] > 0 and usage["prompt_tokens"] > 10
+
+
+def test_greedy_output_equals_transformers_generate(fleet):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    answer = chat(fleet.url, messages, max_tokens=40)
+    path = resolve_model_path(DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=40, do_sample=False)
+    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert answer["choices"][0]["message"]["content"] == expected
+    assert answer["usage"]["completion_tokens"] == out.shape[1] - ids.shape[1]
+
+
+def test_bad_json_and_unknown_model_are_openai_shaped_4xx(fleet):
+    bad = httpx.post(f"{fleet.url}/v1/chat/completions", content=b"{not json",
+                     headers={"content-type": "application/json"}, timeout=10)
+    assert bad.status_code == 400
+    assert set(bad.json()["error"]) >= {"message", "type"}
+    unknown = httpx.post(f"{fleet.url}/v1/chat/completions", timeout=10,
+                         json={"model": "no-such-model", "messages": QUESTION})
+    assert unknown.status_code == 404
+    assert "no-such-model" in unknown.json()["error"]["message"]
+
+
+def test_two_workers_share_one_queue(fleet):
+    fleet.start_worker("w-second")
+    client = redis.Redis.from_url(fleet.redis_url)
+    prompts = [[{"role": "user", "content": f"Count from {i} to {i + 20}."}] for i in range(8)]
+    results: list = [None] * len(prompts)
+
+    def run(i):
+        results[i] = chat(fleet.url, prompts[i], max_tokens=48, ignore_eos=True)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert all(r is not None and r["usage"]["completion_tokens"] == 48 for r in results)
+    served_by = {client.hget(f"{fleet.prefix}req:{r['id']}", "worker") for r in results}
+    assert served_by == {b"w0", b"w-second"}
+
+
+def test_a_request_queued_with_no_worker_is_served_when_one_starts(redis_server, tmp_path):
+    fleet = Fleet(redis_server.url, tmp_path)
+    try:
+        fleet.start_gateway()
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(chat(fleet.url, QUESTION)))
+        thread.start()
+        client = redis.Redis.from_url(redis_server.url)
+        deadline = time.monotonic() + 30
+        while client.xlen(f"{fleet.prefix}{DEFAULT_MODEL}:q") == 0:
+            assert time.monotonic() < deadline, "request never reached the stream"
+            time.sleep(0.1)
+        assert not result
+        fleet.start_worker()
+        thread.join(timeout=180)
+        assert "Paris" in result["choices"][0]["message"]["content"]
+    finally:
+        fleet.stop()

@@ -1,0 +1,141 @@
+"""The worker's Redis protocol against a real Redis: fencing, checkpoints, claims, dead letters."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from shared.keys import Keys
+from shared.messages import GenerationRequest, SamplingParams, TokenEvent
+from shared.status import RequestStatus
+from worker.protocol import Publication, WorkerProtocol, decode_tokens, encode_tokens
+
+MODEL = "m"
+
+
+def enqueue(client: redis.Redis, keys: Keys, req_id: str, prompt=(1, 2, 3), priority="interactive"):
+    request = GenerationRequest(req_id, MODEL, list(prompt), SamplingParams(max_tokens=4),
+                                priority=priority)
+    client.hset(keys.request(req_id), mapping={"payload": request.pack(), "attempt": 0})
+    client.xadd(keys.queue(MODEL, priority), {"id": req_id, "payload": request.pack()})
+    return request
+
+
+def make(client, worker_id="w1") -> WorkerProtocol:
+    protocol = WorkerProtocol(client, Keys(), MODEL, worker_id, result_ttl_s=60)
+    protocol.ensure_groups()
+    return protocol
+
+
+def test_checkpoint_encoding_round_trips():
+    tokens = [0, 1, 49151, 2**32 - 1]
+    assert decode_tokens(encode_tokens(tokens)) == tokens
+    assert decode_tokens(encode_tokens([1, 2]) + encode_tokens([3])) == [1, 2, 3]
+
+
+def test_peek_does_not_take_and_read_takes(redis_client):
+    protocol = make(redis_client)
+    enqueue(redis_client, protocol.keys, "a")
+    enqueue(redis_client, protocol.keys, "b")
+    stream, peeked = protocol.peek_next()
+    assert peeked.req_id == "a"
+    assert protocol.peek_next()[1].req_id == "a"  # still there
+    delivery = protocol.read_new(stream, block_ms=None)
+    assert delivery.request.req_id == "a"
+    assert protocol.peek_next()[1].req_id == "b"
+
+
+def test_interactive_is_served_before_batch(redis_client):
+    protocol = make(redis_client)
+    enqueue(redis_client, protocol.keys, "batch-1", priority="batch")
+    enqueue(redis_client, protocol.keys, "chat-1")
+    assert protocol.peek_next()[1].req_id == "chat-1"
+
+
+def test_a_stale_attempt_is_fenced_off(redis_client):
+    keys = Keys()
+    old, new = make(redis_client, "old"), make(redis_client, "new")
+    enqueue(redis_client, keys, "r")
+    delivery = old.read_new(keys.queue(MODEL), None)
+    attempt_old, ckpt = old.start_attempt("r")
+    assert (attempt_old, ckpt) == (1, [])
+    ok = old.publish([Publication("r", attempt_old, TokenEvent(0, attempt_old, [5, 6]), None,
+                                  delivery.stream, delivery.entry_id)])
+    assert ok == [True]
+    attempt_new, ckpt = new.start_attempt("r")  # a claimer resumes from the checkpoint
+    assert (attempt_new, ckpt) == (2, [5, 6])
+    ok = old.publish([Publication("r", attempt_old, TokenEvent(2, attempt_old, [7]), None,
+                                  delivery.stream, delivery.entry_id)])
+    assert ok == [False]
+    assert decode_tokens(redis_client.get(keys.checkpoint("r"))) == [5, 6]
+
+
+def test_final_event_records_status_acks_and_expires(redis_client):
+    keys = Keys()
+    protocol = make(redis_client)
+    enqueue(redis_client, keys, "r")
+    delivery = protocol.read_new(keys.queue(MODEL), None)
+    attempt, _ = protocol.start_attempt("r")
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(keys.tokens("r"))
+    pubsub.get_message(timeout=1)
+    event = TokenEvent(0, attempt, [9], finish_reason="length")
+    assert protocol.publish([Publication("r", attempt, event, RequestStatus.FINISHED_LENGTH,
+                                         delivery.stream, delivery.entry_id)]) == [True]
+    message = pubsub.get_message(timeout=1)
+    assert TokenEvent.unpack(message["data"]).token_ids == [9]
+    assert redis_client.hget(keys.request("r"), "status") == b"finished_length"
+    assert redis_client.xpending(keys.queue(MODEL), keys.group)["pending"] == 0
+    assert 0 < redis_client.ttl(keys.request("r")) <= 60
+    assert 0 < redis_client.ttl(keys.checkpoint("r")) <= 60
+
+
+def test_orphans_are_claimed_only_after_idling(redis_client):
+    keys = Keys()
+    dead, live = make(redis_client, "dead"), make(redis_client, "live")
+    enqueue(redis_client, keys, "r")
+    dead.read_new(keys.queue(MODEL), None)
+    assert live.claim_orphan(min_idle_ms=60_000) is None
+    time.sleep(0.05)
+    delivery = live.claim_orphan(min_idle_ms=10)
+    assert delivery.request.req_id == "r"
+    assert delivery.times_delivered == 2
+    owner = redis_client.xpending_range(keys.queue(MODEL), keys.group, "-", "+", 1)[0]
+    assert owner["consumer"] == b"live"
+
+
+def test_refreshing_pending_entries_keeps_them_from_being_claimed(redis_client):
+    keys = Keys()
+    busy, other = make(redis_client, "busy"), make(redis_client, "other")
+    enqueue(redis_client, keys, "r")
+    delivery = busy.read_new(keys.queue(MODEL), None)
+    time.sleep(0.3)
+    busy.refresh_pending({delivery.stream: [delivery.entry_id]})
+    assert other.claim_orphan(min_idle_ms=200) is None
+
+
+def test_fail_dead_letters_and_tells_the_client(redis_client):
+    keys = Keys()
+    protocol = make(redis_client)
+    enqueue(redis_client, keys, "poison")
+    delivery = protocol.read_new(keys.queue(MODEL), None)
+    attempt, _ = protocol.start_attempt("poison")
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(keys.tokens("poison"))
+    pubsub.get_message(timeout=1)
+    protocol.fail(delivery, attempt, 0, "boom", dead_letter=True)
+    event = TokenEvent.unpack(pubsub.get_message(timeout=1)["data"])
+    assert event.finish_reason == "error" and event.error == "boom"
+    dead = redis_client.xrange(keys.dead_letter(MODEL))
+    assert dead[0][1][b"id"] == b"poison"
+    assert redis_client.xpending(keys.queue(MODEL), keys.group)["pending"] == 0
+
+
+def test_heartbeat_expires(redis_client):
+    protocol = make(redis_client)
+    protocol.heartbeat({"blocks_free": 3}, ttl_s=0.2)
+    key = protocol.keys.worker("w1")
+    assert redis_client.hget(key, "model") == b"m"
+    time.sleep(0.35)
+    assert not redis_client.exists(key)
