@@ -119,3 +119,16 @@ def _float(text: str) -> float:
     if math.isnan(value):
         raise argparse.ArgumentTypeError(f"not a number: {text!r}")
     return value
+
+
+def http_url(text: str) -> str:
+    """An http(s) base URL with a host: 'http://127.0.0.1:8000/' -> 'http://127.0.0.1:8000'."""
+    import httpx
+
+    try:
+        url = httpx.URL(text)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"not a URL: {text!r} ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(f"expected http://HOST[:PORT], got {text!r}")
+    return text.rstrip("/")

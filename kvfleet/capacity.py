@@ -34,6 +34,7 @@ class PlanInputs:
     prefix_prompts: int
     prefix_opening_tokens: int
     prefix_share: float | None  # fraction of prompt tokens served from a cached opening
+    kv_source: str = "--kv-bytes-per-token"  # where kv_bytes_per_token came from
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,8 @@ class Plan:
 
 def make_plan(inputs: PlanInputs) -> Plan:
     memory = plan_memory(inputs)
-    contexts = [fit_context(memory.free_kv_bytes, memory.kv_bytes_per_token, tokens)
-                for tokens, _ in inputs.contexts]
+    contexts = [fit_context(memory.free_kv_bytes, memory.kv_bytes_per_token, tokens, weight)
+                for tokens, weight in inputs.contexts]
     mix = fit_mix(memory, inputs.contexts)
     throughput = plan_throughput(inputs)
     return Plan(memory, contexts, mix, throughput, plan_cost(inputs, throughput),
@@ -135,7 +136,7 @@ def fit_mix(memory: Memory, contexts: tuple[tuple[int, float | None], ...]) -> C
     if any(weight is None for _, weight in contexts):
         return None
     mean_tokens = sum(tokens * weight for tokens, weight in contexts)
-    return fit_context(memory.free_kv_bytes, memory.kv_bytes_per_token, mean_tokens, 1.0)
+    return fit_context(memory.free_kv_bytes, memory.kv_bytes_per_token, mean_tokens)
 
 
 def plan_throughput(inputs: PlanInputs) -> Throughput:
@@ -193,15 +194,21 @@ def prefix_what_if(inputs: PlanInputs) -> PrefixWhatIf:
 def memory_warnings(contexts: list[ContextFit], mix: ContextFit | None,
                     streams_per_gpu: int) -> list[str]:
     """Where memory, not the throughput figure, caps the group size."""
+    fits = contexts + ([mix] if mix else [])
+    none_fit = [_context_label(fit, mix) for fit in fits if fit.conversations_per_gpu == 0]
+    capped = [f"{_context_label(fit, mix)} ({fit.conversations_per_gpu})" for fit in fits
+              if 0 < fit.conversations_per_gpu < streams_per_gpu]
     warnings = []
-    for fit in contexts + ([mix] if mix else []):
-        label = ("conversations of the mix's average length" if fit is mix
-                 else f"conversations of {fit.context_tokens:,.0f} tokens")
-        if fit.conversations_per_gpu == 0:
-            warnings.append(f"no {label} fit in the free KV memory")
-        elif fit.conversations_per_gpu < streams_per_gpu:
-            warnings.append(
-                f"only {fit.conversations_per_gpu} {label} fit, fewer than the "
-                f"{streams_per_gpu} streams behind the per-accelerator rate: at that context "
-                f"memory caps the group, so the rate is optimistic")
+    if none_fit:
+        warnings.append(f"not one conversation fits in the free KV memory at "
+                        f"{', '.join(none_fit)}")
+    if capped:
+        warnings.append(f"memory holds fewer conversations than the {streams_per_gpu} streams "
+                        f"behind the per-accelerator rate at {', '.join(capped)}: there memory "
+                        f"caps the group and that rate is optimistic")
     return warnings
+
+
+def _context_label(fit: ContextFit, mix: ContextFit | None) -> str:
+    prefix = "the mix average of " if fit is mix else ""
+    return f"{prefix}{fit.context_tokens:,.0f} tokens"

@@ -26,6 +26,10 @@ class ModelShape:
     head_dim: int
     num_params_estimate: int | None  # None when the config lacks the sizes to count them
 
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers × {self.num_kv_heads} KV heads × "
+                f"{self.head_dim} head dim")
+
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """K and V, for every layer and KV head: 2 × layers × kv_heads × head_dim × bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
@@ -44,6 +48,8 @@ def load_config(source: str) -> dict:
         path = path / "config.json"
     if path.is_file():
         return _parse_json(path.read_text(encoding="utf-8"), str(path))
+    if path.is_absolute() or source.startswith((".", "~")):
+        raise ModelShapeError(f"no config.json at {source!r}")
     return _auto_config(source)
 
 

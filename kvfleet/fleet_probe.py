@@ -1,0 +1,59 @@
+"""What a benchmark asks the server before it starts: is it reachable, which model does it serve
+(the first id of GET /v1/models), and how many workers does the fleet have (GET /health)."""
+
+from __future__ import annotations
+
+import httpx
+
+# Keys of the /health JSON that may carry the worker count: an int, or a list/dict of workers.
+_WORKER_KEYS = ("num_workers", "workers", "workers_alive", "live_workers")
+
+
+class FleetUnreachable(RuntimeError):
+    """The server did not answer, or answered without what the benchmark needs."""
+
+
+async def list_models(client: httpx.AsyncClient) -> list[str]:
+    """Model ids from GET /v1/models; [] when the server has no such route."""
+    try:
+        response = await client.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise FleetUnreachable(f"cannot reach {client.base_url}: {_reason(exc)}") from None
+    if response.status_code != 200:
+        return []
+    try:
+        return [entry["id"] for entry in response.json().get("data", [])]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+async def resolve_model(client: httpx.AsyncClient, model: str | None) -> str:
+    """The given model, or the server's first; raises if the server is unreachable."""
+    models = await list_models(client)
+    if model:
+        return model
+    if not models:
+        raise FleetUnreachable(f"{client.base_url}/v1/models lists no model; pass --model")
+    return models[0]
+
+
+async def count_workers(client: httpx.AsyncClient) -> int | None:
+    """The fleet's worker count from GET /health, or None when it does not say."""
+    try:
+        response = await client.get("/health")
+        document = response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(document, dict):
+        return None
+    for key in _WORKER_KEYS:
+        value = document.get(key)
+        count = len(value) if isinstance(value, (list, dict)) else value
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            return count
+    return None
+
+
+def _reason(exc: httpx.HTTPError) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

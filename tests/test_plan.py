@@ -1,0 +1,143 @@
+"""`kvfleet plan`: the defaults print the seed's numbers; --from-model derives KV bytes per token
+from a config; bad input ends in a one-line error and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfleet import plan
+
+SMOLLM2_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+    "intermediate_size": 1536, "num_attention_heads": 9, "num_hidden_layers": 30,
+    "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
+}
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert plan.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def conversations_by_context(document: dict) -> dict[int, int]:
+    return {fit["context_tokens"]: fit["conversations_per_gpu"] for fit in document["contexts"]}
+
+
+def test_defaults_reproduce_the_seed_numbers_in_json(capsys):
+    document = run_json(capsys)
+    assert document["memory"]["weights_gb"] == 40
+    assert document["memory"]["free_kv_gb"] == 40
+    assert document["memory"]["kv_bytes_per_token"] == 500_000
+    assert {f["context_tokens"]: f["kv_gb_per_conversation"] for f in document["contexts"]} == {
+        2000: 1, 8000: 4, 16000: 8}
+    assert conversations_by_context(document) == {2000: 40, 8000: 10, 16000: 5}
+    assert document["throughput"]["tokens_per_s_per_stream"] == 62.5
+    assert document["throughput"]["gpus_needed"] == 1447
+    assert document["cost"] is None
+
+
+def test_default_table_shows_the_seed_numbers(capsys):
+    assert plan.main([]) == 0
+    table = capsys.readouterr().out
+    assert "= 40 GB" in table  # weights
+    assert "80 GB - 40 GB = 40 GB" in table  # free for KV
+    rows = {line.split()[0]: line.split() for line in table.splitlines()
+            if line.strip()[:1].isdigit()}
+    assert rows["2,000"][-2:] == ["GB", "40"] and rows["2,000"][1] == "1"
+    assert rows["8,000"][1:] == ["4", "GB", "10"]
+    assert rows["16,000"][1:] == ["8", "GB", "5"]
+    assert "= 62.5 tokens/s" in table
+    assert "accelerators needed   1,447" in table
+    assert "2,000,000 -> 2,000 prefill token computations" in table
+    assert "live KV per conversation is unchanged" in table
+
+
+def test_smaller_kv_dtype_doubles_conversations(capsys):
+    document = run_json(capsys)
+    what_if = document["kv_dtype_what_ifs"][0]
+    assert what_if["kv_dtype"] == "fp8/int8" and what_if["capacity_factor"] == 2
+    assert [f["conversations_per_gpu"] for f in what_if["contexts"]] == [80, 20, 10]
+    fp8 = run_json(capsys, "--kv-dtype", "fp8", "--context", "8000")
+    assert fp8["memory"]["kv_bytes_per_token"] == 250_000
+    assert conversations_by_context(fp8) == {8000: 20}
+    assert fp8["kv_dtype_what_ifs"] == []
+
+
+def test_cost_and_context_mix(capsys):
+    document = run_json(capsys, "--cost-per-hour", "2.5",
+                        "--context-mix", "2000:0.5,8000:0.4,16000:0.1")
+    cost = document["cost"]
+    assert cost["fleet_cost_per_hour"] == pytest.approx(1447 * 2.5)
+    assert cost["cost_per_million_tokens_full_gpu"] == pytest.approx(2.5 / (2000 * 3600) * 1e6)
+    assert cost["cost_per_million_tokens_fleet"] == pytest.approx(
+        1447 * 2.5 / (2893519 * 3600) * 1e6)
+    assert document["mix"]["context_tokens"] == pytest.approx(5800)
+    assert document["mix"]["conversations_per_gpu"] == 13  # 40 GB / 2.9 GB
+    assert [f["mix_weight"] for f in document["contexts"]] == pytest.approx([0.5, 0.4, 0.1])
+
+
+def test_prefix_caching_what_if_follows_the_seed(capsys):
+    prefix = run_json(capsys, "--prefix-share", "0.25")["prefix_what_if"]
+    assert prefix["computations_without_cache"] == 2_000_000
+    assert prefix["computations_with_cache"] == 2_000
+    assert prefix["prefill_fraction_left"] == pytest.approx(0.75)
+    assert prefix["live_kv_unchanged"] is True
+
+
+def test_from_model_derives_kv_bytes_and_params(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    fp32 = run_json(capsys, "--from-model", str(tmp_path), "--kv-dtype", "fp32")
+    assert fp32["memory"]["kv_bytes_per_token"] == 46_080
+    bf16 = run_json(capsys, "--from-model", str(tmp_path / "config.json"))
+    assert bf16["memory"]["kv_bytes_per_token"] == 23_040
+    assert bf16["inputs"]["num_params"] == pytest.approx(134.5e6, rel=0.01)
+    explicit = run_json(capsys, "--from-model", json.dumps(SMOLLM2_CONFIG), "--params", "1B")
+    assert explicit["memory"]["weights_bytes"] == 2_000_000_000
+
+
+def test_from_model_infers_kv_heads_and_head_dim(capsys):
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}
+    document = run_json(capsys, "--from-model", json.dumps(config), "--params", "1e6")
+    assert document["memory"]["kv_bytes_per_token"] == 2 * 2 * 4 * 64 * 2
+
+
+def test_weights_that_do_not_fit_exit_2_with_a_message(capsys):
+    assert plan.main(["--params", "60e9"]) == 2
+    captured = capsys.readouterr()
+    assert "weights do not fit: 120 GB of weights > 80 GB" in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gpu-memory", "lots"], ["--params", "-3"], ["--streams", "0"],
+    ["--context-mix", "2000"], ["--prefix-share", "1.5"], ["--kv-dtype", "fp4"],
+    ["--context", "8000", "--context-mix", "8000:1"],
+])
+def test_bad_flag_values_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make_source, message", [
+    (lambda tmp: str(tmp / "missing"), "no config.json"),
+    (lambda tmp: (tmp / "bad.json").write_text("{not json") and str(tmp / "bad.json"),
+     "not valid JSON"),
+    (lambda tmp: json.dumps({"vocab_size": 10}), "no layer/attention-head counts"),
+])
+def test_bad_model_configs_exit_2(tmp_path, capsys, make_source, message):
+    assert plan.main(["--from-model", make_source(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_add_arguments_wires_into_a_subcommand(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kvfleet")
+    plan.add_arguments(parser.add_subparsers(dest="command").add_parser("plan"))
+    assert plan.run(parser.parse_args(["plan", "--json", "--context", "2000"])) == 0
+    assert conversations_by_context(json.loads(capsys.readouterr().out)) == {2000: 40}
