@@ -63,7 +63,7 @@ class WorkerService:
         while not stop.is_set():
             try:
                 if self._pubsub is None:
-                    self._connect()
+                    self.connect()
                 self.run_once()
                 backoff_s = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -74,7 +74,7 @@ class WorkerService:
         self._shutdown()
         beat.join(timeout=2)
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
         self.protocol.ensure_groups()
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(self.protocol.keys.cancel())
@@ -190,9 +190,6 @@ class WorkerService:
             self.protocol.fail(delivery, attempt, seq, "request deadline passed before a worker "
                                "could start it")
             return
-        if seq and self._already_finished(request, checkpoint):
-            self._finish_from_checkpoint(delivery, attempt, checkpoint)
-            return
         try:
             self.engine.add_request(req_id, request.prompt_token_ids, request.params,
                                     output_token_ids=checkpoint or None)
@@ -200,18 +197,6 @@ class WorkerService:
             self.protocol.fail(delivery, attempt, seq, str(exc))
             return
         self.inflight[req_id] = Inflight(delivery, attempt)
-
-    def _already_finished(self, request, checkpoint: list[int]) -> bool:
-        """The previous attempt recorded the last token but died before its final event."""
-        return len(checkpoint) >= request.params.max_tokens
-
-    def _finish_from_checkpoint(self, delivery: Delivery, attempt: int, checkpoint: list[int]):
-        request = delivery.request
-        event = TokenEvent(seq=len(checkpoint), attempt=attempt, finish_reason="length",
-                           usage=Usage(len(request.prompt_token_ids), len(checkpoint)))
-        self.protocol.publish([Publication(request.req_id, attempt, event,
-                                           RequestStatus.FINISHED_LENGTH, delivery.stream,
-                                           delivery.entry_id)])
 
     # ---- publishing ------------------------------------------------------------------------
 
@@ -236,7 +221,7 @@ class WorkerService:
             finish_reason=output.finish_reason,
             usage=Usage(output.num_prompt_tokens, output.num_output_tokens,
                         output.num_cached_tokens) if final else None,
-            error="the worker failed while generating" if output.finish_reason == "error" else None,
+            error=(output.error or "the worker failed") if output.finish_reason == "error" else None,
         )
         status = _STATUS_OF_REASON[output.finish_reason] if final else None
         return Publication(output.req_id, inflight.attempt, event, status,

@@ -1,0 +1,200 @@
+"""The worker service loop on a tiny engine and a real Redis: serving, crash-resume with fencing,
+cancellation, deadlines, poison requests and pull-only-when-room."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from shared.keys import Keys
+from shared.messages import GenerationRequest, SamplingParams, TokenEvent
+from shared.settings import WorkerSettings
+from tests.engine.tiny_models import TinyModel, random_prompt
+from worker.protocol import WorkerProtocol, decode_tokens
+from worker.service import WorkerService
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TinyModel:
+    return TinyModel("llama")
+
+
+class Client:
+    """What a gateway does, reduced to the protocol: enqueue, listen, dedupe by seq/attempt."""
+
+    def __init__(self, redis_client: redis.Redis, keys: Keys):
+        self.redis = redis_client
+        self.keys = keys
+        self.pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+        self.events: dict[str, list[TokenEvent]] = {}
+
+    def send(self, prompt, params: SamplingParams, deadline: float | None = None) -> str:
+        req_id = f"r-{uuid.uuid4().hex[:8]}"
+        self.pubsub.subscribe(self.keys.tokens(req_id))
+        request = GenerationRequest(req_id, MODEL, prompt, params, deadline=deadline)
+        self.redis.hset(self.keys.request(req_id), mapping={"payload": request.pack(), "attempt": 0})
+        self.redis.xadd(self.keys.queue(MODEL), {"id": req_id, "payload": request.pack()})
+        self.events[req_id] = []
+        return req_id
+
+    def drain(self) -> None:
+        while (message := self.pubsub.get_message(timeout=0.01)) is not None:
+            req_id = message["channel"].decode().rsplit(":", 1)[1]
+            self.events[req_id].append(TokenEvent.unpack(message["data"]))
+
+    def final(self, req_id: str) -> TokenEvent | None:
+        self.drain()
+        return next((e for e in self.events[req_id] if e.is_final), None)
+
+    def text(self, req_id: str) -> list[int]:
+        """Tokens as a client sees them: stale attempts dropped, repeats dropped, gaps fail."""
+        tokens: list[int] = []
+        attempt = 0
+        for event in self.events[req_id]:
+            if event.attempt < attempt:
+                continue
+            attempt = event.attempt
+            for i, token in enumerate(event.token_ids):
+                index = event.seq + i
+                assert index <= len(tokens), f"gap before token {index}"
+                if index == len(tokens):
+                    tokens.append(token)
+        return tokens
+
+
+def make_service(redis_url: str, tiny: TinyModel, worker_id: str, **settings) -> WorkerService:
+    settings = WorkerSettings(redis_url=redis_url, model=MODEL, worker_id=worker_id,
+                              heartbeat_ttl_s=settings.pop("heartbeat_ttl_s", 0.3),
+                              heartbeat_interval_s=0.05, read_block_ms=10, **settings)
+    client = redis.Redis.from_url(redis_url)
+    protocol = WorkerProtocol(client, Keys(), MODEL, worker_id, result_ttl_s=60)
+    engine = tiny.engine(num_blocks=64, block_size=4)
+    service = WorkerService(settings, engine, client, protocol)
+    service.connect()
+    return service
+
+
+def run_until(service: WorkerService, done, max_iterations: int = 2000) -> None:
+    for _ in range(max_iterations):
+        if done():
+            return
+        service.run_once()
+    raise AssertionError("condition not reached")
+
+
+@pytest.fixture
+def client(redis_client) -> Client:
+    return Client(redis_client, Keys())
+
+
+def test_serves_a_request_token_for_token_like_generate(redis_url, client, tiny):
+    worker = make_service(redis_url, tiny, "w1")
+    prompt = random_prompt(11, seed=1)
+    req_id = client.send(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    run_until(worker, lambda: client.final(req_id))
+    final = client.final(req_id)
+    assert final.finish_reason == "length" and final.usage.completion_tokens == 12
+    assert client.text(req_id) == tiny.reference(prompt, 12)
+    assert decode_tokens(client.redis.get(Keys().checkpoint(req_id))) == tiny.reference(prompt, 12)
+    assert client.redis.xpending(Keys().queue(MODEL), Keys().group)["pending"] == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_dead_workers_request_resumes_elsewhere_without_gap_or_repeat(redis_url, client, tiny,
+                                                                        temperature):
+    prompt = random_prompt(9, seed=2)
+    params = SamplingParams(max_tokens=20, temperature=temperature, seed=7, ignore_eos=True)
+    reference_worker = make_service(redis_url, tiny, "ref")
+    ref_id = client.send(prompt, params)
+    run_until(reference_worker, lambda: client.final(ref_id))
+    expected = client.text(ref_id)
+
+    dying = make_service(redis_url, tiny, "dying")
+    req_id = client.send(prompt, params)
+    run_until(dying, lambda: (client.drain(), len(client.text(req_id)) >= 6)[1])
+    # `dying` stops here without a word: no heartbeat, its stream entry goes idle.
+    time.sleep(0.4)
+    rescuer = make_service(redis_url, tiny, "rescuer")
+    run_until(rescuer, lambda: client.final(req_id))
+    assert client.text(req_id) == expected
+    assert max(e.attempt for e in client.events[req_id]) == 2
+    assert client.redis.hget(Keys().request(req_id), "worker") == b"rescuer"
+
+    # The old worker wakes up: its next publish is fenced off and it drops the request.
+    start_free = dying.engine.stats().num_blocks_total
+    dying.run_once()
+    dying.run_once()
+    assert req_id not in dying.inflight
+    assert not dying.engine.has_unfinished()
+    assert dying.engine.stats().num_blocks_free == start_free
+    assert client.text(req_id) == expected
+
+
+def test_cancel_aborts_within_a_step_and_frees_blocks(redis_url, client, tiny):
+    worker = make_service(redis_url, tiny, "w1")
+    start_free = worker.engine.stats().num_blocks_free
+    req_id = client.send(random_prompt(8, seed=3),
+                         SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    run_until(worker, lambda: (client.drain(), len(client.text(req_id)) >= 3)[1])
+    assert worker.engine.stats().num_blocks_free < start_free
+    client.redis.publish(Keys().cancel(), req_id)
+    time.sleep(0.05)
+    worker.run_once()
+    final = client.final(req_id)
+    assert final is not None and final.finish_reason == "abort"
+    assert worker.engine.stats().num_blocks_free == start_free
+    assert client.redis.hget(Keys().request(req_id), "status") == b"finished_aborted"
+
+
+def test_a_request_past_its_deadline_is_skipped_not_computed(redis_url, client, tiny):
+    worker = make_service(redis_url, tiny, "w1")
+    req_id = client.send(random_prompt(5, seed=4), SamplingParams(max_tokens=5),
+                         deadline=time.time() - 1)
+    run_until(worker, lambda: client.final(req_id))
+    final = client.final(req_id)
+    assert final.finish_reason == "error" and "deadline" in final.error
+    assert worker.engine.stats().num_generated_tokens == 0
+
+
+def test_a_poison_request_goes_to_the_dead_letter_stream(redis_url, client, tiny):
+    keys = Keys()
+    req_id = client.send(random_prompt(5, seed=5), SamplingParams(max_tokens=50, temperature=0))
+    for name in ("crash-1", "crash-2"):  # two workers take it and die without a trace
+        crasher = make_service(redis_url, tiny, name, max_deliveries=2)
+        if name == "crash-1":
+            crasher.run_once()
+        else:
+            time.sleep(0.4)
+            crasher._claim_orphans()
+        assert req_id in crasher.inflight
+    time.sleep(0.4)
+    survivor = make_service(redis_url, tiny, "survivor", max_deliveries=2)
+    run_until(survivor, lambda: client.final(req_id))
+    final = client.final(req_id)
+    assert final.finish_reason == "error" and "dead-letter" in final.error
+    dead = client.redis.xrange(keys.dead_letter(MODEL))
+    assert [entry[1][b"id"].decode() for entry in dead] == [req_id]
+    assert not survivor.engine.has_unfinished()
+
+
+def test_work_that_does_not_fit_stays_in_the_stream(redis_url, client, tiny):
+    keys = Keys()
+    worker = make_service(redis_url, tiny, "w1")
+    # 64 blocks of 4 tokens: the first request fills most of the pool, the second can't be admitted.
+    big = client.send(random_prompt(200, seed=6),
+                      SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    run_until(worker, lambda: big in worker.inflight and worker.engine.stats().num_running == 1)
+    worker.run_once()
+    other = client.send(random_prompt(120, seed=7), SamplingParams(max_tokens=4, temperature=0))
+    worker.run_once()
+    assert other not in worker.inflight
+    group = client.redis.xinfo_groups(keys.queue(MODEL))[0]
+    assert group["lag"] == 1  # still undelivered: any worker with room may take it
+    run_until(worker, lambda: client.final(big))
+    run_until(worker, lambda: client.final(other))
+    assert client.final(other).finish_reason in ("stop", "length")
