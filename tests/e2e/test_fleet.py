@@ -13,7 +13,7 @@ import redis
 import torch
 
 from shared.models import DEFAULT_MODEL, resolve_model_path
-from tests.e2e.procs import Fleet
+from kvfleet.procs import Fleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""Real gateway and worker processes for end-to-end tests."""
+"""Real gateway and worker processes on one Redis, for end-to-end tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class Fleet:
         self.log_dir = log_dir
         self.worker_flags = worker_flags or ["--kv-memory", "256MiB", "--num-threads", "1"]
         self.gateway: Proc | None = None
-        self.workers: list[Proc] = []
+        self.workers: dict[str, Proc] = {}  # by worker id
 
     @property
     def env(self) -> dict[str, str]:
@@ -70,7 +70,7 @@ class Fleet:
         worker_id = worker_id or f"w{len(self.workers)}"
         proc = Proc(["worker", "--worker-id", worker_id, *self.worker_flags], self.env,
                     self.log_dir, worker_id)
-        self.workers.append(proc)
+        self.workers[worker_id] = proc
         if wait:
             import redis
 
@@ -93,6 +93,6 @@ class Fleet:
         raise RuntimeError(f"not ready after {timeout_s} s:\n{proc.log_text()[-4000:]}")
 
     def stop(self) -> None:
-        for proc in [*self.workers, self.gateway]:
+        for proc in [*self.workers.values(), self.gateway]:
             if proc is not None:
                 proc.stop()

@@ -1,0 +1,103 @@
+"""Chaos: SIGKILL the worker serving streamed requests mid-answer; every client's stream continues
+on the other worker with exactly the text an uninterrupted run gives — no gap, no repeat."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from shared.models import DEFAULT_MODEL
+from kvfleet.procs import Fleet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MAX_TOKENS = 150
+TOPICS = ["rivers", "mountains", "bread", "trains", "music", "chess", "the sea", "bees",
+          "clocks", "libraries", "volcanoes", "bridges"]
+
+
+def request_body(i: int) -> dict:
+    body = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"Write a long story about {TOPICS[i]}."}]}
+    if i < 8:
+        body["temperature"] = 0
+    else:  # seeded sampling must resume the same random stream
+        body.update(temperature=0.8, top_p=0.95, seed=1000 + i)
+    return body
+
+
+def stream_text(url: str, body: dict, record: dict) -> None:
+    """Stream one completion; record its text, chunk arrival times and id."""
+    pieces, times = [], []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            record.setdefault("id", chunk["id"])
+            for choice in chunk["choices"]:
+                if choice["delta"].get("content"):
+                    pieces.append(choice["delta"]["content"])
+                    times.append(time.monotonic())
+                if choice.get("finish_reason"):
+                    record["finish_reason"] = choice["finish_reason"]
+    record["text"] = "".join(pieces)
+    record["times"] = times
+
+
+def run_all(url: str, on_started=None) -> list[dict]:
+    records = [dict() for _ in TOPICS]
+    threads = [threading.Thread(target=stream_text, args=(url, request_body(i), records[i]))
+               for i in range(len(TOPICS))]
+    for thread in threads:
+        thread.start()
+    if on_started:
+        on_started(records)
+    for thread in threads:
+        thread.join(timeout=900)
+    return records
+
+
+def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_server, tmp_path):
+    fleet = Fleet(redis_server.url, tmp_path,
+                  worker_flags=["--kv-memory", "256MiB", "--num-threads", "1",
+                                "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"])
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        fleet.start_gateway()
+        victim = fleet.start_worker("victim")
+        reference = run_all(fleet.url)  # uninterrupted, all on one worker
+        assert all(r["finish_reason"] == "length" for r in reference)
+        fleet.start_worker("rescuer")
+
+        def kill_when_streaming(records):
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                ids = [r.get("id") for r in records]
+                if all(ids):
+                    owners = [client.hget(f"{fleet.prefix}req:{i}", "worker") for i in ids]
+                    progress = [client.strlen(f"{fleet.prefix}req:{i}:ckpt") // 4 for i in ids]
+                    if b"victim" in owners and min(progress) >= 10:
+                        victim.kill()  # SIGKILL
+                        return
+                time.sleep(0.05)
+            raise AssertionError("the victim never served the requests")
+
+        # The rescuer may take some requests first; the victim takes the rest.
+        records = run_all(fleet.url, on_started=kill_when_streaming)
+        assert victim.popen.returncode == -9
+        for got, want in zip(records, reference):
+            assert got["finish_reason"] == "length"
+            assert got["text"] == want["text"]
+        resumed = [r for r in records
+                   if client.hget(f"{fleet.prefix}req:{r['id']}", "attempt") not in (b"1", None)]
+        assert resumed, "no request was resumed by the rescuer"
+    finally:
+        fleet.stop()
