@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.kvfleet-installed
 
-.PHONY: setup up test test-fast bench clean
+.PHONY: setup up test test-fast browser clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,13 @@ $(STAMP): pyproject.toml Makefile
 up: setup
 	$(VENV)/bin/kvfleet up $(ARGS)
 
-test: setup
+# The dashboard test loads the page in a real headless browser: Debian's chromium.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo -n ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: setup browser
 	$(PY) -m pytest $(ARGS)
 
 test-fast: setup

@@ -198,3 +198,42 @@ def test_work_that_does_not_fit_stays_in_the_stream(redis_url, client, tiny):
     run_until(worker, lambda: client.final(big))
     run_until(worker, lambda: client.final(other))
     assert client.final(other).finish_reason in ("stop", "length")
+
+
+def test_the_worker_survives_a_redis_restart(tiny, tmp_path):
+    import threading
+
+    from shared.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    stop = threading.Event()
+    service = make_service(server.url, tiny, "phoenix")
+    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        keys = Keys()
+        redis_client = redis.Redis.from_url(server.url)
+        deadline = time.monotonic() + 10
+        while not redis_client.exists(keys.worker("phoenix")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.stop()
+        time.sleep(1.0)  # the worker backs off meanwhile
+        server = EmbeddedRedis(port=server.port).start()
+        client = Client(redis.Redis.from_url(server.url), keys)
+        prompt = random_prompt(7, seed=8)
+        deadline = time.monotonic() + 20
+        while not client.redis.exists(keys.worker("phoenix")):  # heartbeat is back
+            assert time.monotonic() < deadline, "worker did not reconnect"
+            time.sleep(0.05)
+        req_id = client.send(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        deadline = time.monotonic() + 20
+        while client.final(req_id) is None:
+            assert time.monotonic() < deadline, "request not served after the restart"
+            time.sleep(0.05)
+        assert client.text(req_id) == tiny.reference(prompt, 6)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        server.stop()
+    assert not thread.is_alive()
