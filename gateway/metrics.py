@@ -1,0 +1,251 @@
+"""Prometheus metrics of one gateway process: latency as clients see it (TTFT, inter-token
+latency, end to end), tokens and requests by outcome, on a registry of its own, plus `/metrics`.
+
+Names start with `kvfleet_gateway_`; every series carries the served `model` label.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder, generate_latest
+
+# Buckets suited to LLM serving (seconds). TTFT: 5 ms (cached prompt, idle fleet) .. 2 min (queued).
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+                  3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
+# Inter-token latency: 1 ms .. 10 s per token; a reader needs ~50 ms (20 tokens/s).
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0,
+                 120.0, 180.0, 300.0, 600.0)
+# Paths whose answers count as requests, and their `endpoint` label.
+GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+# Pace of one stream after its first token, tokens/s (the seed's "tokens/s per stream").
+PACE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 75.0, 100.0, 150.0,
+                200.0, 300.0, 500.0, 1000.0)
+
+
+class RecentValues:
+    """The last `max_count` values observed within `window_s`, for quantiles a dashboard shows."""
+
+    def __init__(self, max_count: int, window_s: float, clock: Callable[[], float]):
+        self.window_s = window_s
+        self._clock = clock
+        self._values: deque[tuple[float, float]] = deque(maxlen=max_count)  # (time, value)
+        self._lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        with self._lock:
+            self._values.append((self._clock(), value))
+
+    def snapshot(self) -> list[float]:
+        horizon = self._clock() - self.window_s
+        with self._lock:
+            while self._values and self._values[0][0] < horizon:
+                self._values.popleft()
+            return [v for _, v in self._values]
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated quantile (numpy's default method); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+class GatewayMetrics:
+    """Client-side latency and traffic of one gateway; one instance per app."""
+
+    def __init__(self, model: str, *, recent_ttft_count: int = 1000,
+                 recent_ttft_window_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._clock = clock
+        self._recent_ttft = RecentValues(recent_ttft_count, recent_ttft_window_s, clock)
+        p = "kvfleet_gateway_"
+        labels = {"model": model}
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "Request received -> first output token sent.",
+            ["model"], buckets=TTFT_BUCKETS_S, registry=self.registry).labels(**labels)
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds", "Gap between consecutive output tokens of a stream "
+            "(a chunk of n tokens counts n gaps of gap/n).", ["model"], buckets=ITL_BUCKETS_S,
+            registry=self.registry).labels(**labels)
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds", "Request received -> last byte of the response.",
+            ["model"], buckets=E2E_BUCKETS_S, registry=self.registry).labels(**labels)
+        self.pace = Histogram(
+            p + "stream_tokens_per_second", "Output tokens/s of one stream after its first token.",
+            ["model"], buckets=PACE_BUCKETS, registry=self.registry).labels(**labels)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.",
+                                     ["model"], registry=self.registry).labels(**labels)
+        self.output_tokens = Counter(p + "output_tokens", "Output tokens of finished requests.",
+                                     ["model"], registry=self.registry).labels(**labels)
+        self.requests = Counter(
+            p + "requests", "Requests by endpoint and outcome: a finish reason (stop, length, "
+            "abort, error) or the HTTP status of a rejected request (400, 429, 503 ...).",
+            ["model", "endpoint", "outcome"], registry=self.registry)
+        self.in_flight = Gauge(p + "requests_in_flight", "Requests being answered right now.",
+                               ["model"], registry=self.registry).labels(**labels)
+
+    # ---- what the request handlers call --------------------------------------------------
+
+    def request_started(self, endpoint: str) -> None:
+        """A request was accepted for generation (pair with exactly one `request_finished`)."""
+        del endpoint  # in-flight is counted per model; the endpoint matters at the finish
+        self.in_flight.inc()
+
+    def first_token(self, elapsed_s: float) -> None:
+        """The first output token reached the client `elapsed_s` after the request arrived."""
+        self.ttft.observe(elapsed_s)
+        self._recent_ttft.add(elapsed_s)
+
+    def tokens(self, n: int, gap_s: float) -> None:
+        """`n` more tokens arrived `gap_s` after the previous ones (not for the first chunk)."""
+        if n <= 0:
+            return
+        per_token_s = gap_s / n
+        for _ in range(n):
+            self.itl.observe(per_token_s)
+
+    def request_finished(self, endpoint: str, outcome: str, prompt_tokens: int,
+                         completion_tokens: int, e2e_s: float,
+                         ttft_s: float | None = None) -> None:
+        """A started request ended; `outcome` is the finish reason, `error`, or `abort` (client
+        gone). With `ttft_s`, the stream's pace after its first token is observed too."""
+        self.in_flight.dec()
+        self.requests.labels(model=self.model, endpoint=endpoint, outcome=outcome).inc()
+        self.prompt_tokens.inc(max(prompt_tokens, 0))
+        self.output_tokens.inc(max(completion_tokens, 0))
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None and completion_tokens > 1 and e2e_s > ttft_s:
+            self.pace.observe((completion_tokens - 1) / (e2e_s - ttft_s))
+
+    def request_rejected(self, endpoint: str, status_code: int) -> None:
+        """A request answered with an error status instead of a generation (400, 413, 429,
+        503 ...); `RejectionCounter` calls this for every such answer."""
+        self.requests.labels(model=self.model, endpoint=endpoint, outcome=str(status_code)).inc()
+
+    def track(self, endpoint: str) -> RequestTracker:
+        """A per-request helper that takes the times itself; calls `request_started` now."""
+        return RequestTracker(self, endpoint, self._clock)
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def ttft_quantiles(self) -> tuple[float | None, float | None]:
+        """(p50, p99) of the recent TTFTs (last `recent_ttft_count` within the window), or Nones."""
+        values = self._recent_ttft.snapshot()
+        return quantile(values, 0.5), quantile(values, 0.99)
+
+    def requests_in_flight(self) -> int:
+        value = self.registry.get_sample_value("kvfleet_gateway_requests_in_flight",
+                                               {"model": self.model})
+        return int(value or 0)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (format 0.0.4) of this gateway's registry."""
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Times one request: TTFT at its first tokens, ITL between later ones, E2E at the finish.
+
+    `finish` and `discard` are idempotent and exclusive (the first call wins), so a handler may
+    call `finish("abort")` from a `finally` as a fallback after a normal finish.
+    """
+
+    def __init__(self, metrics: GatewayMetrics, endpoint: str, clock: Callable[[], float]):
+        self._metrics = metrics
+        self._clock = clock
+        self.endpoint = endpoint
+        self.started_at = clock()
+        self._last_token_at: float | None = None
+        self.ttft_s: float | None = None
+        self.finished = False
+        metrics.request_started(endpoint)
+
+    def on_tokens(self, n: int) -> None:
+        """`n` output tokens were sent to the client just now."""
+        if n <= 0:
+            return
+        now = self._clock()
+        if self._last_token_at is None:
+            self.ttft_s = now - self.started_at
+            self._metrics.first_token(self.ttft_s)
+        else:
+            self._metrics.tokens(n, now - self._last_token_at)
+        self._last_token_at = now
+
+    def finish(self, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """The response ended with `outcome` (finish reason, `error`, or `abort`)."""
+        if self.finished:
+            return
+        self.finished = True
+        self._metrics.request_finished(self.endpoint, outcome, prompt_tokens, completion_tokens,
+                                       self._clock() - self.started_at, self.ttft_s)
+
+    def discard(self) -> None:
+        """The handler raised instead of answering: leave in-flight, count nothing here (the
+        error status is counted by `RejectionCounter`)."""
+        if self.finished:
+            return
+        self.finished = True
+        self._metrics.in_flight.dec()
+
+
+class RejectionCounter:
+    """ASGI middleware: every 4xx/5xx answer of a generation endpoint counts as a request with
+    its status as the outcome, including those refused before any handler ran (invalid JSON,
+    body too large). Answers with status 200 are counted by the handlers' `RequestTracker`."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics,
+                 endpoints: Mapping[str, str] = GENERATION_ENDPOINTS):
+        self.app = app
+        self.metrics = metrics
+        self.endpoints = dict(endpoints)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        endpoint = self.endpoints.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        status_sent = False
+
+        async def send_counting(message: dict) -> None:
+            nonlocal status_sent
+            if message["type"] == "http.response.start":
+                status_sent = True
+                if message["status"] >= 400:
+                    self.metrics.request_rejected(endpoint, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        except Exception:
+            if not status_sent:  # Starlette's outer error middleware will answer 500
+                self.metrics.request_rejected(endpoint, 500)
+            raise
+
+
+def metrics_route(metrics: GatewayMetrics) -> APIRouter:
+    """`GET /metrics`: the exposition in the format the scraper asks for (text 0.0.4 by default,
+    OpenMetrics when its Accept header says so)."""
+    router = APIRouter()
+
+    @router.get("/metrics", include_in_schema=False)
+    async def get_metrics(request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(metrics.registry), media_type=content_type)
+
+    return router

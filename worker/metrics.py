@@ -1,0 +1,257 @@
+"""Prometheus metrics of one worker: what its engine did each step, on a registry of its own.
+
+The service loop calls `request_started` when it admits a request and `step_done` after every
+engine step; a Prometheus server scrapes `serve()`'s endpoint (or the loop reads `render()`).
+Names start with `kvfleet_worker_`; every series carries `model` and `worker` labels.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
+                               start_http_server)
+
+# Queue wait: from the gateway's XADD to this worker's admission; 1 ms .. 10 min.
+QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                        30.0, 60.0, 120.0, 300.0, 600.0)
+# One engine step (one forward over the batch): sub-millisecond on a tiny model .. seconds on CPU.
+STEP_TIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                       0.5, 1.0, 2.5, 5.0, 10.0)
+LABELS = ("model", "worker")
+
+
+class StepOutput(Protocol):
+    """What the metrics read of `worker.engine.engine.RequestOutput`."""
+
+    new_token_ids: list[int]
+    finish_reason: str | None
+
+
+class StepStats(Protocol):
+    """What the metrics read of `worker.engine.engine.EngineStats` (counts are cumulative)."""
+
+    num_blocks_total: int
+    num_blocks_free: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_cached_blocks: int
+    num_prefill_tokens_computed: int
+
+
+class TokenRate:
+    """Output tokens/s over a sliding window, decaying to 0 when the worker goes idle.
+
+    The rate is read at scrape time, so an idle worker (no steps, no `step_done` calls) reads 0
+    once its last tokens leave the window rather than the rate of its last busy step.
+    """
+
+    def __init__(self, window_s: float, clock: Callable[[], float]):
+        self.window_s = window_s
+        self._clock = clock
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, tokens)
+        self._started_at: float | None = None  # when the first observed step began
+        self._lock = threading.Lock()  # the scrape thread reads while the loop appends
+
+    def add(self, num_tokens: int, step_time_s: float) -> None:
+        now = self._clock()
+        with self._lock:
+            if self._started_at is None:
+                self._started_at = now - step_time_s
+            if num_tokens:
+                self._samples.append((now, num_tokens))
+            self._expire(now)
+
+    def per_s(self) -> float:
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            if self._started_at is None:
+                return 0.0
+            # A young worker divides by the time it has existed, not by the whole window.
+            span_s = min(self.window_s, now - self._started_at)
+            if span_s <= 0:
+                return 0.0
+            return sum(n for _, n in self._samples) / span_s
+
+    def _expire(self, now: float) -> None:
+        while self._samples and self._samples[0][0] <= now - self.window_s:
+            self._samples.popleft()
+
+
+class CumulativeDelta:
+    """Turns a cumulative engine count into counter increments (a restarted engine starts over)."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def step(self, value: int) -> int:
+        delta = value - self._last if value >= self._last else value
+        self._last = value
+        return delta
+
+
+class WorkerMetrics:
+    """Counters, gauges and histograms of one worker serving one model."""
+
+    def __init__(self, worker_id: str, model: str, cost_per_hour: float | None = None, *,
+                 rate_window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.worker_id = worker_id
+        self.model = model
+        self.cost_per_hour = cost_per_hour
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._rate = TokenRate(rate_window_s, clock)
+        self._preemptions = CumulativeDelta()
+        self._prefill = CumulativeDelta()
+        self._queried = CumulativeDelta()
+        self._hits = CumulativeDelta()
+        self._server = None
+        self._build_counters()
+        self._build_gauges()
+        self._build_histograms()
+
+    # ---- metric definitions --------------------------------------------------------------
+
+    def _labels(self) -> dict[str, str]:
+        return {"model": self.model, "worker": self.worker_id}
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, LABELS, registry=self.registry).labels(**self._labels())
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, LABELS, registry=self.registry).labels(**self._labels())
+
+    def _build_counters(self) -> None:
+        p = "kvfleet_worker_"
+        self.requests_started = self._counter(
+            p + "requests_started", "Requests admitted into the engine (new or resumed).")
+        self._finished = Counter(p + "requests_finished", "Requests finished, by finish reason "
+                                 "(stop, length, abort, error).", LABELS + ("outcome",),
+                                 registry=self.registry)
+        self.prompt_tokens = self._counter(
+            p + "prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits excluded).")
+        self.output_tokens = self._counter(p + "output_tokens", "Output tokens generated.")
+        self.preemptions = self._counter(
+            p + "preemptions", "Streams preempted because the KV block pool ran out.")
+        self.prefix_queried_tokens = self._counter(
+            p + "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hit_tokens = self._counter(
+            p + "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.")
+
+    def _build_gauges(self) -> None:
+        p = "kvfleet_worker_"
+        self.running = self._gauge(p + "running", "Streams in the running batch.")
+        self.waiting = self._gauge(p + "waiting", "Requests admitted but waiting for KV blocks.")
+        self.kv_blocks_total = self._gauge(p + "kv_blocks_total", "KV cache blocks in the pool.")
+        self.kv_blocks_used = self._gauge(
+            p + "kv_blocks_used", "KV blocks held by live streams (total - free).")
+        self.kv_usage = self._gauge(p + "kv_usage_ratio", "Fraction of KV blocks in use (0..1).")
+        self.cached_blocks = self._gauge(
+            p + "prefix_cache_blocks", "Blocks holding cached prefixes (reusable, evictable).")
+        self.hit_rate = self._gauge(
+            p + "prefix_cache_hit_ratio",
+            "Prefix-cache hit rate since start: hit / queried tokens.")
+        tokens_per_s = self._gauge(
+            p + "tokens_per_second", "Output tokens/s over the last rate window (default 10 s).")
+        tokens_per_s.set_function(self._rate.per_s)
+        if self.cost_per_hour is not None:
+            price = self._gauge(p + "cost_per_hour_dollars",
+                                "Configured price of this worker's accelerator, $/hour.")
+            price.set(self.cost_per_hour)
+            self._gauge(p + "cost_per_million_output_tokens_dollars",
+                        "$ per 1M output tokens at the current tokens/s (NaN while idle)."
+                        ).set_function(self.cost_per_million_tokens)
+
+    def _build_histograms(self) -> None:
+        p = "kvfleet_worker_"
+        self.queue_wait = Histogram(
+            p + "queue_wait_seconds", "Time from enqueue (gateway XADD) to admission by a worker.",
+            LABELS, buckets=QUEUE_WAIT_BUCKETS_S, registry=self.registry).labels(**self._labels())
+        self.step_time = Histogram(
+            p + "step_duration_seconds",
+            "Wall time of one engine step (schedule, forward, sample).",
+            LABELS, buckets=STEP_TIME_BUCKETS_S, registry=self.registry).labels(**self._labels())
+
+    # ---- what the service loop calls -----------------------------------------------------
+
+    def request_started(self, queue_wait_s: float | None) -> None:
+        """A request was admitted; `queue_wait_s` = now - GenerationRequest.created for a first
+        delivery, None for one resumed from a dead worker (its wait is not queueing)."""
+        self.requests_started.inc()
+        if queue_wait_s is not None:
+            self.queue_wait.observe(max(queue_wait_s, 0.0))
+
+    def request_finished(self, outcome: str) -> None:
+        """A request left the engine (stop, length, abort, error) outside `step_done`."""
+        self._finished.labels(outcome=outcome, **self._labels()).inc()
+
+    def step_done(self, outputs: Iterable[StepOutput], stats: StepStats,
+                  step_time_s: float) -> None:
+        """After each engine step: its outputs, the engine's stats after it, its wall time."""
+        new_tokens = 0
+        for output in outputs:
+            new_tokens += len(output.new_token_ids)
+            if output.finish_reason is not None:
+                self.request_finished(output.finish_reason)
+        self.output_tokens.inc(new_tokens)
+        self._rate.add(new_tokens, step_time_s)
+        self.step_time.observe(max(step_time_s, 0.0))
+        self.update_stats(stats)
+
+    def update_stats(self, stats: StepStats) -> None:
+        """Gauges and cumulative counters from the engine's stats (also usable while idle)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        used = stats.num_blocks_total - stats.num_blocks_free
+        self.kv_blocks_total.set(stats.num_blocks_total)
+        self.kv_blocks_used.set(used)
+        self.kv_usage.set(used / stats.num_blocks_total if stats.num_blocks_total else 0.0)
+        self.cached_blocks.set(stats.num_cached_blocks)
+        self.hit_rate.set(stats.prefix_hit_tokens / stats.prefix_queried_tokens
+                          if stats.prefix_queried_tokens else 0.0)
+        self.preemptions.inc(self._preemptions.step(stats.num_preemptions))
+        self.prompt_tokens.inc(self._prefill.step(stats.num_prefill_tokens_computed))
+        self.prefix_queried_tokens.inc(self._queried.step(stats.prefix_queried_tokens))
+        self.prefix_hit_tokens.inc(self._hits.step(stats.prefix_hit_tokens))
+
+    # ---- derived numbers -----------------------------------------------------------------
+
+    def tokens_per_s(self) -> float:
+        return self._rate.per_s()
+
+    def cost_per_million_tokens(self) -> float:
+        """cost_per_hour / (tokens/s × 3600) × 1e6; NaN while idle or when no price is set."""
+        rate = self._rate.per_s()
+        if self.cost_per_hour is None or rate <= 0:
+            return math.nan
+        return self.cost_per_hour / (rate * 3600.0) * 1e6
+
+    # ---- exposition ----------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this worker's registry."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve `/metrics` from a daemon thread; port 0 picks a free one. Returns the port."""
+        if self._server is not None:
+            raise RuntimeError("metrics are already served on port "
+                               f"{self._server.server_port}")
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return server.server_port
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint `serve` started (no-op otherwise)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
