@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 
 import redis
@@ -13,6 +14,7 @@ from shared.keys import Keys
 from shared.models import resolve_model_path, served_model_id
 from shared.settings import WorkerSettings
 from worker.engine.engine import Engine, EngineConfig
+from worker.metrics import WorkerMetrics
 from worker.protocol import WorkerProtocol
 from worker.service import WorkerService
 
@@ -60,6 +62,13 @@ def run_worker(settings: WorkerSettings, stop: threading.Event | None = None) ->
                                   socket_connect_timeout=5, health_check_interval=30)
     protocol = WorkerProtocol(client, Keys(settings.key_prefix), served_model_id(settings.model),
                               worker_id, result_ttl_s=settings.result_ttl_s)
+    metrics = WorkerMetrics(worker_id, protocol.model, settings.cost_per_hour)
+    metrics_url = None
+    if settings.metrics_port >= 0:
+        port = metrics.serve(settings.metrics_port, settings.metrics_host)
+        host = settings.metrics_advertise_host or socket.gethostname()
+        metrics_url = f"http://{host}:{port}/metrics"
+        log.info("metrics at %s", metrics_url)
     log.info("worker %s serving %s from %s", worker_id, protocol.model, settings.redis_url)
-    WorkerService(settings, engine, client, protocol).run(stop)
+    WorkerService(settings, engine, client, protocol, metrics, metrics_url).run(stop)
     log.info("worker %s stopped", worker_id)

@@ -18,6 +18,7 @@ from shared.messages import TokenEvent, Usage
 from shared.settings import WorkerSettings
 from shared.status import RequestStatus
 from worker.engine.engine import Engine, RequestOutput
+from worker.metrics import WorkerMetrics
 from worker.protocol import Delivery, Publication, WorkerProtocol
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,19 @@ class WorkerService:
     """Serves one model's request streams with one engine."""
 
     def __init__(self, settings: WorkerSettings, engine: Engine, client: redis.Redis,
-                 protocol: WorkerProtocol):
+                 protocol: WorkerProtocol, metrics: WorkerMetrics | None = None,
+                 metrics_url: str | None = None):
         self.settings = settings
+        self.metrics = metrics or WorkerMetrics(protocol.worker_id, protocol.model,
+                                                settings.cost_per_hour)
+        self.metrics_url = metrics_url
         self.engine = engine
         self.client = client
         self.protocol = protocol
         self.inflight: dict[str, Inflight] = {}
         self._backlog: list[Publication] = []  # produced but not yet published (Redis was down)
-        self._stats_snapshot: dict[str, float] = {}
+        self._stats_snapshot: dict[str, float | str] = {}
+        self._pending_entries: dict[str, list[str]] = {}
         self._lock = threading.Lock()
         self._pubsub = None
         self._last_orphan_check = 0.0
@@ -99,8 +105,11 @@ class WorkerService:
         self._handle_cancels()
         self._admit(block=not self.engine.has_unfinished())
         if self.engine.has_unfinished():
+            started = time.perf_counter()
             outputs = self.engine.step()
+            step_time_s = time.perf_counter() - started
             self._publish_outputs(outputs)
+            self.metrics.step_done(outputs, self.engine.stats(), step_time_s)
         self._snapshot_stats()
 
     def _handle_cancels(self) -> None:
@@ -115,6 +124,7 @@ class WorkerService:
                 output = self.engine.abort(req_id)
                 log.info("cancelled %s", req_id)
                 if output is not None:
+                    self.metrics.request_finished("abort")
                     self._publish_outputs([output])
 
     # ---- admission -------------------------------------------------------------------------
@@ -195,8 +205,12 @@ class WorkerService:
                                     output_token_ids=checkpoint or None)
         except ValueError as exc:
             self.protocol.fail(delivery, attempt, seq, str(exc))
+            self.metrics.request_finished("error")
             return
         self.inflight[req_id] = Inflight(delivery, attempt)
+        # Queue wait only for a first delivery: a resumed request's wait is not queueing.
+        first = delivery.times_delivered == 1 and request.created > 0
+        self.metrics.request_started(time.time() - request.created if first else None)
 
     # ---- publishing ------------------------------------------------------------------------
 
@@ -238,11 +252,13 @@ class WorkerService:
                 log.warning("attempt %d of %s is stale; stopping it", item.attempt, item.req_id)
                 self.engine.abort(item.req_id)
                 del self.inflight[item.req_id]
+                self.metrics.request_finished("abort")
 
     # ---- heartbeat -------------------------------------------------------------------------
 
     def _snapshot_stats(self) -> None:
         stats = self.engine.stats()
+        self.metrics.update_stats(stats)
         entries: dict[str, list[str]] = {}
         for inflight in self.inflight.values():
             entries.setdefault(inflight.delivery.stream, []).append(inflight.delivery.entry_id)
@@ -256,20 +272,17 @@ class WorkerService:
                 "generated_tokens": stats.num_generated_tokens,
                 "prefix_queried_tokens": stats.prefix_queried_tokens,
                 "prefix_hit_tokens": stats.prefix_hit_tokens,
+                "tokens_per_s": round(self.metrics.tokens_per_s(), 2),
             }
+            if self.metrics_url:
+                self._stats_snapshot["metrics_url"] = self.metrics_url
             self._pending_entries = entries
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
-        last_tokens, last_t = None, time.monotonic()
         while not stop.is_set():
             with self._lock:
                 fields = dict(self._stats_snapshot)
-                entries = dict(getattr(self, "_pending_entries", {}))
-            now = time.monotonic()
-            tokens = fields.get("generated_tokens", 0)
-            rate = 0.0 if last_tokens is None else (tokens - last_tokens) / max(now - last_t, 1e-6)
-            last_tokens, last_t = tokens, now
-            fields["tokens_per_s"] = round(rate, 2)
+                entries = dict(self._pending_entries)
             try:
                 self.protocol.heartbeat(fields, self.settings.heartbeat_ttl_s)
                 self.protocol.refresh_pending(entries)

@@ -102,6 +102,9 @@ def test_serves_a_request_token_for_token_like_generate(redis_url, client, tiny)
     assert client.text(req_id) == tiny.reference(prompt, 12)
     assert decode_tokens(client.redis.get(Keys().checkpoint(req_id))) == tiny.reference(prompt, 12)
     assert client.redis.xpending(Keys().queue(MODEL), Keys().group)["pending"] == 0
+    text = worker.metrics.render().decode()
+    assert 'kvfleet_worker_output_tokens_total{model="tiny",worker="w1"} 12.0' in text
+    assert 'outcome="length"' in text
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

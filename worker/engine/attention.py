@@ -1,0 +1,127 @@
+"""Paged attention over the KV block pool, plugged into transformers through AttentionInterface.
+
+The model runs one flattened forward per step: all scheduled tokens of all sequences side by side
+in a batch of 1 (`input_ids` [1, T]). Each layer's attention call
+  1. writes the step's new K/V into the pool at their slots, then
+  2. attends, for every sequence, over that sequence's blocks:
+     - decoding sequences (1 query each) in a few batched SDPA calls, one per group of similar
+       context lengths: the group's blocks are gathered in one index_select to
+       [2, kv_heads, B, L, D] (L = longest context of the group, padding masked out) and the
+       query heads are packed per KV head, so SDPA sees batch = kv_heads, heads = B,
+       queries = n_rep and no K/V is repeated for GQA;
+     - prefill chunks one sequence at a time, causal with an offset against the cached prefix
+       (a chunk at position 0 attends to its own fresh K/V with no gather).
+Everything that depends only on the step (slots, gather indices, masks) is built once in
+`AttentionContext` and reused by every layer; it reaches this function through the forward's
+keyword arguments, never through a global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from worker.engine.kv_cache import KVCachePool
+
+ATTENTION_NAME = "kvfleet_paged"
+CONTEXT_KWARG = "kvfleet_attention"
+
+
+@dataclass
+class DecodeGroup:
+    """Decoding sequences whose queries sit at flattened positions [q_start, q_start + num_seqs)."""
+
+    q_start: int
+    num_seqs: int
+    context_len: int  # L: a whole number of blocks >= the longest context in the group
+    gather_index: torch.Tensor  # [2 * KVH * B * L / bs]: rows of the pool's block view
+    mask: torch.Tensor  # [1, B, 1, L] bool: True where a key takes part
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk: queries at flattened positions [q_start, q_end)."""
+
+    q_start: int
+    q_end: int
+    context_len: int  # keys are the sequence's positions [0, context_len), context_len = start + n
+    gather_index: torch.Tensor | None  # [2 * KVH * num_blocks]; None when the chunk starts at 0
+    mask: torch.Tensor | None  # [n, context_len] bool causal with offset; None when start == 0
+
+
+@dataclass
+class AttentionContext:
+    """Per-step attention metadata, shared read-only by every layer of one forward."""
+
+    pool: KVCachePool
+    write_index: torch.Tensor  # [KVH * T]: row (h * num_slots + slot) of each new token's K or V
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, KVH, T, D]
+    value: torch.Tensor,  # [1, KVH, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Returns ([1, T, H, D], None), as transformers' attention functions do."""
+    ctx: AttentionContext = kwargs[CONTEXT_KWARG]
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("sliding-window attention is not supported by the paged engine")
+    kv = ctx.pool.layer(module.layer_idx)  # [2, KVH, NB, bs, D]
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv.shape
+    num_tokens = query.shape[2]
+    by_slot = kv.view(2, num_kv_heads * num_blocks * block_size, head_dim)
+    by_slot[0].index_copy_(0, ctx.write_index, key[0].reshape(-1, head_dim).to(kv.dtype))
+    by_slot[1].index_copy_(0, ctx.write_index, value[0].reshape(-1, head_dim).to(kv.dtype))
+    by_block = kv.view(2 * num_kv_heads * num_blocks, block_size * head_dim)
+
+    out = query.new_empty(num_tokens, query.shape[1], head_dim)  # [T, H, D]
+    for group in ctx.decode_groups:
+        _decode_attention(group, query, by_block, num_kv_heads, scaling, out)
+    for chunk in ctx.prefills:
+        _prefill_attention(chunk, query, key, value, by_block, num_kv_heads, scaling, out)
+    return out.unsqueeze(0), None
+
+
+def _decode_attention(group: DecodeGroup, query, by_block, num_kv_heads, scaling, out) -> None:
+    num_seqs, length = group.num_seqs, group.context_len
+    _, num_heads, _, head_dim = query.shape
+    end = group.q_start + num_seqs
+    # [H, B, D] -> [KVH, n_rep, B, D] -> [KVH, B, n_rep, D]: head h reads KV head h // n_rep
+    q = query[0, :, group.q_start:end].view(num_kv_heads, -1, num_seqs, head_dim).transpose(1, 2)
+    kv = by_block.index_select(0, group.gather_index).view(2, num_kv_heads, num_seqs, length, head_dim)
+    o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scaling)
+    # [KVH, B, n_rep, D] -> [B, KVH, n_rep, D] -> [B, H, D]
+    out[group.q_start:end] = o.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill_attention(chunk: PrefillChunk, query, key, value, by_block, num_kv_heads,
+                       scaling, out) -> None:
+    q = query[:, :, chunk.q_start:chunk.q_end]  # [1, H, n, D]
+    if chunk.gather_index is None:  # nothing cached before the chunk: its own K/V suffice
+        k = key[:, :, chunk.q_start:chunk.q_end]  # [1, KVH, n, D]
+        v = value[:, :, chunk.q_start:chunk.q_end]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        head_dim = query.shape[3]
+        kv = by_block.index_select(0, chunk.gather_index).view(2, num_kv_heads, -1, head_dim)
+        k = kv[0, :, :chunk.context_len].unsqueeze(0)  # [1, KVH, ctx, D]
+        v = kv[1, :, :chunk.context_len].unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=True)
+    out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)  # [n, H, D]
+
+
+def register_paged_attention() -> str:
+    """Make the function available to transformers under ATTENTION_NAME (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

@@ -1,0 +1,203 @@
+"""Which KV blocks each sequence holds: block tables, reference counts, free list, prefix cache.
+
+Pure bookkeeping over block ids `0 .. num_blocks-1` (the tensors live in `kv_cache.py`); no torch.
+
+Prefix caching: a *full* block whose KV is computed is published under a hash chained from its
+parent block's hash and its own token ids, so equal hashes mean equal token prefixes (an edit
+anywhere earlier changes every later hash). A block whose reference count drops to 0 keeps its
+hash and content and waits in an LRU list; it is evicted only when a new block is needed and no
+never-cached block is free. Blocks are shared only when full and are never written again, so a
+sequence never changes KV another sequence reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
+    """Chained 128-bit BLAKE2b over the parent block's digest and this block's token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"\0" * 16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    """Block tables (append-only per sequence), reference counts, free list and the prefix cache.
+
+    `allocate_slots` returns None when memory is short; deciding whom to preempt is the
+    scheduler's job. Every block a sequence holds comes back with `free(req_id)`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._free_uncached: deque[int] = deque(range(num_blocks))  # ref 0, no hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
+        self._cached: dict[BlockHash, int] = {}  # published hash -> block id
+        self._tables: dict[str, list[int]] = {}
+        self._hash_memo: dict[str, list[BlockHash]] = {}  # chained hashes of a seq's full blocks
+        self._num_published: dict[str, int] = {}  # leading blocks of a table already in the cache
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- counts -------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation may take: never-cached free ones plus evictable cached ones."""
+        return len(self._free_uncached) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently published in the prefix cache (in use or evictable)."""
+        return len(self._cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def block_table(self, req_id: str) -> list[int]:
+        """The sequence's blocks in position order (the live list: append-only, do not mutate)."""
+        return self._tables.get(req_id, [])
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self._tables
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache lookup ------------------------------------------------------------------
+
+    def block_hashes(self, req_id: str, token_ids: list[int]) -> list[BlockHash]:
+        """Chained hashes of every full block of `token_ids`, memoised per request."""
+        memo = self._hash_memo.setdefault(req_id, [])
+        bs = self.block_size
+        for i in range(len(memo), len(token_ids) // bs):
+            memo.append(hash_block(memo[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs]))
+        return memo
+
+    def find_cached_prefix(self, req_id: str, token_ids: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of `token_ids`.
+
+        At most `(len(token_ids) - 1) // block_size` blocks: at least the last token is always
+        computed (its logits give the next token), and a block that would be partly recomputed is
+        not shared, because recomputing writes into the block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in self.block_hashes(req_id, token_ids)[:max_blocks]:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queried_tokens += num_queried_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    # ---- allocation ---------------------------------------------------------------------------
+
+    def num_blocks_to_take(self, req_id: str, num_tokens: int, cached_blocks: list[int] = ()) -> int:
+        """Free blocks an allocation covering `num_tokens` positions would consume."""
+        held = len(self._tables.get(req_id, ())) + len(cached_blocks)
+        new = max(0, self.blocks_for_tokens(num_tokens) - held)
+        revived = sum(1 for b in cached_blocks if self._ref_counts[b] == 0)
+        return new + revived
+
+    def allocate_slots(self, req_id: str, num_tokens: int,
+                       cached_blocks: list[int] = ()) -> list[int] | None:
+        """Grow the sequence's table to cover positions `[0, num_tokens)`; None if short.
+
+        `cached_blocks` (only when the sequence holds no blocks yet) are prefix-cache hits that
+        become the head of its table. On None nothing changed.
+        """
+        if cached_blocks and self._tables.get(req_id):
+            raise ValueError(f"{req_id}: cached blocks can only start a block table")
+        if self.num_blocks_to_take(req_id, num_tokens, cached_blocks) > self.num_free_blocks:
+            return None
+        table = self._tables.setdefault(req_id, [])
+        for block in cached_blocks:
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+            table.append(block)
+        if cached_blocks:
+            self._num_published[req_id] = len(cached_blocks)
+        for _ in range(self.blocks_for_tokens(num_tokens) - len(table)):
+            block = self._take_free_block()
+            self._ref_counts[block] = 1
+            table.append(block)
+        return table
+
+    def _take_free_block(self) -> int:
+        if self._free_uncached:
+            return self._free_uncached.popleft()
+        block, _ = self._evictable.popitem(last=False)  # least recently used cached block
+        block_hash = self._block_hash[block]
+        if self._cached.get(block_hash) == block:
+            del self._cached[block_hash]
+        self._block_hash[block] = None
+        return block
+
+    def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Publish the sequence's full blocks whose KV is computed (first publisher wins)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[req_id]
+        start = self._num_published.get(req_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(table))
+        if end <= start:
+            return
+        hashes = self.block_hashes(req_id, token_ids)
+        for i in range(start, end):
+            block, block_hash = table[i], hashes[i]
+            if block_hash not in self._cached and self._block_hash[block] is None:
+                self._cached[block_hash] = block
+                self._block_hash[block] = block_hash
+        self._num_published[req_id] = end
+
+    def free(self, req_id: str, forget: bool = True) -> int:
+        """Release every block of the sequence; returns how many it held.
+
+        Tail blocks are released first so that, among equally old entries, the LRU evicts a
+        sequence's last blocks before its (more shareable) first ones. `forget=False` keeps the
+        memoised hashes (a preempted sequence will look its prefix up again).
+        """
+        table = self._tables.pop(req_id, [])
+        self._num_published.pop(req_id, None)
+        if forget:
+            self._hash_memo.pop(req_id, None)
+        for block in reversed(table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if self._block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free_uncached.append(block)
+        return len(table)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the counts disagree (tests and debugging)."""
+        refs = [0] * self.num_blocks
+        for table in self._tables.values():
+            for block in table:
+                refs[block] += 1
+        assert refs == self._ref_counts, "reference counts disagree with block tables"
+        free = set(self._free_uncached) | set(self._evictable)
+        assert len(free) == len(self._free_uncached) + len(self._evictable)
+        assert free == {b for b in range(self.num_blocks) if refs[b] == 0}
+        for block_hash, block in self._cached.items():
+            assert self._block_hash[block] == block_hash
+        assert all(self._block_hash[b] is not None for b in self._evictable)

@@ -1,0 +1,251 @@
+"""The engine the worker service drives: add requests, step, abort; plus offline `generate`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shared.messages import SamplingParams, TokenLogprob
+from shared.status import RequestStatus
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.kv_cache import KVCachePool, KVLayout, plan_budget, resolve_device, resolve_dtype
+from worker.engine.model_runner import ModelRunner
+from worker.engine.sampler import Sampler, SamplerInput
+from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
+from worker.engine.sequence import Sequence
+from worker.engine.stopping import StopChecker
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    new_token_ids: list[int]  # tokens produced this step (usually 0 or 1)
+    new_logprobs: list[TokenLogprob] | None
+    num_output_tokens: int  # total generated, including resumed ones
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    finish_reason: str | None  # RequestStatus.finish_reason when finished
+    error: str | None = None  # what went wrong, when finish_reason == "error"
+
+
+@dataclass
+class EngineStats:
+    num_blocks_total: int
+    num_blocks_free: int  # incl. evictable prefix-cache blocks
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_cached_blocks: int
+    num_generated_tokens: int
+    num_prefill_tokens_computed: int
+
+
+def eos_token_ids_of(model) -> list[int]:
+    """EOS ids from the generation config (else the model config); an int or a list there."""
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+def max_model_len_of(config) -> int:
+    length = getattr(config, "max_position_embeddings", None) or 2048
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < length:
+        log.warning("sliding window %d not supported: context capped at %d tokens", window, window)
+        length = window
+    return length
+
+
+class Engine:
+    """Continuous-batching engine over one model and one KV block pool."""
+
+    def __init__(self, model, config: EngineConfig, tokenizer=None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        model = model.to(device=self.device, dtype=self.dtype)
+        self.model = model
+        self.max_model_len = max_model_len_of(model.config)
+        layout = KVLayout.from_model_config(model.config, self.dtype)
+        self.budget = plan_budget(
+            model, layout, config.block_size, self.max_model_len, self.device, config.num_blocks,
+            config.kv_memory_bytes, config.gpu_memory_utilization,
+            activation_reserve_bytes=self._activation_reserve_bytes(model.config))
+        self.pool = KVCachePool(layout, self.budget.num_blocks, config.block_size, self.device)
+        self.block_manager = BlockManager(
+            self.budget.num_blocks, config.block_size, config.enable_prefix_caching)
+        eos = eos_token_ids_of(model)
+        self.scheduler = Scheduler(
+            self.block_manager, StopChecker(eos, self.max_model_len, tokenizer),
+            config.max_batched_tokens, config.max_running, config.watermark)
+        self.sampler = Sampler(eos)
+        self.runner = ModelRunner(model, self.pool)
+        self._seqs: dict[str, Sequence] = {}
+        for line in self.budget_report():
+            log.info("KV budget: %s", line)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, config: EngineConfig, tokenizer=None) -> Engine:
+        from transformers import AutoModelForCausalLM
+
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=None)
+        return cls(model.to(device), config, tokenizer=tokenizer)
+
+    def _activation_reserve_bytes(self, model_config) -> int:
+        """Rough peak of one step's activations, left free on CUDA beside the pool."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        hidden = model_config.hidden_size + 2 * getattr(model_config, "intermediate_size", 0)
+        per_token = hidden * elem * 4
+        logits = self.config.max_running * model_config.vocab_size * 4 * 2
+        return self.config.max_batched_tokens * per_token + logits
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    output_token_ids: list[int] | None = None) -> None:
+        """Queue a request; `output_token_ids` resumes one (sampling continues at their count)."""
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is already in the engine")
+        if not prompt_token_ids:
+            raise ValueError(f"request {req_id!r}: the prompt is empty")
+        if params.max_tokens < 1:
+            raise ValueError(f"request {req_id!r}: max_tokens must be >= 1")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds the model context of {self.max_model_len}")
+        # the last sampled token's KV is never computed
+        blocks = self.block_manager.blocks_for_tokens(total - 1)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request {req_id!r}: needs {blocks} KV blocks but the pool has only "
+                f"{self.block_manager.num_blocks}")
+        seq = Sequence(req_id, prompt_token_ids, params, output_token_ids=output_token_ids or [])
+        self._seqs[req_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, req_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks at once; None if it is not (or no longer) here."""
+        seq = self._seqs.pop(req_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return self._output(seq, [], None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def can_admit(self, num_prompt_tokens: int) -> bool:
+        """Whether free blocks (incl. evictable cached ones) hold this prompt beside the watermark."""
+        bm = self.block_manager
+        return bm.blocks_for_tokens(num_prompt_tokens) <= bm.num_free_blocks - self.scheduler.watermark_blocks
+
+    # ---- stepping -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; outputs of requests that got a token or finished."""
+        outputs = [self._finish_output(seq) for seq in self.scheduler.take_finished_at_add()]
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        try:
+            emitting, logits = self.runner.execute(sched)
+        except Exception as exc:  # the whole batch failed: fail its requests, keep the engine
+            log.exception("forward failed for %d requests", len(sched.chunks))
+            return outputs + self._fail([c.seq for c in sched.chunks], exc)
+        samples, failed = self._sample(emitting, logits)
+        outputs += self._fail(failed, None)
+        emissions = self.scheduler.update(sched, samples)
+        outputs += [self._emission_output(e) for e in emissions]
+        return outputs
+
+    def _sample(self, emitting, logits) -> tuple[dict, list[tuple[Sequence, Exception]]]:
+        """Sample every emitting row; if the batch fails, row by row to isolate the culprits."""
+        inputs = [SamplerInput(c.seq.params, c.seq.prompt_token_ids, c.seq.output_token_ids)
+                  for c in emitting]
+        try:
+            results = self.sampler.sample(logits, inputs)
+            return {c.seq.req_id: r for c, r in zip(emitting, results)}, []
+        except Exception:
+            log.exception("sampling failed for a batch of %d; retrying row by row", len(inputs))
+        samples, failed = {}, []
+        for i, chunk in enumerate(emitting):
+            try:
+                samples[chunk.seq.req_id] = self.sampler.sample(logits[i:i + 1], inputs[i:i + 1])[0]
+            except Exception as exc:
+                failed.append((chunk.seq, exc))
+        return samples, failed
+
+    def _fail(self, failures, exc: Exception | None) -> list[RequestOutput]:
+        outputs = []
+        for item in failures:
+            seq, error = (item, exc) if isinstance(item, Sequence) else item
+            self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR, error=f"{type(error).__name__}: {error}")
+            outputs.append(self._finish_output(seq))
+        return outputs
+
+    def _emission_output(self, emission: TokenEmission) -> RequestOutput:
+        seq = emission.seq
+        if emission.finished:
+            self._seqs.pop(seq.req_id, None)
+        logprobs = [emission.logprob] if emission.logprob is not None else None
+        return self._output(seq, [emission.token_id], logprobs)
+
+    def _finish_output(self, seq: Sequence) -> RequestOutput:
+        self._seqs.pop(seq.req_id, None)
+        return self._output(seq, [], None)
+
+    @staticmethod
+    def _output(seq: Sequence, new_token_ids: list[int], logprobs) -> RequestOutput:
+        return RequestOutput(
+            req_id=seq.req_id, new_token_ids=new_token_ids, new_logprobs=logprobs,
+            num_output_tokens=seq.num_output_tokens, num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens, finish_reason=seq.status.finish_reason,
+            error=seq.error)
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_blocks_total=bm.num_blocks, num_blocks_free=bm.num_free_blocks,
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queried_tokens,
+            prefix_hit_tokens=bm.prefix_hit_tokens, num_cached_blocks=bm.num_cached_blocks,
+            num_generated_tokens=sched.num_generated_tokens,
+            num_prefill_tokens_computed=sched.num_prefill_tokens_computed)
+
+    def budget_report(self) -> list[str]:
+        return self.budget.report()
+
+    # ---- offline ------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion; the generated token ids of each, in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        req_ids = [f"generate-{id(self)}-{i}" for i in range(len(prompts))]
+        for req_id, prompt, p in zip(req_ids, prompts, params_list):
+            self.add_request(req_id, prompt, p)
+        results: dict[str, list[int]] = {r: [] for r in req_ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.req_id in results:
+                    results[out.req_id].extend(out.new_token_ids)
+        return [results[r] for r in req_ids]

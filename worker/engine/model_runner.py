@@ -1,0 +1,150 @@
+"""Runs the model: one flattened forward per step over every scheduled token, logits only where a
+token is sampled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.attention import (
+    CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
+from worker.engine.kv_cache import KVCachePool
+from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    """The flattened batch of one step (decoding chunks first, then prefill chunks)."""
+
+    input_ids: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T] int64
+    logits_indices: torch.Tensor  # [K] int64: flattened positions whose logits are needed
+    emitting: list[ScheduledChunk]  # the K chunks that sample a token, in logits row order
+    context: AttentionContext
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; turns a SchedulerOutput into logits."""
+
+    def __init__(self, model: torch.nn.Module, pool: KVCachePool, decode_group_cost_tokens: int = 512):
+        self.model = model
+        self.pool = pool
+        self.block_size = pool.block_size
+        # a decode group costs about as much as gathering this many padded tokens (call overhead)
+        self.decode_group_cost_tokens = decode_group_cost_tokens
+        self.device = next(model.parameters()).device
+        num_kv_heads = pool.layout.num_kv_heads
+        # row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...] block view
+        self._head_block_rows = (torch.arange(2 * num_kv_heads) * pool.num_blocks).unsqueeze(1)
+        self._head_slot_rows = (torch.arange(num_kv_heads) * pool.num_blocks * pool.block_size).unsqueeze(1)
+        model.set_attn_implementation(register_paged_attention())
+        model.eval()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Forward the step; returns the emitting chunks and their logits [K, vocab]."""
+        inputs = self.prepare(sched)
+        output = self.model(
+            input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
+            logits_to_keep=inputs.logits_indices, **{CONTEXT_KWARG: inputs.context})
+        return inputs.emitting, output.logits[0]  # [K, vocab]
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """Flatten the step: decoding chunks first (sorted by context length, grouped), then
+        prefill chunks; build every index and mask the layers share."""
+        decodes = sorted((c for c in sched.chunks if c.num_tokens == 1), key=lambda c: c.end)
+        prefills = [c for c in sched.chunks if c.num_tokens > 1]
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        emitting: list[ScheduledChunk] = []
+        bs = self.block_size
+        for chunk in decodes + prefills:
+            table = chunk.block_table
+            token_ids.extend(chunk.seq.token_ids[chunk.start:chunk.end])
+            for pos in range(chunk.start, chunk.end):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            if chunk.emits_token:
+                logits_indices.append(len(token_ids) - 1)
+                emitting.append(chunk)
+        write_index = (self._head_slot_rows + torch.tensor(slots, dtype=torch.int64)).view(-1)
+        context = AttentionContext(
+            pool=self.pool, write_index=write_index.to(self.device, non_blocking=True),
+            decode_groups=self._decode_groups(decodes),
+            prefills=self._prefill_chunks(prefills, q_start=len(decodes)))
+        return StepInputs(
+            input_ids=self._tensor(token_ids).unsqueeze(0),
+            position_ids=self._tensor(positions).unsqueeze(0),
+            logits_indices=self._tensor(logits_indices), emitting=emitting, context=context)
+
+    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
+        """Split the decodes (sorted by length) where that saves more padding than a call costs."""
+        bs = self.block_size
+        num_blocks = [-(-c.end // bs) for c in decodes]
+        groups, q_start = [], 0
+        for first, last in split_sorted(num_blocks, self.decode_group_cost_tokens // bs):
+            members = decodes[first:last + 1]
+            width = num_blocks[last]  # blocks per sequence after padding
+            blocks: list[int] = []
+            for chunk, used in zip(members, num_blocks[first:last + 1]):
+                blocks.extend(chunk.block_table[:used])
+                blocks.extend([chunk.block_table[0]] * (width - used))  # padding, masked out
+            length = width * bs
+            lengths = torch.tensor([c.end for c in members], dtype=torch.int64)
+            mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
+            groups.append(DecodeGroup(
+                q_start=q_start, num_seqs=len(members), context_len=length,
+                gather_index=self._gather_index(blocks),
+                mask=mask.view(1, len(members), 1, length).to(self.device, non_blocking=True)))
+            q_start += len(members)
+        return groups
+
+    def _prefill_chunks(self, prefills: list[ScheduledChunk], q_start: int) -> list[PrefillChunk]:
+        bs = self.block_size
+        result = []
+        for chunk in prefills:
+            q_end = q_start + chunk.num_tokens
+            if chunk.start == 0:
+                result.append(PrefillChunk(q_start, q_end, chunk.end, None, None))
+            else:
+                query_pos = torch.arange(chunk.start, chunk.end).unsqueeze(1)  # [n, 1]
+                mask = torch.arange(chunk.end).unsqueeze(0) <= query_pos  # [n, ctx]
+                blocks = chunk.block_table[:-(-chunk.end // bs)]
+                result.append(PrefillChunk(q_start, q_end, chunk.end, self._gather_index(blocks),
+                                           mask.to(self.device, non_blocking=True)))
+            q_start = q_end
+        return result
+
+    def _gather_index(self, blocks: list[int]) -> torch.Tensor:
+        """Rows of K then V of every KV head for `blocks`: [2 * KVH * len(blocks)]."""
+        rows = self._head_block_rows + torch.tensor(blocks, dtype=torch.int64)
+        return rows.view(-1).to(self.device, non_blocking=True)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+
+def split_sorted(sizes: list[int], group_cost: int) -> list[tuple[int, int]]:
+    """Split ascending `sizes` into runs [first, last] minimising padded total + cost per run.
+
+    A run is padded to its last (largest) size: cost(run) = sizes[last] * len(run) + group_cost.
+    O(n^2) dynamic programme; n is at most the running group.
+    """
+    n = len(sizes)
+    if n == 0:
+        return []
+    best = [0] + [None] * n  # best[i]: cheapest split of sizes[:i]
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        for start in range(end):
+            cost = best[start] + sizes[end - 1] * (end - start) + group_cost
+            if best[end] is None or cost < best[end]:
+                best[end], cut[end] = cost, start
+    runs, end = [], n
+    while end > 0:
+        runs.append((cut[end], end - 1))
+        end = cut[end]
+    return runs[::-1]

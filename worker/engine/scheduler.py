@@ -1,0 +1,231 @@
+"""Continuous batching: which tokens of which sequences run in the next step, and what follows.
+
+Every step the running group is formed again under a token budget: running sequences first, in
+admission order, each taking what it still needs (1 token when decoding; a prefill chunk is capped
+so that every decoding sequence behind it still gets its token), then waiting sequences in arrival
+order while their KV fits. When the pool runs out, the most recently admitted running sequence is
+preempted by recomputation: its blocks are freed and it goes back to the front of the queue with
+its generated tokens, which are prefilled again together with the prompt.
+
+Only the scheduler changes a sequence's status and progress.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.messages import TokenLogprob
+from shared.status import RequestStatus
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledChunk:
+    """Positions `[start, start + num_tokens)` of `seq` are computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    block_table: list[int]  # the sequence's blocks, covering at least start + num_tokens positions
+    emits_token: bool = False  # the chunk reaches the last known token: its logits give the next
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int, block_table: list[int]) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, block_table, start + num_tokens == seq.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. Decoding chunks (1 token) and prefill chunks, in scheduling order."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class TokenEmission:
+    """What one sequence produced in a step: a token, and/or the end of the sequence."""
+
+    seq: Sequence
+    token_id: int | None
+    logprob: TokenLogprob | None
+    finished: bool
+
+
+class Scheduler:
+    """Owns the waiting queue and the running group; the only writer of sequence state."""
+
+    def __init__(self, block_manager: BlockManager, stop_checker, max_batched_tokens: int = 512,
+                 max_running: int = 64, watermark: float = 0.01):
+        self.block_manager = block_manager
+        self.stop_checker = stop_checker
+        self.max_batched_tokens = max_batched_tokens
+        self.max_running = max_running
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the tail is preempted first
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self.num_prefill_tokens_computed = 0  # tokens computed in chunks that emit no token or
+        #                                       in prefill chunks (everything but 1-token decodes)
+        self._finished_at_add: list[Sequence] = []
+
+    # ---- queue management ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; one already complete (resumed with all its tokens) finishes at once."""
+        status = None
+        if seq.output_token_ids:
+            status = self.stop_checker.check(seq.num_prompt_tokens, seq.output_token_ids, seq.params)
+        if status is not None:
+            seq.status = status
+            self._finished_at_add.append(seq)
+            return
+        seq.status = RequestStatus.QUEUED
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, status: RequestStatus, error: str | None = None) -> None:
+        """End a sequence (abort, error or stop) and release its blocks at once."""
+        if seq.status.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.req_id)
+        seq.status = status
+        seq.error = error
+
+    def take_finished_at_add(self) -> list[Sequence]:
+        done, self._finished_at_add = self._finished_at_add, []
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_at_add)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_batched_tokens)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        decodes_behind = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            need = seq.num_uncomputed_tokens
+            if need == 1:
+                decodes_behind -= 1
+            num_tokens = min(need, budget - decodes_behind) if need > 1 else 1
+            if num_tokens <= 0:
+                i += 1
+                continue
+            table = self.block_manager.allocate_slots(seq.req_id, seq.num_computed_tokens + num_tokens)
+            while table is None:
+                victim = self.running.pop()
+                if victim is not seq and victim.num_uncomputed_tokens == 1:
+                    decodes_behind -= 1
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                table = self.block_manager.allocate_slots(
+                    seq.req_id, seq.num_computed_tokens + num_tokens)
+            if table is None:
+                break  # `seq` itself was the last one running and got preempted
+            out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
+            budget -= num_tokens
+            i += 1
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq.req_id, forget=False)
+        seq.num_computed_tokens = 0
+        seq.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted_req_ids.append(seq.req_id)
+        log.info("preempted %s (recompute %d tokens later)", seq.req_id, seq.num_tokens)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            use_cache = bm.enable_prefix_caching and not seq.params.skip_prefix_cache
+            cached = bm.find_cached_prefix(seq.req_id, seq.token_ids) if use_cache else []
+            num_cached = len(cached) * bm.block_size
+            # Admit only if the whole known sequence fits beside the watermark, so a long prompt
+            # is not admitted chunk by chunk into certain preemption.
+            reserve = self.watermark_blocks if self.running else 0
+            if bm.num_blocks_to_take(seq.req_id, seq.num_tokens, cached) > bm.num_free_blocks - reserve:
+                break
+            num_tokens = min(seq.num_tokens - num_cached, budget)
+            table = bm.allocate_slots(seq.req_id, num_cached + num_tokens, cached)
+            if table is None:
+                break
+            self.waiting.popleft()
+            if use_cache:
+                bm.record_prefix_lookup(seq.num_tokens, num_cached)
+            if not seq.admitted_once:
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                seq.admitted_once = True
+            seq.num_computed_tokens = num_cached
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
+            budget -= num_tokens
+
+    # ---- after the forward --------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput,
+               samples: dict[str, tuple[int, TokenLogprob | None]]) -> list[TokenEmission]:
+        """Advance every scheduled sequence; append the sampled tokens; finish stopped ones.
+
+        `samples` maps req_id -> (token id, logprob) for every chunk that emits a token.
+        """
+        emissions: list[TokenEmission] = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is not RequestStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = chunk.end
+            if chunk.num_tokens > 1 or not chunk.emits_token:
+                self.num_prefill_tokens_computed += chunk.num_tokens
+            if not chunk.emits_token:
+                self._publish(seq)
+                continue
+            token_id, logprob = samples[seq.req_id]
+            seq.append_token(token_id, logprob)
+            self.num_generated_tokens += 1
+            self._publish(seq)
+            status = self.stop_checker.check(seq.num_prompt_tokens, seq.output_token_ids, seq.params)
+            if status is not None:
+                self.finish(seq, status)
+            emissions.append(TokenEmission(seq, token_id, logprob, status is not None))
+        return emissions
+
+    def _publish(self, seq: Sequence) -> None:
+        if not seq.params.skip_prefix_cache:
+            self.block_manager.cache_full_blocks(seq.req_id, seq.token_ids, seq.num_computed_tokens)

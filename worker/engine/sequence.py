@@ -1,0 +1,61 @@
+"""One request inside the engine: its tokens, how far its KV is computed, and its status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.messages import SamplingParams, TokenLogprob
+from shared.status import RequestStatus
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable per-request state. Only the scheduler changes `status` and `num_computed_tokens`.
+
+    Invariants: `token_ids == prompt_token_ids + output_token_ids`;
+    `0 <= num_computed_tokens <= num_tokens`; the KV of positions `[0, num_computed_tokens)` is in
+    the blocks the block manager holds for `req_id` (none while QUEUED or PREEMPTED).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
+    status: RequestStatus = RequestStatus.QUEUED
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted_once: bool = False
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = list(self.output_token_ids)
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
