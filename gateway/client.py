@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+
 from shared.messages import GenerationRequest, TokenEvent
 
 
@@ -46,16 +47,17 @@ class EventStream(ABC):
 
     @abstractmethod
     async def aclose(self) -> None:
-        """Stop receiving this request's events (does not cancel the request)."""
+        """Stop receiving this request's events (does not cancel the request). Must not block:
+        it runs inside cancelled tasks, where any real await would be cancelled again."""
 
 
 class EngineClient(ABC):
     """What the handlers need from the fleet: submit, cancel, readiness."""
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Open connections and background tasks (called from the app's lifespan)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release everything `start` opened."""
 
     @abstractmethod

@@ -35,6 +35,8 @@ class TokenFanout:
         self._queues: dict[bytes, asyncio.Queue] = {}
         self._confirmations: dict[bytes, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self._connect_lock = asyncio.Lock()
+        self._closing = False
         self._background: set[asyncio.Task] = set()
         self.connections_opened = 0  # pub/sub connections made (1 unless Redis restarted)
 
@@ -44,8 +46,8 @@ class TokenFanout:
 
     async def close(self) -> None:
         if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+            self._closing = True
+            await stop_task(self._reader)
             self._reader = None
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
@@ -64,11 +66,13 @@ class TokenFanout:
         self._confirmations[key] = confirmed
         try:
             async with asyncio.timeout(self._subscribe_timeout_s):
+                await self._ensure_connection()
                 await self._pubsub.subscribe(key)
                 await confirmed
         except (RedisError, OSError, TimeoutError) as exc:
             self.release(channel)
-            raise EngineUnavailable(f"cannot subscribe to the fleet's token channel: {exc!r}") from exc
+            raise EngineUnavailable(
+                f"cannot subscribe to the fleet's token channel: {exc!r}") from exc
         finally:
             self._confirmations.pop(key, None)
         return queue
@@ -93,23 +97,32 @@ class TokenFanout:
 
     async def _read_loop(self) -> None:
         backoff_s = 0.1
-        while True:
+        while not self._closing:
             try:
-                if self._pubsub.connection is None:
-                    await self._pubsub.connect()
-                    self.connections_opened += 1
+                await self._ensure_connection()
                 message = await self._pubsub.get_message(timeout=self._poll_timeout_s)
                 backoff_s = 0.1
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
-                log.warning("pub/sub connection to Redis failed: %r; retrying in %.1f s", exc, backoff_s)
+                log.warning("pub/sub connection to Redis failed: %r; retrying in %.1f s", exc,
+                            backoff_s)
                 self._fail_all()
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
                 continue
             if message is not None:
                 self._dispatch(message)
+
+    async def _ensure_connection(self) -> None:
+        """Open the pub/sub connection once; the lock keeps the reader and a first subscribe from
+        opening one each (redis-py would then read one and subscribe on the other)."""
+        if self._pubsub.connection is not None:
+            return
+        async with self._connect_lock:
+            if self._pubsub.connection is None:
+                await self._pubsub.connect()
+                self.connections_opened += 1
 
     def _dispatch(self, message: dict) -> None:
         channel = message["channel"]
@@ -126,3 +139,15 @@ class TokenFanout:
         """Events published while the connection was down are lost: end every open request."""
         for queue in self._queues.values():
             queue.put_nowait(ConnectionLost())
+
+
+async def stop_task(task: asyncio.Task, attempts: int = 5, wait_s: float = 1.0) -> None:
+    """Cancel `task` and wait for it. Cancels again if it is still running: a cancellation that
+    lands as a redis-py read times out can be turned into a timeout and retried."""
+    for _ in range(attempts):
+        task.cancel()
+        done, _pending = await asyncio.wait({task}, timeout=wait_s)
+        if done:
+            break
+    else:
+        log.warning("task %s did not stop", task.get_name())

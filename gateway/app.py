@@ -1,0 +1,77 @@
+"""The gateway's FastAPI app, wired from settings: engine client, tokenizer, handlers, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from gateway.client import EngineClient
+from gateway.errors import install_error_handlers
+from gateway.generation import BackgroundTasks
+from gateway.limits import BodySizeLimit
+from gateway.redis_client import RedisEngineClient
+from gateway.routes import router
+from gateway.serving_chat import ChatServing
+from gateway.serving_completion import CompletionServing
+from gateway.tokenization import ModelInfo, PromptProcessor
+from shared.models import load_tokenizer, resolve_model_path, served_model_id
+from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_DRAIN_S = 5.0  # how long cancellations still in flight may take at shutdown
+
+
+def create_app(settings: GatewaySettings, client: EngineClient | None = None, tokenizer=None,
+               *, model_info: ModelInfo | None = None) -> FastAPI:
+    """The app. Without `client`, a RedisEngineClient from settings (connected in the lifespan);
+    without `tokenizer`, the served model's; without `model_info`, read from the model's config."""
+    client = client or RedisEngineClient.from_settings(settings)
+    if tokenizer is None or model_info is None:
+        model_path = resolve_model_path(settings.model, settings.cache_dir)
+        tokenizer = tokenizer or load_tokenizer(model_path)
+        model_info = model_info or ModelInfo.from_pretrained(
+            served_model_id(settings.model), model_path, tokenizer)
+    background = BackgroundTasks()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await client.start()
+        try:
+            yield
+        finally:
+            try:
+                await asyncio.wait_for(background.drain(), SHUTDOWN_DRAIN_S)
+            except TimeoutError:
+                log.warning("shutdown: cancellations still in flight were dropped")
+            await client.close()
+
+    app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
+    processor = PromptProcessor(tokenizer, model_info)
+    app.state.client = client
+    app.state.model = model_info
+    app.state.started = int(time.time())
+    app.state.completions = CompletionServing(client, processor, settings, background)
+    app.state.chat = ChatServing(client, processor, settings, background)
+    app.state.background = background
+    install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+def serve(settings: GatewaySettings) -> None:
+    """Run the gateway with uvicorn on settings.host:settings.port (`kvfleet gateway`)."""
+    import uvicorn
+
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    log.info("gateway for %s on http://%s:%d", app.state.model.served_id, settings.host,
+             settings.port)
+    uvicorn.run(app, host=settings.host, port=settings.port,
+                log_level=settings.log_level.lower(), timeout_graceful_shutdown=10)

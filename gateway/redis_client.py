@@ -1,0 +1,143 @@
+"""The EngineClient of a real fleet: enqueue on the model's Redis stream, receive token events over
+the process's single pub/sub connection (DESIGN.md, "The fleet protocol")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gateway.client import EngineClient, EngineTimeout, EngineUnavailable, EventStream
+from gateway.fanout import ConnectionLost, TokenFanout
+from shared.keys import Keys
+from shared.messages import GenerationRequest, TokenEvent
+from shared.settings import GatewaySettings
+from shared.status import RequestStatus
+
+log = logging.getLogger(__name__)
+
+# Idempotent enqueue: a retried submit of the same id writes nothing twice.
+# KEYS: enqueued marker, request hash, request stream.
+# ARGV: ttl_s, payload, req_id, stream maxlen, status.
+_ENQUEUE_LUA = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  return 0
+end
+redis.call('HSET', KEYS[2], 'payload', ARGV[2], 'attempt', 0, 'status', ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[3], 'payload', ARGV[2])
+return 1
+"""
+
+RESULT_GRACE_S = 3600  # the request hash outlives the request's deadline by this much
+
+
+class RedisEventStream(EventStream):
+    """Token events of one request, read from its fan-out queue, with the protocol's timeouts."""
+
+    def __init__(self, req_id: str, channel: str, queue: asyncio.Queue, fanout: TokenFanout,
+                 first_event_timeout_s: float, deadline: float | None):
+        self.req_id = req_id
+        self._channel = channel
+        self._queue = queue
+        self._fanout = fanout
+        self._first_event_timeout_s = first_event_timeout_s
+        self._deadline = deadline  # unix time
+        self._received_any = False
+
+    def _timeout_s(self) -> float:
+        left_s = float("inf") if self._deadline is None else self._deadline - time.time()
+        if not self._received_any:
+            left_s = min(left_s, self._first_event_timeout_s)
+        return max(left_s, 0.0)
+
+    async def __anext__(self) -> TokenEvent:
+        try:
+            raw = await asyncio.wait_for(self._queue.get(), self._timeout_s())
+        except TimeoutError:
+            if self._received_any:
+                raise EngineTimeout(f"request {self.req_id} passed its deadline") from None
+            raise EngineTimeout(
+                f"no worker answered request {self.req_id} in time (is a worker running for "
+                "this model?)") from None
+        if isinstance(raw, ConnectionLost):
+            raise EngineUnavailable("lost the connection to Redis while waiting for tokens")
+        self._received_any = True
+        return TokenEvent.unpack(raw)
+
+    async def aclose(self) -> None:
+        self._fanout.release(self._channel)
+
+
+class RedisEngineClient(EngineClient):
+    """Talks to the fleet through one Redis: one command pool plus one pub/sub connection."""
+
+    def __init__(self, redis_url: str, keys: Keys, *, stream_maxlen: int = 100_000,
+                 request_timeout_s: float = 600.0, first_event_timeout_s: float = 600.0,
+                 connect_timeout_s: float = 2.0, command_timeout_s: float = 3.0):
+        self.keys = keys
+        self._stream_maxlen = stream_maxlen
+        self._request_timeout_s = request_timeout_s
+        self._first_event_timeout_s = first_event_timeout_s
+        self._command_timeout_s = command_timeout_s
+        # Short timeouts: Redis unreachable must become a 503 quickly, never a hang.
+        self.redis = Redis.from_url(redis_url, socket_connect_timeout=connect_timeout_s,
+                                    socket_timeout=command_timeout_s)
+        self.fanout = TokenFanout(self.redis, subscribe_timeout_s=command_timeout_s)
+        self._enqueue = self.redis.register_script(_ENQUEUE_LUA)
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> RedisEngineClient:
+        if not settings.redis_url:
+            raise ValueError("the gateway needs --redis-url (or KVFLEET_REDIS_URL)")
+        return cls(settings.redis_url, Keys(settings.key_prefix),
+                   stream_maxlen=settings.stream_maxlen,
+                   request_timeout_s=settings.request_timeout_s,
+                   first_event_timeout_s=settings.first_event_timeout_s)
+
+    async def start(self) -> None:
+        await self.fanout.start()
+
+    async def close(self) -> None:
+        await self.fanout.close()
+        await self.redis.aclose()
+
+    async def submit(self, request: GenerationRequest) -> EventStream:
+        channel = self.keys.tokens(request.req_id)
+        queue = await self.fanout.subscribe(channel)  # before the XADD: pub/sub keeps nothing
+        try:
+            await self.enqueue(request)
+        except BaseException:
+            self.fanout.release(channel)
+            raise
+        return RedisEventStream(request.req_id, channel, queue, self.fanout,
+                                self._first_event_timeout_s, request.deadline)
+
+    async def enqueue(self, request: GenerationRequest) -> bool:
+        """Write the request hash and the stream entry once; False if the id was enqueued before."""
+        ttl_s = int(self._request_timeout_s + RESULT_GRACE_S)
+        keys = [self.keys.enqueued(request.req_id), self.keys.request(request.req_id),
+                self.keys.queue(request.model, request.priority)]
+        args = [ttl_s, request.pack(), request.req_id, self._stream_maxlen,
+                RequestStatus.QUEUED.value]
+        try:
+            async with asyncio.timeout(self._command_timeout_s * 2):
+                return bool(await self._enqueue(keys=keys, args=args))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
+
+    async def cancel(self, req_id: str) -> None:
+        try:
+            await self.redis.publish(self.keys.cancel(), req_id)
+        except (RedisError, OSError) as exc:
+            log.warning("could not publish the cancellation of %s: %r", req_id, exc)
+
+    async def is_ready(self) -> bool:
+        try:
+            async with asyncio.timeout(self._command_timeout_s):
+                return bool(await self.redis.ping())
+        except (RedisError, OSError, TimeoutError):
+            return False

@@ -1,0 +1,89 @@
+"""POST /v1/chat/completions: messages through the chat template in, an assistant message out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from gateway.generation import ChoiceDelta, ChoiceGenerator, merge_choices
+from gateway.protocol import ChatCompletionRequest
+from gateway.responses import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprob,
+    ChatMessageOut,
+    TopLogprob,
+    chunk_json,
+)
+from gateway.serving import OpenAIServing, UsageTally, new_request_id, sse, stream_with_errors
+
+
+class ChatServing(OpenAIServing):
+
+    async def create(self, request: ChatCompletionRequest
+                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """A whole response, or the SSE lines of a stream (for the route to send)."""
+        self.check_model(request.model)
+        prompt = self.processor.chat_prompt([m.to_template_dict() for m in request.messages],
+                                            request.add_generation_prompt)
+        req_hex = new_request_id()
+        choices = await self.submit_all(self.build_requests(req_hex, [prompt], request))
+        # The response id is the request id (`kvf:req:{id}` in Redis), as for completions.
+        response_id, created = f"cmpl-{req_hex}", int(time.time())
+        if request.stream:
+            return stream_with_errors(self._stream(request, choices, response_id, created))
+        return await self._respond(request, choices, response_id, created)
+
+    async def _respond(self, request: ChatCompletionRequest, choices: list[ChoiceGenerator],
+                       response_id: str, created: int) -> ChatCompletionResponse:
+        usage = UsageTally(request.n)
+        out = []
+        for index, deltas in enumerate(await self.collect(choices)):
+            final = deltas[-1]
+            usage.add(index, final.usage)
+            logprobs = self._logprobs(deltas) if request.logprobs else None
+            message = ChatMessageOut(content="".join(d.text for d in deltas))
+            out.append(ChatChoice(index=index, message=message, logprobs=logprobs,
+                                  finish_reason=final.finish_reason))
+        return ChatCompletionResponse(id=response_id, created=created, model=self.served_id,
+                                      choices=out, usage=usage.info())
+
+    async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceGenerator],
+                      response_id: str, created: int) -> AsyncIterator[str]:
+        def chunk(choice: ChatChunkChoice) -> str:
+            return sse(chunk_json(ChatCompletionChunk(id=response_id, created=created,
+                                                      model=self.served_id, choices=[choice])))
+
+        usage = UsageTally(request.n)
+        for index in range(len(choices)):
+            yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+        async for index, delta in merge_choices([aiter(c) for c in choices]):
+            logprobs = self._logprobs([delta]) if request.logprobs and delta.logprobs else None
+            if delta.text or logprobs is not None:
+                yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
+                                            logprobs=logprobs))
+            if delta.finish_reason is not None:
+                usage.add(index, delta.usage)
+                yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(),
+                                            finish_reason=delta.finish_reason))
+        if request.include_usage:
+            yield sse(chunk_json(ChatCompletionChunk(id=response_id, created=created,
+                                                     model=self.served_id, choices=[],
+                                                     usage=usage.info())))
+
+    def _logprobs(self, deltas: list[ChoiceDelta]) -> ChatChoiceLogprobs:
+        content = []
+        for delta in deltas:
+            for entry in delta.logprobs or []:
+                top = [self._top_logprob(token_id, logprob) for token_id, logprob in entry.top]
+                content.append(ChatLogprob(**self._top_logprob(entry.token_id, entry.logprob)
+                                           .model_dump(), top_logprobs=top))
+        return ChatChoiceLogprobs(content=content)
+
+    def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=self.processor.token_text(token_id), logprob=logprob,
+                          bytes=self.processor.token_bytes(token_id))

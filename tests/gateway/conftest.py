@@ -1,0 +1,61 @@
+"""Fixtures of the gateway tests: the real SmolLM2 tokenizer (loaded once), a fake engine, the
+app."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.tokenization import ModelInfo
+from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from shared.settings import GatewaySettings
+from tests.gateway.fakes import FakeEngineClient
+from tests.gateway.helpers import CONTEXT_LENGTH, MODEL
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+
+
+@pytest.fixture(scope="session")
+def model_info(tokenizer) -> ModelInfo:
+    return ModelInfo(served_id=MODEL, context_length=CONTEXT_LENGTH, vocab_size=len(tokenizer))
+
+
+@pytest.fixture
+def settings() -> GatewaySettings:
+    return GatewaySettings(redis_url="redis://127.0.0.1:1/0", model=MODEL, max_body_bytes=50_000,
+                           default_max_tokens=64, request_timeout_s=30,
+                           first_event_timeout_s=5)
+
+
+@pytest.fixture
+def engine() -> FakeEngineClient:
+    return FakeEngineClient()
+
+
+@pytest.fixture
+def app(settings, engine, tokenizer, model_info):
+    return create_app(settings, engine, tokenizer, model_info=model_info)
+
+
+@pytest.fixture
+async def http(app):
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        yield client
+
+
+@pytest.fixture
+def say(engine, tokenizer):
+    """say("text", **token_events options): every request answers `text` (plus EOS)."""
+    from tests.gateway.fakes import token_events
+
+    def configure(text: str, eos: bool = True, **options):
+        ids = tokenizer.encode(text) + ([tokenizer.eos_token_id] if eos else [])
+        engine.responder = lambda request: token_events(
+            ids, prompt_tokens=len(request.prompt_token_ids), **options)
+        return ids
+    return configure

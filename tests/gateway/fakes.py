@@ -1,0 +1,81 @@
+"""A scripted in-process EngineClient: the handlers' tests run without Redis or a worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from gateway.client import EngineClient, EngineUnavailable, EventStream
+from shared.messages import GenerationRequest, TokenEvent, Usage
+
+Script = list[TokenEvent | float | Exception]  # events, pauses (seconds), or an error to raise
+
+
+class FakeEventStream(EventStream):
+    """Plays a script, then waits forever (a real stream never ends by itself)."""
+
+    def __init__(self, script: Script, on_close: Callable[[], None]):
+        self._script = list(script)
+        self._on_close = on_close
+
+    async def __anext__(self) -> TokenEvent:
+        while self._script:
+            item = self._script.pop(0)
+            if isinstance(item, float):
+                await asyncio.sleep(item)
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                return item
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        self._on_close()
+
+
+class FakeEngineClient(EngineClient):
+    """`responder(request)` gives each submitted request its script."""
+
+    def __init__(self, responder: Callable[[GenerationRequest], Script] | None = None):
+        self.responder = responder or (lambda request: [])
+        self.submitted: list[GenerationRequest] = []
+        self.cancelled: list[str] = []
+        self.closed: list[str] = []
+        self.ready = True
+        self.unavailable = False
+
+    async def submit(self, request: GenerationRequest) -> EventStream:
+        if self.unavailable:
+            raise EngineUnavailable("cannot enqueue the request in Redis: connection refused")
+        self.submitted.append(request)
+        return FakeEventStream(self.responder(request),
+                               lambda: self.closed.append(request.req_id))
+
+    async def cancel(self, req_id: str) -> None:
+        self.cancelled.append(req_id)
+
+    async def is_ready(self) -> bool:
+        return self.ready
+
+
+def token_events(token_ids: list[int], *, prompt_tokens: int, attempt: int = 0, per_event: int = 1,
+                 finish_reason: str = "stop", cached_tokens: int = 0, start: int = 0,
+                 logprobs: bool = False) -> list[TokenEvent]:
+    """Events carrying `token_ids` a few at a time, the last one final with usage."""
+    from shared.messages import TokenLogprob
+
+    events = []
+    for i in range(0, len(token_ids), per_event):
+        chunk = token_ids[i:i + per_event]
+        lps = ([TokenLogprob(t, -0.5, [(t, -0.5), (t + 1, -1.5)]) for t in chunk]
+               if logprobs else None)
+        events.append(TokenEvent(seq=start + i, attempt=attempt, token_ids=chunk, logprobs=lps))
+    final_usage = Usage(prompt_tokens, start + len(token_ids), cached_tokens)
+    if events:
+        events[-1].finish_reason = finish_reason
+        events[-1].usage = final_usage
+    else:
+        events.append(TokenEvent(seq=start, attempt=attempt, finish_reason=finish_reason,
+                                 usage=final_usage))
+    return events

@@ -1,0 +1,115 @@
+"""The whole gateway (HTTP in, Redis out) against a real Redis and a fake worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import uvicorn
+from redis.asyncio import Redis
+
+from gateway.app import create_app
+from shared.keys import Keys
+from shared.messages import TokenEvent
+from shared.redis_server import free_port
+from shared.settings import GatewaySettings
+from tests.gateway.fake_worker import FakeWorker
+from tests.gateway.fakes import token_events
+from tests.gateway.helpers import MODEL
+
+PREFIX = "kvgw:"
+
+
+@pytest.fixture
+def redis_settings(redis_url) -> GatewaySettings:
+    return GatewaySettings(redis_url=redis_url, model=MODEL, key_prefix=PREFIX,
+                           request_timeout_s=30, first_event_timeout_s=5)
+
+
+@pytest.fixture
+async def served(redis_settings, tokenizer, model_info):
+    """The app with a RedisEngineClient, served by a real uvicorn (real disconnects)."""
+    app = create_app(redis_settings, None, tokenizer, model_info=model_info)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", app
+    server.should_exit = True
+    await asyncio.wait_for(task, 10)
+
+
+def hello_script(tokenizer):
+    ids = tokenizer.encode("Hello there!")
+
+    def script(request) -> list[TokenEvent]:
+        return token_events(ids + [2], prompt_tokens=len(request.prompt_token_ids), cached_tokens=3)
+    return script
+
+
+async def test_chat_round_trip_through_redis(served, redis_url, tokenizer):
+    base_url, app = served
+    async with FakeWorker(redis_url, Keys(PREFIX), MODEL, hello_script(tokenizer)) as worker:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "priority": "interactive", "seed": 5})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["message"]["content"] == "Hello there!"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
+    [request] = worker.received
+    assert request.req_id == body["id"]
+    assert request.params.seed == 5
+    assert request.prompt_token_ids == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True)["input_ids"]
+    assert request.deadline == pytest.approx(time.time() + 30, abs=5)
+    assert app.state.client.fanout.num_subscribed == 0
+
+
+async def test_client_disconnect_publishes_cancel(served, redis_url, tokenizer):
+    base_url, _app = served
+    keys = Keys(PREFIX)
+
+    def endless(request) -> list[TokenEvent]:  # a few tokens, then nothing: still generating
+        return [TokenEvent(seq=0, attempt=0, token_ids=tokenizer.encode("Once upon"))]
+
+    redis = Redis.from_url(redis_url)
+    cancels = redis.pubsub()
+    await cancels.subscribe(keys.cancel())
+    await cancels.get_message(timeout=1.0)
+    async with FakeWorker(redis_url, keys, MODEL, endless) as worker:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": "Tell me a story", "stream": True}) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if "Once" in line:
+                        break  # leave mid-stream: closing the response disconnects
+        message = await cancels.get_message(ignore_subscribe_messages=True, timeout=5.0)
+    await cancels.aclose()
+    await redis.aclose()
+    assert message is not None, "no cancel was published after the client went away"
+    assert message["data"].decode() == worker.received[0].req_id
+
+
+async def test_unreachable_redis_is_503_never_500(tokenizer, model_info):
+    settings = GatewaySettings(redis_url=f"redis://127.0.0.1:{free_port()}/0", model=MODEL)
+    app = create_app(settings, None, tokenizer, model_info=model_info)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            started = time.monotonic()
+            chat = await http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+            ready = await http.get("/ready")
+            health = await http.get("/health")
+            elapsed_s = time.monotonic() - started
+    assert chat.status_code == 503 and chat.json()["error"]["type"] == "service_unavailable"
+    assert ready.status_code == 503 and "error" in ready.json()
+    assert health.status_code == 200
+    assert elapsed_s < 15

@@ -1,0 +1,159 @@
+"""RedisEngineClient against a real Redis (flushed around each test) and a tiny fake worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from redis.asyncio import Redis
+
+from gateway.client import EngineTimeout, EngineUnavailable
+from gateway.redis_client import RedisEngineClient
+from shared.keys import Keys
+from shared.messages import GenerationRequest, SamplingParams, TokenEvent
+from tests.gateway.fake_worker import FakeWorker
+from tests.gateway.fakes import token_events
+
+MODEL = "tiny-model"
+KEYS = Keys("kvtest:")
+
+
+def make_request(req_id: str, prompt: list[int] | None = None, priority: str = "interactive",
+                 timeout_s: float = 30.0) -> GenerationRequest:
+    return GenerationRequest(req_id=req_id, model=MODEL, prompt_token_ids=prompt or [1, 2, 3],
+                             params=SamplingParams(max_tokens=4, seed=7),
+                             deadline=time.time() + timeout_s, priority=priority,
+                             created=time.time())
+
+
+def echo_script(request: GenerationRequest) -> list[TokenEvent]:
+    """Echoes the prompt back two tokens per event."""
+    return token_events(request.prompt_token_ids, prompt_tokens=len(request.prompt_token_ids),
+                        per_event=2)
+
+
+async def read_until_final(events) -> list[TokenEvent]:
+    received = []
+    async for event in events:
+        received.append(event)
+        if event.is_final:
+            break
+    await events.aclose()
+    return received
+
+
+@pytest.fixture
+async def client(redis_url):
+    engine = RedisEngineClient(redis_url, KEYS, first_event_timeout_s=5.0)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture
+async def redis(redis_url):
+    connection = Redis.from_url(redis_url)
+    yield connection
+    await connection.aclose()
+
+
+async def test_subscribes_before_enqueue_so_immediate_events_arrive(client, redis_url):
+    async with FakeWorker(redis_url, KEYS, MODEL, echo_script):
+        events = await client.submit(make_request("cmpl-a", [5, 6, 7, 8, 9]))
+        received = await read_until_final(events)
+    assert [t for e in received for t in e.token_ids] == [5, 6, 7, 8, 9]
+    assert received[-1].finish_reason == "stop"
+    assert received[-1].usage.completion_tokens == 5
+
+
+async def test_enqueue_is_idempotent_and_writes_the_protocol_keys(client, redis):
+    request = make_request("cmpl-once", priority="batch")
+    assert await client.enqueue(request) is True
+    assert await client.enqueue(request) is False
+    stream = KEYS.queue(MODEL, "batch")
+    assert await redis.xlen(stream) == 1
+    assert await redis.xlen(KEYS.queue(MODEL)) == 0
+    [(_entry_id, fields)] = await redis.xrange(stream)
+    assert set(fields) == {b"id", b"payload"}
+    assert fields[b"id"] == b"cmpl-once"
+    assert GenerationRequest.unpack(fields[b"payload"]) == request
+    stored = await redis.hgetall(KEYS.request("cmpl-once"))
+    assert stored == {b"payload": request.pack(), b"attempt": b"0", b"status": b"queued"}
+    assert 3600 < await redis.ttl(KEYS.request("cmpl-once")) <= 3600 + 600
+    assert await redis.ttl(KEYS.enqueued("cmpl-once")) > 3600
+
+
+async def test_concurrent_requests_share_one_pubsub_connection(client, redis, redis_url):
+    async with FakeWorker(redis_url, KEYS, MODEL, echo_script):
+        streams = await asyncio.gather(
+            *(client.submit(make_request(f"cmpl-c{i}", [10 + i] * (i + 1))) for i in range(8)))
+        subscribed = [line for line in (await redis.client_list()) if int(line["sub"]) > 0]
+        results = await asyncio.gather(*(read_until_final(s) for s in streams))
+    for i, received in enumerate(results):
+        assert [t for e in received for t in e.token_ids] == [10 + i] * (i + 1)
+    assert len(subscribed) == 1
+    assert int(subscribed[0]["sub"]) == 8
+    assert client.fanout.connections_opened == 1
+
+
+async def test_unsubscribes_when_the_request_ends(client, redis, redis_url):
+    async with FakeWorker(redis_url, KEYS, MODEL, echo_script):
+        await read_until_final(await client.submit(make_request("cmpl-u")))
+    for _ in range(50):
+        if not await redis.pubsub_channels():
+            break
+        await asyncio.sleep(0.02)
+    assert await redis.pubsub_channels() == []
+    assert client.fanout.num_subscribed == 0
+
+
+async def test_cancel_is_published(client, redis):
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(KEYS.cancel())
+    await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+    await client.cancel("cmpl-gone")
+    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2.0)
+    await pubsub.aclose()
+    assert message["channel"] == KEYS.cancel().encode() and message["data"] == b"cmpl-gone"
+
+
+async def test_request_waits_for_a_worker_that_starts_later(client, redis_url):
+    events = await client.submit(make_request("cmpl-late", [4, 2]))
+    await asyncio.sleep(0.3)  # no worker yet: the request waits in the stream
+    async with FakeWorker(redis_url, KEYS, MODEL, echo_script):
+        received = await read_until_final(events)
+    assert [t for e in received for t in e.token_ids] == [4, 2]
+
+
+async def test_no_first_event_in_time_is_a_timeout(redis_url):
+    engine = RedisEngineClient(redis_url, KEYS, first_event_timeout_s=0.2)
+    await engine.start()
+    try:
+        events = await engine.submit(make_request("cmpl-slow"))
+        with pytest.raises(EngineTimeout, match="no worker answered"):
+            await anext(events)
+        await events.aclose()
+    finally:
+        await engine.close()
+
+
+async def test_lost_pubsub_connection_ends_waiting_requests(client, redis):
+    events = await client.submit(make_request("cmpl-lost"))
+    await redis.client_kill_filter(_type="pubsub")
+    with pytest.raises(EngineUnavailable, match="lost the connection"):
+        await asyncio.wait_for(anext(events), 5)
+    await events.aclose()
+
+
+async def test_unreachable_redis_is_unavailable_quickly():
+    engine = RedisEngineClient("redis://127.0.0.1:1/0", KEYS, connect_timeout_s=0.5)
+    await engine.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable):
+            await engine.submit(make_request("cmpl-down"))
+        assert await engine.is_ready() is False
+        assert time.monotonic() - started < 10
+    finally:
+        await engine.close()
