@@ -41,10 +41,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
         torch.set_num_threads(settings.num_threads)
     path = resolve_model_path(settings.model, settings.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = Engine.from_pretrained(path, engine_config(settings), tokenizer=tokenizer)
-    for line in engine.budget_report():
-        log.info("%s", line)
-    return engine
+    return Engine.from_pretrained(path, engine_config(settings), tokenizer=tokenizer)  # logs its budget
 
 
 def run_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> None:
