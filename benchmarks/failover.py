@@ -6,7 +6,8 @@ text stays identical to an uninterrupted run, and what the kill costs in through
 Each trial: 2 workers serve N streamed greedy requests; once every request has tokens, the worker
 serving most of them is SIGKILLed and a replacement started afterwards. Reported: per-request pause
 (largest gap between content chunks) of resumed requests, p50 and max over all trials; fraction of
-requests whose text equals the uninterrupted reference; wall time of a kill run vs the reference.
+requests whose text equals the uninterrupted reference; median wall time of runs with a kill vs
+runs without one (each trial runs both, after one warm-up run).
 """
 
 from __future__ import annotations
