@@ -1,5 +1,6 @@
-"""`kvfleet up`: Redis (embedded when none is configured), one gateway and N workers in one
-process tree; Ctrl-C stops them all and removes the embedded Redis."""
+"""`kvfleet up`: Redis (embedded when none is configured), one gateway, N workers and one batch
+worker (rq, for /v1/batches) in one process tree; Ctrl-C stops them all and removes the embedded
+Redis."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Fleet:
         self.num_workers = num_workers
         self.env = env
         self.gateway: subprocess.Popen | None = None
+        self.batch: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen | None] = [None] * num_workers
 
     def _spawn(self, role: str, extra_env: dict[str, str]) -> subprocess.Popen:
@@ -42,6 +44,7 @@ class Fleet:
         self.gateway = self._spawn("gateway", {})
         for index in range(self.num_workers):
             self.start_worker(index)
+        self.batch = self._spawn("batch-worker", {})
 
     def supervise(self, stop: threading.Event) -> int:
         """Wait for Ctrl-C; restart dead workers; a dead gateway ends the fleet."""
@@ -55,10 +58,14 @@ class Fleet:
                                 proc.returncode)
                     time.sleep(1.0)
                     self.start_worker(index)
+            if self.batch.poll() is not None:
+                log.warning("batch worker exited with code %s; restarting it", self.batch.returncode)
+                self.batch = self._spawn("batch-worker", {})
         return 0
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        procs = [p for p in [self.gateway, *self.workers] if p is not None and p.poll() is None]
+        procs = [p for p in [self.gateway, self.batch, *self.workers]
+                 if p is not None and p.poll() is None]
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -88,6 +95,9 @@ def run_fleet(num_workers: int, env: dict[str, str]) -> int:
     resolve_model_path(settings.model, settings.cache_dir)
     fleet = Fleet(num_workers, env)
     try:
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        gateway_url = f"http://{host}:{settings.port}"
+        os.environ.setdefault("KVFLEET_GATEWAY_URL", gateway_url)  # where batch jobs send lines
         fleet.start()
         log.info("fleet up: gateway on http://%s:%d, %d worker(s); Ctrl-C stops it",
                  settings.host, settings.port, num_workers)
