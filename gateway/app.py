@@ -9,15 +9,22 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from gateway.admission import Admission, QueueWaitEstimator
+from gateway.auth import ApiKeyAuth, ApiKeyStore
 from gateway.client import EngineClient
+from gateway.dashboard import dashboard_router
 from gateway.errors import install_error_handlers
 from gateway.generation import BackgroundTasks
 from gateway.limits import BodySizeLimit
+from gateway.metrics import GatewayMetrics, RejectionCounter, metrics_route
+from gateway.ratelimit import RateLimiter
 from gateway.redis_client import RedisEngineClient
 from gateway.routes import router
 from gateway.serving_chat import ChatServing
 from gateway.serving_completion import CompletionServing
+from gateway.serving_reattach import ReattachServing
 from gateway.tokenization import ModelInfo, PromptProcessor
+from shared.keys import Keys
 from shared.models import load_tokenizer, resolve_model_path, served_model_id
 from shared.settings import GatewaySettings
 
@@ -52,15 +59,31 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
 
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
     processor = PromptProcessor(tokenizer, model_info)
+    served_id = model_info.served_id
+    metrics = GatewayMetrics(served_id)
     app.state.client = client
     app.state.model = model_info
+    app.state.metrics = metrics
     app.state.started = int(time.time())
-    app.state.completions = CompletionServing(client, processor, settings, background)
-    app.state.chat = ChatServing(client, processor, settings, background)
+    # Keys and limits live in the fleet's Redis; a client without Redis has settings' keys only.
+    redis_getter = (lambda: client.redis) if isinstance(client, RedisEngineClient) else None
+    keys = client.keys if isinstance(client, RedisEngineClient) else Keys(settings.key_prefix)
+    limiter = RateLimiter(redis_getter, keys, settings) if redis_getter else None
+    admission = Admission(QueueWaitEstimator(client, served_id, settings), limiter)
+    app.state.admission = admission
+    app.state.completions = CompletionServing(client, processor, settings, background, metrics,
+                                              admission)
+    app.state.chat = ChatServing(client, processor, settings, background, metrics, admission)
+    app.state.reattach = ReattachServing(client, processor)
     app.state.background = background
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(metrics_route(metrics))
+    if isinstance(client, RedisEngineClient):
+        app.include_router(dashboard_router(lambda: client.redis, client.keys, served_id, metrics))
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ApiKeyAuth, store=ApiKeyStore(settings.api_keys, redis_getter, keys))
+    app.add_middleware(RejectionCounter, metrics=metrics)  # added last: outermost, sees every 413
     return app
 
 

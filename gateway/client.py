@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 from shared.messages import GenerationRequest, TokenEvent
+from shared.status import RequestStatus
 
 
 class EngineError(Exception):
@@ -51,6 +53,25 @@ class EventStream(ABC):
         it runs inside cancelled tasks, where any real await would be cancelled again."""
 
 
+@dataclass
+class RequestSnapshot:
+    """A submitted request as Redis holds it: what was asked, how far it got, and its state."""
+
+    request: GenerationRequest
+    status: RequestStatus
+    attempt: int
+    token_ids: list[int] = field(default_factory=list)  # the checkpoint: output tokens so far
+
+
+@dataclass
+class QueueLoad:
+    """How busy a model's fleet is: requests no worker took yet and the live workers' speed."""
+
+    undelivered: int
+    live_workers: int
+    tokens_per_s: float
+
+
 class EngineClient(ABC):
     """What the handlers need from the fleet: submit, cancel, readiness."""
 
@@ -73,3 +94,20 @@ class EngineClient(ABC):
     async def is_ready(self) -> bool:
         """True when the fleet's Redis answers."""
 
+
+    async def attach(self, req_id: str) -> tuple[RequestSnapshot, EventStream] | None:
+        """Subscribe to a submitted request's events, *then* read its snapshot (so no token falls
+        between the two); None when the request is unknown or expired. Engines that keep no
+        requests return None."""
+        del req_id
+        return None
+
+    async def read_checkpoint(self, req_id: str) -> list[int]:
+        """The output tokens checkpointed so far (to fill a gap in the events); [] if unknown."""
+        del req_id
+        return []
+
+    async def queue_load(self, model: str) -> QueueLoad | None:
+        """The model's queue and fleet throughput (for backpressure); None when unknown."""
+        del model
+        return None

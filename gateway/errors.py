@@ -20,6 +20,9 @@ _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
                    413: "invalid_request_error", 429: "rate_limit_error"}
 
 
+_LOCATIONS = {"body", "query", "path", "header"}  # where FastAPI found a value: not in the name
+
+
 class APIError(Exception):
     """An error the client gets as it is: HTTP status plus OpenAI's error fields."""
 
@@ -81,7 +84,7 @@ def _field_path(error: dict, up_to_union: bool) -> str | None:
     """`messages.0.role` from pydantic's loc; union member names (`str`, `list[int]`) dropped,
     or the path cut at the first of them."""
     parts = []
-    for part in (str(p) for p in error.get("loc", ()) if p != "body"):
+    for part in (str(p) for p in error.get("loc", ()) if p not in _LOCATIONS):
         if _is_type_tag(part):
             if up_to_union:
                 break

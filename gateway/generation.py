@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gateway.client import EngineClient, EngineError, EventStream, WorkerError
 from gateway.detokenizer import IncrementalDetokenizer, StopStringFilter
-from gateway.sequencer import EventSequencer
+from gateway.sequencer import EventSequencer, NewTokens
 from shared.messages import GenerationRequest, TokenEvent, TokenLogprob, Usage
+
+log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 0.25  # after the gateway saw a stop string, how long to wait for the worker's usage
 
@@ -69,9 +72,7 @@ class ChoiceGenerator:
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         try:
             while True:
-                accepted = self._sequencer.accept(await anext(self._events))
-                if accepted is None:
-                    continue
+                accepted = await self._next_tokens()
                 delta = ChoiceDelta(token_ids=accepted.token_ids, logprobs=accepted.logprobs)
                 self._num_tokens += len(accepted.token_ids)
                 delta.text = self._stops.feed(self._detokenizer.add(accepted.token_ids))
@@ -88,6 +89,29 @@ class ChoiceGenerator:
                     yield delta
         finally:
             await self.close()
+
+    async def _next_tokens(self) -> NewTokens:
+        """The next tokens the client has not seen, a gap filled from the checkpoint."""
+        while True:
+            event = await anext(self._events)
+            filler = await self._fill_gap(event)
+            accepted = self._sequencer.accept(event)
+            if accepted is None:
+                continue
+            if filler:  # logprobs are not checkpointed: a filled delta carries none
+                return NewTokens(filler + accepted.token_ids, None, accepted.final)
+            return accepted
+
+    async def _fill_gap(self, event: TokenEvent) -> list[int]:
+        gap = self._sequencer.gap(event)
+        if gap is None:
+            return []
+        first, end = gap
+        filler = (await self._client.read_checkpoint(self._request.req_id))[first:end]
+        log.info("request %s: tokens %d..%d missed on pub/sub, %d read from the checkpoint",
+                 self._request.req_id, first, end, len(filler))
+        self._sequencer.fill(first, filler)
+        return filler
 
     async def close(self) -> None:
         """Release the event stream; cancel the request unless it finished. Idempotent, and safe
@@ -138,6 +162,15 @@ async def merge_choices(choices: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
     """Items of all iterators as they come, tagged with the iterator's index. The first error ends
     the merge; stopping early cancels the iterators still running (their requests get cancelled).
     """
+    if len(choices) == 1:  # no pump task and no queue hop for the common n=1
+        try:
+            async for item in choices[0]:
+                yield 0, item
+        finally:
+            aclose = getattr(choices[0], "aclose", None)
+            if aclose is not None:
+                await aclose()  # its own cleanup never blocks (ChoiceGenerator.close)
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, choice: AsyncIterator[T]) -> None:

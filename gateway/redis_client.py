@@ -3,16 +3,26 @@ the process's single pub/sub connection (DESIGN.md, "The fleet protocol")."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
+import sys
 import time
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.client import EngineClient, EngineTimeout, EngineUnavailable, EventStream
+from gateway.client import (
+    EngineClient,
+    EngineTimeout,
+    EngineUnavailable,
+    EventStream,
+    QueueLoad,
+    RequestSnapshot,
+)
+from gateway.dashboard import stream_depth
 from gateway.fanout import ConnectionLost, TokenFanout
-from shared.keys import Keys
+from shared.keys import PRIORITIES, Keys
 from shared.messages import GenerationRequest, TokenEvent
 from shared.settings import GatewaySettings
 from shared.status import RequestStatus
@@ -31,6 +41,22 @@ redis.call('EXPIRE', KEYS[2], ARGV[1])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[3], 'payload', ARGV[2])
 return 1
 """
+
+def decode_checkpoint(raw: bytes | None) -> list[int]:
+    """The checkpoint string: little-endian uint32 token ids (worker/protocol.py writes it)."""
+    data = array.array("I")
+    data.frombytes((raw or b"")[:len(raw or b"") // 4 * 4])
+    if sys.byteorder == "big":  # pragma: no cover
+        data.byteswap()
+    return data.tolist()
+
+
+def _float(raw: bytes | None) -> float:
+    try:
+        return max(float(raw or 0), 0.0)
+    except ValueError:
+        return 0.0
+
 
 RESULT_GRACE_S = 3600  # the request hash outlives the request's deadline by this much
 
@@ -56,17 +82,26 @@ class RedisEventStream(EventStream):
 
     async def __anext__(self) -> TokenEvent:
         try:
-            raw = await asyncio.wait_for(self._queue.get(), self._timeout_s())
+            raw = self._queue.get_nowait()  # the common case under load: no timer, no task
+            if self._deadline is not None and time.time() > self._deadline:
+                raise EngineTimeout(f"request {self.req_id} passed its deadline")
+        except asyncio.QueueEmpty:
+            raw = await self._wait()
+        if isinstance(raw, ConnectionLost):
+            raise EngineUnavailable("lost the connection to Redis while waiting for tokens")
+        self._received_any = True
+        return TokenEvent.unpack(raw)
+
+    async def _wait(self) -> bytes | ConnectionLost:
+        try:
+            async with asyncio.timeout(self._timeout_s()):  # cheaper than wait_for (no task)
+                return await self._queue.get()
         except TimeoutError:
             if self._received_any:
                 raise EngineTimeout(f"request {self.req_id} passed its deadline") from None
             raise EngineTimeout(
                 f"no worker answered request {self.req_id} in time (is a worker running for "
                 "this model?)") from None
-        if isinstance(raw, ConnectionLost):
-            raise EngineUnavailable("lost the connection to Redis while waiting for tokens")
-        self._received_any = True
-        return TokenEvent.unpack(raw)
 
     async def aclose(self) -> None:
         self._fanout.release(self._channel)
@@ -128,6 +163,69 @@ class RedisEngineClient(EngineClient):
                 return bool(await self._enqueue(keys=keys, args=args))
         except (RedisError, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
+
+    async def attach(self, req_id: str) -> tuple[RequestSnapshot, EventStream] | None:
+        channel = self.keys.tokens(req_id)
+        queue = await self.fanout.subscribe(channel)  # before the reads: pub/sub keeps nothing
+        try:
+            snapshot = await self._read_snapshot(req_id)
+        except BaseException:
+            self.fanout.release(channel)
+            raise
+        if snapshot is None:
+            self.fanout.release(channel)
+            return None
+        stream = RedisEventStream(req_id, channel, queue, self.fanout,
+                                  self._first_event_timeout_s, snapshot.request.deadline)
+        return snapshot, stream
+
+    async def _read_snapshot(self, req_id: str) -> RequestSnapshot | None:
+        try:
+            async with asyncio.timeout(self._command_timeout_s * 2):
+                pipe = self.redis.pipeline(transaction=True)  # hash and checkpoint of one moment
+                pipe.hmget(self.keys.request(req_id), "payload", "status", "attempt")
+                pipe.get(self.keys.checkpoint(req_id))
+                (payload, status, attempt), ckpt = await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise EngineUnavailable(f"cannot read the request from Redis: {exc!r}") from exc
+        if payload is None:
+            return None
+        try:
+            request_status = RequestStatus(status.decode() if status else "queued")
+        except ValueError:
+            request_status = RequestStatus.QUEUED
+        return RequestSnapshot(GenerationRequest.unpack(payload), request_status,
+                               int(attempt or 0), decode_checkpoint(ckpt))
+
+    async def read_checkpoint(self, req_id: str) -> list[int]:
+        try:
+            async with asyncio.timeout(self._command_timeout_s):
+                return decode_checkpoint(await self.redis.get(self.keys.checkpoint(req_id)))
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("could not read the checkpoint of %s: %r", req_id, exc)
+            return []
+
+    async def queue_load(self, model: str) -> QueueLoad | None:
+        """Undelivered entries of the model's streams (the group's lag) and the summed tokens/s
+        of live heartbeats for this model (expired heartbeats are gone by their TTL)."""
+        try:
+            async with asyncio.timeout(self._command_timeout_s * 2):
+                undelivered = 0
+                for priority in PRIORITIES:
+                    depth, _pending = await stream_depth(
+                        self.redis, self.keys.queue(model, priority), self.keys.group)
+                    undelivered += depth
+                names = [k async for k in self.redis.scan_iter(
+                    match=self.keys.worker_pattern(), count=1000)]
+                pipe = self.redis.pipeline(transaction=False)
+                for name in names:
+                    pipe.hmget(name, "model", "tokens_per_s")
+                beats = await pipe.execute() if names else []
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("could not read the queue load: %r", exc)
+            return None
+        mine = [tps for m, tps in beats if m is not None and m.decode() == model]
+        return QueueLoad(undelivered, len(mine), sum(_float(tps) for tps in mine))
 
     async def cancel(self, req_id: str) -> None:
         try:

@@ -131,3 +131,22 @@ def chunk_json(chunk: BaseModel) -> str:
         if "delta" in choice:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+# --- GET /v1/requests/{id}/stream (re-attach) --------------------------------------------------
+
+class ResumedChoice(CompletionChoice):
+    """A completions chunk choice that also says which output tokens it carries: `token_ids` are
+    output tokens `token_index .. token_index + len(token_ids) - 1`. A client that lost the
+    stream re-attaches with `after = token_index + len(token_ids)` of the last chunk it got."""
+
+    token_index: int
+    token_ids: list[int] = Field(default_factory=list)
+
+
+class ResumedChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[ResumedChoice]

@@ -28,6 +28,18 @@ class EventSequencer:
         self.attempt_max = 0
         self.next_seq = 0
 
+    def gap(self, event: TokenEvent) -> tuple[int, int] | None:
+        """(first, end) of the tokens missing before `event` (a lost pub/sub message), or None.
+        The worker appends to the checkpoint before it publishes, so the checkpoint has them."""
+        if event.attempt < self.attempt_max or event.seq <= self.next_seq:
+            return None
+        return self.next_seq, event.seq
+
+    def fill(self, first: int, token_ids: list[int]) -> None:
+        """Tokens `first..` were delivered from the checkpoint (they fill a gap)."""
+        if first == self.next_seq:
+            self.next_seq += len(token_ids)
+
     def accept(self, event: TokenEvent) -> NewTokens | None:
         """The new tokens of `event`, or None when the whole event is stale."""
         if event.attempt < self.attempt_max:
@@ -35,7 +47,7 @@ class EventSequencer:
         self.attempt_max = event.attempt
         skip = self.next_seq - event.seq  # tokens of this event the client already has
         if skip < 0:
-            # Cannot happen if the worker resumes from its checkpoint; keep going rather than stall.
+            # The checkpoint did not have the tokens either: keep going rather than stall.
             log.warning("token gap: expected seq %d, got %d (attempt %d)",
                         self.next_seq, event.seq, event.attempt)
             skip = 0

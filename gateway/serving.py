@@ -9,15 +9,21 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from gateway.client import EngineClient, EngineError
 from gateway.errors import bad_request, error_body, model_not_found
 from gateway.generation import BackgroundTasks, ChoiceDelta, ChoiceGenerator, merge_choices
+from gateway.metrics import GatewayMetrics, RequestTracker
 from gateway.protocol import MAX_CHOICES, SamplingRequest
 from gateway.responses import UsageInfo
 from gateway.tokenization import PromptProcessor
 from shared.messages import GenerationRequest, Usage
 from shared.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from gateway.admission import Admission
+    from gateway.auth import Principal
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +75,14 @@ class OpenAIServing:
     """Base of the handlers: talks to an EngineClient, never to Redis or HTTP objects."""
 
     def __init__(self, client: EngineClient, processor: PromptProcessor,
-                 settings: GatewaySettings, background: BackgroundTasks):
+                 settings: GatewaySettings, background: BackgroundTasks,
+                 metrics: GatewayMetrics, admission: Admission | None = None):
         self.client = client
         self.processor = processor
         self.settings = settings
         self.background = background
+        self.metrics = metrics
+        self.admission = admission
 
     @property
     def served_id(self) -> str:
@@ -120,12 +129,25 @@ class OpenAIServing:
             raise
         return choices
 
-    async def collect(self, choices: list[ChoiceGenerator]) -> list[list[ChoiceDelta]]:
+    async def admit(self, requests: list[GenerationRequest], principal: Principal | None) -> None:
+        """Rate limits and backpressure; raises APIError 429 when the request must wait."""
+        if self.admission is not None:
+            await self.admission.admit(requests, principal)
+
+    async def collect(self, choices: list[ChoiceGenerator], tracker: RequestTracker
+                      ) -> list[list[ChoiceDelta]]:
         """Every delta of every choice, by choice index (the non-streaming answer)."""
         deltas: list[list[ChoiceDelta]] = [[] for _ in choices]
         async for index, delta in merge_choices([aiter(c) for c in choices]):
+            if delta.token_ids:
+                tracker.on_tokens(len(delta.token_ids))
             deltas[index].append(delta)
         return deltas
+
+
+def outcome_of(finish_reasons: list[str | None]) -> str:
+    """One metrics outcome for n choices: `length` if any choice hit its limit, else `stop`."""
+    return "length" if "length" in finish_reasons else "stop"
 
 
 async def stream_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:

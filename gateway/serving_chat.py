@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from gateway.generation import ChoiceDelta, ChoiceGenerator, merge_choices
 from gateway.protocol import ChatCompletionRequest
@@ -19,61 +20,98 @@ from gateway.responses import (
     TopLogprob,
     chunk_json,
 )
-from gateway.serving import OpenAIServing, UsageTally, new_request_id, sse, stream_with_errors
+from gateway.metrics import RequestTracker
+from gateway.serving import (
+    OpenAIServing,
+    UsageTally,
+    new_request_id,
+    outcome_of,
+    sse,
+    stream_with_errors,
+)
+
+if TYPE_CHECKING:
+    from gateway.auth import Principal
 
 
 class ChatServing(OpenAIServing):
 
-    async def create(self, request: ChatCompletionRequest
+    async def create(self, request: ChatCompletionRequest, principal: Principal | None = None
                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A whole response, or the SSE lines of a stream (for the route to send)."""
-        self.check_model(request.model)
-        prompt = self.processor.chat_prompt([m.to_template_dict() for m in request.messages],
-                                            request.add_generation_prompt)
-        req_hex = new_request_id()
-        choices = await self.submit_all(self.build_requests(req_hex, [prompt], request))
-        # The response id is the request id (`kvf:req:{id}` in Redis), as for completions.
-        response_id, created = f"cmpl-{req_hex}", int(time.time())
-        if request.stream:
-            return stream_with_errors(self._stream(request, choices, response_id, created))
-        return await self._respond(request, choices, response_id, created)
+        tracker = self.metrics.track("chat")
+        try:
+            self.check_model(request.model)
+            prompt = self.processor.chat_prompt([m.to_template_dict() for m in request.messages],
+                                                request.add_generation_prompt)
+            req_hex = new_request_id()
+            requests = self.build_requests(req_hex, [prompt], request)
+            await self.admit(requests, principal)
+            choices = await self.submit_all(requests)
+            # The response id is the request id (`kvf:req:{id}` in Redis), as for completions.
+            response_id, created = f"cmpl-{req_hex}", int(time.time())
+            if request.stream:
+                return stream_with_errors(
+                    self._stream(request, choices, response_id, created, tracker))
+            return await self._respond(request, choices, response_id, created, tracker)
+        except BaseException:
+            tracker.discard()
+            raise
 
     async def _respond(self, request: ChatCompletionRequest, choices: list[ChoiceGenerator],
-                       response_id: str, created: int) -> ChatCompletionResponse:
+                       response_id: str, created: int, tracker: RequestTracker
+                       ) -> ChatCompletionResponse:
         usage = UsageTally(request.n)
         out = []
-        for index, deltas in enumerate(await self.collect(choices)):
+        for index, deltas in enumerate(await self.collect(choices, tracker)):
             final = deltas[-1]
             usage.add(index, final.usage)
             logprobs = self._logprobs(deltas) if request.logprobs else None
             message = ChatMessageOut(content="".join(d.text for d in deltas))
             out.append(ChatChoice(index=index, message=message, logprobs=logprobs,
                                   finish_reason=final.finish_reason))
+        info = usage.info()
+        tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
+                       info.completion_tokens)
         return ChatCompletionResponse(id=response_id, created=created, model=self.served_id,
-                                      choices=out, usage=usage.info())
+                                      choices=out, usage=info)
 
     async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceGenerator],
-                      response_id: str, created: int) -> AsyncIterator[str]:
+                      response_id: str, created: int, tracker: RequestTracker
+                      ) -> AsyncIterator[str]:
         def chunk(choice: ChatChunkChoice) -> str:
             return sse(chunk_json(ChatCompletionChunk(id=response_id, created=created,
                                                       model=self.served_id, choices=[choice])))
 
         usage = UsageTally(request.n)
-        for index in range(len(choices)):
-            yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
-        async for index, delta in merge_choices([aiter(c) for c in choices]):
-            logprobs = self._logprobs([delta]) if request.logprobs and delta.logprobs else None
-            if delta.text or logprobs is not None:
-                yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
-                                            logprobs=logprobs))
-            if delta.finish_reason is not None:
-                usage.add(index, delta.usage)
-                yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(),
-                                            finish_reason=delta.finish_reason))
-        if request.include_usage:
-            yield sse(chunk_json(ChatCompletionChunk(id=response_id, created=created,
-                                                     model=self.served_id, choices=[],
-                                                     usage=usage.info())))
+        finish_reasons: list[str | None] = []
+        try:
+            for index in range(len(choices)):
+                yield chunk(ChatChunkChoice(index=index,
+                                            delta=ChatDelta(role="assistant", content="")))
+            async for index, delta in merge_choices([aiter(c) for c in choices]):
+                if delta.token_ids:
+                    tracker.on_tokens(len(delta.token_ids))
+                logprobs = self._logprobs([delta]) if request.logprobs and delta.logprobs else None
+                if delta.text or logprobs is not None:
+                    yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
+                                                logprobs=logprobs))
+                if delta.finish_reason is not None:
+                    usage.add(index, delta.usage)
+                    finish_reasons.append(delta.finish_reason)
+                    yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(),
+                                                finish_reason=delta.finish_reason))
+            info = usage.info()
+            if request.include_usage:
+                yield sse(chunk_json(ChatCompletionChunk(id=response_id, created=created,
+                                                         model=self.served_id, choices=[],
+                                                         usage=info)))
+            tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens)
+        except Exception:
+            tracker.finish("error")
+            raise
+        finally:
+            tracker.finish("abort")  # no-op after a finish: only a client gone mid-stream
 
     def _logprobs(self, deltas: list[ChoiceDelta]) -> ChatChoiceLogprobs:
         content = []

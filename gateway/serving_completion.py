@@ -4,35 +4,56 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from gateway.generation import ChoiceDelta, ChoiceGenerator, merge_choices
 from gateway.protocol import CompletionRequest
 from gateway.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, chunk_json
-from gateway.serving import OpenAIServing, UsageTally, new_request_id, sse, stream_with_errors
+from gateway.metrics import RequestTracker
+from gateway.serving import (
+    OpenAIServing,
+    UsageTally,
+    new_request_id,
+    outcome_of,
+    sse,
+    stream_with_errors,
+)
 from shared.messages import TokenLogprob
+
+if TYPE_CHECKING:
+    from gateway.auth import Principal
 
 
 class CompletionServing(OpenAIServing):
 
-    async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create(self, request: CompletionRequest, principal: Principal | None = None
+                     ) -> CompletionResponse | AsyncIterator[str]:
         """A whole response, or the SSE lines of a stream (for the route to send)."""
-        self.check_model(request.model)
-        prompts = self.processor.completion_prompts(request.prompt)
-        req_hex = new_request_id()
-        choices = await self.submit_all(self.build_requests(req_hex, prompts, request))
-        echoes = [self.processor.decode(p) if request.echo else "" for p in prompts
-                  for _ in range(request.n)]
-        response_id, created = f"cmpl-{req_hex}", int(time.time())
-        if request.stream:
-            return stream_with_errors(
-                self._stream(request, choices, echoes, response_id, created))
-        return await self._respond(request, choices, echoes, response_id, created)
+        tracker = self.metrics.track("completions")
+        try:
+            self.check_model(request.model)
+            prompts = self.processor.completion_prompts(request.prompt)
+            req_hex = new_request_id()
+            requests = self.build_requests(req_hex, prompts, request)
+            await self.admit(requests, principal)
+            choices = await self.submit_all(requests)
+            echoes = [self.processor.decode(p) if request.echo else "" for p in prompts
+                      for _ in range(request.n)]
+            response_id, created = f"cmpl-{req_hex}", int(time.time())
+            if request.stream:
+                return stream_with_errors(
+                    self._stream(request, choices, echoes, response_id, created, tracker))
+            return await self._respond(request, choices, echoes, response_id, created, tracker)
+        except BaseException:
+            tracker.discard()
+            raise
 
     async def _respond(self, request: CompletionRequest, choices: list[ChoiceGenerator],
-                       echoes: list[str], response_id: str, created: int) -> CompletionResponse:
+                       echoes: list[str], response_id: str, created: int,
+                       tracker: RequestTracker) -> CompletionResponse:
         usage = UsageTally(request.n)
         out = []
-        for index, deltas in enumerate(await self.collect(choices)):
+        for index, deltas in enumerate(await self.collect(choices, tracker)):
             final = deltas[-1]
             usage.add(index, final.usage)
             logprobs = None
@@ -42,35 +63,51 @@ class CompletionServing(OpenAIServing):
             out.append(CompletionChoice(index=index, logprobs=logprobs,
                                         text=echoes[index] + "".join(d.text for d in deltas),
                                         finish_reason=final.finish_reason))
+        info = usage.info()
+        tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
+                       info.completion_tokens)
         return CompletionResponse(id=response_id, created=created, model=self.served_id,
-                                  choices=out, usage=usage.info())
+                                  choices=out, usage=info)
 
     async def _stream(self, request: CompletionRequest, choices: list[ChoiceGenerator],
-                      echoes: list[str], response_id: str, created: int) -> AsyncIterator[str]:
+                      echoes: list[str], response_id: str, created: int,
+                      tracker: RequestTracker) -> AsyncIterator[str]:
         def chunk(choice: CompletionChoice) -> str:
             return sse(chunk_json(CompletionResponse(id=response_id, created=created,
                                                      model=self.served_id, choices=[choice])))
 
         usage = UsageTally(request.n)
         offsets = [len(echo) for echo in echoes]
-        for index, echo in enumerate(echoes):
-            if echo:
-                yield chunk(CompletionChoice(index=index, text=echo))
-        async for index, delta in merge_choices([aiter(c) for c in choices]):
-            logprobs = None
-            if request.logprobs is not None and delta.logprobs:
-                logprobs = CompletionLogprobs()
-                offsets[index] = self._add_logprobs(logprobs, [delta], offsets[index])
-            if delta.text or logprobs is not None:
-                yield chunk(CompletionChoice(index=index, text=delta.text, logprobs=logprobs))
-            if delta.finish_reason is not None:
-                usage.add(index, delta.usage)
-                yield chunk(CompletionChoice(index=index, text="",
-                                             finish_reason=delta.finish_reason))
-        if request.include_usage:
-            yield sse(chunk_json(CompletionResponse(id=response_id, created=created,
-                                                    model=self.served_id, choices=[],
-                                                    usage=usage.info())))
+        finish_reasons: list[str | None] = []
+        try:
+            for index, echo in enumerate(echoes):
+                if echo:
+                    yield chunk(CompletionChoice(index=index, text=echo))
+            async for index, delta in merge_choices([aiter(c) for c in choices]):
+                if delta.token_ids:
+                    tracker.on_tokens(len(delta.token_ids))
+                logprobs = None
+                if request.logprobs is not None and delta.logprobs:
+                    logprobs = CompletionLogprobs()
+                    offsets[index] = self._add_logprobs(logprobs, [delta], offsets[index])
+                if delta.text or logprobs is not None:
+                    yield chunk(CompletionChoice(index=index, text=delta.text, logprobs=logprobs))
+                if delta.finish_reason is not None:
+                    usage.add(index, delta.usage)
+                    finish_reasons.append(delta.finish_reason)
+                    yield chunk(CompletionChoice(index=index, text="",
+                                                 finish_reason=delta.finish_reason))
+            info = usage.info()
+            if request.include_usage:
+                yield sse(chunk_json(CompletionResponse(id=response_id, created=created,
+                                                        model=self.served_id, choices=[],
+                                                        usage=info)))
+            tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens)
+        except Exception:
+            tracker.finish("error")
+            raise
+        finally:
+            tracker.finish("abort")  # no-op after a finish: only a client gone mid-stream
 
     def _add_logprobs(self, out: CompletionLogprobs, deltas: list[ChoiceDelta],
                       text_offset: int) -> int:

@@ -48,6 +48,16 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = 1_000_000
     default_max_tokens: int = 256
     stream_maxlen: int = 100_000  # cap of each request stream
+    # Backpressure: refuse (429 + Retry-After) when the queue's expected wait is too long.
+    max_queue_wait_s: float = 60.0  # expected wait limit; 0 = off (the depth limit still holds)
+    max_queue_depth: int = 1000  # undelivered requests of the model; 0 = no limit
+    queue_tokens_per_request: int = 256  # work assumed per queued request, output tokens
+    min_fleet_tokens_per_s: float = 200.0  # throughput floor while live workers report ~0
+    queue_estimate_cache_s: float = 0.5  # one read of queue + heartbeats per period
+    # API keys and per-key rate limits (0 = unlimited; a key's own limits override these).
+    api_keys: str = ""  # comma-separated plaintext keys (KVFLEET_API_KEYS), besides Redis keys
+    rate_limit_rpm: int = 0  # requests per minute per key
+    rate_limit_tpm: int = 0  # tokens (prompt + max_tokens) per minute per key
 
 
 class WorkerSettings(CommonSettings):

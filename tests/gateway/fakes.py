@@ -44,6 +44,8 @@ class FakeEngineClient(EngineClient):
         self.closed: list[str] = []
         self.ready = True
         self.unavailable = False
+        self.checkpoints: dict[str, list[int]] = {}  # what read_checkpoint answers, by request id
+        self.default_checkpoint: list[int] = []  # ... for ids not in `checkpoints`
 
     async def submit(self, request: GenerationRequest) -> EventStream:
         if self.unavailable:
@@ -57,6 +59,9 @@ class FakeEngineClient(EngineClient):
 
     async def is_ready(self) -> bool:
         return self.ready
+
+    async def read_checkpoint(self, req_id: str) -> list[int]:
+        return list(self.checkpoints.get(req_id, self.default_checkpoint))
 
 
 def token_events(token_ids: list[int], *, prompt_tokens: int, attempt: int = 0, per_event: int = 1,

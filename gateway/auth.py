@@ -1,0 +1,168 @@
+"""Optional API keys: plaintext keys from settings (`KVFLEET_API_KEYS`) and keys kept in Redis as
+SHA-256 hashes (`kvfleet keys`). When any key exists, every `/v1/*` request needs
+`Authorization: Bearer <key>`; `/health`, `/ready`, `/metrics` and `/dashboard` stay open."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import APIError
+from shared.keys import Keys
+
+PROTECTED_PREFIX = "/v1/"
+KEY_PREFIX = "kvf-"  # plaintext keys start with it, so a leaked one is recognisable
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request: an API key's id and its own limits (None = the settings' default)."""
+
+    key_id: str
+    name: str = ""
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+@dataclass
+class KeyRecord:
+    """What Redis keeps of a key (JSON under its hash in `Keys.api_keys()`)."""
+
+    id: str
+    name: str = ""
+    rpm: int | None = None
+    tpm: int | None = None
+    created: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> KeyRecord:
+        return cls(**json.loads(raw))
+
+    def principal(self) -> Principal:
+        return Principal(self.id, self.name, self.rpm, self.tpm)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> tuple[str, str]:
+    """(key id, plaintext key): the id is public (logs, `kvfleet keys list`), the key is secret."""
+    return f"key_{secrets.token_hex(4)}", KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def invalid_api_key(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key")
+
+
+class ApiKeyStore:
+    """Looks keys up: settings' keys in memory, Redis keys by hash (one HGET per request, so a
+    revocation takes effect at once). Whether Redis holds any key is cached for `cache_s`."""
+
+    def __init__(self, plaintext_keys: str, redis_getter: Callable[[], Redis] | None,
+                 keys: Keys, cache_s: float = 1.0):
+        self._env = {hash_key(k.strip()): f"env-{hash_key(k.strip())[:8]}"
+                     for k in plaintext_keys.split(",") if k.strip()}
+        self._redis_getter = redis_getter
+        self._hash_name = keys.api_keys()
+        self._cache_s = cache_s
+        self._redis_has_keys = False
+        self._checked_at = -float("inf")
+
+    async def required(self) -> bool:
+        """True when any key is configured (then every /v1 request must carry one)."""
+        if self._env:
+            return True
+        if self._redis_getter is None:
+            return False
+        if time.monotonic() - self._checked_at >= self._cache_s:
+            self._redis_has_keys = bool(await self._redis_getter().hlen(self._hash_name))
+            self._checked_at = time.monotonic()
+        return self._redis_has_keys
+
+    async def lookup(self, key: str) -> Principal | None:
+        digest = hash_key(key)
+        for known, key_id in self._env.items():
+            if hmac.compare_digest(known, digest):
+                return Principal(key_id)
+        if self._redis_getter is None:
+            return None
+        raw = await self._redis_getter().hget(self._hash_name, digest)
+        return KeyRecord.from_json(raw).principal() if raw else None
+
+    async def authenticate(self, authorization: str | None) -> Principal | None:
+        """The request's principal; None when no key is configured; raises a 401 APIError."""
+        try:
+            if not await self.required():
+                return None
+            scheme, _, key = (authorization or "").partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                raise invalid_api_key("Missing API key: send `Authorization: Bearer <key>`.")
+            principal = await self.lookup(key.strip())
+        except (RedisError, OSError) as exc:
+            raise APIError(503, f"Cannot check the API key: Redis does not answer ({exc!r}).",
+                           error_type="service_unavailable") from exc
+        if principal is None:
+            raise invalid_api_key("Incorrect API key provided.")
+        return principal
+
+
+class ApiKeyAuth:
+    """ASGI middleware: authenticates `/v1/*` and puts the Principal in `request.state.principal`
+    (None when keys are off)."""
+
+    def __init__(self, app: ASGIApp, store: ApiKeyStore):
+        self.app = app
+        self.store = store
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith(PROTECTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+        try:
+            principal = await self.store.authenticate(authorization)
+        except APIError as exc:
+            await exc.response()(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+
+# ---- management (`kvfleet keys`), synchronous --------------------------------------------------
+
+def create_key(redis, keys: Keys, name: str = "", rpm: int | None = None,
+               tpm: int | None = None) -> tuple[KeyRecord, str]:
+    """Store a new key's hash; returns its record and the plaintext (shown once, never stored)."""
+    key_id, plaintext = new_key()
+    record = KeyRecord(key_id, name, rpm, tpm, round(time.time(), 3))
+    redis.hset(keys.api_keys(), hash_key(plaintext), record.to_json())
+    return record, plaintext
+
+
+def list_keys(redis, keys: Keys) -> list[KeyRecord]:
+    records = [KeyRecord.from_json(raw) for raw in redis.hvals(keys.api_keys())]
+    return sorted(records, key=lambda r: r.created)
+
+
+def revoke_key(redis, keys: Keys, key_id: str) -> bool:
+    """Delete the key with id `key_id` (and its rate-limit state); False if there is none."""
+    for digest, raw in redis.hgetall(keys.api_keys()).items():
+        if KeyRecord.from_json(raw).id == key_id:
+            redis.hdel(keys.api_keys(), digest)
+            redis.delete(keys.rate_limit(key_id, "req"), keys.rate_limit(key_id, "tok"))
+            return True
+    return False
