@@ -15,6 +15,7 @@ from gateway.client import EngineClient
 from gateway.dashboard import dashboard_router
 from gateway.errors import install_error_handlers
 from gateway.generation import BackgroundTasks
+from gateway.batch_api import batch_router
 from gateway.limits import BodySizeLimit
 from gateway.metrics import GatewayMetrics, RejectionCounter, metrics_route
 from gateway.ratelimit import RateLimiter
@@ -78,10 +79,13 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.state.background = background
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(batch_router(settings))
     app.include_router(metrics_route(metrics))
     if isinstance(client, RedisEngineClient):
         app.include_router(dashboard_router(lambda: client.redis, client.keys, served_id, metrics))
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    # /v1/files takes batch input files and enforces KVFLEET_BATCH_MAX_FILE_BYTES itself.
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
+                       exempt_paths=("/v1/files",))
     app.add_middleware(ApiKeyAuth, store=ApiKeyStore(settings.api_keys, redis_getter, keys))
     app.add_middleware(RejectionCounter, metrics=metrics)  # added last: outermost, sees every 413
     return app

@@ -11,12 +11,13 @@ class BodySizeLimit:
     """ASGI middleware. Trusts Content-Length when given; otherwise reads the body (at most the
     limit plus one chunk) and replays it to the app."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, exempt_paths: tuple[str, ...] = ()):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.exempt_paths = exempt_paths  # routes that enforce a limit of their own (file uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.exempt_paths:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")

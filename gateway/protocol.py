@@ -29,7 +29,7 @@ class SamplingRequest(BaseModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: the server's default
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
@@ -74,10 +74,12 @@ class SamplingRequest(BaseModel):
         """None = no logprobs; N = the sampled token's logprob plus the top-N alternatives."""
         return None
 
-    def to_sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, seed: int,
+                           default_temperature: float = 1.0) -> SamplingParams:
         """Engine parameters for one choice (each choice gets its own seed)."""
+        temperature = self.temperature if self.temperature is not None else default_temperature
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
             top_k=max(self.top_k, 0), min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

@@ -88,6 +88,11 @@ class OpenAIServing:
     def served_id(self) -> str:
         return self.processor.model.served_id
 
+    @property
+    def default_temperature(self) -> float:
+        configured = self.settings.default_temperature
+        return configured if configured is not None else self.processor.model.default_temperature
+
     def check_model(self, model: str) -> None:
         if model != self.served_id:
             raise model_not_found(model)
@@ -108,7 +113,8 @@ class OpenAIServing:
             for i in range(request.n):
                 index = prompt_index * request.n + i
                 req_id = f"cmpl-{req_hex}" if num_choices == 1 else f"cmpl-{req_hex}-{index}"
-                params = request.to_sampling_params(max_tokens, wrap_int64(base_seed + index))
+                params = request.to_sampling_params(max_tokens, wrap_int64(base_seed + index),
+                                                    self.default_temperature)
                 requests.append(GenerationRequest(
                     req_id=req_id, model=self.served_id, prompt_token_ids=prompt_ids,
                     params=params, deadline=now + self.settings.request_timeout_s,

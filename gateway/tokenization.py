@@ -22,6 +22,8 @@ class ModelInfo:
     served_id: str  # the `model` clients send, and the model name in the fleet's Redis keys
     context_length: int  # prompt + completion tokens the model can attend over
     vocab_size: int  # token ids must be below this
+    # Temperature of a request that names none: the model's own generation default (see below).
+    default_temperature: float = 1.0
 
     @classmethod
     def from_pretrained(cls, served_id: str, model_path: str, tokenizer) -> ModelInfo:
@@ -33,7 +35,19 @@ class ModelInfo:
             tokenizer_max = getattr(tokenizer, "model_max_length", 0) or 0
             context = tokenizer_max if 0 < tokenizer_max < 10**7 else DEFAULT_CONTEXT_LENGTH
         vocab = max(getattr(config, "vocab_size", 0) or 0, len(tokenizer))
-        return cls(served_id, int(context), int(vocab))
+        return cls(served_id, int(context), int(vocab), _generation_temperature(model_path))
+
+
+def _generation_temperature(model_path: str) -> float:
+    """What `model.generate()` would do by default: greedy (0) unless the model's generation
+    config turns sampling on, then its temperature — as vLLM applies a model's generation config."""
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return 0.0
+    return float(config.temperature or 1.0) if config.do_sample else 0.0
 
 
 @lru_cache(maxsize=1)

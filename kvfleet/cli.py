@@ -1,4 +1,4 @@
-"""The `kvfleet` command: up, gateway, worker, plan, bench, batch-worker.
+"""The `kvfleet` command: up, gateway, worker, plan, bench, batch-worker, keys.
 
 Every setting of `GatewaySettings` / `WorkerSettings` becomes a flag (`kv_memory` -> `--kv-memory`);
 a flag left out falls back to its `KVFLEET_*` environment variable, then to the default.
@@ -79,12 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker (one accelerator)")
     add_settings_flags(worker, WorkerSettings)
 
-    from kvfleet import batch_worker, bench, plan
+    from kvfleet import batch_worker, bench, keys_cli, plan
 
     plan.add_arguments(sub.add_parser("plan", help="capacity planner (the seed's numbers)"))
     bench.add_arguments(sub.add_parser("bench", help="replay a request trace against a fleet"))
     batch_worker.add_arguments(sub.add_parser("batch-worker",
                                               help="rq worker that runs batch jobs (/v1/batches)"))
+    keys_cli.add_arguments(sub.add_parser("keys", help="API keys: create, list, revoke"))
     return parser
 
 
@@ -109,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
 
         run_worker(settings_from_args(WorkerSettings, args))
         return 0
-    from kvfleet import batch_worker, bench, plan
+    from kvfleet import batch_worker, bench, keys_cli, plan
 
-    commands = {"plan": plan.run, "bench": bench.run, "batch-worker": batch_worker.run}
+    commands = {"plan": plan.run, "bench": bench.run, "batch-worker": batch_worker.run,
+                "keys": keys_cli.run}
     return commands[args.command](args)
 
 

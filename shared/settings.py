@@ -47,6 +47,10 @@ class GatewaySettings(CommonSettings):
     first_event_timeout_s: float = 600.0  # no event at all for this long -> error to the client
     max_body_bytes: int = 1_000_000
     default_max_tokens: int = 256
+    # Temperature of requests that give none. None: the model's generation config decides, as in
+    # transformers' generate() (greedy unless it sets do_sample) — sensible answers from small
+    # models; set 1.0 for OpenAI's default.
+    default_temperature: float | None = None
     stream_maxlen: int = 100_000  # cap of each request stream
     # Backpressure: refuse (429 + Retry-After) when the queue's expected wait is too long.
     max_queue_wait_s: float = 60.0  # expected wait limit; 0 = off (the depth limit still holds)

@@ -11,7 +11,7 @@ from kvfleet.cli import build_parser, given_flags, settings_from_args
 from shared.settings import GatewaySettings, WorkerSettings, parse_bytes
 
 
-@pytest.mark.parametrize("command", ["up", "gateway", "worker", "plan", "bench", "batch-worker"])
+@pytest.mark.parametrize("command", ["up", "gateway", "worker", "plan", "bench", "batch-worker", "keys"])
 def test_every_command_has_help(command):
     result = subprocess.run([sys.executable, "-m", "kvfleet", command, "--help"],
                             capture_output=True, text=True, timeout=60)

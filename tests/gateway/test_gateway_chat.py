@@ -229,3 +229,21 @@ async def test_worker_error_in_stream_is_an_error_event_then_done(http, engine, 
     error = json.loads(events[-2])["error"]
     assert error["type"] == "service_unavailable" and "abort" in error["message"]
     assert json.loads(events[1])["choices"][0]["delta"]["content"] == "Hel"
+
+
+def test_default_temperature_follows_the_model_unless_configured(tmp_path):
+    from transformers import GenerationConfig
+
+    from gateway.tokenization import _generation_temperature
+    from gateway.protocol import ChatCompletionRequest
+
+    GenerationConfig(do_sample=False).save_pretrained(tmp_path / "greedy")
+    GenerationConfig(do_sample=True, temperature=0.6).save_pretrained(tmp_path / "sampled")
+    assert _generation_temperature(str(tmp_path / "greedy")) == 0.0
+    assert _generation_temperature(str(tmp_path / "sampled")) == 0.6
+    assert _generation_temperature(str(tmp_path / "missing")) == 0.0
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert request.to_sampling_params(8, 1, default_temperature=0.0).temperature == 0.0
+    explicit = ChatCompletionRequest(model="m", temperature=0.9,
+                                     messages=[{"role": "user", "content": "hi"}])
+    assert explicit.to_sampling_params(8, 1, default_temperature=0.0).temperature == 0.9

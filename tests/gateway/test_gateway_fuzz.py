@@ -20,7 +20,7 @@ from shared.settings import GatewaySettings
 from tests.gateway.fakes import FakeEngineClient, token_events
 from tests.gateway.helpers import MODEL
 
-schemathesis = pytest.importorskip("schemathesis")
+import schemathesis  # noqa: E402  (test extra: the fuzz must run, never skip)
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
@@ -31,12 +31,13 @@ SENT: list[int] = []
 
 
 @pytest.fixture(scope="module")
-def fuzz_app(tokenizer, model_info):
+def fuzz_app(tokenizer, model_info, redis_server):
     engine = FakeEngineClient()
     eos = tokenizer.eos_token_id
     engine.responder = lambda request: token_events(
         [11, 12, 13, eos], prompt_tokens=len(request.prompt_token_ids), logprobs=True)
-    settings_ = GatewaySettings(redis_url="redis://127.0.0.1:1/0", model=MODEL,
+    # A real Redis for the routes that keep state there (files, batches); the engine is fake.
+    settings_ = GatewaySettings(redis_url=redis_server.url, key_prefix="fuzz:", model=MODEL,
                                 max_body_bytes=50_000, default_max_tokens=16,
                                 request_timeout_s=30, first_event_timeout_s=5)
     return create_app(settings_, engine, tokenizer, model_info=model_info)
