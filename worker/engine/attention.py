@@ -73,9 +73,8 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Returns ([1, T, H, D], None), as transformers' attention functions do."""
+    # `sliding_window` (Mistral, Qwen2) is ignored: the engine caps the context at the window.
     ctx: AttentionContext = kwargs[CONTEXT_KWARG]
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError("sliding-window attention is not supported by the paged engine")
     kv = ctx.pool.layer(module.layer_idx)  # [2, KVH, NB, bs, D]
     _, num_kv_heads, num_blocks, block_size, head_dim = kv.shape
     num_tokens = query.shape[2]

@@ -166,9 +166,9 @@ class Engine:
             emitting, logits = self.runner.execute(sched)
         except Exception as exc:  # the whole batch failed: fail its requests, keep the engine
             log.exception("forward failed for %d requests", len(sched.chunks))
-            return outputs + self._fail([c.seq for c in sched.chunks], exc)
+            return outputs + self._fail([(c.seq, exc) for c in sched.chunks])
         samples, failed = self._sample(emitting, logits)
-        outputs += self._fail(failed, None)
+        outputs += self._fail(failed)
         emissions = self.scheduler.update(sched, samples)
         outputs += [self._emission_output(e) for e in emissions]
         return outputs
@@ -190,10 +190,10 @@ class Engine:
                 failed.append((chunk.seq, exc))
         return samples, failed
 
-    def _fail(self, failures, exc: Exception | None) -> list[RequestOutput]:
+    def _fail(self, failures: list[tuple[Sequence, Exception]]) -> list[RequestOutput]:
+        """Finish each failed request with FINISHED_ERROR; its blocks return at once."""
         outputs = []
-        for item in failures:
-            seq, error = (item, exc) if isinstance(item, Sequence) else item
+        for seq, error in failures:
             self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR, error=f"{type(error).__name__}: {error}")
             outputs.append(self._finish_output(seq))
         return outputs

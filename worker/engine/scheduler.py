@@ -105,6 +105,10 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: RequestStatus, error: str | None = None) -> None:
         """End a sequence (abort, error or stop) and release its blocks at once."""
+        if seq in self._finished_at_add:  # never ran; no output for it any more
+            self._finished_at_add.remove(seq)
+            seq.status = status
+            return
         if seq.status.is_finished:
             return
         if seq in self.running:

@@ -1,0 +1,59 @@
+"""The KV pool's budget: bytes per token, blocks from a byte budget, the operator's report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.kv_cache import KVLayout, plan_budget, resolve_device, resolve_dtype
+
+
+def test_bytes_per_token_of_the_default_model_shape():
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    assert layout.bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46_080
+    assert KVLayout(30, 3, 64, torch.bfloat16).bytes_per_token == 23_040
+
+
+def test_dtype_and_device_resolution():
+    cpu = resolve_device("cpu")
+    assert resolve_dtype("auto", cpu) is torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert resolve_dtype("float16", cpu) is torch.float16
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("int8", cpu)
+
+
+def test_cpu_budget_sizes_the_pool_and_reports_it():
+    model = torch.nn.Linear(1000, 1000)  # 4.004 MB of float32 weights
+    layout = KVLayout(30, 3, 64, torch.float32)
+    budget = plan_budget(model, layout, block_size=16, max_model_len=8192, device=torch.device("cpu"),
+                         num_blocks=None, kv_memory_bytes=1 << 30, gpu_memory_utilization=0.9)
+    assert budget.num_blocks == (1 << 30) // (46_080 * 16) == 1456
+    assert budget.tokens_that_fit == 23_296
+    report = budget.report()
+    assert report[0] == "weights: 4.00 MB"
+    assert report[1].startswith("KV cache: 1.07 GB") and "1456 blocks x 16 tokens" in report[1]
+    assert report[2] == "KV bytes per token: 46,080"
+    assert report[3] == "tokens that fit: 23,296"
+    assert report[4] == "conversations of 2k tokens that fit: 11"
+    assert report[5] == "conversations of 8k tokens that fit: 2"
+
+
+def test_explicit_num_blocks_wins_and_an_empty_budget_is_an_error():
+    model = torch.nn.Linear(4, 4)
+    layout = KVLayout(2, 2, 16, torch.float32)
+    budget = plan_budget(model, layout, 4, 512, torch.device("cpu"), num_blocks=7,
+                         kv_memory_bytes=0, gpu_memory_utilization=0.9)
+    assert budget.num_blocks == 7
+    with pytest.raises(ValueError, match="holds no block"):
+        plan_budget(model, layout, 4, 512, torch.device("cpu"), num_blocks=None,
+                    kv_memory_bytes=100, gpu_memory_utilization=0.9)
+
+
+def test_engine_pool_tensors_match_the_budget(tiny_llama):
+    engine = tiny_llama.engine(num_blocks=10, block_size=4)
+    assert engine.pool.layer(0).shape == (2, 2, 10, 4, 16)  # K/V, kv heads, blocks, slots, dim
+    assert engine.pool.layer(1).data_ptr() != engine.pool.layer(0).data_ptr()
+    assert engine.pool.num_bytes == 10 * 4 * engine.budget.bytes_per_token
+    assert engine.budget_report()[1].startswith("KV cache:")
+    assert engine.max_model_len == 512

@@ -1,0 +1,200 @@
+"""Unit tests of the scheduler: budgets, admission, preemption, finishing (no model)."""
+
+from __future__ import annotations
+
+from shared.messages import SamplingParams
+from shared.status import RequestStatus
+from worker.engine.block_manager import BlockManager
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.sequence import Sequence
+from worker.engine.stopping import StopChecker
+
+BS = 4
+EOS = 2
+
+
+def make_scheduler(num_blocks=64, max_batched_tokens=32, max_running=8, watermark=0.0,
+                   prefix_caching=True) -> Scheduler:
+    bm = BlockManager(num_blocks, BS, prefix_caching)
+    return Scheduler(bm, StopChecker([EOS], max_model_len=1000), max_batched_tokens, max_running,
+                     watermark)
+
+
+def seq(req_id: str, prompt_len: int, max_tokens: int = 8, start: int = 10, **params) -> Sequence:
+    return Sequence(req_id, list(range(start, start + prompt_len)),
+                    SamplingParams(max_tokens=max_tokens, temperature=0.0, **params))
+
+
+def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = sched.schedule()
+    samples = {c.seq.req_id: (token, None) for c in out.chunks if c.emits_token}
+    sched.update(out, samples)
+    return out
+
+
+def plan(out: SchedulerOutput) -> dict[str, int]:
+    return {c.seq.req_id: c.num_tokens for c in out.chunks}
+
+
+def test_prefill_then_decode_and_finish_frees_blocks():
+    sched = make_scheduler()
+    s = seq("a", 10, max_tokens=3)
+    sched.add(s)
+    assert plan(step(sched)) == {"a": 10}
+    assert s.status is RequestStatus.RUNNING and s.output_token_ids == [7]
+    assert plan(step(sched)) == {"a": 1}
+    step(sched)
+    assert s.status is RequestStatus.FINISHED_LENGTH and s.output_token_ids == [7, 7, 7]
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == 64
+    sched.block_manager.check_invariants()
+
+
+def test_decodes_come_first_and_prefill_is_chunked_to_the_remaining_budget():
+    sched = make_scheduler(max_batched_tokens=8)
+    for name in "abc":
+        sched.add(seq(name, 3, max_tokens=50, start=ord(name) * 10))
+    step(sched)  # a(3) + b(3) + c(2 of its 3): c is admitted with a chunk
+    long = seq("long", 30, max_tokens=5, start=500)
+    sched.add(long)
+    out = step(sched)
+    # a, b decode; c finishes its prompt (1 token); long gets the rest of the budget
+    assert plan(out) == {"a": 1, "b": 1, "c": 1, "long": 5}
+    out = step(sched)
+    assert plan(out) == {"a": 1, "b": 1, "c": 1, "long": 5}
+    assert long.num_computed_tokens == 10 and long.output_token_ids == []
+    sched.block_manager.check_invariants()
+
+
+def test_a_running_prefill_never_takes_a_decoders_token():
+    sched = make_scheduler(max_batched_tokens=6)
+    long, short = seq("long", 40, max_tokens=2, start=500), seq("short", 3, max_tokens=20)
+    # running in admission order [long (mid-prefill), short (decoding)], as after a preemption
+    for s, computed in ((long, 8), (short, 2)):
+        s.status, s.num_computed_tokens = RequestStatus.RUNNING, computed
+        sched.block_manager.allocate_slots(s.req_id, computed)
+        sched.running.append(s)
+    out = step(sched)
+    assert plan(out) == {"long": 5, "short": 1}
+    assert [c.seq.req_id for c in out.chunks] == ["long", "short"]
+
+
+def test_max_running_limits_admission():
+    sched = make_scheduler(max_running=2)
+    for name in "abc":
+        sched.add(seq(name, 4))
+    out = step(sched)
+    assert set(plan(out)) == {"a", "b"} and len(sched.waiting) == 1
+
+
+def test_waiting_request_is_not_admitted_until_its_kv_fits():
+    sched = make_scheduler(num_blocks=6, max_batched_tokens=64)
+    sched.add(seq("a", 16, max_tokens=2))  # 4 blocks (+1 when decoding)
+    sched.add(seq("b", 12, max_tokens=2, start=100))  # 3 blocks: does not fit beside a
+    out = step(sched)
+    assert plan(out) == {"a": 16} and [s.req_id for s in sched.waiting] == ["b"]
+    step(sched)  # a finishes (2 tokens)
+    out = step(sched)
+    assert plan(out) == {"b": 12}
+
+
+def test_watermark_keeps_blocks_free_for_running_streams():
+    sched = make_scheduler(num_blocks=10, watermark=0.3)  # 3 blocks reserved
+    sched.add(seq("a", 8, max_tokens=20))
+    sched.add(seq("b", 8, max_tokens=20, start=100))  # 2 + 2 blocks <= 10 - 3
+    sched.add(seq("c", 16, max_tokens=20, start=200))  # 4 more would leave < 3 free
+    out = step(sched)
+    assert set(plan(out)) == {"a", "b"}
+
+
+def test_preempts_the_most_recently_admitted_and_requeues_it_first():
+    sched = make_scheduler(num_blocks=6, max_batched_tokens=64)
+    a = seq("a", 7, max_tokens=14)  # alone it needs at most 5 blocks; a and b together more
+    b = seq("b", 7, max_tokens=14, start=100)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(10):
+        out = step(sched)
+        if out.preempted_req_ids:
+            break
+    assert out.preempted_req_ids == ["b"]
+    assert sched.num_preemptions == 1
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert len(b.output_token_ids) > 1  # generated tokens are kept and recomputed later
+    assert not sched.block_manager.holds("b")
+    sched.block_manager.check_invariants()
+    later = seq("w", 3, max_tokens=2, start=300)
+    sched.add(later)
+    assert [s.req_id for s in sched.waiting] == ["b", "w"]
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+    assert len(a.output_token_ids) == 14 and len(b.output_token_ids) == 14
+    assert sched.block_manager.num_free_blocks == 6
+
+
+def test_a_preempted_sequence_recomputes_prompt_and_outputs():
+    sched = make_scheduler(num_blocks=6, max_batched_tokens=64, prefix_caching=False)
+    a, b = seq("a", 7, max_tokens=14), seq("b", 7, max_tokens=14, start=100)
+    sched.add(a)
+    sched.add(b)
+    while not sched.num_preemptions:
+        step(sched)
+    resumed = None
+    for _ in range(50):
+        out = step(sched)
+        resumed = next((c for c in out.chunks if c.seq is b), None)
+        if resumed is not None:
+            break
+    assert resumed is not None and resumed.start == 0
+    assert resumed.num_tokens == b.num_tokens - 1 and b.num_tokens > 8  # prompt + outputs
+    assert resumed.emits_token
+
+
+def test_finish_from_outside_frees_blocks_in_any_state():
+    sched = make_scheduler(max_batched_tokens=4)
+    running, waiting = seq("r", 10), seq("w", 10, start=100)
+    sched.add(running)
+    sched.add(waiting)
+    step(sched)  # r admitted with a 4-token chunk; w waits on the budget
+    assert sched.block_manager.holds("r")
+    sched.finish(running, RequestStatus.FINISHED_ABORTED)
+    sched.finish(waiting, RequestStatus.FINISHED_ERROR, error="boom")
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == 64
+    assert waiting.error == "boom"
+
+
+def test_prefix_hits_skip_computation_and_are_counted():
+    sched = make_scheduler()
+    first = seq("a", 10, max_tokens=1)
+    sched.add(first)
+    step(sched)
+    assert first.is_finished
+    second = seq("b", 10, max_tokens=1)
+    sched.add(second)
+    out = step(sched)
+    assert plan(out) == {"b": 2} and second.num_cached_tokens == 8
+    bm = sched.block_manager
+    assert (bm.prefix_queried_tokens, bm.prefix_hit_tokens) == (20, 8)
+    skip = seq("c", 10, max_tokens=1, skip_prefix_cache=True)
+    sched.add(skip)
+    assert plan(step(sched)) == {"c": 10} and skip.num_cached_tokens == 0
+
+
+def test_resumed_sequence_that_is_already_complete_finishes_at_once():
+    sched = make_scheduler()
+    s = Sequence("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0), [8, 9])
+    sched.add(s)
+    assert s.status is RequestStatus.FINISHED_LENGTH
+    assert sched.take_finished_at_add() == [s] and not sched.has_unfinished()
+
+
+def test_aborting_a_sequence_that_finished_at_add_drops_it():
+    sched = make_scheduler()
+    s = Sequence("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0), [8, 9])
+    sched.add(s)
+    sched.finish(s, RequestStatus.FINISHED_ABORTED)
+    assert s.status is RequestStatus.FINISHED_ABORTED
+    assert sched.take_finished_at_add() == [] and not sched.has_unfinished()

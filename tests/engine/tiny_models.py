@@ -1,0 +1,70 @@
+"""Tiny random Llama and Qwen2 models, their HF greedy references, and engine-test helpers."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from shared.messages import SamplingParams
+from worker.engine.engine import Engine, EngineConfig
+
+VOCAB = 512
+# initializer_range well above the default 0.02 gives clear logit margins, so greedy choices do
+# not flip on float noise between a batched and an unbatched forward.
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
+               initializer_range=0.25, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+MODEL_FACTORIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON)),
+}
+
+
+class TinyModel:
+    """A seeded random model; `engine()` wraps a fresh copy, `reference()` runs HF generate."""
+
+    def __init__(self, family: str):
+        torch.manual_seed(1234)
+        self.family = family
+        self.model = MODEL_FACTORIES[family]().eval()
+        self.model.set_attn_implementation("eager")
+        self._references: dict[tuple, list[int]] = {}
+
+    def engine(self, tokenizer=None, **config) -> Engine:
+        config.setdefault("device", "cpu")
+        config.setdefault("num_blocks", 256)
+        config.setdefault("block_size", 4)
+        return Engine(copy.deepcopy(self.model), EngineConfig(**config), tokenizer=tokenizer)
+
+    def reference(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """HF greedy continuation with EOS disabled (memoised)."""
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._references:
+            with torch.inference_mode():
+                out = self.model.generate(
+                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+            self._references[key] = out[0, len(prompt):].tolist()
+        return self._references[key]
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=g).tolist()
+
+
+def run_to_completion(engine: Engine, max_steps: int = 10_000) -> dict[str, list[int]]:
+    """Step until idle; the tokens each request produced."""
+    produced: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return produced
+        for out in engine.step():
+            produced.setdefault(out.req_id, []).extend(out.new_token_ids)
+    raise AssertionError("engine did not finish")
