@@ -157,3 +157,35 @@ async def test_unreachable_redis_is_unavailable_quickly():
         assert time.monotonic() - started < 10
     finally:
         await engine.close()
+
+
+async def test_the_gateway_survives_a_redis_restart():
+    """Not ready while Redis is down; ready again and serving once it is back (same address)."""
+    from shared.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    engine = RedisEngineClient(server.url, KEYS, connect_timeout_s=0.5, first_event_timeout_s=5.0)
+    await engine.start()
+    try:
+        assert await engine.is_ready() is True
+        server.stop()
+        assert await engine.is_ready() is False
+        with pytest.raises(EngineUnavailable):
+            await engine.submit(make_request("cmpl-while-down"))
+        server = EmbeddedRedis(port=server.port).start()
+        deadline = time.monotonic() + 20
+        while not await engine.is_ready():
+            assert time.monotonic() < deadline, "gateway never saw Redis again"
+            await asyncio.sleep(0.1)
+        async with FakeWorker(server.url, KEYS, MODEL, echo_script):
+            for attempt in range(50):  # the pub/sub reader reconnects with backoff
+                try:
+                    events = await engine.submit(make_request(f"cmpl-after-{attempt}", [5, 6, 7]))
+                    break
+                except EngineUnavailable:
+                    await asyncio.sleep(0.2)
+            received = await asyncio.wait_for(read_until_final(events), 10)
+        assert [t for e in received for t in e.token_ids] == [5, 6, 7]
+    finally:
+        await engine.close()
+        server.stop()
