@@ -20,17 +20,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def fleet(redis_server, tmp_path_factory):
-    fleet = Fleet(redis_server.url, tmp_path_factory.mktemp("fleet-logs"))
-    try:
-        fleet.start_gateway()
-        fleet.start_worker()
-        yield fleet
-    finally:
-        fleet.stop()
-
-
 def sse_events(response: httpx.Response) -> list:
     events = []
     for line in response.iter_lines():

@@ -1,0 +1,18 @@
+"""One real fleet (gateway + worker processes on the default model) shared by the e2e tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.procs import Fleet
+
+
+@pytest.fixture(scope="session")
+def fleet(redis_server, tmp_path_factory):
+    fleet = Fleet(redis_server.url, tmp_path_factory.mktemp("fleet-logs"))
+    try:
+        fleet.start_gateway()
+        fleet.start_worker()
+        yield fleet
+    finally:
+        fleet.stop()
