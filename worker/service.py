@@ -139,7 +139,9 @@ class WorkerService:
         if stats.num_waiting > 0:  # work already here that does not fit yet
             return
         reserved_tokens = 0
-        while stats.num_running + len(self.inflight) < self.settings.max_running * 2:
+        # No read-ahead beyond the running group: a request this worker can't run yet is better
+        # left in the stream, where another worker may take it sooner.
+        while len(self.inflight) < self.settings.max_running:
             peeked = self.protocol.peek_next()
             if peeked is None:
                 if block and not self.inflight:
