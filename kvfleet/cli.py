@@ -38,6 +38,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls, skip=()) -
         if kind is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                default=None, help=help_text)
+        elif typing.get_origin(field.annotation) is typing.Literal:
+            group.add_argument(flag, dest=name, choices=typing.get_args(field.annotation),
+                               default=None, help=help_text)
         else:
             group.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
 

@@ -8,6 +8,7 @@ import socket
 import os
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -69,6 +70,12 @@ class WorkerSettings(CommonSettings):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     kv_memory: str = "1GiB"  # KV budget on CPU
+    # KV pool storage: auto = the model dtype; fp8 (e4m3) / int8 hold ~1.94x the tokens of bf16
+    kv_dtype: Literal["auto", "bf16", "fp16", "fp32", "fp8", "int8"] = "auto"
+    # When the pool runs out: swap a stream's KV to host memory, or drop it and recompute later;
+    # auto picks per preemption by a cost model (bytes to move vs tokens to recompute).
+    preemption: Literal["auto", "swap", "recompute"] = "auto"
+    swap_space: str = "4GiB"  # host memory for swapped-out KV
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     max_batched_tokens: int = 512
@@ -85,15 +92,19 @@ class WorkerSettings(CommonSettings):
     metrics_advertise_host: str = ""  # host put in the heartbeat's metrics_url; "" = hostname
     cost_per_hour: float | None = None  # $ per accelerator-hour, for cost per 1M output tokens
 
-    @field_validator("kv_memory")
+    @field_validator("kv_memory", "swap_space")
     @classmethod
-    def _check_kv_memory(cls, value: str) -> str:
+    def _check_size(cls, value: str) -> str:
         parse_bytes(value)
         return value
 
     @property
     def kv_memory_bytes(self) -> int:
         return parse_bytes(self.kv_memory)
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return parse_bytes(self.swap_space)
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

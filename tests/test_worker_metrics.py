@@ -28,6 +28,8 @@ class FakeStats:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    swap_used_bytes: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_cached_blocks: int = 0
@@ -71,6 +73,7 @@ def test_counters_and_gauges_follow_steps():
     metrics.step_done([FakeOutput("a", [3], finish_reason="stop"),
                        FakeOutput("b", [], finish_reason="abort")],
                       FakeStats(num_blocks_free=75, num_running=1, num_preemptions=2,
+                                num_swap_preemptions=1, swap_used_bytes=4096,
                                 prefix_queried_tokens=80, prefix_hit_tokens=40,
                                 num_cached_blocks=4, num_prefill_tokens_computed=45),
                       step_time_s=0.03)
@@ -81,6 +84,8 @@ def test_counters_and_gauges_follow_steps():
     assert value(metrics, "kvfleet_worker_requests_finished_total", outcome="stop") == 1
     assert value(metrics, "kvfleet_worker_requests_finished_total", outcome="abort") == 1
     assert value(metrics, "kvfleet_worker_preemptions_total") == 2
+    assert value(metrics, "kvfleet_worker_preemptions_swapped_total") == 1
+    assert value(metrics, "kvfleet_worker_swap_used_bytes") == 4096
     assert value(metrics, "kvfleet_worker_running") == 1
     assert value(metrics, "kvfleet_worker_waiting") == 0
     assert value(metrics, "kvfleet_worker_kv_blocks_total") == 100

@@ -31,6 +31,9 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         enable_prefix_caching=settings.enable_prefix_caching,
         device=settings.device,
         dtype=settings.dtype,
+        kv_dtype=settings.kv_dtype,
+        preemption=settings.preemption,
+        swap_space_bytes=settings.swap_space_bytes,
     )
 
 

@@ -41,6 +41,8 @@ class StepStats(Protocol):
     num_running: int
     num_waiting: int
     num_preemptions: int
+    num_swap_preemptions: int
+    swap_used_bytes: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_cached_blocks: int
@@ -110,6 +112,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._rate = TokenRate(rate_window_s, clock)
         self._preemptions = CumulativeDelta()
+        self._swap_preemptions = CumulativeDelta()
         self._prefill = CumulativeDelta()
         self._queried = CumulativeDelta()
         self._hits = CumulativeDelta()
@@ -141,6 +144,10 @@ class WorkerMetrics:
         self.output_tokens = self._counter(p + "output_tokens", "Output tokens generated.")
         self.preemptions = self._counter(
             p + "preemptions", "Streams preempted because the KV block pool ran out.")
+        self.swap_preemptions = self._counter(
+            p + "preemptions_swapped",
+            "Of those preemptions, the ones that kept the stream's KV in host memory (the rest "
+            "recompute it).")
         self.prefix_queried_tokens = self._counter(
             p + "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hit_tokens = self._counter(
@@ -154,6 +161,8 @@ class WorkerMetrics:
         self.kv_blocks_used = self._gauge(
             p + "kv_blocks_used", "KV blocks held by live streams (total - free).")
         self.kv_usage = self._gauge(p + "kv_usage_ratio", "Fraction of KV blocks in use (0..1).")
+        self.swap_used = self._gauge(
+            p + "swap_used_bytes", "Host memory held by the KV of swapped-out streams.")
         self.cached_blocks = self._gauge(
             p + "prefix_cache_blocks", "Blocks holding cached prefixes (reusable, evictable).")
         self.hit_rate = self._gauge(
@@ -218,6 +227,8 @@ class WorkerMetrics:
         self.hit_rate.set(stats.prefix_hit_tokens / stats.prefix_queried_tokens
                           if stats.prefix_queried_tokens else 0.0)
         self.preemptions.inc(self._preemptions.step(stats.num_preemptions))
+        self.swap_preemptions.inc(self._swap_preemptions.step(stats.num_swap_preemptions))
+        self.swap_used.set(stats.swap_used_bytes)
         self.prompt_tokens.inc(self._prefill.step(stats.num_prefill_tokens_computed))
         self.prefix_queried_tokens.inc(self._queried.step(stats.prefix_queried_tokens))
         self.prefix_hit_tokens.inc(self._hits.step(stats.prefix_hit_tokens))

@@ -271,6 +271,7 @@ class WorkerService:
                 "running": stats.num_running,
                 "waiting": stats.num_waiting,
                 "preemptions": stats.num_preemptions,
+                "swap_preemptions": stats.num_swap_preemptions,
                 "generated_tokens": stats.num_generated_tokens,
                 "prefix_queried_tokens": stats.prefix_queried_tokens,
                 "prefix_hit_tokens": stats.prefix_hit_tokens,

@@ -6,12 +6,15 @@ import pytest
 import torch
 
 from worker.engine.kv_cache import KVLayout, plan_budget, resolve_device, resolve_dtype
+from worker.engine.kv_format import resolve_kv_format
+
+FP32 = resolve_kv_format("fp32", torch.float32)
 
 
 def test_bytes_per_token_of_the_default_model_shape():
-    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, kv_format=FP32)
     assert layout.bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46_080
-    assert KVLayout(30, 3, 64, torch.bfloat16).bytes_per_token == 23_040
+    assert KVLayout(30, 3, 64, resolve_kv_format("bf16", torch.float32)).bytes_per_token == 23_040
 
 
 def test_dtype_and_device_resolution():
@@ -25,7 +28,7 @@ def test_dtype_and_device_resolution():
 
 def test_cpu_budget_sizes_the_pool_and_reports_it():
     model = torch.nn.Linear(1000, 1000)  # 4.004 MB of float32 weights
-    layout = KVLayout(30, 3, 64, torch.float32)
+    layout = KVLayout(30, 3, 64, FP32)
     budget = plan_budget(model, layout, block_size=16, max_model_len=8192, device=torch.device("cpu"),
                          num_blocks=None, kv_memory_bytes=1 << 30, gpu_memory_utilization=0.9)
     assert budget.num_blocks == (1 << 30) // (46_080 * 16) == 1456
@@ -33,7 +36,7 @@ def test_cpu_budget_sizes_the_pool_and_reports_it():
     report = budget.report()
     assert report[0] == "weights: 4.00 MB"
     assert report[1].startswith("KV cache: 1.07 GB") and "1456 blocks x 16 tokens" in report[1]
-    assert report[2] == "KV bytes per token: 46,080"
+    assert report[2] == "KV bytes per token: 46,080 (fp32)"
     assert report[3] == "tokens that fit: 23,296"
     assert report[4] == "conversations of 2k tokens that fit: 11"
     assert report[5] == "conversations of 8k tokens that fit: 2"
@@ -41,7 +44,7 @@ def test_cpu_budget_sizes_the_pool_and_reports_it():
 
 def test_explicit_num_blocks_wins_and_an_empty_budget_is_an_error():
     model = torch.nn.Linear(4, 4)
-    layout = KVLayout(2, 2, 16, torch.float32)
+    layout = KVLayout(2, 2, 16, FP32)
     budget = plan_budget(model, layout, 4, 512, torch.device("cpu"), num_blocks=7,
                          kv_memory_bytes=0, gpu_memory_utilization=0.9)
     assert budget.num_blocks == 7

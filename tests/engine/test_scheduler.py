@@ -5,6 +5,7 @@ from __future__ import annotations
 from shared.messages import SamplingParams
 from shared.status import RequestStatus
 from worker.engine.block_manager import BlockManager
+from worker.engine.preemption import PreemptionCostModel, SwapSpace
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StopChecker
@@ -198,3 +199,59 @@ def test_aborting_a_sequence_that_finished_at_add_drops_it():
     sched.finish(s, RequestStatus.FINISHED_ABORTED)
     assert s.status is RequestStatus.FINISHED_ABORTED
     assert sched.take_finished_at_add() == [] and not sched.has_unfinished()
+
+
+def swapping_scheduler(num_blocks=6, swap_blocks=64) -> Scheduler:
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=False)
+    model = PreemptionCostModel("swap", block_bytes=1000, swap_bytes_per_s=1e9, prefill_s_per_token=1e-3)
+    return Scheduler(bm, StopChecker([EOS], max_model_len=1000), 64, 8, 0.0,
+                     preemption=model, swap_space=SwapSpace(swap_blocks))
+
+
+def test_a_swapped_sequence_keeps_its_progress_and_comes_back_into_new_blocks():
+    sched = swapping_scheduler()
+    a, b = seq("a", 7, max_tokens=14), seq("b", 7, max_tokens=14, start=100)
+    sched.add(a)
+    sched.add(b)
+    while not sched.num_preemptions:
+        out = step(sched)
+    assert out.preempted_req_ids == ["b"] and sched.num_swap_preemptions == 1
+    [(req_id, blocks)] = out.swap_out
+    computed = b.num_computed_tokens
+    assert req_id == "b" and len(blocks) == -(-computed // BS) == b.num_swapped_blocks
+    assert computed == b.num_tokens - 1  # progress kept: only the last sampled token is pending
+    assert sched.swap_space.num_used_blocks == len(blocks) and not sched.block_manager.holds("b")
+    for _ in range(50):
+        out = step(sched)
+        if out.swap_in:
+            break
+    [(req_id, new_blocks)] = out.swap_in
+    resumed = next(c for c in out.chunks if c.seq is b)
+    assert req_id == "b" and len(new_blocks) == len(blocks)
+    assert new_blocks == sched.block_manager.block_table("b")[:len(blocks)]
+    assert resumed.start == b.num_computed_tokens - 1 and resumed.num_tokens == 1  # a decode
+    assert b.num_swapped_blocks == 0 and sched.swap_space.num_used_blocks == 0
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+    assert len(a.output_token_ids) == 14 and len(b.output_token_ids) == 14
+    sched.block_manager.check_invariants()
+
+
+def test_no_swap_room_means_recompute_and_finishing_a_swapped_sequence_frees_its_space():
+    sched = swapping_scheduler(swap_blocks=1)
+    a, b = seq("a", 7, max_tokens=14), seq("b", 7, max_tokens=14, start=100)
+    sched.add(a)
+    sched.add(b)
+    while not sched.num_preemptions:
+        out = step(sched)
+    assert not out.swap_out and b.num_computed_tokens == 0  # 2+ blocks never fit in 1
+    roomy = swapping_scheduler()
+    c, d = seq("c", 7, max_tokens=14), seq("d", 7, max_tokens=14, start=100)
+    roomy.add(c)
+    roomy.add(d)
+    while not roomy.num_preemptions:
+        step(roomy)
+    roomy.finish(d, RequestStatus.FINISHED_ABORTED)
+    assert roomy.swap_space.num_used_blocks == 0 and d.num_swapped_blocks == 0

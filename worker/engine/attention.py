@@ -11,6 +11,8 @@ in a batch of 1 (`input_ids` [1, T]). Each layer's attention call
        queries = n_rep and no K/V is repeated for GQA;
      - prefill chunks one sequence at a time, causal with an offset against the cached prefix
        (a chunk at position 0 attends to its own fresh K/V with no gather).
+The pool stores K/V in its format (`--kv-dtype`): writes convert or quantise, and gathers
+dequantise into the query's dtype, so attention itself always runs in the model's dtype.
 Everything that depends only on the step (slots, gather indices, masks) is built once in
 `AttentionContext` and reused by every layer; it reaches this function through the forward's
 keyword arguments, never through a global.
@@ -75,35 +77,34 @@ def paged_attention_forward(
     """Returns ([1, T, H, D], None), as transformers' attention functions do."""
     # `sliding_window` (Mistral, Qwen2) is ignored: the engine caps the context at the window.
     ctx: AttentionContext = kwargs[CONTEXT_KWARG]
-    kv = ctx.pool.layer(module.layer_idx)  # [2, KVH, NB, bs, D]
-    _, num_kv_heads, num_blocks, block_size, head_dim = kv.shape
-    num_tokens = query.shape[2]
-    by_slot = kv.view(2, num_kv_heads * num_blocks * block_size, head_dim)
-    by_slot[0].index_copy_(0, ctx.write_index, key[0].reshape(-1, head_dim).to(kv.dtype))
-    by_slot[1].index_copy_(0, ctx.write_index, value[0].reshape(-1, head_dim).to(kv.dtype))
-    by_block = kv.view(2 * num_kv_heads * num_blocks, block_size * head_dim)
+    pool, layer = ctx.pool, module.layer_idx
+    num_tokens, head_dim = query.shape[2], query.shape[3]
+    # the pool converts (or quantises) the new K/V to its storage format
+    pool.write(layer, ctx.write_index, key[0].reshape(-1, head_dim), value[0].reshape(-1, head_dim))
 
     out = query.new_empty(num_tokens, query.shape[1], head_dim)  # [T, H, D]
     for group in ctx.decode_groups:
-        _decode_attention(group, query, by_block, num_kv_heads, scaling, out)
+        _decode_attention(group, query, pool, layer, scaling, out)
     for chunk in ctx.prefills:
-        _prefill_attention(chunk, query, key, value, by_block, num_kv_heads, scaling, out)
+        _prefill_attention(chunk, query, key, value, pool, layer, scaling, out)
     return out.unsqueeze(0), None
 
 
-def _decode_attention(group: DecodeGroup, query, by_block, num_kv_heads, scaling, out) -> None:
+def _decode_attention(group: DecodeGroup, query, pool: KVCachePool, layer: int, scaling, out) -> None:
     num_seqs, length = group.num_seqs, group.context_len
     _, num_heads, _, head_dim = query.shape
+    num_kv_heads = pool.layout.num_kv_heads
     end = group.q_start + num_seqs
     # [H, B, D] -> [KVH, n_rep, B, D] -> [KVH, B, n_rep, D]: head h reads KV head h // n_rep
     q = query[0, :, group.q_start:end].view(num_kv_heads, -1, num_seqs, head_dim).transpose(1, 2)
-    kv = by_block.index_select(0, group.gather_index).view(2, num_kv_heads, num_seqs, length, head_dim)
+    kv = pool.gather(layer, group.gather_index, query.dtype).view(
+        2, num_kv_heads, num_seqs, length, head_dim)
     o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scaling)
     # [KVH, B, n_rep, D] -> [B, KVH, n_rep, D] -> [B, H, D]
     out[group.q_start:end] = o.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
-def _prefill_attention(chunk: PrefillChunk, query, key, value, by_block, num_kv_heads,
+def _prefill_attention(chunk: PrefillChunk, query, key, value, pool: KVCachePool, layer: int,
                        scaling, out) -> None:
     q = query[:, :, chunk.q_start:chunk.q_end]  # [1, H, n, D]
     if chunk.gather_index is None:  # nothing cached before the chunk: its own K/V suffice
@@ -112,7 +113,8 @@ def _prefill_attention(chunk: PrefillChunk, query, key, value, by_block, num_kv_
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
     else:
         head_dim = query.shape[3]
-        kv = by_block.index_select(0, chunk.gather_index).view(2, num_kv_heads, -1, head_dim)
+        kv = pool.gather(layer, chunk.gather_index, query.dtype).view(
+            2, pool.layout.num_kv_heads, -1, head_dim)
         k = kv[0, :, :chunk.context_len].unsqueeze(0)  # [1, KVH, ctx, D]
         v = kv[1, :, :chunk.context_len].unsqueeze(0)
         o = F.scaled_dot_product_attention(

@@ -72,6 +72,15 @@ class BlockManager:
     def holds(self, req_id: str) -> bool:
         return req_id in self._tables
 
+    def num_shared_leading_blocks(self, req_id: str) -> int:
+        """Leading blocks of the sequence that other sequences also hold."""
+        count = 0
+        for block in self._tables.get(req_id, ()):
+            if self._ref_counts[block] < 2:
+                break
+            count += 1
+        return count
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

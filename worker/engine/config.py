@@ -1,8 +1,12 @@
-"""The engine's configuration: pool size, batching limits, caching switch, device and dtype."""
+"""The engine's configuration: pool size and format, batching limits, caching switch, preemption
+policy, device and dtype."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from worker.engine.kv_format import KV_DTYPE_CHOICES
+from worker.engine.preemption import PREEMPTION_MODES
 
 
 @dataclass
@@ -17,6 +21,9 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new work
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
+    kv_dtype: str = "auto"  # KV pool format: auto (= dtype) | bf16 | fp16 | fp32 | fp8 | int8
+    preemption: str = "auto"  # auto | swap | recompute
+    swap_space_bytes: int = 4 << 30  # host memory for swapped-out KV blocks
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -27,5 +34,12 @@ class EngineConfig:
             raise ValueError("max_batched_tokens and max_running must be >= 1")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.kv_dtype not in KV_DTYPE_CHOICES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, got {self.kv_dtype!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption!r}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -11,8 +12,11 @@ from shared.messages import SamplingParams, TokenLogprob
 from shared.status import RequestStatus
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
-from worker.engine.kv_cache import KVCachePool, KVLayout, plan_budget, resolve_device, resolve_dtype
+from worker.engine.kv_cache import (
+    HostBlocks, KVCachePool, KVLayout, format_bytes, plan_budget, resolve_device, resolve_dtype)
+from worker.engine.kv_format import resolve_kv_format
 from worker.engine.model_runner import ModelRunner
+from worker.engine.preemption import PreemptionCostModel, SwapSpace
 from worker.engine.sampler import Sampler, SamplerInput
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
 from worker.engine.sequence import Sequence
@@ -47,6 +51,8 @@ class EngineStats:
     num_cached_blocks: int
     num_generated_tokens: int
     num_prefill_tokens_computed: int
+    num_swap_preemptions: int = 0  # of num_preemptions, those that swapped the KV out
+    swap_used_bytes: int = 0  # host memory held by swapped-out streams
 
 
 def eos_token_ids_of(model) -> list[int]:
@@ -77,7 +83,8 @@ class Engine:
         model = model.to(device=self.device, dtype=self.dtype)
         self.model = model
         self.max_model_len = max_model_len_of(model.config)
-        layout = KVLayout.from_model_config(model.config, self.dtype)
+        self.kv_format = resolve_kv_format(config.kv_dtype, self.dtype)
+        layout = KVLayout.from_model_config(model.config, self.kv_format)
         self.budget = plan_budget(
             model, layout, config.block_size, self.max_model_len, self.device, config.num_blocks,
             config.kv_memory_bytes, config.gpu_memory_utilization,
@@ -85,13 +92,19 @@ class Engine:
         self.pool = KVCachePool(layout, self.budget.num_blocks, config.block_size, self.device)
         self.block_manager = BlockManager(
             self.budget.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.swap_space = SwapSpace(config.swap_space_bytes // self.pool.block_bytes)
+        self.preemption = PreemptionCostModel(
+            config.preemption, self.pool.block_bytes, self._calibrate_swap_bytes_per_s(),
+            self._prior_prefill_s_per_token(model))
         eos = eos_token_ids_of(model)
         self.scheduler = Scheduler(
             self.block_manager, StopChecker(eos, self.max_model_len, tokenizer),
-            config.max_batched_tokens, config.max_running, config.watermark)
+            config.max_batched_tokens, config.max_running, config.watermark,
+            preemption=self.preemption, swap_space=self.swap_space)
         self.sampler = Sampler(eos)
         self.runner = ModelRunner(model, self.pool)
         self._seqs: dict[str, Sequence] = {}
+        self._swapped: dict[str, HostBlocks] = {}  # host copies of swapped-out streams' KV
         for line in self.budget_report():
             log.info("KV budget: %s", line)
 
@@ -111,6 +124,22 @@ class Engine:
         per_token = hidden * elem * 4
         logits = self.config.max_running * model_config.vocab_size * 4 * 2
         return self.config.max_batched_tokens * per_token + logits
+
+    def _calibrate_swap_bytes_per_s(self) -> float:
+        """Time a round trip of a few blocks through host memory (the cost model's prior)."""
+        blocks = list(range(min(8, self.pool.num_blocks)))
+        start = time.perf_counter()
+        self.pool.copy_in(self.pool.copy_out(blocks), blocks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = max(time.perf_counter() - start, 1e-6)
+        return 2 * len(blocks) * self.pool.block_bytes / seconds
+
+    def _prior_prefill_s_per_token(self, model) -> float:
+        """2 FLOPs per weight per token at a modest rate for the device, until steps are timed."""
+        num_params = sum(p.numel() for p in model.parameters())
+        flops_per_s = 2e13 if self.device.type == "cuda" else 5e10
+        return 2 * num_params / flops_per_s
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -144,6 +173,7 @@ class Engine:
         if seq is None:
             return None
         self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        self._swapped.pop(req_id, None)
         return self._output(seq, [], None)
 
     def has_unfinished(self) -> bool:
@@ -160,18 +190,40 @@ class Engine:
         """Schedule, run one forward, sample; outputs of requests that got a token or finished."""
         outputs = [self._finish_output(seq) for seq in self.scheduler.take_finished_at_add()]
         sched = self.scheduler.schedule()
+        self._swap(sched)
         if sched.is_empty:
             return outputs
+        start = time.perf_counter()
         try:
             emitting, logits = self.runner.execute(sched)
         except Exception as exc:  # the whole batch failed: fail its requests, keep the engine
             log.exception("forward failed for %d requests", len(sched.chunks))
             return outputs + self._fail([(c.seq, exc) for c in sched.chunks])
-        samples, failed = self._sample(emitting, logits)
+        samples, failed = self._sample(emitting, logits)  # waits for the device
+        prefill_tokens = sum(c.num_tokens for c in sched.chunks if c.num_tokens > 1)
+        self.preemption.observe_step(prefill_tokens, sched.num_batched_tokens,
+                                     time.perf_counter() - start)
         outputs += self._fail(failed)
         emissions = self.scheduler.update(sched, samples)
         outputs += [self._emission_output(e) for e in emissions]
         return outputs
+
+    def _swap(self, sched: SchedulerOutput) -> None:
+        """Copy preempted streams' blocks out (before this step may overwrite them), then copy
+        readmitted streams' blocks back in."""
+        if not (sched.swap_out or sched.swap_in):
+            return
+        start, moved = time.perf_counter(), 0
+        for req_id, blocks in sched.swap_out:
+            self._swapped[req_id] = host = self.pool.copy_out(blocks)
+            moved += host.num_bytes
+        for req_id, blocks in sched.swap_in:
+            host = self._swapped.pop(req_id)
+            self.pool.copy_in(host, blocks)
+            moved += host.num_bytes
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.preemption.observe_swap(moved, time.perf_counter() - start)
 
     def _sample(self, emitting, logits) -> tuple[dict, list[tuple[Sequence, Exception]]]:
         """Sample every emitting row; if the batch fails, row by row to isolate the culprits."""
@@ -227,10 +279,27 @@ class Engine:
             num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queried_tokens,
             prefix_hit_tokens=bm.prefix_hit_tokens, num_cached_blocks=bm.num_cached_blocks,
             num_generated_tokens=sched.num_generated_tokens,
-            num_prefill_tokens_computed=sched.num_prefill_tokens_computed)
+            num_prefill_tokens_computed=sched.num_prefill_tokens_computed,
+            num_swap_preemptions=sched.num_swap_preemptions,
+            swap_used_bytes=sum(h.num_bytes for h in self._swapped.values()))
 
     def budget_report(self) -> list[str]:
-        return self.budget.report()
+        swap = self.swap_space.capacity_blocks * self.pool.block_bytes
+        return self.budget.report() + [
+            "tokens that fit by --kv-dtype: " + " · ".join(
+                f"{name} {tokens:,}" for name, tokens in self._tokens_by_kv_dtype().items()),
+            f"preemption: {self.preemption.mode}; host swap space {format_bytes(swap)} = "
+            f"{self.swap_space.capacity_blocks} blocks"]
+
+    def _tokens_by_kv_dtype(self) -> dict[str, int]:
+        """What the same KV bytes would hold in each storage format."""
+        layout = self.pool.layout
+        result = {}
+        for name in ("fp32", "bf16", "fp8", "int8"):
+            per_token = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                                 resolve_kv_format(name, self.dtype)).bytes_per_token
+            result[name] = self.budget.kv_bytes // (per_token * self.budget.block_size) * self.budget.block_size
+        return result
 
     # ---- offline ------------------------------------------------------------------------------
 

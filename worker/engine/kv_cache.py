@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.kv_format import SCALE_DTYPE, KVFormat
+
 GB = 1e9
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,19 +41,19 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    kv_format: KVFormat
 
     @classmethod
-    def from_model_config(cls, config, dtype: torch.dtype) -> KVLayout:
+    def from_model_config(cls, config, kv_format: KVFormat) -> KVLayout:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, kv_format)
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in every layer: 2 x layers x kv_heads x head_dim x bytes/elem."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """K and V of one token in every layer: 2 x layers x kv_heads x (head_dim x bytes/elem
+        + the row's scale, for 8-bit formats)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.kv_format.row_bytes(self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class MemoryBudget:
     num_blocks: int
     max_model_len: int
     source: str  # where the KV bytes came from
+    kv_dtype: str = "fp32"  # the pool's storage format
 
     @property
     def tokens_that_fit(self) -> int:
@@ -77,7 +80,7 @@ class MemoryBudget:
             f"weights: {format_bytes(self.weights_bytes)}",
             f"KV cache: {format_bytes(self.kv_bytes)} ({self.source}) = {self.num_blocks} blocks "
             f"x {self.block_size} tokens",
-            f"KV bytes per token: {self.bytes_per_token:,}",
+            f"KV bytes per token: {self.bytes_per_token:,} ({self.kv_dtype})",
             f"tokens that fit: {tokens:,}",
         ]
         for conv in (2048, 8192):
@@ -116,27 +119,107 @@ def plan_budget(model: torch.nn.Module, layout: KVLayout, block_size: int, max_m
     return MemoryBudget(
         weights_bytes=model_weight_bytes(model), kv_bytes=num_blocks * block_bytes,
         bytes_per_token=layout.bytes_per_token, block_size=block_size, num_blocks=num_blocks,
-        max_model_len=max_model_len, source=source)
+        max_model_len=max_model_len, source=source, kv_dtype=layout.kv_format.name)
+
+
+@dataclass
+class HostBlocks:
+    """Copies of some blocks' K/V (and scales) in host memory: a swapped-out sequence's cache."""
+
+    values: torch.Tensor  # [layers, 2, KVH, n, block_size, D] storage codes
+    scales: torch.Tensor | None  # [layers, 2, KVH, n, block_size]
+
+    @property
+    def num_bytes(self) -> int:
+        total = self.values.numel() * self.values.element_size()
+        if self.scales is not None:
+            total += self.scales.numel() * self.scales.element_size()
+        return total
 
 
 class KVCachePool:
-    """Preallocated K and V blocks of every layer.
+    """Preallocated K and V blocks of every layer, stored in the layout's format.
 
     `layer(i)`: [2, num_kv_heads, num_blocks, block_size, head_dim] (K then V), head-major so that
     gathering a batch's blocks yields [2, kv_heads, B, L, head_dim] ready for attention without a
-    further copy. Slot `s = block * block_size + offset` holds one token of one sequence.
+    further copy. Slot `s = block * block_size + offset` holds one token of one sequence. 8-bit
+    formats keep one scale per (token, KV head) in a parallel tensor without the last dimension.
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device):
         self.layout = layout
+        self.kv_format = layout.kv_format
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.device = device
         shape = (layout.num_layers, 2, layout.num_kv_heads, num_blocks, block_size, layout.head_dim)
-        self._storage = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self._storage = torch.zeros(shape, dtype=self.kv_format.storage, device=device)
+        self._scales = (torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
+                        if self.kv_format.is_quantized else None)
+        # host copies are pinned when the pool is on an accelerator, so swaps can overlap
+        self._pin = device.type == "cuda"
 
     def layer(self, index: int) -> torch.Tensor:
         return self._storage[index]
 
     @property
     def num_bytes(self) -> int:
-        return self._storage.numel() * self._storage.element_size()
+        total = self._storage.numel() * self._storage.element_size()
+        if self._scales is not None:
+            total += self._scales.numel() * self._scales.element_size()
+        return total
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across every layer (what a swap moves per block)."""
+        return self.num_bytes // self.num_blocks
+
+    # ---- attention's reads and writes ---------------------------------------------------------
+
+    def write(self, layer: int, slot_rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store new K and V rows ([KVH * T, D] each) at rows `slot_rows` (h * slots + slot)."""
+        _, kv_heads, num_blocks, block_size, head_dim = self._storage.shape[1:]
+        by_slot = self._storage[layer].view(2, kv_heads * num_blocks * block_size, head_dim)
+        scales = None if self._scales is None else self._scales[layer].view(2, -1)
+        for i, rows in enumerate((key, value)):
+            codes, scale = self.kv_format.quantize(rows)
+            by_slot[i].index_copy_(0, slot_rows, codes)
+            if scales is not None:
+                scales[i].index_copy_(0, slot_rows, scale)
+
+    def gather(self, layer: int, block_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of the [2 * KVH * num_blocks] block view -> [R, block_size * D] values in `dtype`."""
+        _, kv_heads, num_blocks, block_size, head_dim = self._storage.shape[1:]
+        by_block = self._storage[layer].view(2 * kv_heads * num_blocks, block_size * head_dim)
+        codes = by_block.index_select(0, block_rows)
+        if self._scales is None:
+            return codes.to(dtype)
+        scales = self._scales[layer].view(2 * kv_heads * num_blocks, block_size)
+        rows = codes.view(-1, block_size, head_dim)
+        values = self.kv_format.dequantize(rows, scales.index_select(0, block_rows), dtype)
+        return values.view(-1, block_size * head_dim)
+
+    # ---- swapping -----------------------------------------------------------------------------
+
+    def copy_out(self, blocks: list[int]) -> HostBlocks:
+        """Copy `blocks` (every layer, K and V, scales) to host memory."""
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        return HostBlocks(self._to_host(self._storage.index_select(3, index)),
+                          None if self._scales is None
+                          else self._to_host(self._scales.index_select(3, index)))
+
+    def copy_in(self, host: HostBlocks, blocks: list[int]) -> None:
+        """Write host copies back into `blocks` (as many as were copied out)."""
+        if len(blocks) != host.values.shape[3]:
+            raise ValueError(f"{host.values.shape[3]} blocks swapped out, {len(blocks)} to fill")
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        self._storage.index_copy_(3, index, host.values.to(self.device, non_blocking=True))
+        if self._scales is not None:
+            self._scales.index_copy_(3, index, host.scales.to(self.device, non_blocking=True))
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor  # index_select already made a copy
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+        host.copy_(tensor)
+        return host

@@ -4,8 +4,10 @@ Every step the running group is formed again under a token budget: running seque
 admission order, each taking what it still needs (1 token when decoding; a prefill chunk is capped
 so that every decoding sequence behind it still gets its token), then waiting sequences in arrival
 order while their KV fits. When the pool runs out, the most recently admitted running sequence is
-preempted by recomputation: its blocks are freed and it goes back to the front of the queue with
-its generated tokens, which are prefilled again together with the prompt.
+preempted and goes back to the front of the queue, either by recomputation (its blocks are freed;
+its generated tokens are prefilled again together with the prompt) or by swapping (its blocks are
+copied to host memory before they are freed, and copied back into fresh blocks when it is
+readmitted); `PreemptionCostModel` picks one per preemption (`--preemption`).
 
 Only the scheduler changes a sequence's status and progress.
 """
@@ -20,6 +22,7 @@ from shared.messages import TokenLogprob
 from shared.status import RequestStatus
 
 from worker.engine.block_manager import BlockManager
+from worker.engine.preemption import RECOMPUTE, SWAP, PreemptionCostModel, SwapSpace
 from worker.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -47,10 +50,16 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's work. Decoding chunks (1 token) and prefill chunks, in scheduling order."""
+    """One step's work. Decoding chunks (1 token) and prefill chunks, in scheduling order.
+
+    Before the forward, the engine copies `swap_out` blocks to host memory (they were freed this
+    step and may be written by it), then `swap_in` host copies into their new blocks.
+    """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (req_id, its blocks)
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # (req_id, new blocks)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -75,8 +84,11 @@ class Scheduler:
     """Owns the waiting queue and the running group; the only writer of sequence state."""
 
     def __init__(self, block_manager: BlockManager, stop_checker, max_batched_tokens: int = 512,
-                 max_running: int = 64, watermark: float = 0.01):
+                 max_running: int = 64, watermark: float = 0.01,
+                 preemption: PreemptionCostModel | None = None, swap_space: SwapSpace | None = None):
         self.block_manager = block_manager
+        self.preemption = preemption  # None: always recompute
+        self.swap_space = swap_space or SwapSpace(0)
         self.stop_checker = stop_checker
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
@@ -84,6 +96,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is preempted first
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of which by swapping
         self.num_generated_tokens = 0
         self.num_prefill_tokens_computed = 0  # tokens computed in chunks that emit no token or
         #                                       in prefill chunks (everything but 1-token decodes)
@@ -116,6 +129,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq.req_id)
+        self.swap_space.release(seq.req_id)
+        seq.num_swapped_blocks = 0
         seq.status = status
         seq.error = error
 
@@ -165,18 +180,42 @@ class Scheduler:
         return budget
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.block_manager.free(seq.req_id, forget=False)
-        seq.num_computed_tokens = 0
+        bm = self.block_manager
+        # the blocks covering the computed tokens: all the sequence holds outside a step
+        table = list(bm.block_table(seq.req_id)[:bm.blocks_for_tokens(seq.num_computed_tokens)])
+        if table and self._preemption_mode(seq, table) == SWAP:
+            self.swap_space.reserve(seq.req_id, len(table))
+            seq.num_swapped_blocks = len(table)
+            out.swap_out.append((seq.req_id, table))
+            self.num_swap_preemptions += 1
+            how = f"swapped {len(table)} blocks out"
+        else:
+            how = f"recompute {seq.num_tokens} tokens later"
+            seq.num_computed_tokens = 0
+        bm.free(seq.req_id, forget=False)
         seq.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.preempted_req_ids.append(seq.req_id)
-        log.info("preempted %s (recompute %d tokens later)", seq.req_id, seq.num_tokens)
+        log.info("preempted %s (%s)", seq.req_id, how)
+
+    def _preemption_mode(self, seq: Sequence, table: list[int]) -> str:
+        if self.preemption is None:
+            return RECOMPUTE
+        # leading blocks shared with live sequences stay cached: recomputing skips them
+        shared = self.block_manager.num_shared_leading_blocks(seq.req_id)
+        to_recompute = max(seq.num_computed_tokens - shared * self.block_manager.block_size, 0)
+        return self.preemption.choose(len(table), to_recompute, self.swap_space.can_hold(len(table)))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            if seq.num_swapped_blocks:
+                if not self._swap_in(seq, out, budget):
+                    break
+                budget -= out.chunks[-1].num_tokens
+                continue
             use_cache = bm.enable_prefix_caching and not seq.params.skip_prefix_cache
             cached = bm.find_cached_prefix(seq.req_id, seq.token_ids) if use_cache else []
             num_cached = len(cached) * bm.block_size
@@ -200,6 +239,25 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
             budget -= num_tokens
+
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> bool:
+        """Readmit a swapped-out sequence into fresh blocks, if its whole KV fits."""
+        bm = self.block_manager
+        reserve = self.watermark_blocks if self.running else 0
+        if bm.num_blocks_to_take(seq.req_id, seq.num_tokens) > bm.num_free_blocks - reserve:
+            return False
+        num_tokens = min(seq.num_uncomputed_tokens, budget)
+        table = bm.allocate_slots(seq.req_id, seq.num_computed_tokens + num_tokens)
+        if table is None:
+            return False
+        self.waiting.popleft()
+        out.swap_in.append((seq.req_id, table[:seq.num_swapped_blocks]))
+        self.swap_space.release(seq.req_id)
+        seq.num_swapped_blocks = 0
+        seq.status = RequestStatus.RUNNING
+        self.running.append(seq)
+        out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
+        return True
 
     # ---- after the forward --------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ class Sequence:
 
     Invariants: `token_ids == prompt_token_ids + output_token_ids`;
     `0 <= num_computed_tokens <= num_tokens`; the KV of positions `[0, num_computed_tokens)` is in
-    the blocks the block manager holds for `req_id` (none while QUEUED or PREEMPTED).
+    the blocks the block manager holds for `req_id` (none while QUEUED or PREEMPTED), or, for a
+    sequence swapped out, in its `num_swapped_blocks` host copies.
     """
 
     req_id: str
@@ -26,6 +27,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_once: bool = False
+    num_swapped_blocks: int = 0  # > 0 while PREEMPTED with its KV in host memory
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
 
