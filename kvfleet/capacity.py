@@ -11,6 +11,15 @@ KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 KV_DTYPE_LABELS = {4: "fp32", 2: "bf16/fp16", 1: "fp8/int8"}
 # --kv-bytes-per-token is quoted at this element size (the seed's 0.5 MB is a 2-byte cache).
 REFERENCE_KV_DTYPE_BYTES = 2
+# kvfleet's 8-bit formats add one fp16 scale per (token, KV head) row of head_dim values.
+SCALE_BYTES_PER_ROW = 2
+DEFAULT_HEAD_DIM = 128
+
+
+def kv_element_bytes(kv_dtype: str, head_dim: int = DEFAULT_HEAD_DIM) -> float:
+    """Bytes per cached K or V value as kvfleet stores it, scales included."""
+    element = KV_DTYPE_BYTES[kv_dtype]
+    return element + (SCALE_BYTES_PER_ROW / head_dim if element == 1 else 0)
 SECONDS_PER_HOUR = 3600
 TOKENS_PER_MILLION = 1_000_000
 
@@ -35,6 +44,7 @@ class PlanInputs:
     prefix_opening_tokens: int
     prefix_share: float | None  # fraction of prompt tokens served from a cached opening
     kv_source: str = "--kv-bytes-per-token"  # where kv_bytes_per_token came from
+    head_dim: int = DEFAULT_HEAD_DIM  # sizes the 8-bit formats' scale overhead
 
 
 @dataclass(frozen=True)
@@ -168,16 +178,18 @@ def cost_per_million_tokens(cost_per_hour: float, tokens_per_s: float) -> float:
 
 
 def kv_dtype_what_ifs(inputs: PlanInputs, memory: Memory) -> list[KvDtypeWhatIf]:
-    """Every element size smaller than the current one: bytes per token scale with it."""
-    current_bytes = KV_DTYPE_BYTES[inputs.kv_dtype]
+    """Every element size smaller than the current one: bytes per token scale with the bytes per
+    value (8-bit formats: 1 byte plus their share of a row's scale)."""
+    current = kv_element_bytes(inputs.kv_dtype, inputs.head_dim)
     what_ifs = []
-    for dtype_bytes in sorted({b for b in KV_DTYPE_BYTES.values() if b < current_bytes},
-                              reverse=True):
-        kv_bytes_per_token = max(1, round(inputs.kv_bytes_per_token * dtype_bytes / current_bytes))
+    smaller = {KV_DTYPE_BYTES[d]: d for d in KV_DTYPE_BYTES if KV_DTYPE_BYTES[d] < KV_DTYPE_BYTES[inputs.kv_dtype]}
+    for dtype_bytes in sorted(smaller, reverse=True):
+        element = kv_element_bytes(smaller[dtype_bytes], inputs.head_dim)
+        kv_bytes_per_token = max(1, round(inputs.kv_bytes_per_token * element / current))
         contexts = [fit_context(memory.free_kv_bytes, kv_bytes_per_token, tokens)
                     for tokens, _ in inputs.contexts]
         what_ifs.append(KvDtypeWhatIf(KV_DTYPE_LABELS[dtype_bytes], kv_bytes_per_token,
-                                      current_bytes / dtype_bytes, contexts))
+                                      current / element, contexts))
     return what_ifs
 
 

@@ -9,8 +9,9 @@ import json
 import sys
 
 from kvfleet import arg_types
-from kvfleet.capacity import (KV_DTYPE_BYTES, REFERENCE_KV_DTYPE_BYTES, PlanInputs,
-                              WeightsDoNotFit, make_plan)
+from kvfleet.capacity import (DEFAULT_HEAD_DIM, KV_DTYPE_BYTES, REFERENCE_KV_DTYPE_BYTES,
+                              SCALE_BYTES_PER_ROW, PlanInputs, WeightsDoNotFit, kv_element_bytes,
+                              make_plan)
 from kvfleet.model_shape import ModelShapeError, load_model_shape
 from kvfleet.plan_report import plan_to_json, plan_to_text
 from kvfleet.units import format_bytes
@@ -42,7 +43,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="derive KV bytes per token (and parameters) from a transformers "
                             "config.json, a model directory, inline JSON or a local model id")
     group.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES), default="bf16",
-                       help="KV cache element type; scales bytes per token (default: bf16)")
+                       help="KV cache element type; scales bytes per token (default: bf16). "
+                            "fp8/int8 count kvfleet's fp16 scale per token and KV head")
+    group.add_argument("--head-dim", type=arg_types.positive_int, default=None,
+                       help="values per KV head, for the fp8/int8 scale overhead (default: "
+                            f"from --from-model, else {DEFAULT_HEAD_DIM})")
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,20 +125,34 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         prefix_opening_tokens=args.prefix_tokens,
         prefix_share=args.prefix_share,
         kv_source=kv_source,
+        head_dim=_head_dim(args),
     )
+
+
+def _head_dim(args: argparse.Namespace) -> int:
+    if args.from_model:
+        return load_model_shape(args.from_model).head_dim
+    return args.head_dim or DEFAULT_HEAD_DIM
 
 
 def _kv_size(args: argparse.Namespace) -> tuple[int, str, int | None]:
     """(KV bytes per token at --kv-dtype, where that came from, the model's parameter count)."""
     dtype_bytes = KV_DTYPE_BYTES[args.kv_dtype]
+    scale = f" + {SCALE_BYTES_PER_ROW} B scale per {{}} values" if dtype_bytes == 1 else ""
     if args.from_model:
         shape = load_model_shape(args.from_model)
-        return (shape.kv_bytes_per_token(dtype_bytes),
-                f"2 × {shape.describe()} × {dtype_bytes} B", shape.num_params_estimate)
+        per_token = shape.kv_bytes_per_token(dtype_bytes)
+        if dtype_bytes == 1:
+            per_token += 2 * shape.num_layers * shape.num_kv_heads * SCALE_BYTES_PER_ROW
+        return (per_token, f"2 × {shape.describe()} × {dtype_bytes} B" + scale.format(shape.head_dim),
+                shape.num_params_estimate)
+    head_dim = _head_dim(args)
+    element = kv_element_bytes(args.kv_dtype, head_dim)
     kv_source = "--kv-bytes-per-token"
     if dtype_bytes != REFERENCE_KV_DTYPE_BYTES:
-        kv_source += f" scaled {REFERENCE_KV_DTYPE_BYTES} B -> {dtype_bytes} B per element"
-    return round(args.kv_bytes_per_token * dtype_bytes / REFERENCE_KV_DTYPE_BYTES), kv_source, None
+        kv_source += (f" scaled {REFERENCE_KV_DTYPE_BYTES} B -> {dtype_bytes} B per element"
+                      + scale.format(head_dim))
+    return round(args.kv_bytes_per_token * element / REFERENCE_KV_DTYPE_BYTES), kv_source, None
 
 
 def _contexts(args: argparse.Namespace) -> tuple[tuple[int, float | None], ...]:

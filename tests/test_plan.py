@@ -54,15 +54,21 @@ def test_default_table_shows_the_seed_numbers(capsys):
     assert "live KV per conversation is unchanged" in table
 
 
-def test_smaller_kv_dtype_doubles_conversations(capsys):
+def test_smaller_kv_dtype_nearly_doubles_conversations(capsys):
     document = run_json(capsys)
     what_if = document["kv_dtype_what_ifs"][0]
-    assert what_if["kv_dtype"] == "fp8/int8" and what_if["capacity_factor"] == 2
-    assert [f["conversations_per_gpu"] for f in what_if["contexts"]] == [80, 20, 10]
+    # 1 byte per value plus a 2-byte scale per 128 values: 2 / 1.015625 = 1.97x
+    assert what_if["kv_dtype"] == "fp8/int8"
+    assert what_if["capacity_factor"] == pytest.approx(2 / (1 + 2 / 128))
+    assert what_if["kv_bytes_per_token"] == 253_906
+    assert [f["conversations_per_gpu"] for f in what_if["contexts"]] == [78, 19, 9]
     fp8 = run_json(capsys, "--kv-dtype", "fp8", "--context", "8000")
-    assert fp8["memory"]["kv_bytes_per_token"] == 250_000
-    assert conversations_by_context(fp8) == {8000: 20}
+    assert fp8["memory"]["kv_bytes_per_token"] == 253_906
+    assert conversations_by_context(fp8) == {8000: 19}
     assert fp8["kv_dtype_what_ifs"] == []
+    # a smaller head carries more scale per value
+    small_heads = run_json(capsys, "--kv-dtype", "int8", "--head-dim", "64", "--context", "8000")
+    assert small_heads["memory"]["kv_bytes_per_token"] == round(250_000 * (1 + 2 / 64))
 
 
 def test_cost_and_context_mix(capsys):
@@ -95,6 +101,20 @@ def test_from_model_derives_kv_bytes_and_params(tmp_path, capsys):
     assert bf16["inputs"]["num_params"] == pytest.approx(134.5e6, rel=0.01)
     explicit = run_json(capsys, "--from-model", json.dumps(SMOLLM2_CONFIG), "--params", "1B")
     assert explicit["memory"]["weights_bytes"] == 2_000_000_000
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16", "fp8", "int8"])
+def test_plan_and_the_engine_agree_on_kv_bytes_per_token(capsys, kv_dtype):
+    import torch
+    from transformers import LlamaConfig
+
+    from worker.engine.kv_cache import KVLayout
+    from worker.engine.kv_format import resolve_kv_format
+
+    document = run_json(capsys, "--from-model", json.dumps(SMOLLM2_CONFIG), "--kv-dtype", kv_dtype)
+    layout = KVLayout.from_model_config(LlamaConfig(**SMOLLM2_CONFIG),
+                                        resolve_kv_format(kv_dtype, torch.float32))
+    assert document["memory"]["kv_bytes_per_token"] == layout.bytes_per_token
 
 
 def test_from_model_infers_kv_heads_and_head_dim(capsys):
