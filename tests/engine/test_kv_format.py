@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from worker.engine.kv_cache import KVCachePool, KVLayout
-from worker.engine.kv_format import KV_DTYPE_CHOICES, resolve_kv_format
+from worker.engine.kv_format import KV_DTYPE_CHOICES, resolve_kv_format, rotation_matrix
 
 QUANTIZED = ["fp8", "int8"]
 
@@ -78,6 +78,10 @@ def test_pool_write_then_gather_returns_the_values_and_swaps_round_trip(name):
     pool.write(1, slot_rows, key, value)
     block_rows = torch.tensor([2, 7, 12, 17])  # K head 0, K head 1, V head 0, V head 1 of block 2
     got = pool.gather(1, block_rows, torch.float32).view(2, 2, 4, 8)[:, :, :3]
+    rotation = pool.rotation(torch.float32)
+    assert (rotation is not None) == (name == "int8")
+    if rotation is not None:  # int8 rows are stored rotated
+        got = got @ rotation.T
     tol = 0.07 if name == "fp8" else 0.01
     assert torch.allclose(got[0].reshape(-1, 8), key, rtol=tol, atol=tol * key.abs().max().item())
     assert torch.allclose(got[1].reshape(-1, 8), value, rtol=tol, atol=tol * value.abs().max().item())
@@ -86,3 +90,24 @@ def test_pool_write_then_gather_returns_the_values_and_swaps_round_trip(name):
     pool.copy_in(host, [4])
     moved = pool.gather(1, block_rows + 2, torch.float32)  # the same rows of block 4
     assert torch.equal(moved, pool.gather(1, block_rows, torch.float32))
+
+
+@pytest.mark.parametrize("dim", [8, 64, 80])
+def test_rotations_are_orthonormal(dim):
+    r = rotation_matrix(dim)
+    assert torch.allclose(r @ r.T, torch.eye(dim), atol=1e-5)
+
+
+def test_rotating_rows_with_outlier_channels_shrinks_the_int8_error():
+    fmt = resolve_kv_format("int8", torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 64, generator=g)
+    x[:, [5, 17]] *= 30  # two outlier channels set every row's max, as in real keys
+    r = rotation_matrix(64)
+
+    def error(rows, rotation):
+        codes, scale = fmt.quantize(rows @ rotation)
+        back = fmt.dequantize(codes, scale, torch.float32) @ rotation.T
+        return ((back - rows).norm() / rows.norm()).item()
+
+    assert error(x, r) < 0.5 * error(x, torch.eye(64))

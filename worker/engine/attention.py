@@ -99,7 +99,12 @@ def _decode_attention(group: DecodeGroup, query, pool: KVCachePool, layer: int, 
     q = query[0, :, group.q_start:end].view(num_kv_heads, -1, num_seqs, head_dim).transpose(1, 2)
     kv = pool.gather(layer, group.gather_index, query.dtype).view(
         2, num_kv_heads, num_seqs, length, head_dim)
+    rotation = pool.rotation(query.dtype)
+    if rotation is not None:  # the cache holds rotated rows: rotate q, un-rotate the output
+        q = q @ rotation
     o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scaling)
+    if rotation is not None:
+        o = o @ rotation.T
     # [KVH, B, n_rep, D] -> [B, KVH, n_rep, D] -> [B, H, D]
     out[group.q_start:end] = o.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
@@ -117,8 +122,13 @@ def _prefill_attention(chunk: PrefillChunk, query, key, value, pool: KVCachePool
             2, pool.layout.num_kv_heads, -1, head_dim)
         k = kv[0, :, :chunk.context_len].unsqueeze(0)  # [1, KVH, ctx, D]
         v = kv[1, :, :chunk.context_len].unsqueeze(0)
+        rotation = pool.rotation(query.dtype)
+        if rotation is not None:
+            q = q @ rotation
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=True)
+        if rotation is not None:
+            o = o @ rotation.T
     out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)  # [n, H, D]
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.kv_format import SCALE_DTYPE, KVFormat
+from worker.engine.kv_format import SCALE_DTYPE, KVFormat, rotation_matrix
 
 GB = 1e9
 
@@ -158,6 +158,17 @@ class KVCachePool:
                         if self.kv_format.is_quantized else None)
         # host copies are pinned when the pool is on an accelerator, so swaps can overlap
         self._pin = device.type == "cuda"
+        self._rotation = (rotation_matrix(layout.head_dim).to(device)
+                          if self.kv_format.rotate else None)
+        self._rotations: dict[torch.dtype, torch.Tensor] = {}
+
+    def rotation(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """[D, D] matrix R the rows are stored rotated by (cached rows hold x @ R), or None."""
+        if self._rotation is None:
+            return None
+        if dtype not in self._rotations:
+            self._rotations[dtype] = self._rotation.to(dtype)
+        return self._rotations[dtype]
 
     def layer(self, index: int) -> torch.Tensor:
         return self._storage[index]
@@ -181,14 +192,18 @@ class KVCachePool:
         _, kv_heads, num_blocks, block_size, head_dim = self._storage.shape[1:]
         by_slot = self._storage[layer].view(2, kv_heads * num_blocks * block_size, head_dim)
         scales = None if self._scales is None else self._scales[layer].view(2, -1)
+        rotation = self.rotation(torch.float32)
         for i, rows in enumerate((key, value)):
+            if rotation is not None:
+                rows = rows.float() @ rotation
             codes, scale = self.kv_format.quantize(rows)
             by_slot[i].index_copy_(0, slot_rows, codes)
             if scales is not None:
                 scales[i].index_copy_(0, slot_rows, scale)
 
     def gather(self, layer: int, block_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of the [2 * KVH * num_blocks] block view -> [R, block_size * D] values in `dtype`."""
+        """Rows of the [2 * KVH * num_blocks] block view -> [R, block_size * D] values in `dtype`
+        (still rotated when the format rotates: see `rotation`)."""
         _, kv_heads, num_blocks, block_size, head_dim = self._storage.shape[1:]
         by_block = self._storage[layer].view(2 * kv_heads * num_blocks, block_size * head_dim)
         codes = by_block.index_select(0, block_rows)

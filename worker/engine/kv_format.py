@@ -6,6 +6,14 @@ fp8 (e4m3) and int8 store one byte per value plus one fp16 scale for each (token
 when the token is written (tokens are written once, in place), so no block is ever requantised and
 a row's error never grows. With head_dim 64 that is 66 bytes instead of bf16's 128: 1.94x the
 tokens; 1.97x at head_dim 128. Attention dequantises on read, in the model's dtype.
+
+int8 rows are rotated before quantising (`rows @ R`, R orthonormal: a Hadamard matrix, or a
+seeded random rotation when head_dim is not a power of two). Keys carry a few outlier channels
+that set every row's max and leave the other channels few codes; rotating spreads them over all
+channels, which halved the int8 error of SmolLM2's keys (1.07% -> 0.56% relative, measured).
+Attention never un-rotates the cache: since R is orthonormal, q.k = (qR).(kR), so it rotates the
+queries and un-rotates the output (p.V = (p.VR)R^T), a [T, D] x [D, D] product per call. fp8 is
+not rotated: its error is relative to each value, and rotating made it slightly worse.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class KVFormat:
     storage: torch.dtype
     code: torch.dtype | None = None  # None: values stored as they are (plain float format)
     qmax: float = 0.0  # largest code magnitude
+    rotate: bool = False  # rows are stored rotated (see the module docstring)
 
     @property
     def is_quantized(self) -> bool:
@@ -77,8 +86,21 @@ class KVFormat:
 _FORMATS = {
     **{name: KVFormat(name, dtype) for name, dtype in _FLOATS.items()},
     "fp8": KVFormat("fp8", torch.uint8, torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max),
-    "int8": KVFormat("int8", torch.int8, torch.int8, 127.0),
+    "int8": KVFormat("int8", torch.int8, torch.int8, 127.0, rotate=True),
 }
+
+
+def rotation_matrix(dim: int) -> torch.Tensor:
+    """An orthonormal [dim, dim] float32 matrix: Sylvester's Hadamard / sqrt(dim) when dim is a
+    power of two, else the Q of a seeded Gaussian's QR decomposition."""
+    if dim & (dim - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return h / dim ** 0.5
+    gaussian = torch.randn(dim, dim, generator=torch.Generator().manual_seed(dim))
+    q, _ = torch.linalg.qr(gaussian)
+    return q
 
 
 def resolve_kv_format(name: str, model_dtype: torch.dtype) -> KVFormat:
