@@ -40,3 +40,28 @@ def test_greedy_equals_hf_generate_on_the_default_model():
     stats = engine.stats()
     assert stats.prefix_hit_tokens >= 2 * 16
     assert stats.num_blocks_free == stats.num_blocks_total
+
+
+@pytest.mark.slow
+def test_8bit_kv_caches_keep_the_default_models_greedy_choices():
+    """Teacher-forced over 64 tokens of prose: fp8 and int8 caches pick the full-precision
+    cache's next token almost everywhere (benchmarks/kv_quality.py measures this at scale)."""
+    from pathlib import Path
+
+    from worker.engine.scoring import teacher_forced_logprobs
+
+    path = resolve_model_path(DEFAULT_MODEL)
+    tokenizer = load_tokenizer(path)
+    corpus = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "kv_corpus.txt"
+    passages = corpus.read_text().split("\n\n")[:2]
+    texts = [tokenizer(p)["input_ids"][:96] for p in passages]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    argmax = {}
+    for kv_dtype in ("fp32", "fp8", "int8"):
+        engine = Engine(model, EngineConfig(device="cpu", dtype="float32", kv_dtype=kv_dtype,
+                                            num_blocks=32, enable_prefix_caching=False))
+        argmax[kv_dtype] = torch.stack([lp.argmax(-1) for _, lp in
+                                        teacher_forced_logprobs(engine, texts, context_len=32)])
+    for kv_dtype in ("fp8", "int8"):
+        agreement = (argmax[kv_dtype] == argmax["fp32"]).float().mean().item()
+        assert agreement >= 0.95, f"{kv_dtype}: {agreement:.1%}"
