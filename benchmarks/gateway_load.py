@@ -3,6 +3,8 @@ a subprocess) and a real Redis, fed by a fast synthetic worker; compared with cl
 the workers' pub/sub channels directly.
 
     .venv/bin/python benchmarks/gateway_load.py --streams 2000 --tokens 64 --interval-ms 250
+    .venv/bin/python benchmarks/gateway_load.py --streams 2000 --tokens 30 --interval-ms 2000 \
+        --ramp-s 20    # issue #6's target: docs/BENCHMARKS.md, "Gateway under load"
 
 Processes: EmbeddedRedis; the gateway (`create_app` + uvicorn); a synthetic worker that
 XREADGROUPs requests and publishes one token event per stream every `interval`, the streams'
@@ -15,7 +17,13 @@ Reported:
   through the gateway and, in a second phase with as many streams, for clients subscribed to
   `kvf:tok:{id}` directly on one pub/sub connection; the difference is what the gateway adds.
   CLOCK_MONOTONIC is system-wide on Linux, so times compare across processes;
-- memory per stream: (gateway RSS at peak concurrency − RSS before the load) ÷ streams.
+- an upper bound on the added p99 (p99 through the gateway − the baseline's p50), which a
+  baseline tail disturbed by other load cannot make negative;
+- the same per phase, by the event's publish time: `ramp` (before the last stream opened: request
+  admissions compete with streaming), `steady` (every stream open, none finished yet), `tail`
+  (streams finishing), and `overall`;
+- memory per stream: (gateway RSS at peak concurrency − RSS before the load) ÷ streams;
+- gateway CPU per event: overall (request admissions included) and in the steady state (none).
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ def quantile(values: list[float], q: float) -> float:
 def run_gateway(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.app import create_app, tune_gc_for_serving
     from shared.models import DEFAULT_MODEL
     from shared.settings import GatewaySettings
 
@@ -63,6 +71,7 @@ def run_gateway(args: argparse.Namespace) -> None:
                                max_queue_depth=0, max_queue_wait_s=0, request_timeout_s=600,
                                first_event_timeout_s=120, log_level="WARNING")
     app = create_app(settings)
+    tune_gc_for_serving()  # as `serve()` does
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", backlog=8192,
                 timeout_keep_alive=60)
 
@@ -135,6 +144,18 @@ class Recorder:
         self.open = 0
         self.max_open = 0
         self.errors = 0
+        self.opened_at: list[float] = []  # when each stream started (response headers / XADD)
+        self.closed_at: list[float] = []  # when each stream got its last event
+
+    def phases(self, streams: int) -> tuple[float, float]:
+        """(all open, first closed): the steady state is in between. With a stream that never
+        opened, or one that closed before the last opened, there is none (both are +inf)."""
+        if len(self.opened_at) < streams or not self.closed_at:
+            return float("inf"), float("inf")
+        all_open, first_closed = max(self.opened_at), min(self.closed_at)
+        if first_closed <= all_open:
+            return float("inf"), float("inf")
+        return all_open, first_closed
 
 
 async def gateway_stream(host: str, port: int, model: str, tokens: int,
@@ -158,12 +179,14 @@ async def gateway_stream(host: str, port: int, model: str, tokens: int,
         while (await reader.readline()) not in (b"\r\n", b""):
             pass  # headers (uvicorn sends chunked transfer encoding)
         opened = True
+        recorder.opened_at.append(time.monotonic())
         recorder.open += 1
         recorder.max_open = max(recorder.max_open, recorder.open)
         buffer = b""
         while True:
             size = int((await reader.readline()).strip() or b"0", 16)
             if size == 0:
+                recorder.closed_at.append(time.monotonic())
                 break
             buffer += (await reader.readexactly(size + 2))[:-2]
             now = time.monotonic()
@@ -186,16 +209,33 @@ async def gateway_stream(host: str, port: int, model: str, tokens: int,
         recorder.received[req_id] = times
 
 
-async def sample_rss(pid: int, samples: list[int], stop: asyncio.Event) -> None:
+async def sample_process(pid: int, samples: list[int], cpu: list[tuple[float, float]],
+                         stop: asyncio.Event) -> None:
+    """RSS, and (time, CPU seconds) of the gateway every 0.2 s."""
     while not stop.is_set():
         samples.append(rss_bytes(pid))
+        cpu.append((time.monotonic(), cpu_s(pid)))
         await asyncio.sleep(0.2)
+
+
+def cpu_at(cpu: list[tuple[float, float]], at: float) -> float:
+    """The gateway's CPU seconds at time `at`, interpolated between samples."""
+    for (t0, c0), (t1, c1) in zip(cpu, cpu[1:]):
+        if t0 <= at <= t1:
+            return c0 + (c1 - c0) * (at - t0) / max(t1 - t0, 1e-9)
+    return cpu[-1][1] if cpu and at > cpu[-1][0] else (cpu[0][1] if cpu else 0.0)
 
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process so far."""
+    return sum(cpu_split_s(pid))
+
+
+def cpu_split_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def rss_bytes(pid: int) -> int:
@@ -215,9 +255,11 @@ async def through_gateway(args, url: str, gateway_pid: int) -> tuple[Recorder, d
                                                  "max_tokens": 2})
     base_rss = rss_bytes(gateway_pid)
     base_cpu = cpu_s(gateway_pid), time.process_time()
+    base_system_s = cpu_split_s(gateway_pid)[1]
     samples: list[int] = []
+    cpu: list[tuple[float, float]] = []
     stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_rss(gateway_pid, samples, stop))
+    sampler = asyncio.create_task(sample_process(gateway_pid, samples, cpu, stop))
     start = time.monotonic()
     tasks = []
     for _ in range(args.streams):
@@ -227,9 +269,14 @@ async def through_gateway(args, url: str, gateway_pid: int) -> tuple[Recorder, d
     await asyncio.gather(*tasks)
     stop.set()
     await sampler
+    all_open, first_closed = recorder.phases(args.streams)
+    steady_cpu_s = (cpu_at(cpu, first_closed) - cpu_at(cpu, all_open)
+                    if first_closed < float("inf") else float("nan"))
     return recorder, {"base_rss": base_rss, "peak_rss": max(samples),
                       "wall_s": time.monotonic() - start,
                       "gateway_cpu_s": cpu_s(gateway_pid) - base_cpu[0],
+                      "gateway_system_cpu_s": cpu_split_s(gateway_pid)[1] - base_system_s,
+                      "steady_gateway_cpu_s": steady_cpu_s,
                       "client_cpu_s": time.process_time() - base_cpu[1]}
 
 
@@ -257,6 +304,7 @@ async def direct_pubsub(args) -> Recorder:
             request = GenerationRequest(req_id, args.model, [1, 2, 3],
                                         SamplingParams(max_tokens=args.tokens))
             await redis.xadd(keys.queue(args.model), {"id": req_id, "payload": request.pack()})
+            recorder.opened_at.append(time.monotonic())
             await asyncio.sleep(args.ramp_s / len(ids))
 
     adding = asyncio.create_task(enqueue())
@@ -272,23 +320,41 @@ async def direct_pubsub(args) -> Recorder:
         req_id = message["channel"].decode()[prefix:]
         times = recorder.received.setdefault(req_id, [])
         times.extend([now] * len(event.token_ids))
-        finished += event.is_final
+        if event.is_final:
+            finished += 1
+            recorder.closed_at.append(now)
     await adding
     await pubsub.aclose()
     await redis.aclose()
     return recorder
 
 
-def latencies(recorder: Recorder, worker_log: dict) -> list[float]:
+def latencies(recorder: Recorder, worker_log: dict) -> list[tuple[float, float]]:
+    """(publish time, receive − publish) of every token received."""
     ticks, starts, period = worker_log["tick_times"], worker_log["starts"], worker_log["period"]
     out = []
     for req_id, times in recorder.received.items():
         start = starts.get(req_id)
         if start is None:
             continue
-        out.extend(t - ticks[start + k * period] for k, t in enumerate(times)
-                   if start + k * period < len(ticks))
+        out.extend((ticks[start + k * period], t - ticks[start + k * period])
+                   for k, t in enumerate(times) if start + k * period < len(ticks))
     return out
+
+
+def by_phase(samples: list[tuple[float, float]], all_open: float, first_closed: float
+             ) -> dict[str, list[float]]:
+    """Latencies by the phase their event was published in (see the module's docstring)."""
+    phases: dict[str, list[float]] = {"overall": [], "ramp": [], "steady": [], "tail": []}
+    for published, latency in samples:
+        phases["overall"].append(latency)
+        phase = "ramp" if published < all_open else "steady" if published < first_closed else "tail"
+        phases[phase].append(latency)
+    return phases
+
+
+def ms(value: float) -> float:
+    return round(value * 1e3, 2)
 
 
 def wait_http(url: str, timeout_s: float = 120) -> None:
@@ -344,7 +410,26 @@ def report(args, via_gateway: Recorder, direct: Recorder, mem: dict, worker_log:
     all_times = [t for times in via_gateway.received.values() for t in times]
     tokens = len(all_times)
     span_s = max(all_times) - min(all_times) if all_times else float("nan")
-    gw, dr = latencies(via_gateway, worker_log), latencies(direct, worker_log)
+    gw_open, gw_closed = via_gateway.phases(args.streams)
+    dr_open, dr_closed = direct.phases(args.streams)
+    gw = by_phase(latencies(via_gateway, worker_log), gw_open, gw_closed)
+    dr = by_phase(latencies(direct, worker_log), dr_open, dr_closed)
+    steady_events = sum(gw_open <= t < gw_closed for t in all_times)
+
+    def pct(values: list[float]) -> dict:
+        return {"p50": ms(quantile(values, 0.5)), "p99": ms(quantile(values, 0.99)),
+                "events": len(values)}
+
+    def added(phase: str) -> dict:
+        return {q: ms(quantile(gw[phase], v) - quantile(dr[phase], v))
+                for q, v in (("p50", 0.5), ("p99", 0.99))}
+
+    def added_bound(phase: str) -> float:
+        """p99 through the gateway − p50 of the baseline: an upper bound on the added p99 that a
+        baseline tail disturbed by other load on the machine cannot make negative."""
+        return ms(quantile(gw[phase], 0.99) - quantile(dr[phase], 0.5))
+
+    phases = ("overall", "ramp", "steady", "tail")
     result = {
         "streams": args.streams, "tokens_per_stream": args.tokens,
         "interval_ms": args.interval_ms,
@@ -352,20 +437,24 @@ def report(args, via_gateway: Recorder, direct: Recorder, mem: dict, worker_log:
         "max_concurrent_streams": via_gateway.max_open, "errors": via_gateway.errors,
         "complete_streams": sum(len(t) == args.tokens for t in via_gateway.received.values()),
         "events_delivered": tokens, "events_per_s": round(tokens / span_s, 1),
-        "gateway_latency_ms": {"p50": round(quantile(gw, 0.5) * 1e3, 2),
-                               "p99": round(quantile(gw, 0.99) * 1e3, 2)},
-        "direct_pubsub_latency_ms": {"p50": round(quantile(dr, 0.5) * 1e3, 2),
-                                     "p99": round(quantile(dr, 0.99) * 1e3, 2)},
-        "added_latency_ms": {"p50": round((quantile(gw, 0.5) - quantile(dr, 0.5)) * 1e3, 2),
-                             "p99": round((quantile(gw, 0.99) - quantile(dr, 0.99)) * 1e3, 2)},
+        "steady_state_s": round(gw_closed - gw_open, 1) if gw_closed < float("inf") else None,
+        "steady_events_per_s": (round(steady_events / (gw_closed - gw_open), 1)
+                                if gw_closed < float("inf") else None),
+        "added_latency_ms": {phase: added(phase) for phase in phases},
+        "added_p99_bound_ms": {phase: added_bound(phase) for phase in phases},
+        "gateway_latency_ms": {phase: pct(gw[phase]) for phase in phases},
+        "direct_pubsub_latency_ms": {phase: pct(dr[phase]) for phase in phases},
         "gateway_rss_mb": {"before": round(mem["base_rss"] / 2**20, 1),
                            "peak": round(mem["peak_rss"] / 2**20, 1)},
         "memory_per_stream_kb": round((mem["peak_rss"] - mem["base_rss"]) / args.streams / 1024,
                                       1),
-        "mean_gateway_latency_ms": round(statistics.fmean(gw) * 1e3, 2) if gw else None,
+        "mean_gateway_latency_ms": ms(statistics.fmean(gw["overall"])) if gw["overall"] else None,
         "phase_wall_s": round(mem["wall_s"], 1),
         "gateway_cpu_s": round(mem["gateway_cpu_s"], 1),
+        "gateway_system_cpu_share": round(mem["gateway_system_cpu_s"] / mem["gateway_cpu_s"], 2),
         "gateway_cpu_us_per_event": round(mem["gateway_cpu_s"] / max(tokens, 1) * 1e6, 1),
+        "steady_gateway_cpu_us_per_event": (
+            round(mem["steady_gateway_cpu_s"] / steady_events * 1e6, 1) if steady_events else None),
         "client_cpu_s": round(mem["client_cpu_s"], 1),
     }
     print(json.dumps(result, indent=2))

@@ -3,10 +3,51 @@ text that may still become a stop string, and truncates the output at a stop str
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"  # what decode() yields for an incomplete UTF-8 sequence
 CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces come out right
+
+
+def _backend_decode(tokenizer) -> Callable[[list[int]], str] | None:
+    """The `tokenizers` backend's decode when it returns exactly what
+    `tokenizer.decode(ids, skip_special_tokens=True)` returns: transformers' fast tokenizers only
+    add Python layers around it, plus the optional clean-up of tokenization spaces."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the generic path stays exact
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, TokenizersBackend) or not isinstance(backend, Tokenizer)
+            or cls.decode is not PreTrainedTokenizerBase.decode
+            or cls._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+        return None
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+
+
+class TextDecoder:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, made cheap for streaming: the Rust
+    backend is called directly where that is exact, and the text of each single token is cached
+    (a one-token window is what the incremental detokeniser decodes most). One per tokenizer,
+    shared by all requests."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._decode = _backend_decode(tokenizer) or (
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        self._single: dict[int, str] = {}  # token id -> its text alone (at most the vocabulary)
+
+    def decode(self, ids: list[int]) -> str:
+        if len(ids) == 1:
+            text = self._single.get(ids[0])
+            if text is None:
+                text = self._single[ids[0]] = self._decode(ids)
+            return text
+        return self._decode(ids)
 
 
 class IncrementalDetokenizer:
@@ -15,33 +56,46 @@ class IncrementalDetokenizer:
     Works for any tokenizer (byte-level BPE, SentencePiece with byte fallback): each step decodes
     the window `ids[prefix_offset:]` and compares it with `ids[prefix_offset:read_offset]`; a window
     that ends in U+FFFD is an incomplete character and is held until the next token completes it.
+    The prefix window's text is kept until the offsets move, so a step costs one decode (the
+    prefix window is then usually one token, whose text the TextDecoder caches).
     """
 
-    def __init__(self, tokenizer, context_token_ids: Sequence[int] = ()):
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer, context_token_ids: Sequence[int] = (),
+                 decoder: TextDecoder | None = None):
+        self._decoder = decoder or TextDecoder(tokenizer)
         self._ids: list[int] = list(context_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)  # ids before this are already turned into text
+        self._prefix_text: str | None = None  # text of ids[prefix_offset:read_offset], if known
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+    def _window_texts(self) -> tuple[str, str]:
+        """(text of the prefix window, text of the whole window)."""
+        if self._prefix_text is None:
+            self._prefix_text = self._decoder.decode(
+                self._ids[self._prefix_offset:self._read_offset])
+        return self._prefix_text, self._decoder.decode(self._ids[self._prefix_offset:])
+
+    def _advance(self) -> None:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = None
 
     def add(self, token_ids: Sequence[int]) -> str:
         """The text the new tokens complete (possibly empty)."""
+        if not token_ids:
+            return ""  # the windows' texts are what they were: nothing new completes
         self._ids.extend(token_ids)
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset:])
+        prefix_text, full_text = self._window_texts()
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._advance()
         return full_text[len(prefix_text):]
 
     def flush(self) -> str:
         """Whatever is still held at the end (an incomplete character becomes U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset:])
+        prefix_text, full_text = self._window_texts()
         self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = ""
         return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
 
 

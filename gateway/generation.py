@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gateway.client import EngineClient, EngineError, EventStream, WorkerError
-from gateway.detokenizer import IncrementalDetokenizer, StopStringFilter
+from gateway.detokenizer import IncrementalDetokenizer, StopStringFilter, TextDecoder
 from gateway.sequencer import EventSequencer, NewTokens
 from shared.messages import GenerationRequest, TokenEvent, TokenLogprob, Usage
 
@@ -57,13 +57,14 @@ class ChoiceGenerator:
     """
 
     def __init__(self, client: EngineClient, request: GenerationRequest, events: EventStream,
-                 tokenizer, background: BackgroundTasks):
+                 tokenizer, background: BackgroundTasks, decoder: TextDecoder | None = None):
         self._client = client
         self._request = request
         self._events = events
         self._background = background
         self._sequencer = EventSequencer()
-        self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                                   decoder)
         self._stops = StopStringFilter(request.params.stop)
         self._num_tokens = 0
         self._finished = False

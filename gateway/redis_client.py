@@ -21,7 +21,7 @@ from gateway.client import (
     RequestSnapshot,
 )
 from gateway.dashboard import stream_depth
-from gateway.fanout import ConnectionLost, TokenFanout
+from gateway.fanout import ConnectionLost, TokenFanout, TokenQueue
 from shared.keys import PRIORITIES, Keys
 from shared.messages import GenerationRequest, TokenEvent
 from shared.settings import GatewaySettings
@@ -64,7 +64,7 @@ RESULT_GRACE_S = 3600  # the request hash outlives the request's deadline by thi
 class RedisEventStream(EventStream):
     """Token events of one request, read from its fan-out queue, with the protocol's timeouts."""
 
-    def __init__(self, req_id: str, channel: str, queue: asyncio.Queue, fanout: TokenFanout,
+    def __init__(self, req_id: str, channel: str, queue: TokenQueue, fanout: TokenFanout,
                  first_event_timeout_s: float, deadline: float | None):
         self.req_id = req_id
         self._channel = channel
@@ -94,8 +94,7 @@ class RedisEventStream(EventStream):
 
     async def _wait(self) -> bytes | ConnectionLost:
         try:
-            async with asyncio.timeout(self._timeout_s()):  # cheaper than wait_for (no task)
-                return await self._queue.get()
+            return await self._queue.get(self._timeout_s())  # one timer, no Timeout context
         except TimeoutError:
             if self._received_any:
                 raise EngineTimeout(f"request {self.req_id} passed its deadline") from None

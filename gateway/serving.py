@@ -27,21 +27,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-def sse_error(exc: Exception) -> str:
+def sse_error(exc: Exception) -> bytes:
     """An error inside a stream that has already started (the status line is sent: 200)."""
     if isinstance(exc, EngineError):
         body = error_body(exc.message, exc.error_type, code=str(exc.status))
     else:
         log.exception("unexpected error while streaming", exc_info=exc)
         body = error_body(f"Internal error: {exc!r}", "server_error")
-    return sse(json.dumps(body))
+    return sse(json.dumps(body)).encode()
 
 
 def new_request_id() -> str:
@@ -128,7 +128,8 @@ class OpenAIServing:
             for request in requests:
                 events = await self.client.submit(request)
                 choices.append(ChoiceGenerator(self.client, request, events,
-                                               self.processor.tokenizer, self.background))
+                                               self.processor.tokenizer, self.background,
+                                               self.processor.decoder))
         except BaseException:
             for choice in choices:
                 await choice.close()
@@ -156,7 +157,7 @@ def outcome_of(finish_reasons: list[str | None]) -> str:
     return "length" if "length" in finish_reasons else "stop"
 
 
-async def stream_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def stream_with_errors(chunks: AsyncIterator[bytes | str]) -> AsyncIterator[bytes | str]:
     """SSE lines, an error event if the fleet failed mid-stream, and always `[DONE]` at the end."""
     try:
         async for chunk in chunks:

@@ -11,14 +11,10 @@ from gateway.protocol import ChatCompletionRequest
 from gateway.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatDelta,
     ChatLogprob,
     ChatMessageOut,
     TopLogprob,
-    chunk_json,
 )
 from gateway.metrics import RequestTracker
 from gateway.serving import (
@@ -26,9 +22,9 @@ from gateway.serving import (
     UsageTally,
     new_request_id,
     outcome_of,
-    sse,
     stream_with_errors,
 )
+from gateway.sse_chunks import ChatChunkEncoder
 
 if TYPE_CHECKING:
     from gateway.auth import Principal
@@ -37,13 +33,13 @@ if TYPE_CHECKING:
 class ChatServing(OpenAIServing):
 
     async def create(self, request: ChatCompletionRequest, principal: Principal | None = None
-                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+                     ) -> ChatCompletionResponse | AsyncIterator[bytes]:
         """A whole response, or the SSE lines of a stream (for the route to send)."""
         tracker = self.metrics.track("chat")
         try:
             self.check_model(request.model)
-            prompt = self.processor.chat_prompt([m.to_template_dict() for m in request.messages],
-                                                request.add_generation_prompt)
+            prompt = await self.processor.chat_prompt_async(
+                [m.to_template_dict() for m in request.messages], request.add_generation_prompt)
             req_hex = new_request_id()
             requests = self.build_requests(req_hex, [prompt], request)
             await self.admit(requests, principal)
@@ -78,34 +74,26 @@ class ChatServing(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceGenerator],
                       response_id: str, created: int, tracker: RequestTracker
-                      ) -> AsyncIterator[str]:
-        def chunk(choice: ChatChunkChoice) -> str:
-            return sse(chunk_json(ChatCompletionChunk(id=response_id, created=created,
-                                                      model=self.served_id, choices=[choice])))
-
+                      ) -> AsyncIterator[bytes]:
+        frames = ChatChunkEncoder(response_id, created, self.served_id)
         usage = UsageTally(request.n)
         finish_reasons: list[str | None] = []
         try:
             for index in range(len(choices)):
-                yield chunk(ChatChunkChoice(index=index,
-                                            delta=ChatDelta(role="assistant", content="")))
+                yield frames.role(index)
             async for index, delta in merge_choices([aiter(c) for c in choices]):
                 if delta.token_ids:
                     tracker.on_tokens(len(delta.token_ids))
                 logprobs = self._logprobs([delta]) if request.logprobs and delta.logprobs else None
                 if delta.text or logprobs is not None:
-                    yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
-                                                logprobs=logprobs))
+                    yield frames.content(index, delta.text, logprobs)
                 if delta.finish_reason is not None:
                     usage.add(index, delta.usage)
                     finish_reasons.append(delta.finish_reason)
-                    yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(),
-                                                finish_reason=delta.finish_reason))
+                    yield frames.finish(index, delta.finish_reason)
             info = usage.info()
             if request.include_usage:
-                yield sse(chunk_json(ChatCompletionChunk(id=response_id, created=created,
-                                                         model=self.served_id, choices=[],
-                                                         usage=info)))
+                yield frames.usage(info)
             tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens)
         except Exception:
             tracker.finish("error")

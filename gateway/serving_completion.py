@@ -8,16 +8,16 @@ from typing import TYPE_CHECKING
 
 from gateway.generation import ChoiceDelta, ChoiceGenerator, merge_choices
 from gateway.protocol import CompletionRequest
-from gateway.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, chunk_json
+from gateway.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from gateway.metrics import RequestTracker
 from gateway.serving import (
     OpenAIServing,
     UsageTally,
     new_request_id,
     outcome_of,
-    sse,
     stream_with_errors,
 )
+from gateway.sse_chunks import CompletionChunkEncoder
 from shared.messages import TokenLogprob
 
 if TYPE_CHECKING:
@@ -27,12 +27,12 @@ if TYPE_CHECKING:
 class CompletionServing(OpenAIServing):
 
     async def create(self, request: CompletionRequest, principal: Principal | None = None
-                     ) -> CompletionResponse | AsyncIterator[str]:
+                     ) -> CompletionResponse | AsyncIterator[bytes]:
         """A whole response, or the SSE lines of a stream (for the route to send)."""
         tracker = self.metrics.track("completions")
         try:
             self.check_model(request.model)
-            prompts = self.processor.completion_prompts(request.prompt)
+            prompts = await self.processor.completion_prompts_async(request.prompt)
             req_hex = new_request_id()
             requests = self.build_requests(req_hex, prompts, request)
             await self.admit(requests, principal)
@@ -71,18 +71,15 @@ class CompletionServing(OpenAIServing):
 
     async def _stream(self, request: CompletionRequest, choices: list[ChoiceGenerator],
                       echoes: list[str], response_id: str, created: int,
-                      tracker: RequestTracker) -> AsyncIterator[str]:
-        def chunk(choice: CompletionChoice) -> str:
-            return sse(chunk_json(CompletionResponse(id=response_id, created=created,
-                                                     model=self.served_id, choices=[choice])))
-
+                      tracker: RequestTracker) -> AsyncIterator[bytes]:
+        frames = CompletionChunkEncoder(response_id, created, self.served_id)
         usage = UsageTally(request.n)
         offsets = [len(echo) for echo in echoes]
         finish_reasons: list[str | None] = []
         try:
             for index, echo in enumerate(echoes):
                 if echo:
-                    yield chunk(CompletionChoice(index=index, text=echo))
+                    yield frames.text(index, echo)
             async for index, delta in merge_choices([aiter(c) for c in choices]):
                 if delta.token_ids:
                     tracker.on_tokens(len(delta.token_ids))
@@ -91,17 +88,14 @@ class CompletionServing(OpenAIServing):
                     logprobs = CompletionLogprobs()
                     offsets[index] = self._add_logprobs(logprobs, [delta], offsets[index])
                 if delta.text or logprobs is not None:
-                    yield chunk(CompletionChoice(index=index, text=delta.text, logprobs=logprobs))
+                    yield frames.text(index, delta.text, logprobs)
                 if delta.finish_reason is not None:
                     usage.add(index, delta.usage)
                     finish_reasons.append(delta.finish_reason)
-                    yield chunk(CompletionChoice(index=index, text="",
-                                                 finish_reason=delta.finish_reason))
+                    yield frames.text(index, "", finish_reason=delta.finish_reason)
             info = usage.info()
             if request.include_usage:
-                yield sse(chunk_json(CompletionResponse(id=response_id, created=created,
-                                                        model=self.served_id, choices=[],
-                                                        usage=info)))
+                yield frames.usage(info)
             tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens)
         except Exception:
             tracker.finish("error")

@@ -31,7 +31,8 @@ class ResumedOutput:
         self._req_id = req_id
         self._served_id = served_id
         self._created = int(request.created)
-        self._detokenizer = IncrementalDetokenizer(processor.tokenizer, context)
+        self._detokenizer = IncrementalDetokenizer(processor.tokenizer, context,
+                                                   processor.decoder)
         self.stops = StopStringFilter(request.params.stop)
 
     def chunk(self, token_index: int, token_ids: list[int], finish_reason: str | None) -> str:
