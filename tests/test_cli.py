@@ -57,3 +57,21 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects_nonsense():
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("two gigs")
+
+
+def test_kv_format_and_preemption_settings_reach_the_engine_config(monkeypatch):
+    from worker.main import engine_config
+
+    args = build_parser().parse_args(["up", "--kv-dtype", "int8", "--preemption", "swap",
+                                      "--swap-space", "2GiB"])
+    env = given_flags(WorkerSettings, args)
+    assert (env["KVFLEET_KV_DTYPE"], env["KVFLEET_PREEMPTION"]) == ("int8", "swap")
+    for name, value in env.items():  # what a worker child of `up` sees
+        monkeypatch.setenv(name, value)
+    config = engine_config(WorkerSettings())
+    assert (config.kv_dtype, config.preemption, config.swap_space_bytes) == ("int8", "swap", 2 << 30)
+    monkeypatch.setenv("KVFLEET_KV_DTYPE", "int4")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        WorkerSettings()
+    with pytest.raises(SystemExit):  # argparse refuses what is not a choice
+        build_parser().parse_args(["worker", "--preemption", "sometimes"])

@@ -111,3 +111,25 @@ def test_rotating_rows_with_outlier_channels_shrinks_the_int8_error():
         return ((back - rows).norm() / rows.norm()).item()
 
     assert error(x, r) < 0.5 * error(x, torch.eye(64))
+
+
+def test_engine_config_refuses_unknown_formats_and_policies():
+    from worker.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_dtype"):
+        EngineConfig(kv_dtype="int4")
+    with pytest.raises(ValueError, match="preemption"):
+        EngineConfig(preemption="sometimes")
+    with pytest.raises(ValueError, match="swap_space_bytes"):
+        EngineConfig(swap_space_bytes=-1)
+
+
+def test_engine_logs_what_each_format_would_hold(tiny_llama):
+    engine = tiny_llama.engine(kv_dtype="int8", num_blocks=10, block_size=4)
+    assert engine.pool.layer(0).dtype == torch.int8
+    report = engine.budget_report()
+    assert "(int8)" in next(line for line in report if line.startswith("KV bytes per token"))
+    by_format = next(line for line in report if line.startswith("tokens that fit by --kv-dtype"))
+    # head_dim 16: int8 rows are 16 + 2 bytes, fp32 rows 64: the same bytes hold 3.5x the tokens
+    assert "int8 40" in by_format and "fp32 8" in by_format
+    assert any(line.startswith("preemption: auto; host swap space") for line in report)
