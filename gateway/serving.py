@@ -93,6 +93,42 @@ class OpenAIServing:
         configured = self.settings.default_temperature
         return configured if configured is not None else self.processor.model.default_temperature
 
+    endpoint = ""  # the metrics label of the route
+
+    async def create(self, request: SamplingRequest, principal: Principal | None = None):
+        """A whole response, or the SSE lines of a stream (for the route to send).
+
+        The steps every endpoint shares; a subclass says how it tokenises (`prompts`) and how it
+        answers (`_respond`, `_stream`)."""
+        tracker = self.metrics.track(self.endpoint)
+        try:
+            self.check_model(request.model)
+            prompts = await self.prompts(request)
+            req_hex = new_request_id()
+            requests = self.build_requests(req_hex, prompts, request)
+            await self.admit(requests, principal)
+            choices = await self.submit_all(requests)
+            # The response id is the request id (`kvf:req:{id}` in Redis).
+            reply = (request, choices, prompts, f"cmpl-{req_hex}", int(time.time()), tracker)
+            if request.stream:
+                return stream_with_errors(self._stream(*reply))
+            return await self._respond(*reply)
+        except BaseException:
+            tracker.discard()
+            raise
+
+    async def prompts(self, request: SamplingRequest) -> list[list[int]]:
+        """The token ids of each prompt of the request."""
+        raise NotImplementedError
+
+    async def _respond(self, request, choices: list[ChoiceGenerator], prompts: list[list[int]],
+                       response_id: str, created: int, tracker: RequestTracker):
+        raise NotImplementedError
+
+    def _stream(self, request, choices: list[ChoiceGenerator], prompts: list[list[int]],
+                response_id: str, created: int, tracker: RequestTracker) -> AsyncIterator[bytes]:
+        raise NotImplementedError
+
     def check_model(self, model: str) -> None:
         if model != self.served_id:
             raise model_not_found(model)

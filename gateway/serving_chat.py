@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from gateway.generation import ChoiceDelta, ChoiceGenerator, merge_choices
 from gateway.protocol import ChatCompletionRequest
@@ -17,46 +15,21 @@ from gateway.responses import (
     TopLogprob,
 )
 from gateway.metrics import RequestTracker
-from gateway.serving import (
-    OpenAIServing,
-    UsageTally,
-    new_request_id,
-    outcome_of,
-    stream_with_errors,
-)
+from gateway.serving import OpenAIServing, UsageTally, outcome_of
 from gateway.sse_chunks import ChatChunkEncoder
-
-if TYPE_CHECKING:
-    from gateway.auth import Principal
 
 
 class ChatServing(OpenAIServing):
 
-    async def create(self, request: ChatCompletionRequest, principal: Principal | None = None
-                     ) -> ChatCompletionResponse | AsyncIterator[bytes]:
-        """A whole response, or the SSE lines of a stream (for the route to send)."""
-        tracker = self.metrics.track("chat")
-        try:
-            self.check_model(request.model)
-            prompt = await self.processor.chat_prompt_async(
-                [m.to_template_dict() for m in request.messages], request.add_generation_prompt)
-            req_hex = new_request_id()
-            requests = self.build_requests(req_hex, [prompt], request)
-            await self.admit(requests, principal)
-            choices = await self.submit_all(requests)
-            # The response id is the request id (`kvf:req:{id}` in Redis), as for completions.
-            response_id, created = f"cmpl-{req_hex}", int(time.time())
-            if request.stream:
-                return stream_with_errors(
-                    self._stream(request, choices, response_id, created, tracker))
-            return await self._respond(request, choices, response_id, created, tracker)
-        except BaseException:
-            tracker.discard()
-            raise
+    endpoint = "chat"
+
+    async def prompts(self, request: ChatCompletionRequest) -> list[list[int]]:
+        return [await self.processor.chat_prompt_async(
+            [m.to_template_dict() for m in request.messages], request.add_generation_prompt)]
 
     async def _respond(self, request: ChatCompletionRequest, choices: list[ChoiceGenerator],
-                       response_id: str, created: int, tracker: RequestTracker
-                       ) -> ChatCompletionResponse:
+                       prompts: list[list[int]], response_id: str, created: int,
+                       tracker: RequestTracker) -> ChatCompletionResponse:
         usage = UsageTally(request.n)
         out = []
         for index, deltas in enumerate(await self.collect(choices, tracker)):
@@ -73,8 +46,8 @@ class ChatServing(OpenAIServing):
                                       choices=out, usage=info)
 
     async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceGenerator],
-                      response_id: str, created: int, tracker: RequestTracker
-                      ) -> AsyncIterator[bytes]:
+                      prompts: list[list[int]], response_id: str, created: int,
+                      tracker: RequestTracker) -> AsyncIterator[bytes]:
         frames = ChatChunkEncoder(response_id, created, self.served_id)
         usage = UsageTally(request.n)
         finish_reasons: list[str | None] = []

@@ -2,55 +2,33 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from gateway.generation import ChoiceDelta, ChoiceGenerator, merge_choices
 from gateway.protocol import CompletionRequest
 from gateway.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from gateway.metrics import RequestTracker
-from gateway.serving import (
-    OpenAIServing,
-    UsageTally,
-    new_request_id,
-    outcome_of,
-    stream_with_errors,
-)
+from gateway.serving import OpenAIServing, UsageTally, outcome_of
 from gateway.sse_chunks import CompletionChunkEncoder
 from shared.messages import TokenLogprob
-
-if TYPE_CHECKING:
-    from gateway.auth import Principal
 
 
 class CompletionServing(OpenAIServing):
 
-    async def create(self, request: CompletionRequest, principal: Principal | None = None
-                     ) -> CompletionResponse | AsyncIterator[bytes]:
-        """A whole response, or the SSE lines of a stream (for the route to send)."""
-        tracker = self.metrics.track("completions")
-        try:
-            self.check_model(request.model)
-            prompts = await self.processor.completion_prompts_async(request.prompt)
-            req_hex = new_request_id()
-            requests = self.build_requests(req_hex, prompts, request)
-            await self.admit(requests, principal)
-            choices = await self.submit_all(requests)
-            echoes = [self.processor.decode(p) if request.echo else "" for p in prompts
-                      for _ in range(request.n)]
-            response_id, created = f"cmpl-{req_hex}", int(time.time())
-            if request.stream:
-                return stream_with_errors(
-                    self._stream(request, choices, echoes, response_id, created, tracker))
-            return await self._respond(request, choices, echoes, response_id, created, tracker)
-        except BaseException:
-            tracker.discard()
-            raise
+    endpoint = "completions"
+
+    async def prompts(self, request: CompletionRequest) -> list[list[int]]:
+        return await self.processor.completion_prompts_async(request.prompt)
+
+    def _echoes(self, request: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Per choice, the prompt text that `echo` puts before the completion ("" without it)."""
+        return [self.processor.decode(p) if request.echo else "" for p in prompts
+                for _ in range(request.n)]
 
     async def _respond(self, request: CompletionRequest, choices: list[ChoiceGenerator],
-                       echoes: list[str], response_id: str, created: int,
+                       prompts: list[list[int]], response_id: str, created: int,
                        tracker: RequestTracker) -> CompletionResponse:
+        echoes = self._echoes(request, prompts)
         usage = UsageTally(request.n)
         out = []
         for index, deltas in enumerate(await self.collect(choices, tracker)):
@@ -70,8 +48,9 @@ class CompletionServing(OpenAIServing):
                                   choices=out, usage=info)
 
     async def _stream(self, request: CompletionRequest, choices: list[ChoiceGenerator],
-                      echoes: list[str], response_id: str, created: int,
+                      prompts: list[list[int]], response_id: str, created: int,
                       tracker: RequestTracker) -> AsyncIterator[bytes]:
+        echoes = self._echoes(request, prompts)
         frames = CompletionChunkEncoder(response_id, created, self.served_id)
         usage = UsageTally(request.n)
         offsets = [len(echo) for echo in echoes]

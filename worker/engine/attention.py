@@ -99,12 +99,7 @@ def _decode_attention(group: DecodeGroup, query, pool: KVCachePool, layer: int, 
     q = query[0, :, group.q_start:end].view(num_kv_heads, -1, num_seqs, head_dim).transpose(1, 2)
     kv = pool.gather(layer, group.gather_index, query.dtype).view(
         2, num_kv_heads, num_seqs, length, head_dim)
-    rotation = pool.rotation(query.dtype)
-    if rotation is not None:  # the cache holds rotated rows: rotate q, un-rotate the output
-        q = q @ rotation
-    o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scaling)
-    if rotation is not None:
-        o = o @ rotation.T
+    o = _cached_attention(pool, q, kv[0], kv[1], group.mask, scaling)
     # [KVH, B, n_rep, D] -> [B, KVH, n_rep, D] -> [B, H, D]
     out[group.q_start:end] = o.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
@@ -122,14 +117,18 @@ def _prefill_attention(chunk: PrefillChunk, query, key, value, pool: KVCachePool
             2, pool.layout.num_kv_heads, -1, head_dim)
         k = kv[0, :, :chunk.context_len].unsqueeze(0)  # [1, KVH, ctx, D]
         v = kv[1, :, :chunk.context_len].unsqueeze(0)
-        rotation = pool.rotation(query.dtype)
-        if rotation is not None:
-            q = q @ rotation
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=True)
-        if rotation is not None:
-            o = o @ rotation.T
+        o = _cached_attention(pool, q, k, v, chunk.mask, scaling, enable_gqa=True)
     out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)  # [n, H, D]
+
+
+def _cached_attention(pool: KVCachePool, q, k, v, mask, scaling, enable_gqa: bool = False):
+    """SDPA over K/V read from the pool. When the pool stores rows rotated by R (int8), q.k =
+    (qR).(kR) and p.V = (p.VR)R^T: rotate q, un-rotate the output, never the cache."""
+    rotation = pool.rotation(q.dtype)
+    if rotation is not None:
+        q = q @ rotation
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
+    return o if rotation is None else o @ rotation.T
 
 
 def register_paged_attention() -> str:

@@ -122,6 +122,10 @@ def plan_budget(model: torch.nn.Module, layout: KVLayout, block_size: int, max_m
         max_model_len=max_model_len, source=source, kv_dtype=layout.kv_format.name)
 
 
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 @dataclass
 class HostBlocks:
     """Copies of some blocks' K/V (and scales) in host memory: a swapped-out sequence's cache."""
@@ -131,10 +135,7 @@ class HostBlocks:
 
     @property
     def num_bytes(self) -> int:
-        total = self.values.numel() * self.values.element_size()
-        if self.scales is not None:
-            total += self.scales.numel() * self.scales.element_size()
-        return total
+        return tensor_bytes(self.values, self.scales)
 
 
 class KVCachePool:
@@ -175,10 +176,7 @@ class KVCachePool:
 
     @property
     def num_bytes(self) -> int:
-        total = self._storage.numel() * self._storage.element_size()
-        if self._scales is not None:
-            total += self._scales.numel() * self._scales.element_size()
-        return total
+        return tensor_bytes(self._storage, self._scales)
 
     @property
     def block_bytes(self) -> int:
