@@ -45,6 +45,7 @@ WORKDIR /app
 COPY shared ./shared
 COPY gateway ./gateway
 COPY worker ./worker
+COPY batch ./batch
 COPY kvfleet ./kvfleet
 USER kvfleet
 EXPOSE 8000

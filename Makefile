@@ -3,8 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# This machine has the CPU build of torch 2.13.0 on disk; on a CUDA host use e.g. TORCH=torch==2.13.0
-# from the CUDA index, or any torch>=2.5.
+# The torch requirement to install: the build your pip index serves (PyTorch's CPU index for a
+# CPU-only machine); on a CUDA host e.g. TORCH=torch==2.13.0 from the CUDA index, or any torch>=2.5.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.kvfleet-installed
 
@@ -34,7 +34,7 @@ test: setup browser
 	$(PY) -m pytest $(ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not e2e" $(ARGS)
+	$(PY) -m pytest -m "not slow and not e2e and not browser" $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,13 +1,13 @@
 """Offline throughput of kvfleet's engine against HF `generate` and transformers' continuous batching.
 
-The first N requests of a workload (default: /work/shared/workloads/chat-mix.jsonl, 64) all arrive
+The first N requests of a workload (default: ../shared/workloads/chat-mix.jsonl, 64) all arrive
 at t=0, each with its own max_tokens and ignore_eos, greedy. Same model, dtype and machine for
 every system, in one run. Also: decode throughput at a fixed number of running streams as a
 fraction of the matmul roofline measured in the same run, and bf16 beside fp32 with greedy
 agreement.
 
-    .venv/bin/python benchmarks/engine_throughput.py                  # the full comparison
-    .venv/bin/python benchmarks/engine_throughput.py --num-requests 8 --skip-hf --skip-cb  # quick
+    .venv/bin/python -m benchmarks.engine_throughput                  # the full comparison
+    .venv/bin/python -m benchmarks.engine_throughput --num-requests 8 --skip-hf --skip-cb  # quick
 """
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shared.messages import SamplingParams
+from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from worker.engine.engine import Engine, EngineConfig
 
-from shared.messages import SamplingParams  # noqa: E402
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig  # noqa: E402
-
-WORKLOAD = "/work/shared/workloads/chat-mix.jsonl"
+# The team's benchmark trace lies beside the repository (`../shared/workloads/`); --workload picks another.
+WORKLOAD = str(Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat-mix.jsonl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

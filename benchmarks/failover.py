@@ -1,7 +1,7 @@
 """Failover benchmark: the pause a client sees when the worker serving it is SIGKILLed, whether its
 text stays identical to an uninterrupted run, and what the kill costs in throughput.
 
-    .venv/bin/python benchmarks/failover.py --trials 5 --requests 8 --max-tokens 120
+    .venv/bin/python -m benchmarks.failover --trials 5 --requests 8 --max-tokens 120
 
 Each trial: 2 workers serve N streamed greedy requests; once every request has tokens, the worker
 serving most of them is SIGKILLed and a replacement started afterwards. Reported: per-request pause
@@ -24,11 +24,9 @@ from pathlib import Path
 import httpx
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvfleet.procs import Fleet  # noqa: E402
-from shared.models import DEFAULT_MODEL  # noqa: E402
-from shared.redis_server import EmbeddedRedis  # noqa: E402
+from shared.models import DEFAULT_MODEL
+from shared.redis_server import EmbeddedRedis
+from tests.helpers.processes import ProcessFleet
 
 
 def body(i: int, max_tokens: int) -> dict:
@@ -65,7 +63,7 @@ def run(url: str, n: int, max_tokens: int, during=None) -> tuple[list[dict], flo
     return records, time.monotonic() - start
 
 
-def kill_busiest(fleet: Fleet, client: redis.Redis, records: list[dict]) -> str:
+def kill_busiest(fleet: ProcessFleet, client: redis.Redis, records: list[dict]) -> str:
     """Once every request streams, SIGKILL the worker that owns most of them."""
     while True:
         ids = [r.get("id") for r in records]
@@ -91,7 +89,7 @@ def main() -> int:
     flags = ["--kv-memory", "512MiB", "--num-threads", "1", "--heartbeat-ttl-s",
              str(args.heartbeat_ttl_s), "--heartbeat-interval-s", "0.5"]
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as logs:
-        fleet = Fleet(server.url, Path(logs), worker_flags=flags)
+        fleet = ProcessFleet(server.url, Path(logs), worker_flags=flags)
         client = redis.Redis.from_url(server.url)
         try:
             fleet.start_gateway()

@@ -2,8 +2,8 @@
 a subprocess) and a real Redis, fed by a fast synthetic worker; compared with clients that read
 the workers' pub/sub channels directly.
 
-    .venv/bin/python benchmarks/gateway_load.py --streams 2000 --tokens 64 --interval-ms 250
-    .venv/bin/python benchmarks/gateway_load.py --streams 2000 --tokens 30 --interval-ms 2000 \
+    .venv/bin/python -m benchmarks.gateway_load --streams 2000 --tokens 64 --interval-ms 250
+    .venv/bin/python -m benchmarks.gateway_load --streams 2000 --tokens 30 --interval-ms 2000 \
         --ramp-s 20    # issue #6's target: docs/BENCHMARKS.md, "Gateway under load"
 
 Processes: EmbeddedRedis; the gateway (`create_app` + uvicorn); a synthetic worker that
@@ -40,8 +40,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PREFIX = "kvb:"
 TICK_MS = 10  # the synthetic worker's clock; each stream gets a token every `interval` of ticks
@@ -378,16 +376,17 @@ def main_run(args: argparse.Namespace) -> None:
     args.model = DEFAULT_MODEL
     tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
     token_id = tokenizer.encode(" the")[0]
-    me = [sys.executable, str(Path(__file__).resolve())]
+    me = [sys.executable, "-m", "benchmarks.gateway_load"]  # the roles below, this checkout
+    root = Path(__file__).resolve().parents[1]
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as tmp:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         worker_out = str(Path(tmp) / "worker.json")
         gateway = subprocess.Popen(me + ["gateway", "--port", str(port), "--redis-url",
-                                         server.url])
+                                         server.url], cwd=root)
         worker = subprocess.Popen(me + ["worker", "--redis-url", server.url, "--model",
                                         args.model, "--interval-ms", str(args.interval_ms),
-                                        "--token-id", str(token_id), "--out", worker_out])
+                                        "--token-id", str(token_id), "--out", worker_out], cwd=root)
         try:
             wait_http(url)
             via_gateway, mem = asyncio.run(through_gateway(args, url, gateway.pid))

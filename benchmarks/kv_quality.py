@@ -18,8 +18,8 @@ reading the cache back), so the quantisation error of every earlier token is in 
 Capacity: KV bytes per token of this model in each format, and the tokens and 2k-token
 conversations a KV budget holds (`--kv-budget`, default 40 GB: the seed's budget), vs bf16.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/kv_quality.py
-    .venv/bin/python benchmarks/kv_quality.py --passages 2 --tokens 32   # quick
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.kv_quality
+    .venv/bin/python -m benchmarks.kv_quality --passages 2 --tokens 32   # quick
 """
 
 from __future__ import annotations
@@ -35,15 +35,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.engine_throughput import greedy, load_model  # noqa: E402
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path  # noqa: E402
-from shared.settings import parse_bytes  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig  # noqa: E402
-from worker.engine.kv_cache import KVLayout  # noqa: E402
-from worker.engine.kv_format import resolve_kv_format  # noqa: E402
-from worker.engine.scoring import teacher_forced_logprobs  # noqa: E402
+from benchmarks.engine_throughput import greedy, load_model
+from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from shared.settings import parse_bytes
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.kv_cache import KVLayout
+from worker.engine.kv_format import resolve_kv_format
+from worker.engine.scoring import teacher_forced_logprobs
 
 CORPUS = Path(__file__).resolve().parent / "data" / "kv_corpus.txt"
 REFERENCE = "fp32"

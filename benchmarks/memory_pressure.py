@@ -9,8 +9,8 @@ between consecutive tokens of one stream, measured where the driver receives the
 paused by preemption shows its whole pause), TTFT p50, preemptions (and how many swapped), and
 whether every policy produced exactly the same tokens (greedy: they must).
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/memory_pressure.py
-    .venv/bin/python benchmarks/memory_pressure.py --num-requests 8 --rounds 1   # quick
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.memory_pressure
+    .venv/bin/python -m benchmarks.memory_pressure --num-requests 8 --rounds 1   # quick
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.engine_throughput import WORKLOAD, greedy, load_model, load_requests  # noqa: E402
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig  # noqa: E402
+from benchmarks.engine_throughput import WORKLOAD, greedy, load_model, load_requests
+from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from worker.engine.engine import Engine, EngineConfig
 
 POLICIES = ("recompute", "swap", "auto")
 

@@ -7,13 +7,13 @@ computed (EngineStats), TTFT p50/p99 (wall time from add_request to the return o
 emits the request's first token, measured in a driver loop around `engine.step()`), total time,
 and whether the outputs are identical on vs off. `--seed-scale` runs the design seed's 1,000 x
 2,000.
-Part 2, chat-mix: the first M requests of /work/shared/workloads/chat-mix.jsonl, chat-templated
+Part 2, chat-mix: the first M requests of ../shared/workloads/chat-mix.jsonl, chat-templated
 (about 40% share one of three openings): hit rate and output throughput on vs off.
 Part 3, 0% hits: distinct random prompts, on vs off alternated, to show what the cache costs when
 it never hits.
 
-    .venv/bin/python benchmarks/prefix_cache.py                          # the default run
-    .venv/bin/python benchmarks/prefix_cache.py --num-requests 20 --chat-mix-requests 16  # quick
+    .venv/bin/python -m benchmarks.prefix_cache                          # the default run
+    .venv/bin/python -m benchmarks.prefix_cache --num-requests 20 --chat-mix-requests 16  # quick
 """
 
 from __future__ import annotations
@@ -33,11 +33,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.engine_throughput import WORKLOAD, greedy, load_model, load_requests  # noqa: E402
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig  # noqa: E402
+from benchmarks.engine_throughput import WORKLOAD, greedy, load_model, load_requests
+from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from worker.engine.engine import Engine, EngineConfig
 
 
 @dataclass

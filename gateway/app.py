@@ -10,22 +10,22 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway.admission import Admission, QueueWaitEstimator
-from gateway.auth import ApiKeyAuth, ApiKeyStore
-from gateway.client import EngineClient
-from gateway.dashboard import dashboard_router
+from gateway.admission.admission import Admission, QueueWaitEstimator
+from gateway.admission.auth import ApiKeyAuth, ApiKeyStore
+from gateway.admission.body_limit import BodySizeLimit
+from gateway.admission.ratelimit import RateLimiter
+from gateway.dashboard.metrics import GatewayMetrics, RejectionCounter, metrics_route
+from gateway.dashboard.router import dashboard_router
 from gateway.errors import install_error_handlers
-from gateway.generation import BackgroundTasks
-from gateway.batch_api import batch_router
-from gateway.limits import BodySizeLimit
-from gateway.metrics import GatewayMetrics, RejectionCounter, metrics_route
-from gateway.ratelimit import RateLimiter
-from gateway.redis_client import RedisEngineClient
-from gateway.routes import router
-from gateway.serving_chat import ChatServing
-from gateway.serving_completion import CompletionServing
-from gateway.serving_reattach import ReattachServing
-from gateway.tokenization import ModelInfo, PromptProcessor
+from gateway.fleet.client import EngineClient
+from gateway.fleet.redis_client import RedisEngineClient
+from gateway.openai.batches import batch_router
+from gateway.openai.routes import router
+from gateway.openai.serving_chat import ChatServing
+from gateway.openai.serving_completion import CompletionServing
+from gateway.openai.serving_reattach import ReattachServing
+from gateway.openai.tokenization import ModelInfo, PromptProcessor
+from gateway.output.choice_stream import BackgroundTasks
 from shared.keys import Keys
 from shared.models import load_tokenizer, resolve_model_path, served_model_id
 from shared.settings import GatewaySettings

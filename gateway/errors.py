@@ -4,6 +4,7 @@ handlers that make every failure one of them (a bad input is a 4xx, never a 500)
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.client import EngineError
+from gateway.fleet.client import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,22 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+MAX_RETRY_AFTER_S = 3600
+
+
+class TooManyRequests(APIError):
+    """429 with a Retry-After header (whole seconds, at least 1)."""
+
+    def __init__(self, message: str, retry_after_s: float, code: str):
+        super().__init__(429, message, code=code)
+        self.retry_after_s = min(max(math.ceil(retry_after_s), 1), MAX_RETRY_AFTER_S)
+
+    def response(self):
+        response = super().response()
+        response.headers["Retry-After"] = str(self.retry_after_s)
+        return response
 
 
 def error_body(message: str, error_type: str, param: str | None = None,

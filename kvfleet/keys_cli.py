@@ -9,7 +9,7 @@ import time
 
 import redis
 
-from gateway.auth import create_key, list_keys, revoke_key
+from gateway.admission.auth import create_key, list_keys, revoke_key
 from shared.keys import Keys
 from shared.settings import GatewaySettings
 

@@ -16,10 +16,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvfleet import bench
-from kvfleet.bench_client import RequestRecord
-from kvfleet.bench_stats import Slo, meets_slo
-from kvfleet.trace import load_trace
+from kvfleet.bench import command as bench
+from kvfleet.bench.client import RequestRecord
+from kvfleet.bench.stats import Slo, meets_slo
+from kvfleet.bench.trace import load_trace
 
 MODEL = "fake-model"
 

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from kvfleet.cli import build_parser, given_flags, settings_from_args
+from kvfleet.cli import build_parser
+from kvfleet.flags import given_flags, settings_from_args
 from shared.settings import GatewaySettings, WorkerSettings, parse_bytes
 
 

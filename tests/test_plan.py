@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvfleet import plan
+from kvfleet.plan import command as plan
 
 SMOLLM2_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,

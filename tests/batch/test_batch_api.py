@@ -14,10 +14,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from rq import Queue
 
-from gateway.batch_api import batch_router
-from gateway.batch_jobs import BatchRunner, line_request_id, requeue_orphans
-from gateway.batch_store import BatchStatus, BatchStore
+from batch.jobs import BatchRunner, line_request_id, requeue_orphans
+from batch.store import BatchStatus, BatchStore
 from gateway.errors import install_error_handlers
+from gateway.openai.batches import batch_router
 from shared.batch_settings import BatchSettings
 from shared.keys import Keys
 from shared.settings import GatewaySettings

@@ -20,13 +20,13 @@ import redis
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.batch_api import batch_router
 from gateway.errors import install_error_handlers
-from kvfleet.procs import Fleet
+from gateway.openai.batches import batch_router
 from shared.keys import Keys
 from shared.models import DEFAULT_MODEL, resolve_model_path
 from shared.redis_server import free_port
 from shared.settings import GatewaySettings
+from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e]
 
@@ -52,7 +52,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return target
 
 
-class TinyFleet(Fleet):
+class TinyFleet(ProcessFleet):
     def __init__(self, redis_url: str, log_dir: Path, model_dir: Path):
         super().__init__(redis_url, log_dir)
         self.model_dir = model_dir
@@ -116,7 +116,7 @@ def api_url(fleet):
 class BatchWorker:
     """A `kvfleet batch-worker` process (its own session, so SIGKILL takes all of it)."""
 
-    def __init__(self, fleet: Fleet, max_in_flight: int):
+    def __init__(self, fleet: ProcessFleet, max_in_flight: int):
         self.log_path = fleet.log_dir / f"batch-worker-{uuid.uuid4().hex[:6]}.log"
         env = {**os.environ, **fleet.env, "KVFLEET_GATEWAY_URL": fleet.url,
                "KVFLEET_BATCH_MAX_IN_FLIGHT": str(max_in_flight),

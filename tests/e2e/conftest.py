@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.procs import Fleet
+from tests.helpers.processes import ProcessFleet
 
 
 @pytest.fixture(scope="session")
 def fleet(redis_server, tmp_path_factory):
-    fleet = Fleet(redis_server.url, tmp_path_factory.mktemp("fleet-logs"))
+    fleet = ProcessFleet(redis_server.url, tmp_path_factory.mktemp("fleet-logs"))
     try:
         fleet.start_gateway()
         fleet.start_worker()

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from shared.models import DEFAULT_MODEL
-from kvfleet.procs import Fleet
+from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -66,7 +66,7 @@ def run_all(url: str, on_started=None) -> list[dict]:
 
 
 def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_server, tmp_path):
-    fleet = Fleet(redis_server.url, tmp_path,
+    fleet = ProcessFleet(redis_server.url, tmp_path,
                   worker_flags=["--kv-memory", "256MiB", "--num-threads", "1",
                                 "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"])
     client = redis.Redis.from_url(redis_server.url)

@@ -13,7 +13,7 @@ import redis
 import torch
 
 from shared.models import DEFAULT_MODEL, resolve_model_path
-from kvfleet.procs import Fleet
+from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -107,7 +107,7 @@ def test_two_workers_share_one_queue(fleet):
 
 
 def test_a_request_queued_with_no_worker_is_served_when_one_starts(redis_server, tmp_path):
-    fleet = Fleet(redis_server.url, tmp_path)
+    fleet = ProcessFleet(redis_server.url, tmp_path)
     try:
         fleet.start_gateway()
         result: dict = {}

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from gateway.fanout import stop_task
+from gateway.fleet.fanout import stop_task
 from shared.keys import Keys
 from shared.messages import GenerationRequest, TokenEvent
 

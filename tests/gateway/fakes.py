@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from gateway.client import EngineClient, EngineUnavailable, EventStream
+from gateway.fleet.client import EngineClient, EngineUnavailable, EventStream
 from shared.messages import GenerationRequest, TokenEvent, Usage
 
 Script = list[TokenEvent | float | Exception]  # events, pauses (seconds), or an error to raise

@@ -7,9 +7,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway.admission import QueueWaitEstimator, TooManyRequests
+from gateway.admission.admission import QueueWaitEstimator
 from gateway.app import create_app
-from gateway.client import QueueLoad
+from gateway.errors import TooManyRequests
+from gateway.fleet.client import QueueLoad
 from shared.keys import Keys
 from shared.messages import GenerationRequest, SamplingParams
 from shared.settings import GatewaySettings

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from gateway.client import EngineTimeout
-from gateway.generation import BackgroundTasks, ChoiceGenerator, merge_choices
+from gateway.fleet.client import EngineTimeout
+from gateway.output.choice_stream import BackgroundTasks, ChoiceGenerator, merge_choices
 from shared.messages import GenerationRequest, SamplingParams, TokenEvent, Usage
 from tests.gateway.fakes import FakeEngineClient, token_events
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from gateway.errors import APIError
-from gateway.tokenization import PromptProcessor
+from gateway.openai.tokenization import PromptProcessor
 
 LONG = "The quick brown fox jumps over the lazy dog. 日本語のテキスト 😀 " * 40
 

@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.app import create_app
-from gateway.redis_client import decode_checkpoint
+from gateway.fleet.redis_client import decode_checkpoint
 from shared.keys import Keys
 from shared.messages import GenerationRequest, SamplingParams, TokenEvent, Usage
 from shared.settings import GatewaySettings

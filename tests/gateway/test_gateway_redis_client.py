@@ -8,8 +8,8 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from gateway.client import EngineTimeout, EngineUnavailable
-from gateway.redis_client import RedisEngineClient
+from gateway.fleet.client import EngineTimeout, EngineUnavailable
+from gateway.fleet.redis_client import RedisEngineClient
 from shared.keys import Keys
 from shared.messages import GenerationRequest, SamplingParams, TokenEvent
 from tests.gateway.fake_worker import FakeWorker

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.sequencer import EventSequencer
+from gateway.output.sequencer import EventSequencer
 from shared.messages import TokenEvent, TokenLogprob, Usage
 
 

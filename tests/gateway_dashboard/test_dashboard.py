@@ -21,8 +21,8 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from gateway.dashboard import dashboard_router, stream_depth
-from gateway.metrics import GatewayMetrics, metrics_route
+from gateway.dashboard.metrics import GatewayMetrics, metrics_route
+from gateway.dashboard.router import dashboard_router, stream_depth
 from shared.keys import Keys
 
 MODEL = "tiny-model"
@@ -161,6 +161,7 @@ def worker_row(dom: str, worker_id: str) -> str:
 
 # ---- tests ------------------------------------------------------------------------------------
 
+@pytest.mark.browser
 def test_page_renders_workers_queue_and_kv_usage(fleet, base_url, tmp_path):
     dom = chromium_dom(f"{base_url}/dashboard", tmp_path / "profile")
     assert text_of(dom, "model") == MODEL
@@ -182,6 +183,7 @@ def test_page_renders_workers_queue_and_kv_usage(fleet, base_url, tmp_path):
     assert text_of(dom, "total-running") == "8"
 
 
+@pytest.mark.browser
 def test_page_says_redis_unreachable(down_url, tmp_path):
     dom = chromium_dom(f"{down_url}/dashboard", tmp_path / "profile")
     assert text_of(dom, "status") == "Redis unreachable"

@@ -1,0 +1,94 @@
+"""Admission of a generation request before it is enqueued: per-key rate limits, then
+backpressure (the queue's expected wait), each a 429 with Retry-After in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gateway.errors import TooManyRequests
+from gateway.fleet.client import EngineClient, QueueLoad
+from shared.messages import GenerationRequest
+from shared.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from gateway.admission.auth import Principal
+    from gateway.admission.ratelimit import RateLimiter
+
+class QueueWaitEstimator:
+    """Expected queue wait = undelivered requests × work per request ÷ fleet tokens/s.
+
+    The load is read from Redis at most once per `cache_s`; requests this gateway admitted since
+    are added to it, so a burst between two reads cannot slip through. With no live worker the
+    wait is unknown (requests must still queue for a worker that starts later): only the depth
+    limit applies then.
+    """
+
+    def __init__(self, client: EngineClient, model: str, settings: GatewaySettings,
+                 clock: Callable[[], float] = time.monotonic):
+        self._client = client
+        self._model = model
+        self._settings = settings
+        self._clock = clock
+        self._load: QueueLoad | None = None
+        self._read_at = -math.inf
+        self._admitted_since_read = 0
+        self._lock = asyncio.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self._settings.max_queue_wait_s > 0 or self._settings.max_queue_depth > 0
+
+    async def load(self) -> QueueLoad | None:
+        if self._clock() - self._read_at >= self._settings.queue_estimate_cache_s:
+            async with self._lock:  # concurrent requests share one read
+                if self._clock() - self._read_at >= self._settings.queue_estimate_cache_s:
+                    self._load = await self._client.queue_load(self._model)
+                    self._read_at = self._clock()
+                    self._admitted_since_read = 0
+        return self._load
+
+    def throughput(self, load: QueueLoad) -> float:
+        return max(load.tokens_per_s, self._settings.min_fleet_tokens_per_s, 1e-9)
+
+    async def check(self, num_requests: int) -> None:
+        """Raise TooManyRequests when `num_requests` more would wait too long; else count them."""
+        if not self.enabled:
+            return
+        load = await self.load()
+        if load is None:  # Redis unreadable: the enqueue itself will say so (503)
+            return
+        s = self._settings
+        depth = load.undelivered + self._admitted_since_read + num_requests
+        per_request_s = s.queue_tokens_per_request / self.throughput(load)
+        if s.max_queue_depth and depth > s.max_queue_depth:
+            raise TooManyRequests(
+                f"The queue of `{self._model}` is full ({depth - num_requests} requests waiting, "
+                f"limit {s.max_queue_depth}). Retry later.",
+                (depth - s.max_queue_depth) * per_request_s, code="queue_full")
+        if s.max_queue_wait_s and load.live_workers:
+            wait_s = depth * per_request_s
+            if wait_s > s.max_queue_wait_s:
+                raise TooManyRequests(
+                    f"The expected wait in the queue of `{self._model}` is {wait_s:.0f} s "
+                    f"(limit {s.max_queue_wait_s:g} s). Retry later.",
+                    wait_s - s.max_queue_wait_s, code="queue_wait_too_long")
+        self._admitted_since_read += num_requests
+
+
+class Admission:
+    """What a request passes before its enqueue. Backpressure first: a request refused for a full
+    queue must not spend the key's rate-limit budget."""
+
+    def __init__(self, queue: QueueWaitEstimator, limiter: RateLimiter | None = None):
+        self.queue = queue
+        self.limiter = limiter
+
+    async def admit(self, requests: list[GenerationRequest], principal: Principal | None) -> None:
+        await self.queue.check(len(requests))
+        if self.limiter is not None and principal is not None:
+            tokens = sum(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
+            await self.limiter.check(principal, tokens)

@@ -1,0 +1,64 @@
+"""HTTP routes: thin; they hand validated schemas to the handlers and send what comes back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.errors import APIError
+from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai.responses import ModelCard, ModelList
+
+router = APIRouter()
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _principal(request: Request):
+    """The API key's Principal that ApiKeyAuth found (None when keys are off)."""
+    return getattr(request.state, "principal", None)
+
+
+def _send(result) -> Response:
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    return _send(await request.app.state.completions.create(body, _principal(request)))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    return _send(await request.app.state.chat.create(body, _principal(request)))
+
+
+@router.get("/v1/requests/{req_id}/stream")
+async def resume_stream(req_id: str, request: Request,
+                        after: int = Query(0, ge=0, description="first output token to send")
+                        ) -> Response:
+    """Re-attach: the request's output from token `after` as SSE (completions chunk format)."""
+    return _send(await request.app.state.reattach.stream(req_id, after))
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    model = request.app.state.model
+    return ModelList(data=[ModelCard(id=model.served_id, created=request.app.state.started,
+                                     max_model_len=model.context_length)])
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    if not await request.app.state.client.is_ready():
+        raise APIError(503, "Redis does not answer.", error_type="service_unavailable")
+    return JSONResponse({"status": "ready"})

@@ -1,0 +1,208 @@
+"""What the completion and chat handlers share: model check, one GenerationRequest per choice,
+submitting them, usage totals and the SSE framing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from gateway.dashboard.metrics import GatewayMetrics, RequestTracker
+from gateway.errors import bad_request, error_body, model_not_found
+from gateway.fleet.client import EngineClient, EngineError
+from gateway.openai.protocol import MAX_CHOICES, SamplingRequest
+from gateway.openai.responses import UsageInfo
+from gateway.openai.tokenization import PromptProcessor
+from gateway.output.choice_stream import (
+    BackgroundTasks,
+    ChoiceDelta,
+    ChoiceGenerator,
+    merge_choices,
+)
+from shared.messages import GenerationRequest, Usage
+from shared.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from gateway.admission.admission import Admission
+    from gateway.admission.auth import Principal
+
+log = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def sse_error(exc: Exception) -> bytes:
+    """An error inside a stream that has already started (the status line is sent: 200)."""
+    if isinstance(exc, EngineError):
+        body = error_body(exc.message, exc.error_type, code=str(exc.status))
+    else:
+        log.exception("unexpected error while streaming", exc_info=exc)
+        body = error_body(f"Internal error: {exc!r}", "server_error")
+    return sse(json.dumps(body)).encode()
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
+class UsageTally:
+    """Usage of a response: each prompt counted once (its n choices share it), completions
+    summed."""
+
+    def __init__(self, n: int):
+        self._n = n
+        self._prompt: dict[int, Usage] = {}
+        self._completion_tokens = 0
+
+    def add(self, index: int, usage: Usage) -> None:
+        self._prompt.setdefault(index // self._n, usage)
+        self._completion_tokens += usage.completion_tokens
+
+    def info(self) -> UsageInfo:
+        prompt = sum(u.prompt_tokens for u in self._prompt.values())
+        cached = sum(u.cached_tokens for u in self._prompt.values())
+        return UsageInfo.of(prompt, self._completion_tokens, cached)
+
+
+class OpenAIServing:
+    """Base of the handlers: talks to an EngineClient, never to Redis or HTTP objects."""
+
+    def __init__(self, client: EngineClient, processor: PromptProcessor,
+                 settings: GatewaySettings, background: BackgroundTasks,
+                 metrics: GatewayMetrics, admission: Admission | None = None):
+        self.client = client
+        self.processor = processor
+        self.settings = settings
+        self.background = background
+        self.metrics = metrics
+        self.admission = admission
+
+    @property
+    def served_id(self) -> str:
+        return self.processor.model.served_id
+
+    @property
+    def default_temperature(self) -> float:
+        configured = self.settings.default_temperature
+        return configured if configured is not None else self.processor.model.default_temperature
+
+    endpoint = ""  # the metrics label of the route
+
+    async def create(self, request: SamplingRequest, principal: Principal | None = None):
+        """A whole response, or the SSE lines of a stream (for the route to send).
+
+        The steps every endpoint shares; a subclass says how it tokenises (`prompts`) and how it
+        answers (`_respond`, `_stream`)."""
+        tracker = self.metrics.track(self.endpoint)
+        try:
+            self.check_model(request.model)
+            prompts = await self.prompts(request)
+            req_hex = new_request_id()
+            requests = self.build_requests(req_hex, prompts, request)
+            await self.admit(requests, principal)
+            choices = await self.submit_all(requests)
+            # The response id is the request id (`kvf:req:{id}` in Redis).
+            reply = (request, choices, prompts, f"cmpl-{req_hex}", int(time.time()), tracker)
+            if request.stream:
+                return stream_with_errors(self._stream(*reply))
+            return await self._respond(*reply)
+        except BaseException:
+            tracker.discard()
+            raise
+
+    async def prompts(self, request: SamplingRequest) -> list[list[int]]:
+        """The token ids of each prompt of the request."""
+        raise NotImplementedError
+
+    async def _respond(self, request, choices: list[ChoiceGenerator], prompts: list[list[int]],
+                       response_id: str, created: int, tracker: RequestTracker):
+        raise NotImplementedError
+
+    def _stream(self, request, choices: list[ChoiceGenerator], prompts: list[list[int]],
+                response_id: str, created: int, tracker: RequestTracker) -> AsyncIterator[bytes]:
+        raise NotImplementedError
+
+    def check_model(self, model: str) -> None:
+        if model != self.served_id:
+            raise model_not_found(model)
+
+    def build_requests(self, req_hex: str, prompts: list[list[int]], request: SamplingRequest
+                       ) -> list[GenerationRequest]:
+        """One GenerationRequest per choice: choice `p * n + i` is prompt p's i-th sample."""
+        num_choices = len(prompts) * request.n
+        if num_choices > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts with n={request.n} make {num_choices} "
+                              f"choices; at most {MAX_CHOICES} are allowed.", param="n")
+        base_seed = request.seed if request.seed is not None else random.getrandbits(63)
+        now = time.time()
+        requests = []
+        for prompt_index, prompt_ids in enumerate(prompts):
+            max_tokens = self.processor.resolve_max_tokens(
+                len(prompt_ids), request.requested_max_tokens(), self.settings.default_max_tokens)
+            for i in range(request.n):
+                index = prompt_index * request.n + i
+                req_id = f"cmpl-{req_hex}" if num_choices == 1 else f"cmpl-{req_hex}-{index}"
+                params = request.to_sampling_params(max_tokens, wrap_int64(base_seed + index),
+                                                    self.default_temperature)
+                requests.append(GenerationRequest(
+                    req_id=req_id, model=self.served_id, prompt_token_ids=prompt_ids,
+                    params=params, deadline=now + self.settings.request_timeout_s,
+                    priority=request.priority, created=now))
+        return requests
+
+    async def submit_all(self, requests: list[GenerationRequest]) -> list[ChoiceGenerator]:
+        """Submit every choice before answering: Redis being down is a 503, not a broken stream."""
+        choices: list[ChoiceGenerator] = []
+        try:
+            for request in requests:
+                events = await self.client.submit(request)
+                choices.append(ChoiceGenerator(self.client, request, events,
+                                               self.processor.tokenizer, self.background,
+                                               self.processor.decoder))
+        except BaseException:
+            for choice in choices:
+                await choice.close()
+            raise
+        return choices
+
+    async def admit(self, requests: list[GenerationRequest], principal: Principal | None) -> None:
+        """Rate limits and backpressure; raises APIError 429 when the request must wait."""
+        if self.admission is not None:
+            await self.admission.admit(requests, principal)
+
+    async def collect(self, choices: list[ChoiceGenerator], tracker: RequestTracker
+                      ) -> list[list[ChoiceDelta]]:
+        """Every delta of every choice, by choice index (the non-streaming answer)."""
+        deltas: list[list[ChoiceDelta]] = [[] for _ in choices]
+        async for index, delta in merge_choices([aiter(c) for c in choices]):
+            if delta.token_ids:
+                tracker.on_tokens(len(delta.token_ids))
+            deltas[index].append(delta)
+        return deltas
+
+
+def outcome_of(finish_reasons: list[str | None]) -> str:
+    """One metrics outcome for n choices: `length` if any choice hit its limit, else `stop`."""
+    return "length" if "length" in finish_reasons else "stop"
+
+
+async def stream_with_errors(chunks: AsyncIterator[bytes | str]) -> AsyncIterator[bytes | str]:
+    """SSE lines, an error event if the fleet failed mid-stream, and always `[DONE]` at the end."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream
+        yield sse_error(exc)
+    yield SSE_DONE

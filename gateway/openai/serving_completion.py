@@ -1,0 +1,100 @@
+"""POST /v1/completions: prompts (strings or token ids) in, text out, streamed or whole."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from gateway.dashboard.metrics import RequestTracker
+from gateway.openai.protocol import CompletionRequest
+from gateway.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
+from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
+from gateway.openai.sse_chunks import CompletionChunkEncoder
+from gateway.output.choice_stream import ChoiceDelta, ChoiceGenerator, merge_choices
+from shared.messages import TokenLogprob
+
+
+class CompletionServing(OpenAIServing):
+
+    endpoint = "completions"
+
+    async def prompts(self, request: CompletionRequest) -> list[list[int]]:
+        return await self.processor.completion_prompts_async(request.prompt)
+
+    def _echoes(self, request: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Per choice, the prompt text that `echo` puts before the completion ("" without it)."""
+        return [self.processor.decode(p) if request.echo else "" for p in prompts
+                for _ in range(request.n)]
+
+    async def _respond(self, request: CompletionRequest, choices: list[ChoiceGenerator],
+                       prompts: list[list[int]], response_id: str, created: int,
+                       tracker: RequestTracker) -> CompletionResponse:
+        echoes = self._echoes(request, prompts)
+        usage = UsageTally(request.n)
+        out = []
+        for index, deltas in enumerate(await self.collect(choices, tracker)):
+            final = deltas[-1]
+            usage.add(index, final.usage)
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                self._add_logprobs(logprobs, deltas, 0)
+            out.append(CompletionChoice(index=index, logprobs=logprobs,
+                                        text=echoes[index] + "".join(d.text for d in deltas),
+                                        finish_reason=final.finish_reason))
+        info = usage.info()
+        tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
+                       info.completion_tokens)
+        return CompletionResponse(id=response_id, created=created, model=self.served_id,
+                                  choices=out, usage=info)
+
+    async def _stream(self, request: CompletionRequest, choices: list[ChoiceGenerator],
+                      prompts: list[list[int]], response_id: str, created: int,
+                      tracker: RequestTracker) -> AsyncIterator[bytes]:
+        echoes = self._echoes(request, prompts)
+        frames = CompletionChunkEncoder(response_id, created, self.served_id)
+        usage = UsageTally(request.n)
+        offsets = [len(echo) for echo in echoes]
+        finish_reasons: list[str | None] = []
+        try:
+            for index, echo in enumerate(echoes):
+                if echo:
+                    yield frames.text(index, echo)
+            async for index, delta in merge_choices([aiter(c) for c in choices]):
+                if delta.token_ids:
+                    tracker.on_tokens(len(delta.token_ids))
+                logprobs = None
+                if request.logprobs is not None and delta.logprobs:
+                    logprobs = CompletionLogprobs()
+                    offsets[index] = self._add_logprobs(logprobs, [delta], offsets[index])
+                if delta.text or logprobs is not None:
+                    yield frames.text(index, delta.text, logprobs)
+                if delta.finish_reason is not None:
+                    usage.add(index, delta.usage)
+                    finish_reasons.append(delta.finish_reason)
+                    yield frames.text(index, "", finish_reason=delta.finish_reason)
+            info = usage.info()
+            if request.include_usage:
+                yield frames.usage(info)
+            tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens)
+        except Exception:
+            tracker.finish("error")
+            raise
+        finally:
+            tracker.finish("abort")  # no-op after a finish: only a client gone mid-stream
+
+    def _add_logprobs(self, out: CompletionLogprobs, deltas: list[ChoiceDelta],
+                      text_offset: int) -> int:
+        """Append the deltas' token logprobs in the legacy shape; returns the next text offset."""
+        for delta in deltas:
+            for entry in delta.logprobs or []:
+                token = self.processor.token_text(entry.token_id)
+                out.tokens.append(token)
+                out.token_logprobs.append(entry.logprob)
+                out.top_logprobs.append(self._top(entry))
+                out.text_offset.append(text_offset)
+                text_offset += len(token)
+        return text_offset
+
+    def _top(self, entry: TokenLogprob) -> dict[str, float]:
+        top = {self.processor.token_text(token_id): logprob for token_id, logprob in entry.top}
+        return top or {self.processor.token_text(entry.token_id): entry.logprob}

@@ -1,0 +1,81 @@
+"""SSE frames of one streamed response, built from pre-serialised JSON templates: the hot path
+(one text delta per token) escapes the text and joins bytes, with no pydantic model and no
+`json.dumps` of a whole chunk. The frames parse to exactly what `responses.chunk_json` makes of
+the corresponding pydantic chunk (tests/gateway/test_gateway_sse_chunks.py holds them equal)."""
+
+from __future__ import annotations
+
+import json
+from json.encoder import encode_basestring  # the C escaper json.dumps(ensure_ascii=False) uses
+
+from pydantic import BaseModel
+
+from gateway.openai.responses import UsageInfo
+
+_SEPARATORS = (",", ":")
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=_SEPARATORS)
+
+
+def _logprobs_json(logprobs: BaseModel | None) -> str:
+    return "null" if logprobs is None else _json(logprobs.model_dump())
+
+
+class _ChunkEncoder:
+    """What both chunk shapes share: the head `{"id":...,"choices":[` and the usage chunk.
+
+    Field order follows the pydantic models, so a frame is byte-equal to `chunk_json`'s too.
+    """
+
+    object_name = ""
+
+    def __init__(self, response_id: str, created: int, model: str):
+        head = (f'{{"id":{_json(response_id)},"object":"{self.object_name}",'
+                f'"created":{int(created)},"model":{_json(model)},"choices":[')
+        self._head = head
+        self._tail = '],"usage":null,"system_fingerprint":null}'
+
+    def _frame(self, choice: str) -> bytes:
+        return f"data: {self._head}{choice}{self._tail}\n\n".encode()
+
+    def usage(self, usage: UsageInfo) -> bytes:
+        """The last chunk of `stream_options.include_usage`: no choices, the usage."""
+        return (f'data: {self._head}],"usage":{_json(usage.model_dump())},'
+                f'"system_fingerprint":null}}\n\n').encode()
+
+
+class CompletionChunkEncoder(_ChunkEncoder):
+    """Frames of a /v1/completions stream (`CompletionResponse` with one `CompletionChoice`)."""
+
+    object_name = "text_completion"
+
+    def text(self, index: int, text: str, logprobs: BaseModel | None = None,
+             finish_reason: str | None = None) -> bytes:
+        reason = "null" if finish_reason is None else encode_basestring(finish_reason)
+        return self._frame(f'{{"index":{index},"text":{encode_basestring(text)},'
+                           f'"logprobs":{_logprobs_json(logprobs)},"finish_reason":{reason}}}')
+
+
+class ChatChunkEncoder(_ChunkEncoder):
+    """Frames of a /v1/chat/completions stream (`ChatCompletionChunk` with one
+    `ChatChunkChoice`); a delta leaves out the fields it does not set, as `chunk_json` does."""
+
+    object_name = "chat.completion.chunk"
+
+    def role(self, index: int) -> bytes:
+        """The first chunk of a choice: the assistant role and empty content."""
+        return self._choice(index, '{"role":"assistant","content":""}', None, None)
+
+    def content(self, index: int, text: str, logprobs: BaseModel | None = None) -> bytes:
+        return self._choice(index, f'{{"content":{encode_basestring(text)}}}', logprobs, None)
+
+    def finish(self, index: int, finish_reason: str) -> bytes:
+        return self._choice(index, "{}", None, finish_reason)
+
+    def _choice(self, index: int, delta: str, logprobs: BaseModel | None,
+                finish_reason: str | None) -> bytes:
+        reason = "null" if finish_reason is None else encode_basestring(finish_reason)
+        return self._frame(f'{{"index":{index},"delta":{delta},'
+                           f'"logprobs":{_logprobs_json(logprobs)},"finish_reason":{reason}}}')

@@ -1,0 +1,177 @@
+"""`kvfleet plan`: the capacity planner. Turns a model size, an accelerator and a demand into the
+seed's memory budget, conversations per accelerator, fleet size and cost; the defaults reproduce
+the seed's numbers (40 GB weights, 10 conversations of 8,000 tokens, 1,447 accelerators)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvfleet import arg_types
+from kvfleet.plan.capacity import (
+    DEFAULT_HEAD_DIM,
+    KV_DTYPE_BYTES,
+    REFERENCE_KV_DTYPE_BYTES,
+    SCALE_BYTES_PER_ROW,
+    PlanInputs,
+    WeightsDoNotFit,
+    kv_element_bytes,
+    make_plan,
+)
+from kvfleet.plan.model_shape import ModelShapeError, load_model_shape
+from kvfleet.plan.report import plan_to_json, plan_to_text
+from kvfleet.units import format_bytes
+
+DEFAULT_NUM_PARAMS = 20e9
+DEFAULT_CONTEXTS = [2000, 8000, 16000]
+EXIT_USAGE = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_arguments(parser)
+    _add_workload_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and accelerator")
+    group.add_argument("--params", type=arg_types.positive_count, default=None,
+                       help="model parameters, e.g. 20e9 or 20B (default: 20e9, or the count "
+                            "estimated from --from-model)")
+    group.add_argument("--bytes-per-param", type=arg_types.positive_float, default=2.0,
+                       help="bytes per weight (default: 2, bf16)")
+    group.add_argument("--gpu-memory", type=arg_types.size_bytes, default="80GB",
+                       help="accelerator memory, decimal units (default: 80GB)")
+    group.add_argument("--kv-bytes-per-token", type=arg_types.size_bytes, default="0.5MB",
+                       help="KV cache bytes per token of context at a 2-byte dtype "
+                            "(default: 0.5MB = 500,000 bytes)")
+    group.add_argument("--from-model", metavar="PATH_OR_CONFIG", default=None,
+                       help="derive KV bytes per token (and parameters) from a transformers "
+                            "config.json, a model directory, inline JSON or a local model id")
+    group.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES), default="bf16",
+                       help="KV cache element type; scales bytes per token (default: bf16). "
+                            "fp8/int8 count kvfleet's fp16 scale per token and KV head")
+    group.add_argument("--head-dim", type=arg_types.positive_int, default=None,
+                       help="values per KV head, for the fp8/int8 scale overhead (default: "
+                            f"from --from-model, else {DEFAULT_HEAD_DIM})")
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload and fleet")
+    contexts = group.add_mutually_exclusive_group()
+    contexts.add_argument("--context", type=arg_types.positive_int_list, default=None,
+                          help="context lengths in tokens, comma-separated "
+                               "(default: 2000,8000,16000)")
+    contexts.add_argument("--context-mix", type=arg_types.context_mix, default=None,
+                          help="weighted mix TOKENS:WEIGHT,..., e.g. 2000:0.5,8000:0.4,16000:0.1")
+    group.add_argument("--demand", type=arg_types.positive_count, default=2893519,
+                       help="output tokens/s the fleet must serve (default: 2893519)")
+    group.add_argument("--gpu-tokens-per-s", type=arg_types.positive_count, default=2000,
+                       help="output tokens/s of one accelerator at --streams (default: 2000)")
+    group.add_argument("--streams", type=arg_types.positive_int, default=32,
+                       help="streams batched together for that rate (default: 32)")
+    group.add_argument("--cost-per-hour", type=arg_types.non_negative_float, default=None,
+                       help="$ per accelerator-hour, e.g. 2.5 (default: not priced)")
+    group.add_argument("--prefix-share", type=arg_types.fraction, default=None,
+                       help="fraction of prompt tokens served from a shared cached opening")
+    group.add_argument("--prefix-prompts", type=arg_types.positive_int, default=1000,
+                       help="prompts sharing one opening, for the what-if (default: 1000)")
+    group.add_argument("--prefix-tokens", type=arg_types.non_negative_int, default=2000,
+                       help="tokens in that shared opening (default: 2000)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfleet plan", description=__doc__)
+    add_arguments(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        inputs = plan_inputs(args)
+        plan = make_plan(inputs)
+    except ModelShapeError as exc:
+        return _fail(f"--from-model: {exc}")
+    except WeightsDoNotFit as exc:
+        weights_bytes, gpu_memory_bytes = exc.args
+        return _fail(f"the weights do not fit: {format_bytes(weights_bytes)} of weights > "
+                     f"{format_bytes(gpu_memory_bytes)} of accelerator memory; use more memory "
+                     f"(--gpu-memory), fewer bytes per parameter (--bytes-per-param) or split "
+                     f"the model across accelerators")
+    if args.json:
+        print(json.dumps(plan_to_json(plan, inputs), indent=2))
+    else:
+        print(plan_to_text(plan, inputs), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def plan_inputs(args: argparse.Namespace) -> PlanInputs:
+    """Flags -> PlanInputs; --from-model supplies KV size and (unless --params) parameters."""
+    kv_bytes_per_token, kv_source, model_num_params = _kv_size(args)
+    num_params = args.params or model_num_params
+    if args.from_model and num_params is None:
+        print("kvfleet plan: note: the config gives no parameter count; using "
+              f"{DEFAULT_NUM_PARAMS:.0e} (set --params)", file=sys.stderr)
+    return PlanInputs(
+        num_params=int(num_params or DEFAULT_NUM_PARAMS),
+        bytes_per_param=args.bytes_per_param,
+        gpu_memory_bytes=args.gpu_memory,
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_dtype=args.kv_dtype,
+        contexts=_contexts(args),
+        demand_tokens_per_s=args.demand,
+        gpu_tokens_per_s=args.gpu_tokens_per_s,
+        streams_per_gpu=args.streams,
+        cost_per_gpu_hour=args.cost_per_hour,
+        prefix_prompts=args.prefix_prompts,
+        prefix_opening_tokens=args.prefix_tokens,
+        prefix_share=args.prefix_share,
+        kv_source=kv_source,
+        head_dim=_head_dim(args),
+    )
+
+
+def _head_dim(args: argparse.Namespace) -> int:
+    if args.from_model:
+        return load_model_shape(args.from_model).head_dim
+    return args.head_dim or DEFAULT_HEAD_DIM
+
+
+def _kv_size(args: argparse.Namespace) -> tuple[int, str, int | None]:
+    """(KV bytes per token at --kv-dtype, where that came from, the model's parameter count)."""
+    dtype_bytes = KV_DTYPE_BYTES[args.kv_dtype]
+    scale = f" + {SCALE_BYTES_PER_ROW} B scale per {{}} values" if dtype_bytes == 1 else ""
+    if args.from_model:
+        shape = load_model_shape(args.from_model)
+        per_token = shape.kv_bytes_per_token(dtype_bytes)
+        if dtype_bytes == 1:
+            per_token += 2 * shape.num_layers * shape.num_kv_heads * SCALE_BYTES_PER_ROW
+        return (per_token, f"2 × {shape.describe()} × {dtype_bytes} B" + scale.format(shape.head_dim),
+                shape.num_params_estimate)
+    head_dim = _head_dim(args)
+    element = kv_element_bytes(args.kv_dtype, head_dim)
+    kv_source = "--kv-bytes-per-token"
+    if dtype_bytes != REFERENCE_KV_DTYPE_BYTES:
+        kv_source += (f" scaled {REFERENCE_KV_DTYPE_BYTES} B -> {dtype_bytes} B per element"
+                      + scale.format(head_dim))
+    return round(args.kv_bytes_per_token * element / REFERENCE_KV_DTYPE_BYTES), kv_source, None
+
+
+def _contexts(args: argparse.Namespace) -> tuple[tuple[int, float | None], ...]:
+    if args.context_mix:
+        return tuple((tokens, weight) for tokens, weight in args.context_mix)
+    return tuple((tokens, None) for tokens in args.context or DEFAULT_CONTEXTS)
+
+
+def _fail(message: str) -> int:
+    print(f"kvfleet plan: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""`kvfleet up`: Redis (embedded when none is configured), one gateway, N workers and one batch
+worker (rq, for /v1/batches) in one process tree; Ctrl-C stops them all and removes the embedded
+Redis."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from shared.models import resolve_model_path
+from shared.redis_server import EmbeddedRedis
+from shared.settings import GatewaySettings
+
+log = logging.getLogger("kvfleet.up")
+
+
+class LocalFleet:
+    """Child processes of one local fleet; workers that die are restarted."""
+
+    def __init__(self, num_workers: int, env: dict[str, str]):
+        self.num_workers = num_workers
+        self.env = env
+        self.gateway: subprocess.Popen | None = None
+        self.batch: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen | None] = [None] * num_workers
+
+    def _spawn(self, role: str, extra_env: dict[str, str]) -> subprocess.Popen:
+        env = {**os.environ, **self.env, **extra_env}
+        return subprocess.Popen([sys.executable, "-m", "kvfleet", role], env=env)
+
+    def start_worker(self, index: int) -> None:
+        threads = max(1, (os.cpu_count() or 1) // self.num_workers)
+        extra = {"KVFLEET_WORKER_ID": f"{os.uname().nodename}-w{index}-{os.getpid()}"}
+        if "KVFLEET_NUM_THREADS" not in self.env and "KVFLEET_NUM_THREADS" not in os.environ:
+            extra["KVFLEET_NUM_THREADS"] = str(threads)
+        self.workers[index] = self._spawn("worker", extra)
+
+    def start(self) -> None:
+        self.gateway = self._spawn("gateway", {})
+        for index in range(self.num_workers):
+            self.start_worker(index)
+        self.batch = self._spawn("batch-worker", {})
+
+    def supervise(self, stop: threading.Event) -> int:
+        """Wait for Ctrl-C; restart dead workers; a dead gateway ends the fleet."""
+        while not stop.wait(0.5):
+            if self.gateway.poll() is not None:
+                log.error("gateway exited with code %s; stopping the fleet", self.gateway.returncode)
+                return 1
+            for index, proc in enumerate(self.workers):
+                if proc is not None and proc.poll() is not None:
+                    log.warning("worker %d exited with code %s; restarting it", index,
+                                proc.returncode)
+                    time.sleep(1.0)
+                    self.start_worker(index)
+            if self.batch.poll() is not None:
+                log.warning("batch worker exited with code %s; restarting it", self.batch.returncode)
+                self.batch = self._spawn("batch-worker", {})
+        return 0
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        procs = [p for p in [self.gateway, self.batch, *self.workers]
+                 if p is not None and p.poll() is None]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_fleet(num_workers: int, env: dict[str, str]) -> int:
+    if num_workers < 1:
+        raise SystemExit("kvfleet up: --workers must be at least 1")
+    os.environ.update(env)  # flags given to `up` reach every child as KVFLEET_* variables
+    settings = GatewaySettings()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    redis_server = None
+    if not settings.redis_url:
+        redis_server = EmbeddedRedis(port=int(os.environ.get("KVFLEET_EMBEDDED_REDIS_PORT", 0))
+                                     or None).start()
+        os.environ["KVFLEET_REDIS_URL"] = redis_server.url
+        log.info("started an embedded Redis at %s (removed on exit)", redis_server.url)
+    # Convert the default model once here, so gateway and workers don't race to do it.
+    resolve_model_path(settings.model, settings.cache_dir)
+    fleet = LocalFleet(num_workers, env)
+    try:
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        gateway_url = f"http://{host}:{settings.port}"
+        os.environ.setdefault("KVFLEET_GATEWAY_URL", gateway_url)  # where batch jobs send lines
+        fleet.start()
+        log.info("fleet up: gateway on http://%s:%d, %d worker(s); Ctrl-C stops it",
+                 settings.host, settings.port, num_workers)
+        return fleet.supervise(stop)
+    finally:
+        fleet.stop()
+        if redis_server is not None:
+            redis_server.stop()
+        log.info("fleet stopped")

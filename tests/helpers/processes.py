@@ -1,0 +1,100 @@
+"""Real gateway and worker processes on one Redis, for end-to-end tests and benchmarks (a test
+helper: `kvfleet up`'s own supervisor is kvfleet/up.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from shared.keys import Keys
+from shared.redis_server import free_port
+
+
+class Proc:
+    """A `python -m kvfleet ...` child whose output goes to a log file we can show on failure."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str):
+        self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen([sys.executable, "-m", "kvfleet", *args],
+                                      env={**os.environ, **env}, stdout=self._log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+
+class ProcessFleet:
+    """Gateway and workers on one Redis, under a key prefix of their own."""
+
+    def __init__(self, redis_url: str, log_dir: Path, worker_flags: list[str] | None = None):
+        self.redis_url = redis_url
+        self.prefix = f"e2e-{uuid.uuid4().hex[:8]}:"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        self.worker_flags = worker_flags or ["--kv-memory", "256MiB", "--num-threads", "1"]
+        self.gateway: Proc | None = None
+        self.workers: dict[str, Proc] = {}  # by worker id
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"KVFLEET_REDIS_URL": self.redis_url, "KVFLEET_KEY_PREFIX": self.prefix}
+
+    def start_gateway(self, timeout_s: float = 120) -> Proc:
+        self.gateway = Proc(["gateway", "--port", str(self.port)], self.env, self.log_dir, "gateway")
+        self._wait(lambda: httpx.get(f"{self.url}/health", timeout=1).status_code == 200,
+                   timeout_s, self.gateway)
+        return self.gateway
+
+    def start_worker(self, worker_id: str | None = None, wait: bool = True,
+                     timeout_s: float = 180) -> Proc:
+        worker_id = worker_id or f"w{len(self.workers)}"
+        proc = Proc(["worker", "--worker-id", worker_id, *self.worker_flags], self.env,
+                    self.log_dir, worker_id)
+        self.workers[worker_id] = proc
+        if wait:
+            import redis
+
+            client = redis.Redis.from_url(self.redis_url)
+            self._wait(lambda: client.exists(Keys(self.prefix).worker(worker_id)) == 1,
+                       timeout_s, proc)
+        return proc
+
+    def _wait(self, ready, timeout_s: float, proc: Proc) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"process exited early:\n{proc.log_text()[-4000:]}")
+            try:
+                if ready():
+                    return
+            except (httpx.HTTPError, OSError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"not ready after {timeout_s} s:\n{proc.log_text()[-4000:]}")
+
+    def stop(self) -> None:
+        for proc in [*self.workers.values(), self.gateway]:
+            if proc is not None:
+                proc.stop()
