@@ -1,14 +1,26 @@
-"""Turns a batch of logits into next tokens: penalties, filters and seeded Gumbel-max sampling.
+"""Turns a batch of logits into next tokens on the logits' device: penalties, per-row masks,
+filters and seeded inverse-CDF sampling, with one host sync per call.
 
 Determinism: the token sampled for a row is a pure function of (seed, position, logits row, params,
-prompt/output tokens). The only randomness is Gumbel noise drawn from a CPU generator seeded with
-a mix of (seed, position), so the result does not depend on the batch, the row index, the device
-or on what was sampled before; a request resumed at position p continues the same stream.
+prompt/output tokens). The only randomness is one uniform number per row, u = hash(seed, position),
+computed with exact integer arithmetic on the host (splitmix64), so it has the same bits on every
+device and does not depend on the batch, the row index or on what was sampled before; a request
+resumed at position p continues the same stream. The token is the first whose cumulative
+probability (in vocabulary order) reaches u: exactly a draw from the filtered softmax.
+
+Why not Gumbel-max over the vocabulary: it needs vocab-sized noise per row (tens of MB per step at
+a 128k vocab) and costs more on a CPU than the softmax + cumsum used here; every operation below
+is row-wise (elementwise, or a reduction/scan along the row), so a row's result is independent of
+the other rows in the batch.
+
+Host syncs: per-row parameters go to the device as small tensors (host -> device copies, which do
+not wait); everything else stays on the device until `_to_host`, which packs tokens and logprobs
+into one tensor and reads it once. On a CPU syncs cost nothing, so top-p there keeps a shortcut
+that looks at the data (`_top_p_cutoff`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
 
@@ -20,8 +32,11 @@ from shared.messages import SamplingParams, TokenLogprob
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 _MASK64 = (1 << 64) - 1
+# u = (k + 0.5) / 2^23 for a 23-bit k: exact in float32 (24-bit mantissa), strictly inside (0, 1).
+_UNIFORM_BITS = 23
 
-# top_p looks for its cutoff among this many most likely tokens before sorting the whole vocab.
+# On a CPU, top_p looks for its cutoff among this many most likely tokens before sorting the whole
+# vocab (the check needs a sync, which is free there); on an accelerator it always sorts.
 _TOP_P_CANDIDATES = 256
 
 
@@ -61,8 +76,8 @@ class Sampler:
         if modifies:
             apply_penalties(scores, inputs)
             apply_min_tokens(scores, inputs, self.eos_token_ids)
-        token_ids = _choose_tokens(scores, inputs)
-        return list(zip(token_ids, _token_logprobs(raw_logprobs, token_ids, inputs)))
+        token_ids = _choose_tokens(scores, inputs)  # [N] int64, on the device
+        return _to_host(token_ids, raw_logprobs, inputs)
 
 
 def _needs_penalties(inp: SamplerInput) -> bool:
@@ -74,44 +89,57 @@ def _needs_min_tokens(inp: SamplerInput) -> bool:
     return inp.position < inp.params.min_tokens
 
 
-# --- penalties and masks (in place on float32 scores [N, vocab]) ----------------------------------
+# --- penalties (in place on float32 scores [N, vocab], counted on the device) ---------------------
 
 
 def apply_penalties(scores: torch.Tensor, inputs: list[SamplerInput]) -> None:
     """HF repetition penalty over prompt + output, then OpenAI presence/frequency over output.
 
-    Only the (row, token) pairs that occur are touched: one gather and one index_put per penalty.
+    On the device, touching only the ids that occur: a gather and a scatter over a padded
+    [R, longest list] id tensor per penalty, no [R, vocab] count table. Ids outside the vocabulary
+    are ignored.
     """
-    vocab_size = scores.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    penalties: list[float] = []
-    for i, inp in enumerate(inputs):
-        if inp.params.repetition_penalty == 1.0:
-            continue
-        seen = {t for t in chain(inp.prompt_token_ids, inp.output_token_ids) if 0 <= t < vocab_size}
-        rows.extend([i] * len(seen))
-        cols.extend(seen)
-        penalties.extend([inp.params.repetition_penalty] * len(seen))
+    rows = [i for i, inp in enumerate(inputs) if inp.params.repetition_penalty != 1.0]
     if rows:
-        index = (_index(rows, scores.device), _index(cols, scores.device))
-        values = scores[index]
-        penalty = torch.tensor(penalties, dtype=torch.float32, device=scores.device)
-        scores[index] = torch.where(values < 0, values * penalty, values / penalty)
+        sub = _rows(scores, rows)
+        ids, real = _padded_ids(scores, [chain(inputs[i].prompt_token_ids,
+                                               inputs[i].output_token_ids) for i in rows])
+        penalty = _column(scores, [inputs[i].params.repetition_penalty for i in rows])
+        values = sub.gather(1, ids)  # [R, W]
+        penalised = torch.where(values < 0, values * penalty, values / penalty)
+        # a repeated id writes the same value each time, so the scatter's order does not matter
+        sub.scatter_(1, ids, torch.where(real[:, :1] > 0, penalised, values))
+        _set_rows(scores, rows, sub)
 
-    rows, cols, amounts = [], [], []
-    for i, inp in enumerate(inputs):
-        presence, frequency = inp.params.presence_penalty, inp.params.frequency_penalty
-        if presence == 0.0 and frequency == 0.0:
-            continue
-        for token_id, count in Counter(inp.output_token_ids).items():
-            if 0 <= token_id < vocab_size:
-                rows.append(i)
-                cols.append(token_id)
-                amounts.append(count * frequency + presence)
+    rows = [i for i, inp in enumerate(inputs)
+            if inp.params.presence_penalty != 0.0 or inp.params.frequency_penalty != 0.0]
     if rows:
-        index = (_index(rows, scores.device), _index(cols, scores.device))
-        scores[index] -= torch.tensor(amounts, dtype=torch.float32, device=scores.device)
+        sub = _rows(scores, rows)
+        ids, real = _padded_ids(scores, [inputs[i].output_token_ids for i in rows])
+        presence = _column(scores, [inputs[i].params.presence_penalty for i in rows])
+        frequency = _column(scores, [inputs[i].params.frequency_penalty for i in rows])
+        values = sub.gather(1, ids)
+        sub.scatter_(1, ids, torch.where(real[:, :1] > 0, values - presence, values))  # once per id
+        # once per occurrence: every addend of a column is the same, so any order gives one sum
+        sub.scatter_add_(1, ids, -frequency * real)
+        _set_rows(scores, rows, sub)
+
+
+def _padded_ids(scores: torch.Tensor, token_lists) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-vocab ids of each list as int64 [R, W] on the device, padded with the row's first id (so
+    padding repeats a real entry; 0 for an empty row), and float32 [R, W]: 1 for a real entry."""
+    vocab_size = scores.shape[1]
+    lists = [[t for t in tokens if 0 <= t < vocab_size] for tokens in token_lists]
+    width = max(1, max(len(ids) for ids in lists))
+    padded = [ids + [ids[0] if ids else 0] * (width - len(ids)) for ids in lists]
+    real = [[1.0] * len(ids) + [0.0] * (width - len(ids)) for ids in lists]
+    return (_index(padded, scores.device),
+            torch.tensor(real, dtype=torch.float32).to(scores.device, non_blocking=True))
+
+
+# --- per-row logit masks: tokens a row may not sample now -----------------------------------------
+# min_tokens is the only one today; grammar masks and logit_bias belong beside it, applied after
+# the penalties and before temperature and the filters, as [N, vocab] masks or (row, col) pairs.
 
 
 def apply_min_tokens(
@@ -140,30 +168,42 @@ def apply_min_tokens(
 # --- choosing tokens ------------------------------------------------------------------------------
 
 
-def _choose_tokens(scores: torch.Tensor, inputs: list[SamplerInput]) -> list[int]:
-    greedy_rows = [i for i, inp in enumerate(inputs) if inp.is_greedy]
+def _choose_tokens(scores: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
+    """[N] int64 on the device: argmax for greedy rows, a seeded draw for the others."""
     random_rows = [i for i, inp in enumerate(inputs) if not inp.is_greedy]
     if not random_rows:
-        return scores.argmax(dim=-1).tolist()
-    token_ids = [0] * len(inputs)
-    if greedy_rows:
-        for row, token_id in zip(greedy_rows, scores[greedy_rows].argmax(dim=-1).tolist()):
-            token_ids[row] = token_id
-    sub = scores if not greedy_rows else scores[random_rows]  # [R, vocab]
-    chosen = _sample_random(sub, [inputs[i] for i in random_rows]).tolist()
-    for row, token_id in zip(random_rows, chosen):
-        token_ids[row] = token_id
+        return scores.argmax(dim=-1)
+    if len(random_rows) == len(inputs):
+        return _sample_random(scores, inputs)
+    greedy_rows = [i for i, inp in enumerate(inputs) if inp.is_greedy]
+    token_ids = torch.empty(len(inputs), dtype=torch.int64, device=scores.device)
+    greedy_index = _index(greedy_rows, scores.device)
+    token_ids[greedy_index] = scores.index_select(0, greedy_index).argmax(dim=-1)
+    random_index = _index(random_rows, scores.device)
+    token_ids[random_index] = _sample_random(
+        scores.index_select(0, random_index), [inputs[i] for i in random_rows])
     return token_ids
 
 
 def _sample_random(scores: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p (HF order), then Gumbel-max: argmax(scores + noise)."""
+    """Temperature, top-k, top-p, min-p (HF order), then the inverse CDF at each row's uniform."""
     scores = scores / _column(scores, [inp.params.temperature for inp in inputs])  # new tensor
     _apply_top_k(scores, [inp.params.top_k for inp in inputs])
     _apply_top_p(scores, [inp.params.top_p for inp in inputs])
     _apply_min_p(scores, [inp.params.min_p for inp in inputs])
-    keys = [noise_key(inp.params.seed, inp.position) for inp in inputs]
-    return (scores + gumbel_noise(keys, scores.shape[1]).to(scores.device)).argmax(dim=-1)
+    uniforms = _column(scores, [uniform_noise(inp.params.seed, inp.position) for inp in inputs])
+    return inverse_cdf(scores, uniforms)
+
+
+def inverse_cdf(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative softmax probability reaches u ([R, 1] in (0, 1)).
+
+    A token with probability 0 (score -inf) never qualifies: its cumulative value equals its
+    predecessor's, which was already below the target.
+    """
+    cdf = torch.softmax(scores, dim=-1).cumsum_(dim=-1)  # [R, vocab], ends at ~1
+    target = uniforms * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=scores.shape[1] - 1)
 
 
 def _apply_top_k(scores: torch.Tensor, top_ks: list[int]) -> None:
@@ -180,28 +220,36 @@ def _apply_top_k(scores: torch.Tensor, top_ks: list[int]) -> None:
 
 
 def _apply_top_p(scores: torch.Tensor, top_ps: list[float]) -> None:
-    """Keep the smallest set of highest-probability tokens whose mass reaches top_p.
-
-    The set is looked for among the top _TOP_P_CANDIDATES first; only rows whose candidates hold
-    too little mass sort the whole vocab. Either way a row's cutoff depends on that row alone.
-    """
+    """Keep the smallest set of highest-probability tokens whose mass reaches top_p."""
     rows = [i for i, p in enumerate(top_ps) if p < 1.0]
     if not rows:
         return
     probs = _rows(scores, rows).softmax(dim=-1)  # [R, vocab]
     top_p = _column(scores, [top_ps[i] for i in rows])
-    num_candidates = min(_TOP_P_CANDIDATES, scores.shape[1])
+    _mask_rows(scores, rows, probs < _top_p_cutoff(probs, top_p))
+
+
+def _top_p_cutoff(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The smallest kept probability of each row [R, 1].
+
+    On an accelerator: from a full sort (no sync). On a CPU: from the top _TOP_P_CANDIDATES first;
+    only rows whose candidates hold too little mass sort the whole vocab. Either way a row's cutoff
+    depends on that row alone and both give the same value.
+    """
+    num_candidates = min(_TOP_P_CANDIDATES, probs.shape[1])
+    if probs.device.type != "cpu" or num_candidates == probs.shape[1]:
+        return _sorted_cutoff(probs.sort(dim=-1, descending=True).values, top_p)
     candidates = probs.topk(num_candidates, dim=-1).values  # [R, C], descending
-    cutoff = _top_p_cutoff(candidates, top_p)
+    cutoff = _sorted_cutoff(candidates, top_p)
     short = candidates.sum(dim=-1) < top_p.squeeze(1)  # mass beyond the candidates is needed
     if short.any():
         full = probs[short].sort(dim=-1, descending=True).values
-        cutoff[short] = _top_p_cutoff(full, top_p[short])
-    _mask_rows(scores, rows, probs < cutoff)
+        cutoff[short] = _sorted_cutoff(full, top_p[short])
+    return cutoff
 
 
-def _top_p_cutoff(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The smallest kept probability [R, 1]: token j is kept iff the mass before it is < top_p."""
+def _sorted_cutoff(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Token j (in descending order) is kept iff the mass before it is < top_p."""
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)
     # by value, not by sorted position, so ties do not depend on the sort's order
@@ -221,7 +269,19 @@ def _apply_min_p(scores: torch.Tensor, min_ps: list[float]) -> None:
 
 def _rows(scores: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """scores[rows]: the tensor itself when that is every row, else a copy."""
-    return scores if len(rows) == scores.shape[0] else scores[rows]
+    if len(rows) == scores.shape[0]:
+        return scores
+    return scores.index_select(0, _index(rows, scores.device))
+
+
+def _set_rows(scores: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    """In place: scores[rows] = values ([len(rows), vocab])."""
+    if values is scores:
+        return
+    if len(rows) == scores.shape[0]:
+        scores.copy_(values)
+    else:
+        scores.index_copy_(0, _index(rows, scores.device), values)
 
 
 def _mask_rows(scores: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
@@ -229,7 +289,7 @@ def _mask_rows(scores: torch.Tensor, rows: list[int], mask: torch.Tensor) -> Non
     if len(rows) == scores.shape[0]:
         scores.masked_fill_(mask, float("-inf"))
     else:
-        scores[rows] = scores[rows].masked_fill(mask, float("-inf"))
+        _set_rows(scores, rows, _rows(scores, rows).masked_fill(mask, float("-inf")))
 
 
 # --- counter-based noise --------------------------------------------------------------------------
@@ -243,28 +303,17 @@ def _splitmix64(x: int) -> int:
 
 
 def noise_key(seed: int | None, position: int) -> int:
-    """The generator seed for one (request seed, output position); seed None counts as 0.
-
-    32 bits, because torch's CPU generator (mt19937) only uses the low 32 bits of its seed.
-    """
-    mixed = _splitmix64(_splitmix64((seed or 0) & _MASK64) ^ (position & _MASK64))
-    return (mixed ^ (mixed >> 32)) & 0xFFFFFFFF
+    """64 well-mixed bits for one (request seed, output position); seed None counts as 0."""
+    return _splitmix64(_splitmix64((seed or 0) & _MASK64) ^ (position & _MASK64))
 
 
-def gumbel_noise(keys: list[int], vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise, float32 [len(keys), vocab_size] on CPU, row i a function of keys[i].
-
-    Always drawn on CPU, so CPU and GPU workers produce the same stream for the same request.
-    """
-    noise = torch.empty(len(keys), vocab_size, dtype=torch.float32)
-    for row, key in enumerate(keys):
-        generator = torch.Generator().manual_seed(key)
-        torch.rand(vocab_size, generator=generator, out=noise[row])
-    # Gumbel = -log(-log(U)); U == 0 gives -inf (that token cannot win), U < 1 always.
-    return noise.log_().neg_().log_().neg_()
+def uniform_noise(seed: int | None, position: int) -> float:
+    """The row's uniform in (0, 1): the key's top 23 bits, centred; exact in float32."""
+    k = noise_key(seed, position) >> (64 - _UNIFORM_BITS)
+    return (k + 0.5) / (1 << _UNIFORM_BITS)
 
 
-# --- logprobs -------------------------------------------------------------------------------------
+# --- logprobs and the one read back ---------------------------------------------------------------
 
 
 def _raw_logprobs(
@@ -274,36 +323,46 @@ def _raw_logprobs(
     rows = [i for i, inp in enumerate(inputs) if inp.params.logprobs is not None]
     if not rows:
         return None
-    return rows, torch.log_softmax(scores[rows], dim=-1)
+    return rows, torch.log_softmax(_rows(scores, rows), dim=-1)
 
 
-def _token_logprobs(
+def _to_host(
+    token_ids: torch.Tensor,
     raw_logprobs: tuple[list[int], torch.Tensor] | None,
-    token_ids: list[int],
     inputs: list[SamplerInput],
-) -> list[TokenLogprob | None]:
-    results: list[TokenLogprob | None] = [None] * len(inputs)
+) -> list[tuple[int, TokenLogprob | None]]:
+    """Read tokens (and the logprobs asked for) back in one transfer: the call's only sync."""
+    num_rows = len(inputs)
     if raw_logprobs is None:
-        return results
+        return [(t, None) for t in token_ids.tolist()]
     rows, logprobs = raw_logprobs
-    chosen = _index([token_ids[i] for i in rows], logprobs.device).unsqueeze(1)
-    chosen_logprobs = logprobs.gather(1, chosen).squeeze(1).tolist()
+    chosen = logprobs.gather(1, token_ids.index_select(0, _index(rows, token_ids.device)).unsqueeze(1))
     num_tops = [min(max(inputs[i].params.logprobs or 0, 0), logprobs.shape[1]) for i in rows]
-    top = logprobs.topk(max(num_tops), dim=-1)  # [R, max_n], descending; a single sync below
-    top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    width = max(num_tops)
+    top = logprobs.topk(width, dim=-1)  # [R, width], descending
+    # float64 holds every token id exactly; one tensor, one read
+    packed = torch.cat([token_ids.double(), chosen.squeeze(1).double(),
+                        top.indices.double().flatten(), top.values.double().flatten()]).tolist()
+    ids = [int(t) for t in packed[:num_rows]]
+    chosen_values = packed[num_rows:num_rows + len(rows)]
+    offset = num_rows + len(rows)
+    top_ids = packed[offset:offset + len(rows) * width]
+    top_values = packed[offset + len(rows) * width:]
+    results: list[TokenLogprob | None] = [None] * num_rows
     for j, row in enumerate(rows):
-        pairs = list(zip(top_ids[j][: num_tops[j]], top_values[j][: num_tops[j]]))
-        results[row] = TokenLogprob(token_ids[row], chosen_logprobs[j], pairs)
-    return results
+        base = j * width
+        pairs = [(int(top_ids[base + n]), top_values[base + n]) for n in range(num_tops[j])]
+        results[row] = TokenLogprob(ids[row], chosen_values[j], pairs)
+    return list(zip(ids, results))
 
 
 # --- small helpers --------------------------------------------------------------------------------
 
 
 def _column(like: torch.Tensor, values: list[float]) -> torch.Tensor:
-    """Per-row parameters as a float32 column [R, 1] on `like`'s device."""
-    return torch.tensor(values, dtype=torch.float32, device=like.device).unsqueeze(1)
+    """Per-row parameters as a float32 column [R, 1] on `like`'s device (a copy, not a sync)."""
+    return torch.tensor(values, dtype=torch.float32).to(like.device, non_blocking=True).unsqueeze(1)
 
 
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+def _index(values, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
