@@ -32,16 +32,9 @@ from redis import Redis
 from rq import Queue
 from rq.job import JobStatus
 
-from batch.store import (
-    BatchRecord,
-    BatchStatus,
-    BatchStore,
-    FileRecord,
-    OutputFile,
-    request_lines,
-)
-from shared.batch_settings import BatchSettings
-from shared.keys import Keys
+from batch.store import BatchStore, OutputFile, request_lines
+from shared.settings import BatchSettings
+from shared.wire import BatchRecord, BatchStatus, FileRecord, Keys
 
 log = logging.getLogger(__name__)
 

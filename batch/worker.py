@@ -20,8 +20,8 @@ from rq import Queue, SimpleWorker
 
 from batch.jobs import requeue_orphans
 from batch.store import BatchStore
-from shared.batch_settings import BatchSettings
-from shared.keys import Keys
+from shared.settings import BatchSettings
+from shared.wire import Keys
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from shared.messages import SamplingParams
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from shared.wire import SamplingParams
 from worker.engine.engine import Engine, EngineConfig
 
 # The team's benchmark trace lies beside the repository (`../shared/workloads/`); --workload picks another.

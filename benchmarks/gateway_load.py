@@ -80,8 +80,7 @@ async def worker_loop(args: argparse.Namespace) -> None:
     from redis.asyncio import Redis
     from redis.exceptions import ResponseError
 
-    from shared.keys import Keys
-    from shared.messages import GenerationRequest, TokenEvent, Usage
+    from shared.wire import Keys, QueueEntry, TokenEvent, Usage
 
     keys = Keys(PREFIX)
     redis = Redis.from_url(args.redis_url)
@@ -103,7 +102,7 @@ async def worker_loop(args: argparse.Namespace) -> None:
         batches = await redis.xreadgroup(keys.group, "synthetic", {stream: ">"}, count=5000)
         for _name, entries in batches or []:
             for entry_id, fields in entries:
-                request = GenerationRequest.unpack(fields[b"payload"])
+                request = QueueEntry.decode(fields).request
                 active[request.req_id] = [entry_id, 0, request.params.max_tokens,
                                           len(request.prompt_token_ids)]
                 starts[request.req_id] = tick  # streams' phases spread as they arrive
@@ -282,8 +281,7 @@ async def direct_pubsub(args) -> Recorder:
     """The baseline: subscribe each request's channel on one connection, XADD, read."""
     from redis.asyncio import Redis
 
-    from shared.keys import Keys
-    from shared.messages import GenerationRequest, SamplingParams, TokenEvent
+    from shared.wire import GenerationRequest, Keys, QueueEntry, SamplingParams, TokenEvent
 
     keys = Keys(PREFIX)
     redis = Redis.from_url(args.redis_url)
@@ -301,7 +299,7 @@ async def direct_pubsub(args) -> Recorder:
         for req_id in ids:
             request = GenerationRequest(req_id, args.model, [1, 2, 3],
                                         SamplingParams(max_tokens=args.tokens))
-            await redis.xadd(keys.queue(args.model), {"id": req_id, "payload": request.pack()})
+            await redis.xadd(keys.queue(args.model), QueueEntry(request).encode())
             recorder.opened_at.append(time.monotonic())
             await asyncio.sleep(args.ramp_s / len(ids))
 

@@ -19,14 +19,14 @@ from gateway.dashboard.router import dashboard_router
 from gateway.errors import install_error_handlers
 from gateway.fleet.client import EngineClient
 from gateway.fleet.redis_client import RedisEngineClient
+from gateway.fleet.redis_context import RedisContext
 from gateway.openai.batches import batch_router
 from gateway.openai.routes import router
 from gateway.openai.serving_chat import ChatServing
 from gateway.openai.serving_completion import CompletionServing
 from gateway.openai.serving_reattach import ReattachServing
 from gateway.openai.tokenization import ModelInfo, PromptProcessor
-from gateway.output.choice_stream import BackgroundTasks
-from shared.keys import Keys
+from gateway.output.background import BackgroundTasks
 from shared.models import load_tokenizer, resolve_model_path, served_model_id
 from shared.settings import GatewaySettings
 
@@ -36,10 +36,19 @@ SHUTDOWN_DRAIN_S = 5.0  # how long cancellations still in flight may take at shu
 
 
 def create_app(settings: GatewaySettings, client: EngineClient | None = None, tokenizer=None,
-               *, model_info: ModelInfo | None = None) -> FastAPI:
-    """The app. Without `client`, a RedisEngineClient from settings (connected in the lifespan);
-    without `tokenizer`, the served model's; without `model_info`, read from the model's config."""
-    client = client or RedisEngineClient.from_settings(settings)
+               *, model_info: ModelInfo | None = None, redis: RedisContext | None = None
+               ) -> FastAPI:
+    """The app. Its one Redis context (`redis`; without one and without `client`, built here from
+    settings and closed with the app) serves the engine client, API keys, rate limits, the
+    dashboard and the batch routes. Without `client`, a RedisEngineClient on that context
+    (connected in the lifespan). A `client` without `redis` (a fake, in tests) makes an app
+    without Redis: settings' API keys only, no rate limits, no dashboard, batch routes are 503s.
+    Without `tokenizer`, the served model's; without `model_info`, read from the model's config."""
+    owned_redis = None
+    if client is None:
+        if redis is None:
+            redis = owned_redis = RedisContext.from_settings(settings)
+        client = RedisEngineClient.from_settings(settings, redis)
     if tokenizer is None or model_info is None:
         model_path = resolve_model_path(settings.model, settings.cache_dir)
         tokenizer = tokenizer or load_tokenizer(model_path)
@@ -58,6 +67,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
             except TimeoutError:
                 log.warning("shutdown: cancellations still in flight were dropped")
             await client.close()
+            if owned_redis is not None:
+                await owned_redis.aclose()
 
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
     processor = PromptProcessor(tokenizer, model_info)
@@ -67,10 +78,7 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.state.model = model_info
     app.state.metrics = metrics
     app.state.started = int(time.time())
-    # Keys and limits live in the fleet's Redis; a client without Redis has settings' keys only.
-    redis_getter = (lambda: client.redis) if isinstance(client, RedisEngineClient) else None
-    keys = client.keys if isinstance(client, RedisEngineClient) else Keys(settings.key_prefix)
-    limiter = RateLimiter(redis_getter, keys, settings) if redis_getter else None
+    limiter = RateLimiter(redis, settings) if redis is not None else None
     admission = Admission(QueueWaitEstimator(client, served_id, settings), limiter)
     app.state.admission = admission
     app.state.completions = CompletionServing(client, processor, settings, background, metrics,
@@ -80,14 +88,14 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.state.background = background
     install_error_handlers(app)
     app.include_router(router)
-    app.include_router(batch_router(settings))
+    app.include_router(batch_router(redis, settings))
     app.include_router(metrics_route(metrics))
-    if isinstance(client, RedisEngineClient):
-        app.include_router(dashboard_router(lambda: client.redis, client.keys, served_id, metrics))
+    if redis is not None:
+        app.include_router(dashboard_router(redis, served_id, metrics))
     # /v1/files takes batch input files and enforces KVFLEET_BATCH_MAX_FILE_BYTES itself.
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
                        exempt_paths=("/v1/files",))
-    app.add_middleware(ApiKeyAuth, store=ApiKeyStore(settings.api_keys, redis_getter, keys))
+    app.add_middleware(ApiKeyAuth, store=ApiKeyStore(settings.api_keys, redis))
     app.add_middleware(RejectionCounter, metrics=metrics)  # added last: outermost, sees every 413
     return app
 

@@ -10,7 +10,7 @@ import sys
 
 from batch.worker import run_batch_worker
 from kvfleet.flags import add_settings_flags, given_flags, settings_from_args
-from shared.batch_settings import BatchSettings
+from shared.settings import BatchSettings
 
 NOT_FLAGS = ("model", "cache_dir")  # settings the batch worker does not use
 

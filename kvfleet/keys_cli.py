@@ -10,8 +10,8 @@ import time
 import redis
 
 from gateway.admission.auth import create_key, list_keys, revoke_key
-from shared.keys import Keys
 from shared.settings import GatewaySettings
+from shared.wire import Keys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

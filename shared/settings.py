@@ -1,16 +1,17 @@
-"""Settings of the gateway and the worker: defaults, overridden by KVFLEET_* environment variables,
-overridden by command-line flags (the CLI passes flags as constructor keywords)."""
+"""Settings of the gateway, the worker and the batch worker: defaults, overridden by KVFLEET_*
+environment variables, overridden by command-line flags (the CLI passes flags as constructor
+keywords)."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
-import os
 import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.models import DEFAULT_MODEL, default_cache_dir
@@ -41,7 +42,15 @@ class CommonSettings(BaseSettings):
     log_level: str = "INFO"
 
 
-class GatewaySettings(CommonSettings):
+class BatchApiSettings(CommonSettings):
+    """What the batch API's routes (gateway) and its jobs (batch worker) both need to agree on."""
+
+    batch_max_file_bytes: int = Field(100 * 1024**2, ge=1)  # an upload larger than this is a 413
+    batch_max_lines: int = Field(50_000, ge=1)  # OpenAI's limit per batch file
+    batch_ttl_s: int = Field(7 * 24 * 3600, ge=60)  # files and batch records expire after this
+
+
+class GatewaySettings(BatchApiSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     request_timeout_s: float = 600.0  # deadline carried in the stream entry
@@ -108,3 +117,16 @@ class WorkerSettings(CommonSettings):
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class BatchSettings(BatchApiSettings):
+    """`kvfleet batch-worker` and the rq jobs it runs (a job reads them from the environment)."""
+
+    gateway_url: str = "http://127.0.0.1:8000"  # where batch jobs send their lines
+    batch_api_key: str = ""  # sent as `Authorization: Bearer` when the gateway requires keys
+    batch_max_in_flight: int = Field(32, ge=1)  # lines of one batch being generated at once
+    batch_line_retries: int = Field(5, ge=0)  # 5xx / connection errors before a line fails
+    batch_request_timeout_s: float = Field(600.0, gt=0)  # one line's HTTP request
+    batch_lease_ttl_s: float = Field(10.0, gt=0)  # a job silent this long has died
+    batch_poll_s: float = Field(0.5, gt=0)  # how often a job checks for cancel / lost lease
+    batch_max_attempts: int = Field(5, ge=1)  # job runs of one batch before it fails

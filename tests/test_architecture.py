@@ -125,7 +125,8 @@ def test_each_package_imports_only_what_it_may():
         package = name.split(".")[0]
         if package not in ALLOWED:
             continue
-        wrong += [f"{name} -> {t}" for t in sorted(targets) if t.split(".")[0] not in ALLOWED[package]]
+        wrong += [f"{name} -> {target}" for target in sorted(targets)
+                  if target.split(".")[0] not in ALLOWED[package]]
     assert wrong == []
 
 

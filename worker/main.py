@@ -10,9 +10,9 @@ import threading
 import redis
 import torch
 
-from shared.keys import Keys
 from shared.models import resolve_model_path, served_model_id
 from shared.settings import WorkerSettings
+from shared.wire import Keys
 from worker.engine.engine import Engine, EngineConfig
 from worker.metrics import WorkerMetrics
 from worker.protocol import WorkerProtocol

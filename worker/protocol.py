@@ -17,9 +17,7 @@ from dataclasses import dataclass
 
 import redis
 
-from shared.keys import PRIORITIES, Keys
-from shared.messages import GenerationRequest, TokenEvent
-from shared.status import RequestStatus
+from shared.wire import PRIORITIES, GenerationRequest, Keys, RequestStatus, TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import redis
 
-from shared.messages import TokenEvent, Usage
 from shared.settings import WorkerSettings
-from shared.status import RequestStatus
+from shared.wire import RequestStatus, TokenEvent, Usage
 from worker.engine.engine import Engine, RequestOutput
 from worker.metrics import WorkerMetrics
 from worker.protocol import Delivery, Publication, WorkerProtocol

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from gateway.errors import TooManyRequests
 from gateway.fleet.client import EngineClient, QueueLoad
-from shared.messages import GenerationRequest
 from shared.settings import GatewaySettings
+from shared.wire import GenerationRequest
 
 if TYPE_CHECKING:
     from gateway.admission.auth import Principal

@@ -4,20 +4,17 @@ SHA-256 hashes (`kvfleet keys`). When any key exists, every `/v1/*` request need
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError
-from shared.keys import Keys
+from gateway.fleet.redis_context import RedisContext
+from shared.wire import ApiKeyRecord, Keys, api_key_field
 
 PROTECTED_PREFIX = "/v1/"
 KEY_PREFIX = "kvf-"  # plaintext keys start with it, so a leaked one is recognisable
@@ -33,29 +30,8 @@ class Principal:
     tpm: int | None = None
 
 
-@dataclass
-class KeyRecord:
-    """What Redis keeps of a key (JSON under its hash in `Keys.api_keys()`)."""
-
-    id: str
-    name: str = ""
-    rpm: int | None = None
-    tpm: int | None = None
-    created: float = 0.0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> KeyRecord:
-        return cls(**json.loads(raw))
-
-    def principal(self) -> Principal:
-        return Principal(self.id, self.name, self.rpm, self.tpm)
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+def principal_of(record: ApiKeyRecord) -> Principal:
+    return Principal(record.id, record.name, record.rpm, record.tpm)
 
 
 def new_key() -> tuple[str, str]:
@@ -71,12 +47,10 @@ class ApiKeyStore:
     """Looks keys up: settings' keys in memory, Redis keys by hash (one HGET per request, so a
     revocation takes effect at once). Whether Redis holds any key is cached for `cache_s`."""
 
-    def __init__(self, plaintext_keys: str, redis_getter: Callable[[], Redis] | None,
-                 keys: Keys, cache_s: float = 1.0):
-        self._env = {hash_key(k.strip()): f"env-{hash_key(k.strip())[:8]}"
+    def __init__(self, plaintext_keys: str, redis: RedisContext | None, cache_s: float = 1.0):
+        self._env = {api_key_field(k.strip()): f"env-{api_key_field(k.strip())[:8]}"
                      for k in plaintext_keys.split(",") if k.strip()}
-        self._redis_getter = redis_getter
-        self._hash_name = keys.api_keys()
+        self._redis = redis
         self._cache_s = cache_s
         self._redis_has_keys = False
         self._checked_at = -float("inf")
@@ -85,22 +59,22 @@ class ApiKeyStore:
         """True when any key is configured (then every /v1 request must carry one)."""
         if self._env:
             return True
-        if self._redis_getter is None:
+        if self._redis is None:
             return False
         if time.monotonic() - self._checked_at >= self._cache_s:
-            self._redis_has_keys = bool(await self._redis_getter().hlen(self._hash_name))
+            self._redis_has_keys = bool(await self._redis.redis.hlen(self._redis.keys.api_keys()))
             self._checked_at = time.monotonic()
         return self._redis_has_keys
 
     async def lookup(self, key: str) -> Principal | None:
-        digest = hash_key(key)
+        digest = api_key_field(key)
         for known, key_id in self._env.items():
             if hmac.compare_digest(known, digest):
                 return Principal(key_id)
-        if self._redis_getter is None:
+        if self._redis is None:
             return None
-        raw = await self._redis_getter().hget(self._hash_name, digest)
-        return KeyRecord.from_json(raw).principal() if raw else None
+        raw = await self._redis.redis.hget(self._redis.keys.api_keys(), digest)
+        return principal_of(ApiKeyRecord.decode(raw)) if raw else None
 
     async def authenticate(self, authorization: str | None) -> Principal | None:
         """The request's principal; None when no key is configured; raises a 401 APIError."""
@@ -145,23 +119,23 @@ class ApiKeyAuth:
 # ---- management (`kvfleet keys`), synchronous --------------------------------------------------
 
 def create_key(redis, keys: Keys, name: str = "", rpm: int | None = None,
-               tpm: int | None = None) -> tuple[KeyRecord, str]:
+               tpm: int | None = None) -> tuple[ApiKeyRecord, str]:
     """Store a new key's hash; returns its record and the plaintext (shown once, never stored)."""
     key_id, plaintext = new_key()
-    record = KeyRecord(key_id, name, rpm, tpm, round(time.time(), 3))
-    redis.hset(keys.api_keys(), hash_key(plaintext), record.to_json())
+    record = ApiKeyRecord(key_id, name, rpm, tpm, round(time.time(), 3))
+    redis.hset(keys.api_keys(), api_key_field(plaintext), record.encode())
     return record, plaintext
 
 
-def list_keys(redis, keys: Keys) -> list[KeyRecord]:
-    records = [KeyRecord.from_json(raw) for raw in redis.hvals(keys.api_keys())]
+def list_keys(redis, keys: Keys) -> list[ApiKeyRecord]:
+    records = [ApiKeyRecord.decode(raw) for raw in redis.hvals(keys.api_keys())]
     return sorted(records, key=lambda r: r.created)
 
 
 def revoke_key(redis, keys: Keys, key_id: str) -> bool:
     """Delete the key with id `key_id` (and its rate-limit state); False if there is none."""
     for digest, raw in redis.hgetall(keys.api_keys()).items():
-        if KeyRecord.from_json(raw).id == key_id:
+        if ApiKeyRecord.decode(raw).id == key_id:
             redis.hdel(keys.api_keys(), digest)
             redis.delete(keys.rate_limit(key_id, "req"), keys.rate_limit(key_id, "tok"))
             return True

@@ -5,93 +5,45 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from gateway.dashboard.metrics import GatewayMetrics
 from gateway.dashboard.page import render_page
 from gateway.errors import error_body
-from shared.keys import PRIORITIES, Keys
-
-UNDELIVERED_SCAN_CAP = 100_000  # entries counted one by one when Redis cannot report the lag
-
-
-def _s(value: bytes | str | None) -> str:
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else value
+from gateway.fleet.load import read_heartbeats, stream_depth
+from gateway.fleet.redis_context import RedisContext
+from shared.wire import PRIORITIES, Heartbeat, Keys
 
 
-def _num(fields: dict[str, str], name: str) -> float:
-    try:
-        return float(fields.get(name, 0) or 0)
-    except ValueError:
-        return 0.0
-
-
-def worker_row(worker_id: str, raw: dict, now: float) -> dict[str, Any]:
-    """One dashboard row from a heartbeat hash (values are stored as strings)."""
-    fields = {_s(k): _s(v) for k, v in raw.items()}
-    total = int(_num(fields, "blocks_total"))
-    used = max(total - int(_num(fields, "blocks_free")), 0)
-    queried = _num(fields, "prefix_queried_tokens")
-    ts = _num(fields, "ts")
+def worker_row(worker_id: str, beat: Heartbeat, now: float) -> dict[str, Any]:
+    """One dashboard row from a heartbeat."""
+    total = beat.blocks_total
+    queried = beat.prefix_queried_tokens
     return {
         "id": worker_id,
-        "model": fields.get("model", ""),
-        "kv_blocks_used": used,
+        "model": beat.model,
+        "kv_blocks_used": beat.blocks_used,
         "kv_blocks_total": total,
-        "kv_usage_pct": round(100.0 * used / total, 1) if total else 0.0,
-        "running": int(_num(fields, "running")),
-        "waiting": int(_num(fields, "waiting")),
-        "tokens_per_s": round(_num(fields, "tokens_per_s"), 2),
-        "prefix_hit_rate": (round(_num(fields, "prefix_hit_tokens") / queried, 4)
-                            if queried else None),
-        "preemptions": int(_num(fields, "preemptions")),
-        "heartbeat_age_s": round(max(now - ts, 0.0), 2) if ts else None,
-        "metrics_url": fields.get("metrics_url") or None,
+        "kv_usage_pct": round(100.0 * beat.blocks_used / total, 1) if total else 0.0,
+        "running": beat.running,
+        "waiting": beat.waiting,
+        "tokens_per_s": round(beat.tokens_per_s, 2),
+        "prefix_hit_rate": (round(beat.prefix_hit_tokens / queried, 4) if queried else None),
+        "preemptions": beat.preemptions,
+        "heartbeat_age_s": round(max(now - beat.ts, 0.0), 2) if beat.ts else None,
+        "metrics_url": beat.metrics_url or None,
     }
 
 
 async def read_workers(client: Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
-    """Every live heartbeat (expired ones are gone from Redis by their TTL), sorted by id."""
-    names = sorted({_s(k) async for k in client.scan_iter(match=keys.worker_pattern(), count=1000)})
-    if not names:
-        return []
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(name)
-    hashes = await pipe.execute()
-    prefix = keys.worker("")
-    # A heartbeat may expire between SCAN and HGETALL: an empty hash is no worker.
-    return [worker_row(name.removeprefix(prefix), raw, now)
-            for name, raw in zip(names, hashes) if raw]
-
-
-async def stream_depth(client: Redis, stream: str, group_name: str) -> tuple[int, int]:
-    """(undelivered, pending) entries of one request stream; a missing stream or group reads 0
-    pending and, for a stream with no group yet, every entry as undelivered."""
-    try:
-        groups = await client.xinfo_groups(stream)
-    except ResponseError:  # no such key: nobody enqueued yet
-        return 0, 0
-    group = next((g for g in groups if _s(g["name"]) == group_name), None)
-    if group is None:
-        return int(await client.xlen(stream)), 0
-    pending = int(group.get("pending") or 0)
-    lag = group.get("lag")
-    if lag is not None:
-        return int(lag), pending
-    # Redis cannot tell the lag (entries deleted or trimmed): count past last-delivered-id.
-    last = _s(group.get("last-delivered-id")) or "0-0"
-    start = f"({last}" if last != "0-0" else "-"
-    entries = await client.xrange(stream, min=start, count=UNDELIVERED_SCAN_CAP)
-    return len(entries), pending
+    """Every live worker's row, sorted by id."""
+    return [worker_row(worker_id, beat, now)
+            for worker_id, beat in (await read_heartbeats(client, keys)).items()]
 
 
 async def read_queue(client: Redis, keys: Keys, model: str) -> dict[str, Any]:
@@ -146,11 +98,9 @@ class SnapshotCache:
         self._body, self._at = body, time.monotonic()
 
 
-def dashboard_router(redis_client_getter: Callable[[], Redis], keys: Keys, model: str,
-                     metrics: GatewayMetrics, *, redis_timeout_s: float = 3.0,
+def dashboard_router(redis: RedisContext, model: str, metrics: GatewayMetrics, *,
                      cache_s: float = 0.5) -> APIRouter:
-    """The page and its data. `redis_client_getter` returns the gateway's own `redis.asyncio`
-    client when called (it may connect lazily in the app's lifespan)."""
+    """The page and its data, read through the gateway's Redis context."""
     router = APIRouter()
     page_html = render_page(model)
     cache = SnapshotCache(cache_s)
@@ -166,7 +116,7 @@ def dashboard_router(redis_client_getter: Callable[[], Redis], keys: Keys, model
             return JSONResponse(body, headers={"Cache-Control": "no-cache"})
         try:
             body = await asyncio.wait_for(
-                dashboard_data(redis_client_getter(), keys, model, metrics), redis_timeout_s)
+                dashboard_data(redis.redis, redis.keys, model, metrics), redis.command_timeout_s)
         except (RedisError, OSError, TimeoutError) as exc:
             message = f"Redis unreachable: {type(exc).__name__}: {exc}".rstrip(": ")
             return JSONResponse(error_body(message, "service_unavailable",

@@ -5,8 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from shared.messages import GenerationRequest, TokenEvent
-from shared.status import RequestStatus
+from shared.wire import GenerationRequest, RequestStatus, TokenEvent
 
 
 class EngineError(Exception):

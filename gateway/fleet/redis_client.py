@@ -3,16 +3,12 @@ the process's single pub/sub connection (DESIGN.md, "The fleet protocol")."""
 
 from __future__ import annotations
 
-import array
 import asyncio
 import logging
-import sys
 import time
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.dashboard.router import stream_depth
 from gateway.fleet.client import (
     EngineClient,
     EngineTimeout,
@@ -22,41 +18,19 @@ from gateway.fleet.client import (
     RequestSnapshot,
 )
 from gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
-from shared.keys import PRIORITIES, Keys
-from shared.messages import GenerationRequest, TokenEvent
+from gateway.fleet.load import read_heartbeats, stream_depth
+from gateway.fleet.redis_context import RedisContext
 from shared.settings import GatewaySettings
-from shared.status import RequestStatus
+from shared.wire import (
+    GenerationRequest,
+    Keys,
+    RequestRecord,
+    TokenEvent,
+    decode_checkpoint,
+    scripts,
+)
 
 log = logging.getLogger(__name__)
-
-# Idempotent enqueue: a retried submit of the same id writes nothing twice.
-# KEYS: enqueued marker, request hash, request stream.
-# ARGV: ttl_s, payload, req_id, stream maxlen, status.
-_ENQUEUE_LUA = """
-if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
-  return 0
-end
-redis.call('HSET', KEYS[2], 'payload', ARGV[2], 'attempt', 0, 'status', ARGV[5])
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[3], 'payload', ARGV[2])
-return 1
-"""
-
-def decode_checkpoint(raw: bytes | None) -> list[int]:
-    """The checkpoint string: little-endian uint32 token ids (worker/protocol.py writes it)."""
-    data = array.array("I")
-    data.frombytes((raw or b"")[:len(raw or b"") // 4 * 4])
-    if sys.byteorder == "big":  # pragma: no cover
-        data.byteswap()
-    return data.tolist()
-
-
-def _float(raw: bytes | None) -> float:
-    try:
-        return max(float(raw or 0), 0.0)
-    except ValueError:
-        return 0.0
-
 
 RESULT_GRACE_S = 3600  # the request hash outlives the request's deadline by this much
 
@@ -107,37 +81,44 @@ class RedisEventStream(EventStream):
 
 
 class RedisEngineClient(EngineClient):
-    """Talks to the fleet through one Redis: one command pool plus one pub/sub connection."""
+    """Talks to the fleet through the gateway's Redis context: its command pool plus one pub/sub
+    connection."""
 
-    def __init__(self, redis_url: str, keys: Keys, *, stream_maxlen: int = 100_000,
+    def __init__(self, context: RedisContext, *, stream_maxlen: int = 100_000,
                  request_timeout_s: float = 600.0, first_event_timeout_s: float = 600.0,
-                 connect_timeout_s: float = 2.0, command_timeout_s: float = 3.0):
-        self.keys = keys
+                 owns_context: bool = False):
+        self.context = context
+        self.keys = context.keys
+        self.redis = context.redis
         self._stream_maxlen = stream_maxlen
         self._request_timeout_s = request_timeout_s
         self._first_event_timeout_s = first_event_timeout_s
-        self._command_timeout_s = command_timeout_s
-        # Short timeouts: Redis unreachable must become a 503 quickly, never a hang.
-        self.redis = Redis.from_url(redis_url, socket_connect_timeout=connect_timeout_s,
-                                    socket_timeout=command_timeout_s)
-        self.fanout = TokenFanout(self.redis, subscribe_timeout_s=command_timeout_s)
-        self._enqueue = self.redis.register_script(_ENQUEUE_LUA)
+        self._command_timeout_s = context.command_timeout_s
+        self._owns_context = owns_context  # close() closes it too
+        self.fanout = TokenFanout(self.redis, subscribe_timeout_s=self._command_timeout_s)
+        self._enqueue = scripts.ENQUEUE.register(self.redis)
 
     @classmethod
-    def from_settings(cls, settings: GatewaySettings) -> RedisEngineClient:
-        if not settings.redis_url:
-            raise ValueError("the gateway needs --redis-url (or KVFLEET_REDIS_URL)")
-        return cls(settings.redis_url, Keys(settings.key_prefix),
-                   stream_maxlen=settings.stream_maxlen,
+    def from_settings(cls, settings: GatewaySettings, context: RedisContext) -> RedisEngineClient:
+        return cls(context, stream_maxlen=settings.stream_maxlen,
                    request_timeout_s=settings.request_timeout_s,
                    first_event_timeout_s=settings.first_event_timeout_s)
+
+    @classmethod
+    def from_url(cls, redis_url: str, keys: Keys, *, connect_timeout_s: float = 2.0,
+                 command_timeout_s: float = 3.0, **options) -> RedisEngineClient:
+        """A client with a Redis context of its own (tests, tools)."""
+        context = RedisContext(redis_url, keys, connect_timeout_s=connect_timeout_s,
+                               command_timeout_s=command_timeout_s)
+        return cls(context, owns_context=True, **options)
 
     async def start(self) -> None:
         await self.fanout.start()
 
     async def close(self) -> None:
         await self.fanout.close()
-        await self.redis.aclose()
+        if self._owns_context:
+            await self.context.aclose()
 
     async def submit(self, request: GenerationRequest) -> EventStream:
         channel = self.keys.tokens(request.req_id)
@@ -153,13 +134,10 @@ class RedisEngineClient(EngineClient):
     async def enqueue(self, request: GenerationRequest) -> bool:
         """Write the request hash and the stream entry once; False if the id was enqueued before."""
         ttl_s = int(self._request_timeout_s + RESULT_GRACE_S)
-        keys = [self.keys.enqueued(request.req_id), self.keys.request(request.req_id),
-                self.keys.queue(request.model, request.priority)]
-        args = [ttl_s, request.pack(), request.req_id, self._stream_maxlen,
-                RequestStatus.QUEUED.value]
+        call = scripts.enqueue(self.keys, request, ttl_s=ttl_s, maxlen=self._stream_maxlen)
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
-                return bool(await self._enqueue(keys=keys, args=args))
+                return bool(await self._enqueue(keys=call.keys, args=call.args))
         except (RedisError, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
 
@@ -182,19 +160,16 @@ class RedisEngineClient(EngineClient):
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
                 pipe = self.redis.pipeline(transaction=True)  # hash and checkpoint of one moment
-                pipe.hmget(self.keys.request(req_id), "payload", "status", "attempt")
+                pipe.hmget(self.keys.request(req_id), *RequestRecord.SNAPSHOT_FIELDS)
                 pipe.get(self.keys.checkpoint(req_id))
-                (payload, status, attempt), ckpt = await pipe.execute()
+                fields, ckpt = await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"cannot read the request from Redis: {exc!r}") from exc
-        if payload is None:
+        record = RequestRecord.decode_snapshot(*fields)
+        if record is None:
             return None
-        try:
-            request_status = RequestStatus(status.decode() if status else "queued")
-        except ValueError:
-            request_status = RequestStatus.QUEUED
-        return RequestSnapshot(GenerationRequest.unpack(payload), request_status,
-                               int(attempt or 0), decode_checkpoint(ckpt))
+        return RequestSnapshot(record.request, record.status, record.attempt,
+                               decode_checkpoint(ckpt))
 
     async def read_checkpoint(self, req_id: str) -> list[int]:
         try:
@@ -210,21 +185,15 @@ class RedisEngineClient(EngineClient):
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
                 undelivered = 0
-                for priority in PRIORITIES:
-                    depth, _pending = await stream_depth(
-                        self.redis, self.keys.queue(model, priority), self.keys.group)
+                for stream in self.keys.queues(model):
+                    depth, _pending = await stream_depth(self.redis, stream, self.keys.group)
                     undelivered += depth
-                names = [k async for k in self.redis.scan_iter(
-                    match=self.keys.worker_pattern(), count=1000)]
-                pipe = self.redis.pipeline(transaction=False)
-                for name in names:
-                    pipe.hmget(name, "model", "tokens_per_s")
-                beats = await pipe.execute() if names else []
+                beats = await read_heartbeats(self.redis, self.keys)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("could not read the queue load: %r", exc)
             return None
-        mine = [tps for m, tps in beats if m is not None and m.decode() == model]
-        return QueueLoad(undelivered, len(mine), sum(_float(tps) for tps in mine))
+        mine = [beat.tokens_per_s for beat in beats.values() if beat.model == model]
+        return QueueLoad(undelivered, len(mine), sum(max(tps, 0.0) for tps in mine))
 
     async def cancel(self, req_id: str) -> None:
         try:

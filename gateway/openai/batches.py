@@ -8,27 +8,30 @@ handlers in its thread pool and the event loop never waits on them.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from redis import Redis
 from redis.exceptions import RedisError
 from rq import Queue
 
 from batch.jobs import enqueue_batch, window_seconds
-from batch.store import BatchRecord, BatchStatus, BatchStore, FileRecord
+from batch.store import BatchStore
 from gateway.errors import APIError, bad_request
+from gateway.fleet.redis_context import RedisContext
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from shared.batch_settings import ENDPOINTS, BatchSettings
-from shared.keys import Keys
-from shared.settings import CommonSettings
+from shared.settings import BatchApiSettings
+from shared.wire import BatchRecord, BatchStatus, FileRecord
 
 BODY_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest,
                 "/v1/completions": CompletionRequest}
+ENDPOINTS = tuple(BODY_SCHEMAS)  # what a batch line may call
 UPLOAD_PURPOSES = ("batch",)
 
 
@@ -117,7 +120,7 @@ def batch_not_found(batch_id: str) -> APIError:
 class BatchService:
     """What the routes do; Redis errors become 503s."""
 
-    def __init__(self, store: BatchStore, queue: Queue, settings: BatchSettings):
+    def __init__(self, store: BatchStore, queue: Queue, settings: BatchApiSettings):
         self.store = store
         self.queue = queue
         self.settings = settings
@@ -212,76 +215,84 @@ class BatchService:
         return self.get_batch(batch_id)
 
 
-class _Lazy:
-    """The service, built at the first request (the app may be created before Redis is up, and
-    apps built without Redis still answer every other route)."""
+class LazyBatchService:
+    """The service, built at the first request (the app may be created before Redis is up), on the
+    gateway's Redis context; without one (an app built without Redis) every route is a 503."""
 
-    def __init__(self, settings: CommonSettings, batch_settings: BatchSettings):
+    def __init__(self, redis: RedisContext | None, settings: BatchApiSettings):
+        self._redis = redis
         self._settings = settings
-        self._batch_settings = batch_settings
         self._service: BatchService | None = None
+        self._lock = threading.Lock()  # the routes run in FastAPI's thread pool
 
     def get(self) -> BatchService:
-        if self._service is None:
-            if not self._settings.redis_url:
-                raise APIError(503, "The batch API needs Redis (--redis-url).",
-                               error_type="service_unavailable")
-            redis = Redis.from_url(self._settings.redis_url, socket_connect_timeout=2,
-                                   socket_timeout=5)
-            keys = Keys(self._settings.key_prefix)
-            self._service = BatchService(
-                BatchStore(redis, keys, self._batch_settings.batch_ttl_s),
-                Queue(keys.batch_queue(), connection=redis), self._batch_settings)
-        return self._service
+        if self._redis is None:
+            raise APIError(503, "The batch API needs Redis (--redis-url).",
+                           error_type="service_unavailable")
+        with self._lock:
+            if self._service is None:
+                client, keys = self._redis.sync(), self._redis.keys
+                self._service = BatchService(
+                    BatchStore(client, keys, self._settings.batch_ttl_s),
+                    Queue(keys.batch_queue(), connection=client), self._settings)
+            return self._service
 
 
-def _call(lazy: _Lazy, method: str, *args):
+@contextmanager
+def redis_errors_as_503() -> Iterator[None]:
     try:
-        return getattr(lazy.get(), method)(*args)
+        yield
     except (RedisError, OSError) as exc:
         raise APIError(503, f"Redis does not answer: {exc!r}",
                        error_type="service_unavailable") from exc
 
 
-def batch_router(settings: CommonSettings, batch_settings: BatchSettings | None = None
-                 ) -> APIRouter:
-    """The Files and Batch routes. Redis URL and key prefix come from `settings` (the gateway's),
-    the batch limits from `batch_settings` (default: KVFLEET_* environment)."""
-    lazy = _Lazy(settings, batch_settings or BatchSettings())
+def batch_router(redis: RedisContext | None, settings: BatchApiSettings) -> APIRouter:
+    """The Files and Batch routes, on the gateway's Redis context with the gateway's limits."""
+    services = LazyBatchService(redis, settings)
     router = APIRouter()
 
     @router.post("/v1/files")
     def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
                     ) -> dict[str, Any]:
-        return _call(lazy, "upload", file, purpose)
+        with redis_errors_as_503():
+            return services.get().upload(file, purpose)
 
     @router.get("/v1/files/{file_id}")
     def retrieve_file(file_id: str) -> dict[str, Any]:
-        return _call(lazy, "get_file", file_id).to_openai()
+        with redis_errors_as_503():
+            return services.get().get_file(file_id).to_openai()
 
     @router.get("/v1/files/{file_id}/content")
     def file_content(file_id: str) -> Response:
-        return Response(_call(lazy, "file_content", file_id), media_type="application/jsonl")
+        with redis_errors_as_503():
+            content = services.get().file_content(file_id)
+        return Response(content, media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}")
     def delete_file(file_id: str) -> dict[str, Any]:
-        return _call(lazy, "delete_file", file_id)
+        with redis_errors_as_503():
+            return services.get().delete_file(file_id)
 
     @router.post("/v1/batches")
     def create_batch(body: CreateBatchRequest) -> dict[str, Any]:
-        return _call(lazy, "create_batch", body)
+        with redis_errors_as_503():
+            return services.get().create_batch(body)
 
     @router.get("/v1/batches")
     def list_batches(limit: Annotated[int, Query(ge=1, le=100)] = 20,
                      after: str | None = None) -> dict[str, Any]:
-        return _call(lazy, "list_batches", limit, after)
+        with redis_errors_as_503():
+            return services.get().list_batches(limit, after)
 
     @router.get("/v1/batches/{batch_id}")
     def retrieve_batch(batch_id: str) -> dict[str, Any]:
-        return _call(lazy, "get_batch", batch_id)
+        with redis_errors_as_503():
+            return services.get().get_batch(batch_id)
 
     @router.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(batch_id: str) -> dict[str, Any]:
-        return _call(lazy, "cancel_batch", batch_id)
+        with redis_errors_as_503():
+            return services.get().cancel_batch(batch_id)
 
     return router

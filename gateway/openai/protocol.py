@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_CHOICES = 128

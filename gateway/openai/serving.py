@@ -17,14 +17,11 @@ from gateway.fleet.client import EngineClient, EngineError
 from gateway.openai.protocol import MAX_CHOICES, SamplingRequest
 from gateway.openai.responses import UsageInfo
 from gateway.openai.tokenization import PromptProcessor
-from gateway.output.choice_stream import (
-    BackgroundTasks,
-    ChoiceDelta,
-    ChoiceGenerator,
-    merge_choices,
-)
-from shared.messages import GenerationRequest, Usage
+from gateway.output.background import BackgroundTasks
+from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
+from gateway.output.merge import merge_choices
 from shared.settings import GatewaySettings
+from shared.wire import GenerationRequest, Usage
 
 if TYPE_CHECKING:
     from gateway.admission.admission import Admission
@@ -126,11 +123,11 @@ class OpenAIServing:
         """The token ids of each prompt of the request."""
         raise NotImplementedError
 
-    async def _respond(self, request, choices: list[ChoiceGenerator], prompts: list[list[int]],
+    async def _respond(self, request, choices: list[ChoiceStream], prompts: list[list[int]],
                        response_id: str, created: int, tracker: RequestTracker):
         raise NotImplementedError
 
-    def _stream(self, request, choices: list[ChoiceGenerator], prompts: list[list[int]],
+    def _stream(self, request, choices: list[ChoiceStream], prompts: list[list[int]],
                 response_id: str, created: int, tracker: RequestTracker) -> AsyncIterator[bytes]:
         raise NotImplementedError
 
@@ -162,13 +159,13 @@ class OpenAIServing:
                     priority=request.priority, created=now))
         return requests
 
-    async def submit_all(self, requests: list[GenerationRequest]) -> list[ChoiceGenerator]:
+    async def submit_all(self, requests: list[GenerationRequest]) -> list[ChoiceStream]:
         """Submit every choice before answering: Redis being down is a 503, not a broken stream."""
-        choices: list[ChoiceGenerator] = []
+        choices: list[ChoiceStream] = []
         try:
             for request in requests:
                 events = await self.client.submit(request)
-                choices.append(ChoiceGenerator(self.client, request, events,
+                choices.append(ChoiceStream(self.client, request, events,
                                                self.processor.tokenizer, self.background,
                                                self.processor.decoder))
         except BaseException:
@@ -182,7 +179,7 @@ class OpenAIServing:
         if self.admission is not None:
             await self.admission.admit(requests, principal)
 
-    async def collect(self, choices: list[ChoiceGenerator], tracker: RequestTracker
+    async def collect(self, choices: list[ChoiceStream], tracker: RequestTracker
                       ) -> list[list[ChoiceDelta]]:
         """Every delta of every choice, by choice index (the non-streaming answer)."""
         deltas: list[list[ChoiceDelta]] = [[] for _ in choices]

@@ -16,7 +16,8 @@ from gateway.openai.responses import (
 )
 from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
 from gateway.openai.sse_chunks import ChatChunkEncoder
-from gateway.output.choice_stream import ChoiceDelta, ChoiceGenerator, merge_choices
+from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
+from gateway.output.merge import merge_choices
 
 
 class ChatServing(OpenAIServing):
@@ -27,7 +28,7 @@ class ChatServing(OpenAIServing):
         return [await self.processor.chat_prompt_async(
             [m.to_template_dict() for m in request.messages], request.add_generation_prompt)]
 
-    async def _respond(self, request: ChatCompletionRequest, choices: list[ChoiceGenerator],
+    async def _respond(self, request: ChatCompletionRequest, choices: list[ChoiceStream],
                        prompts: list[list[int]], response_id: str, created: int,
                        tracker: RequestTracker) -> ChatCompletionResponse:
         usage = UsageTally(request.n)
@@ -45,7 +46,7 @@ class ChatServing(OpenAIServing):
         return ChatCompletionResponse(id=response_id, created=created, model=self.served_id,
                                       choices=out, usage=info)
 
-    async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceGenerator],
+    async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceStream],
                       prompts: list[list[int]], response_id: str, created: int,
                       tracker: RequestTracker) -> AsyncIterator[bytes]:
         frames = ChatChunkEncoder(response_id, created, self.served_id)

@@ -9,8 +9,9 @@ from gateway.openai.protocol import CompletionRequest
 from gateway.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
 from gateway.openai.sse_chunks import CompletionChunkEncoder
-from gateway.output.choice_stream import ChoiceDelta, ChoiceGenerator, merge_choices
-from shared.messages import TokenLogprob
+from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
+from gateway.output.merge import merge_choices
+from shared.wire import TokenLogprob
 
 
 class CompletionServing(OpenAIServing):
@@ -25,7 +26,7 @@ class CompletionServing(OpenAIServing):
         return [self.processor.decode(p) if request.echo else "" for p in prompts
                 for _ in range(request.n)]
 
-    async def _respond(self, request: CompletionRequest, choices: list[ChoiceGenerator],
+    async def _respond(self, request: CompletionRequest, choices: list[ChoiceStream],
                        prompts: list[list[int]], response_id: str, created: int,
                        tracker: RequestTracker) -> CompletionResponse:
         echoes = self._echoes(request, prompts)
@@ -47,7 +48,7 @@ class CompletionServing(OpenAIServing):
         return CompletionResponse(id=response_id, created=created, model=self.served_id,
                                   choices=out, usage=info)
 
-    async def _stream(self, request: CompletionRequest, choices: list[ChoiceGenerator],
+    async def _stream(self, request: CompletionRequest, choices: list[ChoiceStream],
                       prompts: list[list[int]], response_id: str, created: int,
                       tracker: RequestTracker) -> AsyncIterator[bytes]:
         echoes = self._echoes(request, prompts)

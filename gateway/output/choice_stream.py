@@ -1,95 +1,157 @@
-"""One choice's text as it is generated: token events -> new tokens (sequencer) -> text
-(incremental detokeniser) -> stop-string handling, plus merging several choices into one stream."""
+"""One choice's output as the client sees it: token events -> the tokens it has not seen yet
+(sequencer; a gap filled from the checkpoint) -> text (incremental detokeniser) -> stop strings.
+Live streams and re-attach run this same pipeline; they differ only in where it starts."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
-from gateway.fleet.client import EngineClient, EngineError, EventStream, WorkerError
+from gateway.fleet.client import (
+    EngineClient,
+    EngineError,
+    EventStream,
+    RequestSnapshot,
+    WorkerError,
+)
+from gateway.output.background import BackgroundTasks
 from gateway.output.detokenizer import IncrementalDetokenizer, StopStringFilter, TextDecoder
 from gateway.output.sequencer import EventSequencer, NewTokens
-from shared.messages import GenerationRequest, TokenEvent, TokenLogprob, Usage
+from shared.wire import GenerationRequest, TokenEvent, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 0.25  # after the gateway saw a stop string, how long to wait for the worker's usage
 
-T = TypeVar("T")
-
-
-class BackgroundTasks:
-    """Fire-and-forget tasks held by reference until done. Cleanup after a client went away runs
-    here: inside a cancelled request task every await would be cancelled again."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task] = set()
-
-    def spawn(self, coro: Coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def drain(self) -> None:
-        if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
 
 @dataclass
 class ChoiceDelta:
-    """What one choice adds to the response; the last one has `finish_reason` and `usage`."""
+    """What one choice adds to the response; the last one has `finish_reason` (and, for the
+    client that submitted the request, `usage`)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
+    token_index: int = 0  # index in the output of the first of `token_ids`
 
 
-class ChoiceGenerator:
-    """Turns the event stream of one submitted request into ChoiceDeltas.
+@dataclass(frozen=True)
+class StreamStart:
+    """Where a choice's stream begins.
 
-    Ownership: it closes `events` whatever happens, and cancels the request with the workers when
-    it stops before the final event (client gone, stop string seen first, error, timeout).
+    A fresh stream starts at token 0 with the prompt as the detokeniser's context. A resumed one
+    (re-attach with `after=N`) first replays the checkpointed tokens from N, with the prompt and
+    the output before N as context (so the first delta's leading space comes out right), then
+    follows the live events from where the checkpoint ended. A stop string that straddles token N
+    is not seen (the original stream saw it).
+    """
+
+    context_token_ids: Sequence[int]  # decoded before the first delta, never sent
+    next_seq: int = 0  # the first output token not sent yet
+    attempt: int = 0  # the fencing token seen so far
+    replay_token_ids: Sequence[int] = ()  # checkpointed tokens sent before any live event
+    replay_index: int = 0  # index of the first of them
+    replay_finish_reason: str | None = None  # the request had ended when it was read
+    follower: bool = False  # re-attach: the request belongs to another client (see ChoiceStream)
+
+    @classmethod
+    def fresh(cls, request: GenerationRequest) -> StreamStart:
+        return cls(context_token_ids=request.prompt_token_ids)
+
+    @classmethod
+    def resume(cls, snapshot: RequestSnapshot, after: int) -> StreamStart:
+        tokens = snapshot.token_ids
+        first = min(after, len(tokens))
+        status = snapshot.status
+        return cls(context_token_ids=snapshot.request.prompt_token_ids + tokens[:first],
+                   next_seq=max(after, len(tokens)), attempt=snapshot.attempt,
+                   replay_token_ids=tokens[first:], replay_index=first,
+                   replay_finish_reason=status.finish_reason if status.is_finished else None,
+                   follower=True)
+
+
+class ChoiceStream:
+    """The ChoiceDeltas of one request's events.
+
+    Ownership: it closes `events` whatever happens. The owner of the request (the client that
+    submitted it) also cancels it with the workers when it stops before the final event (client
+    gone, stop string seen first, error, timeout), raises WorkerError when a worker ended it with
+    an error or abort, and after a stop string waits briefly for the worker's usage. A follower
+    (`start.follower`: re-attach) never cancels and reports the end as the worker recorded it.
     """
 
     def __init__(self, client: EngineClient, request: GenerationRequest, events: EventStream,
-                 tokenizer, background: BackgroundTasks, decoder: TextDecoder | None = None):
+                 tokenizer, background: BackgroundTasks | None = None,
+                 decoder: TextDecoder | None = None, *, start: StreamStart | None = None):
+        self._start = start or StreamStart.fresh(request)
+        if background is None and not self._start.follower:
+            raise ValueError("the owner of a request needs BackgroundTasks to cancel it")
         self._client = client
         self._request = request
         self._events = events
         self._background = background
-        self._sequencer = EventSequencer()
-        self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+        self._sequencer = EventSequencer(next_seq=self._start.next_seq,
+                                         attempt=self._start.attempt)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, self._start.context_token_ids,
                                                    decoder)
         self._stops = StopStringFilter(request.params.stop)
-        self._num_tokens = 0
+        self._num_tokens = 0  # tokens this stream sent (the usage when the worker's is missing)
         self._finished = False
         self._closed = False
 
+    @property
+    def follower(self) -> bool:
+        return self._start.follower
+
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         try:
+            replayed = self._replay()
+            if replayed is not None:
+                yield replayed
+                if replayed.finish_reason is not None:
+                    return
             while True:
                 accepted = await self._next_tokens()
-                delta = ChoiceDelta(token_ids=accepted.token_ids, logprobs=accepted.logprobs)
-                self._num_tokens += len(accepted.token_ids)
-                delta.text = self._stops.feed(self._detokenizer.add(accepted.token_ids))
+                index = self._sequencer.next_seq - len(accepted.token_ids)
+                delta = self._delta(accepted.token_ids, accepted.logprobs, index)
                 if accepted.final is not None:
                     self._finish(delta, accepted.final)
                     yield delta
                     return
                 if self._stops.stopped:
                     delta.finish_reason = "stop"
-                    delta.usage = await self._usage_after_stop()
+                    if not self.follower:
+                        delta.usage = await self._usage_after_stop()
                     yield delta
                     return
                 if delta.text or delta.token_ids:
                     yield delta
         finally:
             await self.close()
+
+    def _delta(self, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+               index: int) -> ChoiceDelta:
+        self._num_tokens += len(token_ids)
+        text = self._stops.feed(self._detokenizer.add(token_ids))
+        return ChoiceDelta(text=text, token_ids=token_ids, logprobs=logprobs, token_index=index)
+
+    def _replay(self) -> ChoiceDelta | None:
+        """The checkpointed tokens a resumed stream sends first (None when there are none)."""
+        start = self._start
+        if not start.replay_token_ids and start.replay_finish_reason is None:
+            return None
+        delta = self._delta(list(start.replay_token_ids), None, start.replay_index)
+        if start.replay_finish_reason is not None:
+            self._finished = True
+            self._flush(delta)
+            delta.finish_reason = start.replay_finish_reason
+        elif self._stops.stopped:
+            delta.finish_reason = "stop"
+        return delta
 
     async def _next_tokens(self) -> NewTokens:
         """The next tokens the client has not seen, a gap filled from the checkpoint."""
@@ -115,23 +177,31 @@ class ChoiceGenerator:
         return filler
 
     async def close(self) -> None:
-        """Release the event stream; cancel the request unless it finished. Idempotent, and safe
-        in a cancelled task (EventStream.aclose must not block)."""
+        """Release the event stream; the owner cancels the request unless it finished.
+        Idempotent, and safe in a cancelled task (EventStream.aclose must not block)."""
         if self._closed:
             return
         self._closed = True
         await self._events.aclose()
-        if not self._finished:
+        if not self._finished and not self.follower:
             self._background.spawn(self._client.cancel(self._request.req_id))
 
-    def _finish(self, delta: ChoiceDelta, final: TokenEvent) -> None:
-        self._finished = True
-        if final.error is not None or final.finish_reason not in ("stop", "length"):
-            reason = final.error or f"the request ended with `{final.finish_reason}`"
-            raise WorkerError(f"The worker could not complete the request: {reason}")
+    def _flush(self, delta: ChoiceDelta) -> None:
+        """No more tokens: what the detokeniser and the stop filter still hold."""
         if not self._stops.stopped:
             delta.text += self._stops.feed(self._detokenizer.flush())
             delta.text += self._stops.flush()
+
+    def _finish(self, delta: ChoiceDelta, final: TokenEvent) -> None:
+        self._finished = True
+        if self.follower:  # the end as the worker recorded it, an error included
+            self._flush(delta)
+            delta.finish_reason = final.finish_reason or "error"
+            return
+        if final.error is not None or final.finish_reason not in ("stop", "length"):
+            reason = final.error or f"the request ended with `{final.finish_reason}`"
+            raise WorkerError(f"The worker could not complete the request: {reason}")
+        self._flush(delta)
         delta.finish_reason = "stop" if self._stops.stopped else final.finish_reason
         delta.usage = final.usage or self._local_usage()
 
@@ -154,46 +224,3 @@ class ChoiceGenerator:
     def _local_usage(self) -> Usage:
         return Usage(prompt_tokens=len(self._request.prompt_token_ids),
                      completion_tokens=self._num_tokens)
-
-
-_DONE = object()
-
-
-async def merge_choices(choices: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of all iterators as they come, tagged with the iterator's index. The first error ends
-    the merge; stopping early cancels the iterators still running (their requests get cancelled).
-    """
-    if len(choices) == 1:  # no pump task and no queue hop for the common n=1
-        try:
-            async for item in choices[0]:
-                yield 0, item
-        finally:
-            aclose = getattr(choices[0], "aclose", None)
-            if aclose is not None:
-                await aclose()  # its own cleanup never blocks (ChoiceGenerator.close)
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, choice: AsyncIterator[T]) -> None:
-        try:
-            async for item in choice:
-                queue.put_nowait((index, item, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            queue.put_nowait((index, _DONE, exc))
-            return
-        queue.put_nowait((index, _DONE, None))
-
-    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
-    try:
-        running = len(tasks)
-        while running:
-            index, item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is _DONE:
-                running -= 1
-                continue
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()  # not awaited: each choice cleans up in its own task

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from shared.messages import TokenEvent, TokenLogprob
+from shared.wire import TokenEvent, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +24,9 @@ class NewTokens:
 class EventSequencer:
     """Keeps `attempt_max` (the fencing token seen so far) and `next_seq` (tokens sent so far)."""
 
-    def __init__(self) -> None:
-        self.attempt_max = 0
-        self.next_seq = 0
+    def __init__(self, next_seq: int = 0, attempt: int = 0) -> None:
+        self.attempt_max = attempt
+        self.next_seq = next_seq
 
     def gap(self, event: TokenEvent) -> tuple[int, int] | None:
         """(first, end) of the tokens missing before `event` (a lost pub/sub message), or None.

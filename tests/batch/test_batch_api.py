@@ -15,12 +15,12 @@ from fastapi.testclient import TestClient
 from rq import Queue
 
 from batch.jobs import BatchRunner, line_request_id, requeue_orphans
-from batch.store import BatchStatus, BatchStore
+from batch.store import BatchStore
 from gateway.errors import install_error_handlers
+from gateway.fleet.redis_context import RedisContext
 from gateway.openai.batches import batch_router
-from shared.batch_settings import BatchSettings
-from shared.keys import Keys
-from shared.settings import GatewaySettings
+from shared.settings import BatchSettings
+from shared.wire import BatchStatus, Keys
 
 PREFIX = "bt:"
 MODEL = "tiny"
@@ -47,8 +47,7 @@ def settings(redis_url) -> BatchSettings:
 def api(settings) -> TestClient:
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(batch_router(GatewaySettings(redis_url=settings.redis_url,
-                                                    key_prefix=PREFIX), settings))
+    app.include_router(batch_router(RedisContext(settings.redis_url, Keys(PREFIX)), settings))
     with TestClient(app) as client:
         yield client
 
@@ -125,7 +124,7 @@ def test_a_file_over_the_limit_is_a_413(redis_url):
     settings = BatchSettings(redis_url=redis_url, key_prefix=PREFIX, batch_max_file_bytes=100)
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(batch_router(settings, settings))
+    app.include_router(batch_router(RedisContext.from_settings(settings), settings))
     with TestClient(app) as client:
         content = jsonl([chat_line(str(i)) for i in range(5)])
         assert_openai_error(upload(client, content), 413, "100 bytes")
@@ -350,7 +349,7 @@ def test_a_batch_whose_input_file_expired_fails(api, store, settings):
 def test_without_redis_the_batch_routes_are_503s():
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(batch_router(GatewaySettings(redis_url=None)))
+    app.include_router(batch_router(None, BatchSettings()))
     with TestClient(app) as client:
         assert_openai_error(client.get("/v1/batches/batch_x"), 503, "Redis")
 
@@ -359,6 +358,6 @@ def test_redis_down_is_a_503(redis_server):
     url = redis_server.url.rsplit(":", 1)[0] + ":1"
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(batch_router(GatewaySettings(redis_url=url)))
+    app.include_router(batch_router(RedisContext(url, Keys()), BatchSettings()))
     with TestClient(app) as client:
         assert_openai_error(client.get("/v1/batches/batch_x"), 503, "Redis")

@@ -21,11 +21,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from gateway.errors import install_error_handlers
+from gateway.fleet.redis_context import RedisContext
 from gateway.openai.batches import batch_router
-from shared.keys import Keys
 from shared.models import DEFAULT_MODEL, resolve_model_path
 from shared.redis_server import free_port
-from shared.settings import GatewaySettings
+from shared.settings import BatchSettings
+from shared.wire import Keys
 from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e]
@@ -69,7 +70,7 @@ def fleet(redis_server, tmp_path_factory, tiny_model_dir):
         worker = fleet.start_worker(wait=False)  # loads while the gateway starts
         fleet.start_gateway()
         heartbeat = redis.Redis.from_url(fleet.redis_url)
-        fleet._wait(lambda: heartbeat.exists(f"{fleet.prefix}worker:w0") == 1, 180, worker)
+        fleet._wait(lambda: heartbeat.exists(Keys(fleet.prefix).worker("w0")) == 1, 180, worker)
         yield fleet
     finally:
         fleet.stop()
@@ -82,7 +83,7 @@ class ApiServer:
     def __init__(self, redis_url: str, prefix: str):
         app = FastAPI()
         install_error_handlers(app)
-        app.include_router(batch_router(GatewaySettings(redis_url=redis_url, key_prefix=prefix)))
+        app.include_router(batch_router(RedisContext(redis_url, Keys(prefix)), BatchSettings()))
         self.url = f"http://127.0.0.1:{free_port()}"
         config = uvicorn.Config(app, host="127.0.0.1", port=int(self.url.rsplit(":", 1)[1]),
                                 log_level="warning")

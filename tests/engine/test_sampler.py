@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 from worker.engine.sampler import (
     Sampler,
     SamplerInput,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from shared.messages import SamplingParams
-from shared.status import RequestStatus
+from shared.wire import RequestStatus, SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.preemption import PreemptionCostModel, SwapSpace
 from worker.engine.scheduler import Scheduler, SchedulerOutput

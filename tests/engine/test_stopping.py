@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from shared.messages import SamplingParams
 from shared.models import DEFAULT_MODEL, resolve_model_path
-from shared.status import RequestStatus
+from shared.wire import RequestStatus, SamplingParams
 from worker.engine.stopping import StopChecker
 
 EOS = 2

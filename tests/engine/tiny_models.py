@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 from worker.engine.engine import Engine, EngineConfig
 
 VOCAB = 512

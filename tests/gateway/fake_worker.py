@@ -10,8 +10,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from gateway.fleet.fanout import stop_task
-from shared.keys import Keys
-from shared.messages import GenerationRequest, TokenEvent
+from shared.wire import GenerationRequest, Keys, TokenEvent
 
 
 class FakeWorker:

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 
 from gateway.fleet.client import EngineClient, EngineUnavailable, EventStream
-from shared.messages import GenerationRequest, TokenEvent, Usage
+from shared.wire import GenerationRequest, TokenEvent, Usage
 
 Script = list[TokenEvent | float | Exception]  # events, pauses (seconds), or an error to raise
 
@@ -68,7 +68,7 @@ def token_events(token_ids: list[int], *, prompt_tokens: int, attempt: int = 0, 
                  finish_reason: str = "stop", cached_tokens: int = 0, start: int = 0,
                  logprobs: bool = False) -> list[TokenEvent]:
     """Events carrying `token_ids` a few at a time, the last one final with usage."""
-    from shared.messages import TokenLogprob
+    from shared.wire import TokenLogprob
 
     events = []
     for i in range(0, len(token_ids), per_event):

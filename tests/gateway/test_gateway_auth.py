@@ -12,8 +12,8 @@ import redis as redis_sync
 
 from gateway.app import create_app
 from kvfleet import keys_cli
-from shared.keys import Keys
 from shared.settings import GatewaySettings
+from shared.wire import Keys
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL

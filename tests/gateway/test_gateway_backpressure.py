@@ -11,9 +11,8 @@ from gateway.admission.admission import QueueWaitEstimator
 from gateway.app import create_app
 from gateway.errors import TooManyRequests
 from gateway.fleet.client import QueueLoad
-from shared.keys import Keys
-from shared.messages import GenerationRequest, SamplingParams
 from shared.settings import GatewaySettings
+from shared.wire import GenerationRequest, Keys, SamplingParams
 from tests.gateway.helpers import MODEL
 
 PREFIX = "kvbp:"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from shared.messages import TokenEvent, Usage
+from shared.wire import TokenEvent, Usage
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL, sse_events
 

@@ -13,16 +13,16 @@ import math
 import os
 
 import pytest
-from starlette.testclient import TestClient
-
-from gateway.app import create_app
-from shared.settings import GatewaySettings
-from tests.gateway.fakes import FakeEngineClient, token_events
-from tests.gateway.helpers import MODEL
-
 import schemathesis  # noqa: E402  (test extra: the fuzz must run, never skip)
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
+from starlette.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.fleet.redis_context import RedisContext
+from shared.settings import GatewaySettings
+from tests.gateway.fakes import FakeEngineClient, token_events
+from tests.gateway.helpers import MODEL
 
 TOTAL_REQUESTS = int(os.environ.get("KVFLEET_FUZZ_REQUESTS", "500"))
 SMALL_OPERATION_EXAMPLES = 20  # operations without a body (health, ready, models) have few inputs
@@ -40,7 +40,8 @@ def fuzz_app(tokenizer, model_info, redis_server):
     settings_ = GatewaySettings(redis_url=redis_server.url, key_prefix="fuzz:", model=MODEL,
                                 max_body_bytes=50_000, default_max_tokens=16,
                                 request_timeout_s=30, first_event_timeout_s=5)
-    return create_app(settings_, engine, tokenizer, model_info=model_info)
+    return create_app(settings_, engine, tokenizer, model_info=model_info,
+                      redis=RedisContext.from_settings(settings_))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""ChoiceGenerator's ownership rules: the event stream is always closed, and the request is
+"""ChoiceStream's ownership rules: the event stream is always closed, and the request is
 cancelled with the workers whenever the gateway stops before the final event."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import asyncio
 import pytest
 
 from gateway.fleet.client import EngineTimeout
-from gateway.output.choice_stream import BackgroundTasks, ChoiceGenerator, merge_choices
-from shared.messages import GenerationRequest, SamplingParams, TokenEvent, Usage
+from gateway.output.background import BackgroundTasks
+from gateway.output.choice_stream import ChoiceStream
+from gateway.output.merge import merge_choices
+from shared.wire import GenerationRequest, SamplingParams, TokenEvent, Usage
 from tests.gateway.fakes import FakeEngineClient, token_events
 
 
@@ -20,7 +22,7 @@ def make_request(req_id="cmpl-g", stop=()):
 
 async def start(engine, tokenizer, request, background):
     events = await engine.submit(request)
-    return ChoiceGenerator(engine, request, events, tokenizer, background)
+    return ChoiceStream(engine, request, events, tokenizer, background)
 
 
 async def test_finished_request_is_closed_not_cancelled(tokenizer):

@@ -11,10 +11,9 @@ import uvicorn
 from redis.asyncio import Redis
 
 from gateway.app import create_app
-from shared.keys import Keys
-from shared.messages import TokenEvent
 from shared.redis_server import free_port
 from shared.settings import GatewaySettings
+from shared.wire import Keys, TokenEvent
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL

@@ -11,11 +11,8 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.app import create_app
-from gateway.fleet.redis_client import decode_checkpoint
-from shared.keys import Keys
-from shared.messages import GenerationRequest, SamplingParams, TokenEvent, Usage
 from shared.settings import GatewaySettings
-from shared.status import RequestStatus
+from shared.wire import GenerationRequest, Keys, RequestStatus, SamplingParams, TokenEvent, Usage
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL, sse_events
 
@@ -173,8 +170,8 @@ async def test_unknown_request_is_a_404_in_openai_shape(gateway):
 
 
 async def test_checkpoint_decoding_matches_the_worker():
-    from worker.protocol import encode_tokens
-    assert decode_checkpoint(encode_tokens([0, 1, 70000, 2**32 - 1])) == [0, 1, 70000, 2**32 - 1]
+    from shared.wire import decode_checkpoint, encode_checkpoint
+    assert decode_checkpoint(encode_checkpoint([0, 1, 70000, 2**32 - 1])) == [0, 1, 70000, 2**32 - 1]
     assert decode_checkpoint(None) == []
 
 

@@ -10,8 +10,7 @@ from redis.asyncio import Redis
 
 from gateway.fleet.client import EngineTimeout, EngineUnavailable
 from gateway.fleet.redis_client import RedisEngineClient
-from shared.keys import Keys
-from shared.messages import GenerationRequest, SamplingParams, TokenEvent
+from shared.wire import GenerationRequest, Keys, QueueEntry, SamplingParams, TokenEvent
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 
@@ -45,7 +44,7 @@ async def read_until_final(events) -> list[TokenEvent]:
 
 @pytest.fixture
 async def client(redis_url):
-    engine = RedisEngineClient(redis_url, KEYS, first_event_timeout_s=5.0)
+    engine = RedisEngineClient.from_url(redis_url, KEYS, first_event_timeout_s=5.0)
     await engine.start()
     yield engine
     await engine.close()
@@ -75,8 +74,10 @@ async def test_enqueue_is_idempotent_and_writes_the_protocol_keys(client, redis)
     assert await redis.xlen(stream) == 1
     assert await redis.xlen(KEYS.queue(MODEL)) == 0
     [(_entry_id, fields)] = await redis.xrange(stream)
-    assert set(fields) == {b"id", b"payload"}
+    assert set(fields) == {b"id", b"payload", b"prompt_len"}
     assert fields[b"id"] == b"cmpl-once"
+    assert int(fields[b"prompt_len"]) == len(request.prompt_token_ids)
+    assert QueueEntry.decode(fields).request == request
     assert GenerationRequest.unpack(fields[b"payload"]) == request
     stored = await redis.hgetall(KEYS.request("cmpl-once"))
     assert stored == {b"payload": request.pack(), b"attempt": b"0", b"status": b"queued"}
@@ -127,7 +128,7 @@ async def test_request_waits_for_a_worker_that_starts_later(client, redis_url):
 
 
 async def test_no_first_event_in_time_is_a_timeout(redis_url):
-    engine = RedisEngineClient(redis_url, KEYS, first_event_timeout_s=0.2)
+    engine = RedisEngineClient.from_url(redis_url, KEYS, first_event_timeout_s=0.2)
     await engine.start()
     try:
         events = await engine.submit(make_request("cmpl-slow"))
@@ -147,7 +148,7 @@ async def test_lost_pubsub_connection_ends_waiting_requests(client, redis):
 
 
 async def test_unreachable_redis_is_unavailable_quickly():
-    engine = RedisEngineClient("redis://127.0.0.1:1/0", KEYS, connect_timeout_s=0.5)
+    engine = RedisEngineClient.from_url("redis://127.0.0.1:1/0", KEYS, connect_timeout_s=0.5)
     await engine.start()
     try:
         started = time.monotonic()
@@ -164,7 +165,8 @@ async def test_the_gateway_survives_a_redis_restart():
     from shared.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
-    engine = RedisEngineClient(server.url, KEYS, connect_timeout_s=0.5, first_event_timeout_s=5.0)
+    engine = RedisEngineClient.from_url(server.url, KEYS, connect_timeout_s=0.5,
+                                        first_event_timeout_s=5.0)
     await engine.start()
     try:
         assert await engine.is_ready() is True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.output.sequencer import EventSequencer
-from shared.messages import TokenEvent, TokenLogprob, Usage
+from shared.wire import TokenEvent, TokenLogprob, Usage
 
 
 def test_in_order_events_pass_through():

@@ -22,8 +22,10 @@ from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from gateway.dashboard.metrics import GatewayMetrics, metrics_route
-from gateway.dashboard.router import dashboard_router, stream_depth
-from shared.keys import Keys
+from gateway.dashboard.router import dashboard_router
+from gateway.fleet.load import stream_depth
+from gateway.fleet.redis_context import RedisContext
+from shared.wire import Keys
 
 MODEL = "tiny-model"
 KEYS = Keys("kvft:")
@@ -34,19 +36,18 @@ CHROMIUM_TIMEOUT_S = 60
 # ---- fixtures ---------------------------------------------------------------------------------
 
 def make_app(redis_url: str, metrics: GatewayMetrics) -> FastAPI:
-    """A minimal gateway: its own async Redis client (made in the server's loop), our routers."""
-    holder: dict[str, Redis] = {}
+    """A minimal gateway: a Redis context of its own (closed in the server's loop), our routers."""
+    redis_context = RedisContext(redis_url, KEYS, connect_timeout_s=1, command_timeout_s=2)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        holder["client"] = Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=2)
         try:
             yield
         finally:
-            await holder["client"].aclose()
+            await redis_context.aclose()
 
     app = FastAPI(lifespan=lifespan)
-    app.include_router(dashboard_router(lambda: holder["client"], KEYS, MODEL, metrics))
+    app.include_router(dashboard_router(redis_context, MODEL, metrics))
     app.include_router(metrics_route(metrics))
     return app
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from shared.keys import Keys
 from shared.redis_server import free_port
+from shared.wire import Keys
 
 
 class Proc:

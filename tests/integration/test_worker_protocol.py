@@ -6,9 +6,7 @@ import time
 
 import redis
 
-from shared.keys import Keys
-from shared.messages import GenerationRequest, SamplingParams, TokenEvent
-from shared.status import RequestStatus
+from shared.wire import GenerationRequest, Keys, RequestStatus, SamplingParams, TokenEvent
 from worker.protocol import Publication, WorkerProtocol, decode_tokens, encode_tokens
 
 MODEL = "m"

@@ -9,9 +9,8 @@ import uuid
 import pytest
 import redis
 
-from shared.keys import Keys
-from shared.messages import GenerationRequest, SamplingParams, TokenEvent
 from shared.settings import WorkerSettings
+from shared.wire import GenerationRequest, Keys, SamplingParams, TokenEvent
 from tests.engine.tiny_models import TinyModel, random_prompt
 from worker.protocol import WorkerProtocol, decode_tokens
 from worker.service import WorkerService

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.messages import SamplingParams, TokenLogprob
-from shared.status import RequestStatus
+from shared.wire import RequestStatus, SamplingParams, TokenLogprob
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.kv_cache import (

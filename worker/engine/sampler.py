@@ -26,7 +26,7 @@ from itertools import chain
 
 import torch
 
-from shared.messages import SamplingParams, TokenLogprob
+from shared.wire import SamplingParams, TokenLogprob
 
 # Below this temperature a row is sampled greedily (as vLLM does): dividing by ~0 only overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5

@@ -18,8 +18,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.messages import TokenLogprob
-from shared.status import RequestStatus
+from shared.wire import RequestStatus, TokenLogprob
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.preemption import RECOMPUTE, SWAP, PreemptionCostModel, SwapSpace

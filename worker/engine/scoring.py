@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 from worker.engine.engine import Engine
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.engine.sequence import Sequence

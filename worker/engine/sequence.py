@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.messages import SamplingParams, TokenLogprob
-from shared.status import RequestStatus
+from shared.wire import RequestStatus, SamplingParams, TokenLogprob
 
 
 @dataclass(eq=False)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.messages import SamplingParams
-from shared.status import RequestStatus
+from shared.wire import RequestStatus, SamplingParams
 
 # Extra tokens decoded before the stop-string window: a window that starts inside a multi-byte
 # character decodes its first bytes as replacement characters (at most 3 continuation bytes).

@@ -23,6 +23,12 @@ class RequestStatus(str, Enum):
         """The OpenAI `finish_reason` of a finished status, None while running."""
         return _FINISH_REASONS.get(self)
 
+    @classmethod
+    def for_finish_reason(cls, reason: str) -> RequestStatus:
+        """The finished status of a finish reason (stop, length, abort, error); KeyError for
+        another."""
+        return _STATUS_OF_REASON[reason]
+
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -30,3 +36,4 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+_STATUS_OF_REASON = {reason: status for status, reason in _FINISH_REASONS.items()}

@@ -1,0 +1,53 @@
+"""The gateway's one door to Redis: the connection settings, the key names and the clients,
+built once in `create_app` and handed to everything that talks to Redis (engine client, API keys,
+rate limiter, dashboard, batch routes)."""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+from redis.asyncio import Redis
+
+from shared.settings import CommonSettings
+from shared.wire import Keys
+
+
+class RedisContext:
+    """One Redis, two kinds of client: `redis` (asyncio: everything on the event loop) and
+    `sync()` (blocking, made on first use: the batch routes, which run in FastAPI's thread pool,
+    and rq). Short timeouts: Redis unreachable must become a 503 quickly, never a hang."""
+
+    def __init__(self, url: str, keys: Keys, *, connect_timeout_s: float = 2.0,
+                 command_timeout_s: float = 3.0, sync_timeout_s: float = 5.0):
+        self.url = url
+        self.keys = keys
+        self.command_timeout_s = command_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._sync_timeout_s = sync_timeout_s
+        self.redis = Redis.from_url(url, socket_connect_timeout=connect_timeout_s,
+                                    socket_timeout=command_timeout_s)
+        self._sync: redis.Redis | None = None
+        self._sync_lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: CommonSettings) -> RedisContext:
+        if not settings.redis_url:
+            raise ValueError("the gateway needs --redis-url (or KVFLEET_REDIS_URL)")
+        return cls(settings.redis_url, Keys(settings.key_prefix))
+
+    def sync(self) -> redis.Redis:
+        """The blocking client (thread-safe: redis-py pools its connections)."""
+        with self._sync_lock:
+            if self._sync is None:
+                self._sync = redis.Redis.from_url(self.url,
+                                                  socket_connect_timeout=self._connect_timeout_s,
+                                                  socket_timeout=self._sync_timeout_s)
+            return self._sync
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+        with self._sync_lock:
+            if self._sync is not None:
+                self._sync.close()
+                self._sync = None

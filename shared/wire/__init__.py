@@ -1,0 +1,36 @@
+"""The wire contract between gateway, worker, dashboard and batch jobs: every Redis key, every
+message and stored record with its encoding, and every Lua script with its KEYS and ARGV.
+
+Nothing that crosses Redis is defined anywhere else: build keys with `Keys`, write and read
+records through their encode/decode, run the scripts through the call builders of `scripts` and
+`batch_scripts` (`scripts.enqueue(...)` gives the KEYS and ARGV of one ENQUEUE call).
+
+    keys.py           Keys (every key name), PRIORITIES
+    messages.py       SamplingParams, GenerationRequest, TokenEvent, TokenLogprob, Usage (msgpack)
+    status.py         RequestStatus and its finish reasons
+    checkpoint.py     the checkpoint codec (uint32 little-endian token ids)
+    records.py        QueueEntry (stream entry), RequestRecord (request hash), DeadLetterEntry
+    heartbeat.py      Heartbeat (a worker's hash)
+    api_keys.py       ApiKeyRecord
+    batch.py          BatchStatus, FileRecord, BatchRecord
+    lua.py            LuaScript, ScriptCall
+    scripts.py        ENQUEUE, READ_IF_FITS, START_ATTEMPT, PUBLISH, RATE_LIMIT
+    batch_scripts.py  TRANSITION, RECORD_RESULT, BEGIN_FINALIZE, RENEW_LEASE, RELEASE_LEASE
+"""
+
+from shared.wire.api_keys import ApiKeyRecord, api_key_field
+from shared.wire.batch import BatchRecord, BatchStatus, FileRecord
+from shared.wire.checkpoint import decode_checkpoint, encode_checkpoint
+from shared.wire.heartbeat import Heartbeat
+from shared.wire.keys import PRIORITIES, Keys
+from shared.wire.lua import LuaScript, ScriptCall
+from shared.wire.messages import GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, Usage
+from shared.wire.records import DeadLetterEntry, QueueEntry, RequestRecord
+from shared.wire.status import RequestStatus
+
+__all__ = [
+    "PRIORITIES", "ApiKeyRecord", "BatchRecord", "BatchStatus", "DeadLetterEntry", "FileRecord",
+    "GenerationRequest", "Heartbeat", "Keys", "LuaScript", "QueueEntry", "RequestRecord",
+    "RequestStatus", "SamplingParams", "ScriptCall", "TokenEvent", "TokenLogprob", "Usage",
+    "api_key_field", "decode_checkpoint", "encode_checkpoint",
+]

@@ -1,0 +1,66 @@
+"""A worker's heartbeat (`Keys.worker`): a hash with a TTL, rewritten every heartbeat interval.
+While it exists the worker is alive; the dashboard shows it, backpressure sums its tokens/s.
+
+Stored as a flat hash of decimal strings (what HSET makes of numbers). Decoding never fails:
+a missing or malformed field reads as its default, so a reader survives a writer of another
+version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shared.wire.records import RawFields, text
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    model: str  # the served model id
+    ts: float  # unix time of this beat
+    blocks_total: int = 0  # KV blocks of the pool
+    blocks_free: int = 0  # free KV blocks (cached ones that could be evicted included)
+    running: int = 0  # requests decoding
+    waiting: int = 0  # requests admitted but not yet running
+    preemptions: int = 0  # since start
+    swap_preemptions: int = 0  # of which kept their KV in host memory
+    generated_tokens: int = 0  # since start
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # ... and found there
+    tokens_per_s: float = 0.0  # output tokens per second, recent
+    metrics_url: str = ""  # the worker's Prometheus endpoint ("" = none)
+
+    def encode(self) -> dict[str, str | int | float]:
+        """The HSET mapping; an empty metrics_url is left out."""
+        data = dataclasses.asdict(self)
+        if not self.metrics_url:
+            del data["metrics_url"]
+        return data
+
+    @classmethod
+    def decode(cls, raw: RawFields) -> Heartbeat:
+        values = {text(k): text(v) for k, v in raw.items()}
+        kwargs = {}
+        for spec in dataclasses.fields(cls):
+            value = values.get(spec.name)
+            if value is None or value == "":
+                continue
+            kwargs[spec.name] = _parse(spec.type, value)
+        kwargs.setdefault("model", "")
+        kwargs.setdefault("ts", 0.0)
+        return cls(**kwargs)
+
+    @property
+    def blocks_used(self) -> int:
+        return max(self.blocks_total - self.blocks_free, 0)
+
+
+def _parse(kind: str, value: str) -> str | int | float:
+    """`kind` is the field's annotation as written (`from __future__ import annotations`)."""
+    if kind == "str":
+        return value
+    try:
+        number = float(value)
+        return int(number) if kind == "int" else number
+    except (ValueError, OverflowError):  # not a number, or nan/inf for an int
+        return 0 if kind == "int" else 0.0

@@ -1,0 +1,212 @@
+"""The Lua scripts of a request's life, each with its KEYS and ARGV, and the function that builds
+a call of it. Ordering guarantees (DESIGN.md, "The fleet protocol"):
+
+- ENQUEUE writes the request hash and the stream entry once per request id (a retried XADD
+  writes nothing twice).
+- READ_IF_FITS delivers the next undelivered entry only if its prompt fits the worker's budget:
+  the entry tested is the entry delivered (one script, no second reader in between).
+- START_ATTEMPT increments `attempt` (the fencing token) and reads the checkpoint atomically, so a
+  claimer resumes exactly after the last token any earlier attempt recorded.
+- PUBLISH appends to the checkpoint before it publishes, so a gateway that missed an event finds
+  its tokens in the checkpoint; it writes nothing for a stale attempt.
+"""
+
+from __future__ import annotations
+
+from shared.wire.checkpoint import encode_checkpoint
+from shared.wire.keys import Keys
+from shared.wire.lua import LuaScript, ScriptCall
+from shared.wire.messages import GenerationRequest, TokenEvent
+from shared.wire.records import QueueEntry, RequestRecord
+from shared.wire.status import RequestStatus
+
+NAMES = {
+    "req_payload": RequestRecord.PAYLOAD, "req_attempt": RequestRecord.ATTEMPT,
+    "req_status": RequestRecord.STATUS, "req_worker": RequestRecord.WORKER,
+    "entry_id": QueueEntry.ID, "entry_payload": QueueEntry.PAYLOAD,
+    "entry_prompt_len": QueueEntry.PROMPT_LEN,
+}
+
+ENQUEUE = LuaScript.build(
+    "enqueue",
+    keys=["enqueued marker (Keys.enqueued)", "request hash (Keys.request)",
+          "request stream (Keys.queue of the request's model and priority)"],
+    argv=["TTL of marker and hash, s", "the packed request (GenerationRequest.pack)",
+          "request id", "stream cap (approximate MAXLEN)", "status (queued)",
+          "prompt length, tokens"],
+    returns="1 when written; 0 when this id was enqueued before (nothing written)",
+    names=NAMES,
+    source="""
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  return 0
+end
+redis.call('HSET', KEYS[2], '${req_payload}', ARGV[2], '${req_attempt}', 0,
+           '${req_status}', ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', '${entry_id}', ARGV[3],
+           '${entry_payload}', ARGV[2], '${entry_prompt_len}', ARGV[6])
+return 1
+""")
+
+
+def enqueue(keys: Keys, request: GenerationRequest, *, ttl_s: int, maxlen: int) -> ScriptCall:
+    req_id = request.req_id
+    return ENQUEUE.bind(
+        [keys.enqueued(req_id), keys.request(req_id), keys.queue(request.model, request.priority)],
+        [ttl_s, request.pack(), req_id, maxlen, RequestStatus.QUEUED.value,
+         len(request.prompt_token_ids)])
+
+
+READ_IF_FITS = LuaScript.build(
+    "read_if_fits",
+    keys=["request streams of one model, highest priority first"],
+    variadic_keys=True,
+    argv=["consumer group", "consumer (worker id)",
+          "budget: the most prompt tokens the worker can admit now"],
+    returns="{} when no stream has an undelivered entry; {0, stream index (1-based), prompt "
+            "length} when the first undelivered entry (by priority) does not fit: it stays for a "
+            "worker with room; {1, stream index, entry id, {field, value, ...}} once delivered "
+            "(XREADGROUP: pending for this consumer). An entry without a prompt length (an older "
+            "writer) counts as fitting.",
+    names=NAMES,
+    source="""
+local function last_delivered(stream, group)
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local name, last = nil, nil
+    for j = 1, #info, 2 do
+      if info[j] == 'name' then name = info[j + 1] end
+      if info[j] == 'last-delivered-id' then last = info[j + 1] end
+    end
+    if name == group then return last end
+  end
+  return nil
+end
+
+for i, stream in ipairs(KEYS) do
+  local last = nil
+  if redis.call('EXISTS', stream) == 1 then last = last_delivered(stream, ARGV[1]) end
+  if last then
+    local start = '-'
+    if last ~= '0-0' then start = '(' .. last end
+    local entries = redis.call('XRANGE', stream, start, '+', 'COUNT', 1)
+    if #entries > 0 then
+      local fields, prompt_len = entries[1][2], 0
+      for j = 1, #fields, 2 do
+        if fields[j] == '${entry_prompt_len}' then prompt_len = tonumber(fields[j + 1]) or 0 end
+      end
+      if prompt_len > tonumber(ARGV[3]) then return {0, i, prompt_len} end
+      local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1,
+                               'STREAMS', stream, '>')
+      local entry = reply[1][2][1]
+      return {1, i, entry[1], entry[2]}
+    end
+  end
+end
+return {}
+""")
+
+
+def read_if_fits(streams: list[str], group: str, consumer: str, budget_tokens: int
+                 ) -> ScriptCall:
+    return READ_IF_FITS.bind(streams, [group, consumer, budget_tokens])
+
+
+START_ATTEMPT = LuaScript.build(
+    "start_attempt",
+    keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)"],
+    argv=["worker id", "status (running)"],
+    returns="{attempt (the new fencing token), checkpoint bytes ('' when none)}",
+    names=NAMES,
+    source="""
+local attempt = redis.call('HINCRBY', KEYS[1], '${req_attempt}', 1)
+redis.call('HSET', KEYS[1], '${req_status}', ARGV[2], '${req_worker}', ARGV[1])
+local ckpt = redis.call('GET', KEYS[2]) or ''
+return {attempt, ckpt}
+""")
+
+
+def start_attempt(keys: Keys, req_id: str, worker_id: str) -> ScriptCall:
+    return START_ATTEMPT.bind([keys.request(req_id), keys.checkpoint(req_id)],
+                              [worker_id, RequestStatus.RUNNING.value])
+
+
+PUBLISH = LuaScript.build(
+    "publish",
+    keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)",
+          "token channel (Keys.tokens)", "request stream the entry came from"],
+    argv=["attempt (fencing token)", "the packed event (TokenEvent.pack)",
+          "new tokens for the checkpoint (encode_checkpoint; '' for none)",
+          "final status ('' while running)", "stream entry id to XACK when final ('' for none)",
+          "consumer group", "TTL, s: the checkpoint's on every append; hash and checkpoint's "
+          "once final"],
+    returns="1 when written and published; 0 when the attempt is stale (nothing written: the "
+            "worker must stop the request)",
+    names=NAMES,
+    source="""
+if tonumber(redis.call('HGET', KEYS[1], '${req_attempt}') or '-1') ~= tonumber(ARGV[1]) then
+  return 0
+end
+if ARGV[3] ~= '' then
+  redis.call('APPEND', KEYS[2], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[7])
+end
+redis.call('PUBLISH', KEYS[3], ARGV[2])
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[1], '${req_status}', ARGV[4])
+  redis.call('EXPIRE', KEYS[1], ARGV[7])
+  redis.call('EXPIRE', KEYS[2], ARGV[7])
+  if ARGV[5] ~= '' then redis.call('XACK', KEYS[4], ARGV[6], ARGV[5]) end
+end
+return 1
+""")
+
+
+def publish(keys: Keys, req_id: str, attempt: int, event: TokenEvent,
+            final_status: RequestStatus | None, stream: str, entry_id: str,
+            ttl_s: int) -> ScriptCall:
+    return PUBLISH.bind(
+        [keys.request(req_id), keys.checkpoint(req_id), keys.tokens(req_id), stream],
+        [attempt, event.pack(), encode_checkpoint(event.token_ids),
+         final_status.value if final_status else "", entry_id, keys.group, ttl_s])
+
+
+RATE_LIMIT = LuaScript.build(
+    "rate_limit",
+    keys=["request TAT (Keys.rate_limit(key, 'req'))", "token TAT (Keys.rate_limit(key, 'tok'))"],
+    argv=["requests per minute (0 = off)", "tokens per minute (0 = off)",
+          "tokens of this request"],
+    returns="{allowed 1/0, retry after ms (-1: larger than a whole minute's budget), which limit "
+            "('rpm', 'tpm' or '')}. Both limits are checked before either is charged; Redis's "
+            "clock is every gateway replica's clock.",
+    source="""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local period = 60000
+local limits = {tonumber(ARGV[1]), tonumber(ARGV[2])}
+local costs = {1, tonumber(ARGV[3])}
+local names = {'rpm', 'tpm'}
+local tats = {}
+for i = 1, 2 do
+  if limits[i] > 0 then
+    if costs[i] > limits[i] then return {0, -1, names[i]} end
+    local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+    if tat < now then tat = now end
+    local new_tat = tat + costs[i] * period / limits[i]
+    local wait = new_tat - now - period
+    if wait > 0 then return {0, math.ceil(wait), names[i]} end
+    tats[i] = new_tat
+  end
+end
+for i = 1, 2 do
+  if tats[i] then
+    redis.call('SET', KEYS[i], string.format('%.3f', tats[i]), 'PX',
+               math.ceil(tats[i] - now) + 1000)
+  end
+end
+return {1, 0, ''}
+""")
+
+
+def rate_limit(keys: Keys, key_id: str, rpm: int, tpm: int, tokens: int) -> ScriptCall:
+    return RATE_LIMIT.bind([keys.rate_limit(key_id, "req"), keys.rate_limit(key_id, "tok")],
+                           [rpm, tpm, tokens])

@@ -1,0 +1,112 @@
+"""The wire contract's request scripts against a real Redis: the one-round-trip admission
+(READ_IF_FITS), the enqueue's stream entry, and the checkpoint's TTL on every append."""
+
+from __future__ import annotations
+
+import redis
+
+from shared.wire import (
+    GenerationRequest,
+    Keys,
+    QueueEntry,
+    RequestStatus,
+    SamplingParams,
+    TokenEvent,
+    decode_checkpoint,
+    scripts,
+)
+
+MODEL = "m"
+KEYS = Keys("ws:")
+
+
+def request(req_id: str, prompt_len: int, priority: str = "interactive") -> GenerationRequest:
+    return GenerationRequest(req_id, MODEL, list(range(prompt_len)),
+                             SamplingParams(max_tokens=4), priority=priority)
+
+
+def enqueue(client: redis.Redis, req: GenerationRequest) -> None:
+    script = scripts.ENQUEUE.register(client)
+    call = scripts.enqueue(KEYS, req, ttl_s=60, maxlen=1000)
+    assert script(keys=call.keys, args=call.args) == 1
+
+
+def groups(client: redis.Redis) -> None:
+    for stream in KEYS.queues(MODEL):
+        client.xgroup_create(stream, KEYS.group, id="0", mkstream=True)
+
+
+def read_if_fits(client: redis.Redis, budget: int, consumer: str = "w1"):
+    script = scripts.READ_IF_FITS.register(client)
+    call = scripts.read_if_fits(KEYS.queues(MODEL), KEYS.group, consumer, budget)
+    return script(keys=call.keys, args=call.args)
+
+
+def pending(client: redis.Redis, stream: str) -> int:
+    return client.xpending(stream, KEYS.group)["pending"]
+
+
+def test_the_next_entry_is_delivered_only_if_it_fits(redis_client):
+    groups(redis_client)
+    enqueue(redis_client, request("big", 40))
+    enqueue(redis_client, request("small", 5))
+    assert read_if_fits(redis_client, budget=39) == [0, 1, 40]  # head of line: stays, in order
+    assert pending(redis_client, KEYS.queue(MODEL)) == 0
+    ok, index, entry_id, fields = read_if_fits(redis_client, budget=40)
+    assert (ok, index) == (1, 1)
+    assert QueueEntry.decode(dict(zip(fields[::2], fields[1::2]))).request.req_id == "big"
+    owner = redis_client.xpending_range(KEYS.queue(MODEL), KEYS.group, "-", "+", 1)[0]
+    assert (owner["message_id"].decode(), owner["consumer"]) == (entry_id.decode(), b"w1")
+    assert read_if_fits(redis_client, budget=5)[:2] == [1, 1]  # "small" next
+    assert read_if_fits(redis_client, budget=1000) == []
+
+
+def test_interactive_comes_first_and_blocks_batch_when_it_does_not_fit(redis_client):
+    groups(redis_client)
+    enqueue(redis_client, request("batch-1", 2, priority="batch"))
+    enqueue(redis_client, request("chat-1", 50))
+    assert read_if_fits(redis_client, budget=10) == [0, 1, 50]
+    assert read_if_fits(redis_client, budget=50)[:2] == [1, 1]
+    assert read_if_fits(redis_client, budget=10)[:2] == [1, 2]  # now the batch stream
+
+
+def test_an_entry_without_a_prompt_length_counts_as_fitting(redis_client):
+    groups(redis_client)
+    req = request("old-writer", 30)
+    redis_client.xadd(KEYS.queue(MODEL), {QueueEntry.ID: req.req_id,
+                                          QueueEntry.PAYLOAD: req.pack()})
+    assert read_if_fits(redis_client, budget=0)[:2] == [1, 1]
+
+
+def test_streams_without_a_group_or_entries_deliver_nothing(redis_client):
+    assert read_if_fits(redis_client, budget=100) == []  # no streams at all
+    redis_client.xadd(KEYS.queue(MODEL), QueueEntry(request("r", 1)).encode())
+    assert read_if_fits(redis_client, budget=100) == []  # a stream but no consumer group
+
+
+def test_entries_read_before_stay_with_their_reader(redis_client):
+    """What XREADGROUP delivered to another worker is not delivered again."""
+    groups(redis_client)
+    enqueue(redis_client, request("a", 1))
+    enqueue(redis_client, request("b", 1))
+    redis_client.xreadgroup(KEYS.group, "other", {KEYS.queue(MODEL): ">"}, count=1)
+    ok, _, _, fields = read_if_fits(redis_client, budget=10)
+    assert QueueEntry.decode(dict(zip(fields[::2], fields[1::2]))).request.req_id == "b"
+
+
+def test_the_checkpoint_gets_its_ttl_on_every_append(redis_client):
+    req_id = "r"
+    redis_client.hset(KEYS.request(req_id), "attempt", 1)
+    publish = scripts.PUBLISH.register(redis_client)
+    for seq, final in ((0, None), (2, RequestStatus.FINISHED_LENGTH)):
+        event = TokenEvent(seq=seq, attempt=1, token_ids=[seq, seq + 1],
+                           finish_reason="length" if final else None)
+        call = scripts.publish(KEYS, req_id, 1, event, final, KEYS.queue(MODEL), "", ttl_s=30)
+        assert publish(keys=call.keys, args=call.args) == 1
+        assert 0 < redis_client.ttl(KEYS.checkpoint(req_id)) <= 30  # before the final event too
+    assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [0, 1, 2, 3]
+    assert redis_client.hget(KEYS.request(req_id), "status") == b"finished_length"
+    stale = scripts.publish(KEYS, req_id, 0, TokenEvent(seq=4, attempt=0, token_ids=[9]), None,
+                            KEYS.queue(MODEL), "", ttl_s=30)
+    assert publish(keys=stale.keys, args=stale.args) == 0
+    assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [0, 1, 2, 3]

@@ -1,0 +1,141 @@
+"""The wire contract without Redis: codecs, records, key names, and each Lua script's use of
+KEYS and ARGV against its documented calling convention."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shared.wire import (
+    DeadLetterEntry,
+    GenerationRequest,
+    Heartbeat,
+    Keys,
+    LuaScript,
+    QueueEntry,
+    RequestRecord,
+    RequestStatus,
+    SamplingParams,
+    batch_scripts,
+    decode_checkpoint,
+    encode_checkpoint,
+    scripts,
+)
+
+ALL_SCRIPTS = [value for module in (scripts, batch_scripts) for value in vars(module).values()
+               if isinstance(value, LuaScript)]
+
+
+def make_request(prompt=(1, 2, 3)) -> GenerationRequest:
+    return GenerationRequest("r-1", "m", list(prompt), SamplingParams(max_tokens=4, seed=7))
+
+
+def test_checkpoint_is_little_endian_uint32_whatever_the_host():
+    assert encode_checkpoint([1, 256, 2**32 - 1]) == bytes.fromhex("01000000" "00010000" "ffffffff")
+    assert decode_checkpoint(bytes.fromhex("01000000" "00010000")) == [1, 256]
+
+
+def test_checkpoint_appends_concatenate_and_a_torn_tail_is_ignored():
+    assert decode_checkpoint(encode_checkpoint([1, 2]) + encode_checkpoint([3])) == [1, 2, 3]
+    assert decode_checkpoint(encode_checkpoint([7, 8]) + b"\x01\x02") == [7, 8]
+    assert decode_checkpoint(None) == [] and decode_checkpoint(b"") == []
+
+
+def test_queue_entry_carries_the_prompt_length_beside_the_payload():
+    request = make_request(prompt=range(11))
+    fields = QueueEntry(request).encode()
+    assert fields[QueueEntry.PROMPT_LEN] == 11
+    stored = {k.encode(): str(v).encode() if isinstance(v, int) else
+              (v.encode() if isinstance(v, str) else v) for k, v in fields.items()}
+    assert QueueEntry.decode(stored).request == request
+    with pytest.raises(ValueError, match="payload"):
+        QueueEntry.decode({b"id": b"x"})
+
+
+def test_request_record_snapshot():
+    request = make_request()
+    record = RequestRecord.decode_snapshot(request.pack(), b"running", b"3")
+    assert (record.request, record.status, record.attempt) == (request, RequestStatus.RUNNING, 3)
+    unknown = RequestRecord.decode_snapshot(request.pack(), b"from_the_future", None)
+    assert (unknown.status, unknown.attempt) == (RequestStatus.QUEUED, 0)
+    assert RequestRecord.decode_snapshot(None, None, None) is None
+    encoded = RequestRecord(request, attempt=2, status=RequestStatus.RUNNING, worker="w").encode()
+    assert encoded == {"payload": request.pack(), "attempt": 2, "status": "running", "worker": "w"}
+
+
+def test_dead_letter_entry_round_trips():
+    entry = DeadLetterEntry(make_request(), "boom", "w1")
+    raw = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in entry.encode().items()}
+    assert DeadLetterEntry.decode(raw) == entry
+
+
+def test_heartbeat_round_trips_and_survives_a_bad_writer():
+    beat = Heartbeat(model="m", ts=12.5, blocks_total=200, blocks_free=50, running=3,
+                     tokens_per_s=41.25, metrics_url="http://w:9100/metrics")
+    raw = {k.encode(): str(v).encode() for k, v in beat.encode().items()}
+    assert Heartbeat.decode(raw) == beat
+    assert beat.blocks_used == 150
+    assert "metrics_url" not in Heartbeat(model="m", ts=1.0).encode()
+    odd = Heartbeat.decode({b"model": b"m", b"running": b"lots", b"waiting": b"inf",
+                            b"tokens_per_s": b"", b"blocks_free": b"7.0", b"extra": b"1"})
+    assert (odd.model, odd.running, odd.waiting, odd.tokens_per_s, odd.blocks_free) == \
+        ("m", 0, 0, 0.0, 7)
+    assert Heartbeat.decode({}) == Heartbeat(model="", ts=0.0)
+
+
+def test_every_finish_reason_maps_back_to_its_status():
+    finished = [s for s in RequestStatus if s.is_finished]
+    assert {RequestStatus.for_finish_reason(s.finish_reason) for s in finished} == set(finished)
+    with pytest.raises(KeyError):
+        RequestStatus.for_finish_reason("tool_calls")
+
+
+def test_keys():
+    keys = Keys("p:")
+    assert keys.queues("m") == [keys.queue("m"), keys.queue("m", "batch")] == ["p:m:q", "p:m:q:batch"]
+    assert keys.worker_id(keys.worker("gpu-1")) == "gpu-1"
+    assert keys.checkpoint("r").startswith(keys.request("r"))
+
+
+def indices(source: str, table: str) -> set[int]:
+    """The indices of `table` (KEYS or ARGV) a script reads: literal ones, and those of a
+    `for i = a, b do` loop that reads `table[i]`."""
+    found = {int(i) for i in re.findall(rf"{table}\[(\d+)\]", source)}
+    if f"{table}[i]" in source:
+        for low, high in re.findall(r"for i = (\d+), (\d+) do", source):
+            found |= set(range(int(low), int(high) + 1))
+    return found
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS, ids=lambda s: s.name)
+def test_a_script_uses_exactly_the_keys_and_args_it_documents(script):
+    """Every KEYS[i] / ARGV[i] in the source is documented, and every documented one is used."""
+    used_keys, used_args = indices(script.source, "KEYS"), indices(script.source, "ARGV")
+    if script.variadic_keys:
+        assert "ipairs(KEYS)" in script.source and not used_keys
+    else:
+        assert used_keys == set(range(1, len(script.keys) + 1))
+    documented = set(range(1, len(script.argv) + (0 if script.variadic_argv else 1)))
+    if script.variadic_argv:  # the trailing arguments are read by a loop from the last index on
+        assert f"for i = {len(script.argv)}, #ARGV do" in script.source
+    assert used_args == documented
+    assert "${" not in script.source  # every field name was filled in
+
+
+def test_script_names_are_unique():
+    assert len({s.name for s in ALL_SCRIPTS}) == len(ALL_SCRIPTS)
+
+
+def test_a_call_that_does_not_match_the_convention_is_refused():
+    with pytest.raises(ValueError, match="keys"):
+        scripts.START_ATTEMPT.bind(["only-one"], ["w", "running"])
+    with pytest.raises(ValueError, match="args"):
+        scripts.START_ATTEMPT.bind(["a", "b"], ["w"])
+    with pytest.raises(ValueError, match="keys"):
+        scripts.READ_IF_FITS.bind([], ["g", "c", 10])
+    with pytest.raises(ValueError, match="args"):
+        batch_scripts.TRANSITION.bind(["b"], ["completed", 1])  # no allowed status
+    call = scripts.enqueue(Keys(), make_request(), ttl_s=60, maxlen=10)
+    assert call.keys == [Keys().enqueued("r-1"), Keys().request("r-1"), Keys().queue("m")]
+    assert call.args[-1] == 3  # the prompt length
