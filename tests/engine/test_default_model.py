@@ -42,26 +42,52 @@ def test_greedy_equals_hf_generate_on_the_default_model():
     assert stats.num_blocks_free == stats.num_blocks_total
 
 
-@pytest.mark.slow
-def test_8bit_kv_caches_keep_the_default_models_greedy_choices():
-    """Teacher-forced over 64 tokens of prose: fp8 and int8 caches pick the full-precision
-    cache's next token almost everywhere (benchmarks/kv_quality.py measures this at scale)."""
+# Measured on this test's 1,728 positions (AMD EPYC Zen4, torch 2.13.0 CPU), and again with every
+# weight multiplied by (1 + 1e-6 N(0, 1)) — rounding noise of the size another CPU's matmul kernels
+# add — three variants in all: fp8 agreement 94.85–95.08 %, mean KL 9.2–9.6e-3; int8 agreement
+# 98.96–99.31 %, mean KL 4.5–4.8e-4 (on 2,048 positions of 8 x 256 tokens: fp8 95.0–95.6 %, int8
+# 98.6–98.9 %). The bounds sit ~5 binomial standard deviations below the agreement measured
+# (sd ~0.5 % at fp8's rate over 1,728 positions) and at 2x the KL measured: far outside rounding
+# noise, yet int8 without its Hadamard rotation (KL 3.3x higher, docs/BENCHMARKS.md) fails its bound.
+KV_QUALITY_BOUNDS = {"fp8": (0.92, 2.0e-2), "int8": (0.97, 1.0e-3)}  # (min agreement, max mean KL)
+
+
+def corpus_windows(tokenizer, windows_per_passage: int = 3, window_len: int = 104) -> list[list[int]]:
+    """Consecutive windows of the KV-quality corpus's passages (each passage has >= 314 tokens)."""
     from pathlib import Path
 
+    corpus = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "kv_corpus.txt"
+    windows = []
+    for passage in corpus.read_text().split("\n\n"):
+        ids = tokenizer(passage)["input_ids"]
+        windows += [ids[i * window_len:(i + 1) * window_len] for i in range(windows_per_passage)]
+    assert all(len(w) == window_len for w in windows)
+    return windows
+
+
+@pytest.mark.slow
+def test_8bit_kv_caches_keep_the_default_models_greedy_choices():
+    """Teacher-forced over 24 windows x 72 positions (1,728 next-token choices of prose): fp8 and
+    int8 caches pick the fp32 cache's next token almost everywhere, and their next-token
+    distributions stay close (mean KL), within bounds derived from measurement (see above)."""
     from worker.engine.scoring import teacher_forced_logprobs
 
     path = resolve_model_path(DEFAULT_MODEL)
     tokenizer = load_tokenizer(path)
-    corpus = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "kv_corpus.txt"
-    passages = corpus.read_text().split("\n\n")[:2]
-    texts = [tokenizer(p)["input_ids"][:96] for p in passages]
+    texts = corpus_windows(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    argmax = {}
+    logprobs = {}
     for kv_dtype in ("fp32", "fp8", "int8"):
         engine = Engine(model, EngineConfig(device="cpu", dtype="float32", kv_dtype=kv_dtype,
-                                            num_blocks=32, enable_prefix_caching=False))
-        argmax[kv_dtype] = torch.stack([lp.argmax(-1) for _, lp in
-                                        teacher_forced_logprobs(engine, texts, context_len=32)])
-    for kv_dtype in ("fp8", "int8"):
-        agreement = (argmax[kv_dtype] == argmax["fp32"]).float().mean().item()
-        assert agreement >= 0.95, f"{kv_dtype}: {agreement:.1%}"
+                                            num_blocks=len(texts) * 7 + 8,
+                                            enable_prefix_caching=False))
+        logprobs[kv_dtype] = torch.stack([lp for _, lp in
+                                          teacher_forced_logprobs(engine, texts, context_len=32)])
+    reference = logprobs["fp32"]  # [positions, windows, vocab]
+    assert reference.shape[:2] == (72, 24)
+    for kv_dtype, (min_agreement, max_kl) in KV_QUALITY_BOUNDS.items():
+        tested = logprobs[kv_dtype]
+        agreement = (tested.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        mean_kl = (reference.exp() * (reference - tested)).sum(-1).mean().item()
+        assert agreement >= min_agreement, f"{kv_dtype}: agreement {agreement:.2%}"
+        assert mean_kl <= max_kl, f"{kv_dtype}: mean KL {mean_kl:.2e}"
