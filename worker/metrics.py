@@ -152,6 +152,9 @@ class WorkerMetrics:
             p + "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hit_tokens = self._counter(
             p + "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.")
+        self.takeovers = self._counter(
+            p + "takeovers", "Requests this worker took over from a worker whose heartbeat was "
+            "gone (resumed from its checkpoint). Nonzero without a worker dying means a bug.")
 
     def _build_gauges(self) -> None:
         p = "kvfleet_worker_"
@@ -197,6 +200,10 @@ class WorkerMetrics:
         self.requests_started.inc()
         if queue_wait_s is not None:
             self.queue_wait.observe(max(queue_wait_s, 0.0))
+
+    def takeover(self) -> None:
+        """A request of a dead worker was claimed to resume here."""
+        self.takeovers.inc()
 
     def request_finished(self, outcome: str) -> None:
         """A request left the engine (stop, length, abort, error) outside `step_done`."""

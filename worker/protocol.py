@@ -6,6 +6,8 @@ Ordering guarantees (DESIGN.md, "The fleet protocol"):
 - `publish` appends new tokens to the checkpoint, publishes them and, on the final event, records the
   status and XACKs — one script per request, all requests of a step in one pipelined round trip.
   The script does nothing and returns 0 when the attempt is stale: that worker must stop the request.
+- `claim_orphan` takes over an entry only when the worker holding it has no heartbeat key; the
+  holder keeps its entries' idle time low (`refresh_pending`) from the moment each is delivered.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import redis
 from shared.wire import PRIORITIES, GenerationRequest, Keys, RequestStatus, TokenEvent
 
 log = logging.getLogger(__name__)
+
+# Idle pending entries looked at per stream per orphan check: entries of live workers are skipped,
+# so the scan must see past them.
+ORPHAN_SCAN_COUNT = 100
 
 # KEYS: request hash, checkpoint. ARGV: worker id.
 # Returns {attempt, checkpoint bytes}.
@@ -134,20 +140,58 @@ class WorkerProtocol:
                 return Delivery(GenerationRequest.unpack(fields[b"payload"]), stream, _s(entry_id))
         return None
 
-    def claim_orphan(self, min_idle_ms: int) -> Delivery | None:
-        """Claim one entry of a dead worker (idle longer than a heartbeat TTL), oldest first."""
+    def claim_orphan(self, min_idle_ms: int, held: frozenset[str] = frozenset()) -> Delivery | None:
+        """Claim one entry whose worker is gone, oldest first; None when there is none.
+
+        An entry is an orphan when it has sat idle at least `min_idle_ms` *and* its consumer has
+        no heartbeat key — or the consumer is this worker's own id and the entry is not in `held`
+        (a process that ran under the same id before this one). Idle time alone proves nothing:
+        a live worker in a long step may be late refreshing. XCLAIM's own min-idle check makes the
+        claim atomic against the owner's refresh and against other claimers.
+        """
         for stream in self.streams:
-            reply = self.client.xautoclaim(stream, self.keys.group, self.worker_id, min_idle_ms,
-                                           start_id="0-0", count=1)
-            for entry_id, fields in reply[1]:
-                if not fields:  # the entry was trimmed away; nothing to resume
-                    self.client.xack(stream, self.keys.group, entry_id)
+            pending = self.client.xpending_range(stream, self.keys.group, "-", "+",
+                                                 ORPHAN_SCAN_COUNT, idle=min_idle_ms)
+            if not pending:
+                continue
+            alive = self._consumers_alive({_s(p["consumer"]) for p in pending})
+            for entry in pending:
+                consumer, entry_id = _s(entry["consumer"]), _s(entry["message_id"])
+                if consumer == self.worker_id and entry_id in held:
                     continue
-                info = self.client.xpending_range(stream, self.keys.group, entry_id, entry_id, 1)
-                times = info[0]["times_delivered"] if info else 1
-                request = GenerationRequest.unpack(fields[b"payload"])
-                return Delivery(request, stream, _s(entry_id), times)
+                if consumer != self.worker_id and alive[consumer]:
+                    continue
+                delivery = self._claim_entry(stream, entry_id, min_idle_ms,
+                                             entry["times_delivered"] + 1)
+                if delivery is not None:
+                    return delivery
         return None
+
+    def _consumers_alive(self, consumers: set[str]) -> dict[str, bool]:
+        """Which consumers still have a heartbeat key, in one round trip."""
+        names = sorted(consumers)
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self.keys.worker(name))
+        return {name: bool(n) for name, n in zip(names, pipe.execute())}
+
+    def _claim_entry(self, stream: str, entry_id: str, min_idle_ms: int,
+                     times_delivered: int) -> Delivery | None:
+        """XCLAIM one entry if it is still idle; an entry trimmed from the stream is acked."""
+        claimed = self.client.xclaim(stream, self.keys.group, self.worker_id, min_idle_ms,
+                                     [entry_id])
+        if not claimed:  # refreshed by its owner, taken by another claimer, or deleted (Redis 7)
+            return None
+        _, fields = claimed[0]
+        if not fields:  # trimmed away (Redis 6 still returns it): nothing to resume
+            self.client.xack(stream, self.keys.group, entry_id)
+            return None
+        return Delivery(GenerationRequest.unpack(fields[b"payload"]), stream, entry_id,
+                        times_delivered)
+
+    def ack(self, stream: str, entry_id: str) -> None:
+        """Acknowledge an entry this worker will not serve (a duplicate of one it serves)."""
+        self.client.xack(stream, self.keys.group, entry_id)
 
     def start_attempt(self, req_id: str) -> tuple[int, list[int]]:
         """Fence a new attempt and read the checkpoint: (attempt, tokens generated so far)."""
@@ -184,8 +228,8 @@ class WorkerProtocol:
                                   delivery.stream, delivery.entry_id)])
 
     def refresh_pending(self, entries: dict[str, list[str]]) -> None:
-        """Reset the idle time of this worker's in-flight entries (XCLAIM … JUSTID) so a long
-        generation is never mistaken for one whose worker died."""
+        """Reset the idle time of this worker's in-flight entries (XCLAIM … JUSTID, which does
+        not count as a delivery) so that they never look abandoned while this worker lives."""
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in entries.items():
             if ids:

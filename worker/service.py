@@ -1,8 +1,9 @@
 """The worker's Redis service loop: pull work when the KV pool has room, step the engine, publish.
 
 One thread runs the loop (engine steps and the protocol's writes); a second thread only heartbeats
-and keeps this worker's pending stream entries fresh, from a stats snapshot the loop leaves it, so a
-long step never lets the heartbeat lapse.
+(from a stats snapshot the loop leaves it) and keeps this worker's stream entries fresh, so a long
+step never lets either lapse. An entry joins the refreshed set the moment it is delivered and leaves
+it when the request ends here; other workers take entries over only once our heartbeat is gone.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class WorkerService:
         self.inflight: dict[str, Inflight] = {}
         self._backlog: list[Publication] = []  # produced but not yet published (Redis was down)
         self._stats_snapshot: dict[str, float | str] = {}
-        self._pending_entries: dict[str, list[str]] = {}
+        # stream -> entry ids delivered to this worker and not yet finished here; the heartbeat
+        # thread refreshes them. Written by the loop, read by the heartbeat thread, under _lock.
+        self._held_entries: dict[str, set[str]] = {}
         self._lock = threading.Lock()
         self._pubsub = None
         self._last_orphan_check = 0.0
@@ -80,6 +83,10 @@ class WorkerService:
         beat.join(timeout=2)
 
     def connect(self) -> None:
+        # Heartbeat before the first read: an entry delivered to a worker without a heartbeat key
+        # would look orphaned to the others.
+        self._snapshot_stats()
+        self._beat()
         self.protocol.ensure_groups()
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(self.protocol.keys.cancel())
@@ -173,11 +180,14 @@ class WorkerService:
         """Resume requests of workers whose heartbeat expired (their entries idle past the TTL)."""
         min_idle_ms = int(self.settings.heartbeat_ttl_s * 1000)
         while self.engine.can_admit(self.engine_block_size()):
-            delivery = self.protocol.claim_orphan(min_idle_ms)
+            with self._lock:
+                held = frozenset(e for ids in self._held_entries.values() for e in ids)
+            delivery = self.protocol.claim_orphan(min_idle_ms, held)
             if delivery is None:
                 return
-            log.info("claimed %s from a dead worker (delivery %d)", delivery.request.req_id,
-                     delivery.times_delivered)
+            log.warning("took over %s from a worker whose heartbeat is gone (delivery %d)",
+                        delivery.request.req_id, delivery.times_delivered)
+            self.metrics.takeover()
             self._start(delivery)
 
     def engine_block_size(self) -> int:
@@ -186,8 +196,11 @@ class WorkerService:
     def _start(self, delivery: Delivery) -> None:
         request = delivery.request
         req_id = request.req_id
-        if req_id in self.inflight:  # our own entry came back to us; we are still serving it
+        if req_id in self.inflight:  # a second entry of a request we serve: nothing more to do
+            if self.inflight[req_id].delivery.entry_id != delivery.entry_id:
+                self.protocol.ack(delivery.stream, delivery.entry_id)
             return
+        self._hold(delivery)  # refreshed from now on, whatever the next step costs
         attempt, checkpoint = self.protocol.start_attempt(req_id)
         seq = len(checkpoint)
         if delivery.times_delivered > self.settings.max_deliveries:
@@ -196,16 +209,19 @@ class WorkerService:
             self.protocol.fail(delivery, attempt, seq, f"request failed on "
                                f"{delivery.times_delivered - 1} workers; moved to the dead-letter "
                                f"stream", dead_letter=True)
+            self._release(delivery)
             return
         if request.deadline is not None and time.time() > request.deadline:
             self.protocol.fail(delivery, attempt, seq, "request deadline passed before a worker "
                                "could start it")
+            self._release(delivery)
             return
         try:
             self.engine.add_request(req_id, request.prompt_token_ids, request.params,
                                     output_token_ids=checkpoint or None)
         except ValueError as exc:
             self.protocol.fail(delivery, attempt, seq, str(exc))
+            self._release(delivery)
             self.metrics.request_finished("error")
             return
         self.inflight[req_id] = Inflight(delivery, attempt)
@@ -248,6 +264,8 @@ class WorkerService:
         accepted = self.protocol.publish(pending)
         self._backlog = []
         for item, ok in zip(pending, accepted):
+            if item.final_status is not None or not ok:  # acked, or no longer ours
+                self._release_entry(item.stream, item.entry_id)
             if not ok and item.req_id in self.inflight:
                 # Fenced: another worker owns a newer attempt; stop generating at once.
                 log.warning("attempt %d of %s is stale; stopping it", item.attempt, item.req_id)
@@ -257,12 +275,20 @@ class WorkerService:
 
     # ---- heartbeat -------------------------------------------------------------------------
 
+    def _hold(self, delivery: Delivery) -> None:
+        with self._lock:
+            self._held_entries.setdefault(delivery.stream, set()).add(delivery.entry_id)
+
+    def _release(self, delivery: Delivery) -> None:
+        self._release_entry(delivery.stream, delivery.entry_id)
+
+    def _release_entry(self, stream: str, entry_id: str) -> None:
+        with self._lock:
+            self._held_entries.get(stream, set()).discard(entry_id)
+
     def _snapshot_stats(self) -> None:
         stats = self.engine.stats()
         self.metrics.update_stats(stats)
-        entries: dict[str, list[str]] = {}
-        for inflight in self.inflight.values():
-            entries.setdefault(inflight.delivery.stream, []).append(inflight.delivery.entry_id)
         with self._lock:
             self._stats_snapshot = {
                 "blocks_total": stats.num_blocks_total,
@@ -278,16 +304,19 @@ class WorkerService:
             }
             if self.metrics_url:
                 self._stats_snapshot["metrics_url"] = self.metrics_url
-            self._pending_entries = entries
+
+    def _beat(self) -> None:
+        """One heartbeat: the stats snapshot, then the idle time of every held entry reset."""
+        with self._lock:
+            fields = dict(self._stats_snapshot)
+            entries = {stream: sorted(ids) for stream, ids in self._held_entries.items() if ids}
+        self.protocol.heartbeat(fields, self.settings.heartbeat_ttl_s)
+        self.protocol.refresh_pending(entries)
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            with self._lock:
-                fields = dict(self._stats_snapshot)
-                entries = dict(self._pending_entries)
             try:
-                self.protocol.heartbeat(fields, self.settings.heartbeat_ttl_s)
-                self.protocol.refresh_pending(entries)
+                self._beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             stop.wait(self.settings.heartbeat_interval_s)

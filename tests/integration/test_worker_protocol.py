@@ -89,28 +89,66 @@ def test_final_event_records_status_acks_and_expires(redis_client):
     assert 0 < redis_client.ttl(keys.checkpoint("r")) <= 60
 
 
-def test_orphans_are_claimed_only_after_idling(redis_client):
+def test_orphans_are_claimed_only_once_their_worker_is_gone(redis_client):
     keys = Keys()
     dead, live = make(redis_client, "dead"), make(redis_client, "live")
+    dead.heartbeat({}, ttl_s=0.3)
     enqueue(redis_client, keys, "r")
     dead.read_new(keys.queue(MODEL), None)
-    assert live.claim_orphan(min_idle_ms=60_000) is None
     time.sleep(0.05)
+    # Idle, but its worker still beats: not an orphan.
+    assert live.claim_orphan(min_idle_ms=10) is None
+    time.sleep(0.3)  # the heartbeat key expires
+    assert live.claim_orphan(min_idle_ms=60_000) is None  # gone, but not idle long enough
     delivery = live.claim_orphan(min_idle_ms=10)
     assert delivery.request.req_id == "r"
     assert delivery.times_delivered == 2
     owner = redis_client.xpending_range(keys.queue(MODEL), keys.group, "-", "+", 1)[0]
     assert owner["consumer"] == b"live"
+    assert owner["times_delivered"] == 2
+    live.heartbeat({}, ttl_s=5)
+    time.sleep(0.05)
+    assert make(redis_client, "third").claim_orphan(min_idle_ms=10) is None
+
+
+def test_an_earlier_process_under_the_same_id_leaves_orphans_to_its_successor(redis_client):
+    keys = Keys()
+    before = make(redis_client, "w-fixed")
+    enqueue(redis_client, keys, "r1")
+    enqueue(redis_client, keys, "r2")
+    first = before.read_new(keys.queue(MODEL), None)
+    before.read_new(keys.queue(MODEL), None)
+    after = make(redis_client, "w-fixed")  # restarted: its heartbeat key is back at once
+    after.heartbeat({}, ttl_s=5)
+    time.sleep(0.05)
+    assert make(redis_client, "other").claim_orphan(min_idle_ms=10) is None  # w-fixed is alive
+    # The successor holds r1 (say it was delivered to it); r2 is nobody's: it takes r2 over.
+    delivery = after.claim_orphan(min_idle_ms=10, held=frozenset({first.entry_id}))
+    assert delivery.request.req_id == "r2"
+    assert after.claim_orphan(min_idle_ms=10, held=frozenset({first.entry_id})) is None
 
 
 def test_refreshing_pending_entries_keeps_them_from_being_claimed(redis_client):
     keys = Keys()
     busy, other = make(redis_client, "busy"), make(redis_client, "other")
     enqueue(redis_client, keys, "r")
-    delivery = busy.read_new(keys.queue(MODEL), None)
+    delivery = busy.read_new(keys.queue(MODEL), None)  # no heartbeat: only the idle time guards
     time.sleep(0.3)
     busy.refresh_pending({delivery.stream: [delivery.entry_id]})
     assert other.claim_orphan(min_idle_ms=200) is None
+    time.sleep(0.25)
+    assert other.claim_orphan(min_idle_ms=200).request.req_id == "r"
+
+
+def test_a_trimmed_orphan_is_acked_not_resumed(redis_client):
+    keys = Keys()
+    dead, live = make(redis_client, "dead"), make(redis_client, "live")
+    enqueue(redis_client, keys, "r")
+    delivery = dead.read_new(keys.queue(MODEL), None)
+    redis_client.xdel(keys.queue(MODEL), delivery.entry_id)
+    time.sleep(0.05)
+    assert live.claim_orphan(min_idle_ms=10) is None
+    assert redis_client.xpending(keys.queue(MODEL), keys.group)["pending"] == 0
 
 
 def test_fail_dead_letters_and_tells_the_client(redis_client):

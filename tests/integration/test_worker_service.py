@@ -126,6 +126,8 @@ def test_a_dead_workers_request_resumes_elsewhere_without_gap_or_repeat(redis_ur
     assert client.text(req_id) == expected
     assert max(e.attempt for e in client.events[req_id]) == 2
     assert client.redis.hget(Keys().request(req_id), "worker") == b"rescuer"
+    assert 'kvfleet_worker_takeovers_total{model="tiny",worker="rescuer"} 1.0' in \
+        rescuer.metrics.render().decode()
 
     # The old worker wakes up: its next publish is fenced off and it drops the request.
     start_free = dying.engine.stats().num_blocks_total
