@@ -85,7 +85,12 @@ class WorkerSettings(CommonSettings):
     # auto picks per preemption by a cost model (bytes to move vs tokens to recompute).
     preemption: Literal["auto", "swap", "recompute"] = "auto"
     swap_space: str = "4GiB"  # host memory for swapped-out KV
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9  # on CUDA: share of the card's total memory this worker uses
+    # attention: auto = the Triton paged kernel on CUDA, gather + SDPA on CPU
+    attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
+    # decode steps from CUDA graphs at batch-size buckets (auto: on CUDA with the triton backend);
+    # eager runs their static buffers without capturing (debugging)
+    cuda_graphs: Literal["auto", "off", "eager"] = "auto"
     block_size: int = 16
     max_batched_tokens: int = 512
     max_running: int = 64

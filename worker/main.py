@@ -34,6 +34,8 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         kv_dtype=settings.kv_dtype,
         preemption=settings.preemption,
         swap_space_bytes=settings.swap_space_bytes,
+        attention_backend=settings.attention_backend,
+        cuda_graphs=settings.cuda_graphs,
     )
 
 

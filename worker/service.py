@@ -17,6 +17,7 @@ import redis
 
 from shared.settings import WorkerSettings
 from shared.wire import RequestStatus, TokenEvent, Usage
+from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
 from worker.metrics import WorkerMetrics
 from worker.protocol import Delivery, Publication, WorkerProtocol
@@ -79,6 +80,15 @@ class WorkerService:
                 self._pubsub = None
                 stop.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
+            except DeviceFailure:
+                # every later step would fail too: exit with the requests still pending, so
+                # other workers claim them once the heartbeat lapses
+                log.critical("device failure: exiting; %d requests resume elsewhere",
+                             len(self.inflight))
+                stop.set()
+                self._shutdown()
+                beat.join(timeout=2)
+                raise
         self._shutdown()
         beat.join(timeout=2)
 

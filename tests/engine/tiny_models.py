@@ -68,3 +68,18 @@ def run_to_completion(engine: Engine, max_steps: int = 10_000) -> dict[str, list
         for out in engine.step():
             produced.setdefault(out.req_id, []).extend(out.new_token_ids)
     raise AssertionError("engine did not finish")
+
+
+def tokens_before_divergence(got: list[int], want: list[int]) -> int:
+    """How many leading tokens two greedy streams share (bf16 agreement is measured with it)."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return min(len(got), len(want))
+
+
+def save_tiny_llama(directory) -> str:
+    """The seeded tiny Llama saved as a model directory (for from_pretrained in another dtype)."""
+    torch.manual_seed(1234)
+    MODEL_FACTORIES["llama"]().save_pretrained(directory)
+    return str(directory)

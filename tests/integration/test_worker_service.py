@@ -241,3 +241,32 @@ def test_the_worker_survives_a_redis_restart(tiny, tmp_path):
         thread.join(timeout=10)
         server.stop()
     assert not thread.is_alive()
+
+
+def test_a_device_failure_exits_the_worker_and_its_request_resumes_elsewhere(redis_url, client, tiny):
+    """A sticky CUDA error poisons every later step: the worker exits without failing its
+    requests, and another worker finishes them token for token."""
+    import threading
+
+    from worker.engine.device import DeviceFailure
+
+    prompt = random_prompt(10, seed=5)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sick = make_service(redis_url, tiny, "sick")
+    req_id = client.send(prompt, params)
+    run_until(sick, lambda: (client.drain(), len(client.text(req_id)) >= 3)[1])
+
+    def illegal_access(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    sick.engine.runner.execute = illegal_access
+    with pytest.raises(DeviceFailure):
+        sick.run(threading.Event())
+    assert client.final(req_id) is None  # not failed: still pending for another worker
+    assert not client.redis.exists(Keys().worker("sick"))  # its heartbeat is gone at once
+
+    time.sleep(0.4)  # its stream entry goes idle past the heartbeat TTL
+    rescuer = make_service(redis_url, tiny, "rescuer")
+    run_until(rescuer, lambda: client.final(req_id))
+    assert client.final(req_id).finish_reason == "length"
+    assert client.text(req_id) == tiny.reference(prompt, 12)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from worker.engine.kv_cache import KVCachePool
+from worker.engine.triton_attention import PagedAttentionPlan, paged_attention
 
 ATTENTION_NAME = "kvfleet_paged"
 CONTEXT_KWARG = "kvfleet_attention"
@@ -62,6 +63,8 @@ class AttentionContext:
     write_index: torch.Tensor  # [KVH * T]: row (h * num_slots + slot) of each new token's K or V
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # set on accelerators: one Triton launch covers every query of the step (triton_attention.py)
+    kernel_plan: PagedAttentionPlan | None = None
 
 
 def paged_attention_forward(
@@ -83,6 +86,9 @@ def paged_attention_forward(
     pool.write(layer, ctx.write_index, key[0].reshape(-1, head_dim), value[0].reshape(-1, head_dim))
 
     out = query.new_empty(num_tokens, query.shape[1], head_dim)  # [T, H, D]
+    if ctx.kernel_plan is not None:
+        paged_attention(query[0], pool, layer, ctx.kernel_plan, scaling, out)
+        return out.unsqueeze(0), None
     for group in ctx.decode_groups:
         _decode_attention(group, query, pool, layer, scaling, out)
     for chunk in ctx.prefills:

@@ -1,10 +1,12 @@
 """The engine's configuration: pool size and format, batching limits, caching switch, preemption
-policy, device and dtype."""
+policy, device, dtype, attention backend and CUDA graphs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.engine.cuda_graphs import CUDA_GRAPH_MODES
+from worker.engine.device import ATTENTION_BACKENDS
 from worker.engine.kv_format import KV_DTYPE_CHOICES
 from worker.engine.preemption import PREEMPTION_MODES
 
@@ -24,6 +26,8 @@ class EngineConfig:
     kv_dtype: str = "auto"  # KV pool format: auto (= dtype) | bf16 | fp16 | fp32 | fp8 | int8
     preemption: str = "auto"  # auto | swap | recompute
     swap_space_bytes: int = 4 << 30  # host memory for swapped-out KV blocks
+    attention_backend: str = "auto"  # auto (triton on CUDA, else sdpa) | sdpa | triton
+    cuda_graphs: str = "auto"  # auto (decode graphs with the triton backend on CUDA) | off | eager
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -41,5 +45,11 @@ class EngineConfig:
                              f"got {self.preemption!r}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_MODES)}, "
+                             f"got {self.cuda_graphs!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

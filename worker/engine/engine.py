@@ -11,9 +11,13 @@ import torch
 from shared.wire import RequestStatus, SamplingParams, TokenLogprob
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
+from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.device import (
+    DeviceFailure, is_sticky_device_error, place_model, resolve_attention_backend, select_device)
 from worker.engine.kv_cache import (
     HostBlocks, KVCachePool, KVLayout, format_bytes, plan_budget, resolve_device, resolve_dtype)
 from worker.engine.kv_format import resolve_kv_format
+from worker.engine.memory_profile import profile_step
 from worker.engine.model_runner import ModelRunner
 from worker.engine.preemption import PreemptionCostModel, SwapSpace
 from worker.engine.sampler import Sampler, SamplerInput
@@ -72,25 +76,45 @@ def max_model_len_of(config) -> int:
     return length
 
 
+def _raise_if_sticky(error: Exception) -> None:
+    """A device error that poisons every later step is not the requests' fault: leave them
+    unfinished and let the worker exit (DeviceFailure), so they resume on another worker."""
+    if is_sticky_device_error(error):
+        log.critical("device failure: %s", error)
+        raise DeviceFailure(f"{type(error).__name__}: {error}") from error
+
+
 class Engine:
     """Continuous-batching engine over one model and one KV block pool."""
 
     def __init__(self, model, config: EngineConfig, tokenizer=None):
         self.config = config
         self.device = resolve_device(config.device)
+        select_device(self.device)  # cuda:N is the current device from here on
         self.dtype = resolve_dtype(config.dtype, self.device)
-        model = model.to(device=self.device, dtype=self.dtype)
+        model = place_model(model, self.device, self.dtype)  # fp32 buffers (RoPE) stay fp32
         self.model = model
         self.max_model_len = max_model_len_of(model.config)
         self.kv_format = resolve_kv_format(config.kv_dtype, self.dtype)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        graphs_mode = self._graphs_mode()
         layout = KVLayout.from_model_config(model.config, self.kv_format)
+        step_peak_bytes = 0
+        if self.device.type == "cuda" and config.num_blocks is None:
+            step_peak_bytes = profile_step(
+                model, layout, config.block_size, config.max_batched_tokens, config.max_running,
+                self.device, self.attention_backend).peak_bytes
         self.budget = plan_budget(
             model, layout, config.block_size, self.max_model_len, self.device, config.num_blocks,
             config.kv_memory_bytes, config.gpu_memory_utilization,
-            activation_reserve_bytes=self._activation_reserve_bytes(model.config))
+            activation_reserve_bytes=step_peak_bytes)
         self.pool = KVCachePool(layout, self.budget.num_blocks, config.block_size, self.device)
+        # with decode graphs the pool's last block is their padding rows' scratch, never handed out
+        num_usable_blocks = self.budget.num_blocks - (graphs_mode is not None)
+        if num_usable_blocks < 1:
+            raise ValueError("the KV budget holds no block beside the CUDA graphs' scratch block")
         self.block_manager = BlockManager(
-            self.budget.num_blocks, config.block_size, config.enable_prefix_caching)
+            num_usable_blocks, config.block_size, config.enable_prefix_caching)
         self.swap_space = SwapSpace(config.swap_space_bytes // self.pool.block_bytes)
         self.preemption = PreemptionCostModel(
             config.preemption, self.pool.block_bytes, self._calibrate_swap_bytes_per_s(),
@@ -101,11 +125,33 @@ class Engine:
             config.max_batched_tokens, config.max_running, config.watermark,
             preemption=self.preemption, swap_space=self.swap_space)
         self.sampler = Sampler(eos)
-        self.runner = ModelRunner(model, self.pool)
+        decode_graphs = None
+        if graphs_mode is not None:
+            decode_graphs = DecodeGraphs(model, self.pool, scratch_block=self.budget.num_blocks - 1,
+                                         max_batch=config.max_running,
+                                         max_model_len=self.max_model_len)
+            if graphs_mode == "capture":
+                started = time.perf_counter()
+                decode_graphs.capture()
+                log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
+                         decode_graphs.buckets, time.perf_counter() - started)
+        self.runner = ModelRunner(model, self.pool, attention_backend=self.attention_backend,
+                                  decode_graphs=decode_graphs)
         self._seqs: dict[str, Sequence] = {}
         self._swapped: dict[str, HostBlocks] = {}  # host copies of swapped-out streams' KV
         for line in self.budget_report():
             log.info("KV budget: %s", line)
+
+    def _graphs_mode(self) -> str | None:
+        """'capture' (CUDA graphs), 'eager' (their static buffers, no capture) or None (off)."""
+        mode = self.config.cuda_graphs
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        if self.attention_backend != "triton":
+            if mode == "auto":
+                return None
+            raise ValueError("cuda_graphs 'eager' needs the triton attention backend")
+        return "capture" if mode == "auto" else "eager"
 
     @classmethod
     def from_pretrained(cls, model_path: str, config: EngineConfig, tokenizer=None) -> Engine:
@@ -115,14 +161,6 @@ class Engine:
         dtype = resolve_dtype(config.dtype, device)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=None)
         return cls(model.to(device), config, tokenizer=tokenizer)
-
-    def _activation_reserve_bytes(self, model_config) -> int:
-        """Rough peak of one step's activations, left free on CUDA beside the pool."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        hidden = model_config.hidden_size + 2 * getattr(model_config, "intermediate_size", 0)
-        per_token = hidden * elem * 4
-        logits = self.config.max_running * model_config.vocab_size * 4 * 2
-        return self.config.max_batched_tokens * per_token + logits
 
     def _calibrate_swap_bytes_per_s(self) -> float:
         """Time a round trip of a few blocks through host memory (the cost model's prior)."""
@@ -196,6 +234,7 @@ class Engine:
         try:
             emitting, logits = self.runner.execute(sched)
         except Exception as exc:  # the whole batch failed: fail its requests, keep the engine
+            _raise_if_sticky(exc)
             log.exception("forward failed for %d requests", len(sched.chunks))
             return outputs + self._fail([(c.seq, exc) for c in sched.chunks])
         samples, failed = self._sample(emitting, logits)  # waits for the device
@@ -231,13 +270,15 @@ class Engine:
         try:
             results = self.sampler.sample(logits, inputs)
             return {c.seq.req_id: r for c, r in zip(emitting, results)}, []
-        except Exception:
+        except Exception as exc:
+            _raise_if_sticky(exc)
             log.exception("sampling failed for a batch of %d; retrying row by row", len(inputs))
         samples, failed = {}, []
         for i, chunk in enumerate(emitting):
             try:
                 samples[chunk.seq.req_id] = self.sampler.sample(logits[i:i + 1], inputs[i:i + 1])[0]
             except Exception as exc:
+                _raise_if_sticky(exc)
                 failed.append((chunk.seq, exc))
         return samples, failed
 

@@ -19,10 +19,13 @@ def format_bytes(num_bytes: int) -> str:
 
 
 def resolve_device(name: str) -> torch.device:
-    """'auto' -> the first CUDA device when there is one, else the CPU."""
+    """'auto' -> the first CUDA device when there is one, else the CPU; 'cuda' -> cuda:<current>."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -102,15 +105,20 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
 def plan_budget(model: torch.nn.Module, layout: KVLayout, block_size: int, max_model_len: int,
                 device: torch.device, num_blocks: int | None, kv_memory_bytes: int,
                 gpu_memory_utilization: float, activation_reserve_bytes: int = 0) -> MemoryBudget:
-    """Size the pool: explicit `num_blocks`, else free CUDA memory x utilisation, else the CPU budget."""
+    """Size the pool: explicit `num_blocks`, else the CUDA card's total x utilisation less what is in
+    use and the profiled step peak, else the CPU budget."""
     block_bytes = layout.bytes_per_token * block_size
     if num_blocks is not None:
         source = "num_blocks given"
     elif device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        usable = int(free_bytes * gpu_memory_utilization) - activation_reserve_bytes
+        # utilisation is of the card's total: what is in use now (weights, the CUDA context, other
+        # processes) and the peak of the largest step (activation_reserve_bytes, profiled) come off
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        in_use = total_bytes - free_bytes
+        usable = int(total_bytes * gpu_memory_utilization) - in_use - activation_reserve_bytes
         num_blocks = usable // block_bytes
-        source = f"{gpu_memory_utilization:.0%} of {free_bytes / GB:.2f} GB free after weights"
+        source = (f"{gpu_memory_utilization:.0%} of {total_bytes / GB:.2f} GB - {in_use / GB:.2f} GB "
+                  f"in use - {activation_reserve_bytes / GB:.2f} GB peak step")
     else:
         num_blocks = kv_memory_bytes // block_bytes
         source = f"kv_memory_bytes={kv_memory_bytes:,}"
@@ -173,6 +181,10 @@ class KVCachePool:
 
     def layer(self, index: int) -> torch.Tensor:
         return self._storage[index]
+
+    def scales(self, index: int) -> torch.Tensor | None:
+        """[2, num_kv_heads, num_blocks, block_size] scales of one layer (8-bit formats), or None."""
+        return None if self._scales is None else self._scales[index]
 
     @property
     def num_bytes(self) -> int:

@@ -11,6 +11,7 @@ from worker.engine.attention import (
     CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from worker.engine.triton_attention import build_plan, queries_per_tile
 
 
 @dataclass
@@ -27,8 +28,12 @@ class StepInputs:
 class ModelRunner:
     """Owns the model and the KV pool; turns a SchedulerOutput into logits."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVCachePool, decode_group_cost_tokens: int = 512):
+    def __init__(self, model: torch.nn.Module, pool: KVCachePool, decode_group_cost_tokens: int = 512,
+                 attention_backend: str = "sdpa", decode_graphs=None):
         self.model = model
+        self.attention_backend = attention_backend  # "sdpa" (gather + SDPA) | "triton" (paged kernel)
+        # cuda_graphs.DecodeGraphs or None: decode-only steps run from its static buffers
+        self.decode_graphs = decode_graphs
         self.pool = pool
         self.block_size = pool.block_size
         # a decode group costs about as much as gathering this many padded tokens (call overhead)
@@ -44,6 +49,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Forward the step; returns the emitting chunks and their logits [K, vocab]."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(sched.chunks):
+            return self.decode_graphs.run(sched.chunks)
         inputs = self.prepare(sched)
         output = self.model(
             input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
@@ -71,14 +78,29 @@ class ModelRunner:
                 logits_indices.append(len(token_ids) - 1)
                 emitting.append(chunk)
         write_index = (self._head_slot_rows + torch.tensor(slots, dtype=torch.int64)).view(-1)
-        context = AttentionContext(
-            pool=self.pool, write_index=write_index.to(self.device, non_blocking=True),
-            decode_groups=self._decode_groups(decodes),
-            prefills=self._prefill_chunks(prefills, q_start=len(decodes)))
+        write_index = write_index.to(self.device, non_blocking=True)
+        if self.attention_backend == "triton":
+            context = AttentionContext(self.pool, write_index,
+                                       kernel_plan=self._kernel_plan(decodes, prefills))
+        else:
+            context = AttentionContext(
+                pool=self.pool, write_index=write_index,
+                decode_groups=self._decode_groups(decodes),
+                prefills=self._prefill_chunks(prefills, q_start=len(decodes)))
         return StepInputs(
             input_ids=self._tensor(token_ids).unsqueeze(0),
             position_ids=self._tensor(positions).unsqueeze(0),
             logits_indices=self._tensor(logits_indices), emitting=emitting, context=context)
+
+    def _kernel_plan(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]):
+        """The Triton kernel's metadata: every chunk in flattened order, its blocks so far."""
+        chunks = decodes + prefills
+        bs = self.block_size
+        config = self.model.config
+        block_q = queries_per_tile(config.num_attention_heads, self.pool.layout.num_kv_heads,
+                                   has_prefill=bool(prefills))
+        return build_plan([c.num_tokens for c in chunks], [c.end for c in chunks],
+                          [c.block_table[:-(-c.end // bs)] for c in chunks], block_q, self.device)
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
         """Split the decodes (sorted by length) where that saves more padding than a call costs."""

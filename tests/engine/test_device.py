@@ -1,0 +1,127 @@
+"""Device handling on CPU: fp32 buffers survive a bf16 cast, bf16 greedy agrees with HF generate in
+bf16, sticky device errors are told from request errors, and the profiling step's shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from worker.engine.device import (
+    DeviceFailure, is_sticky_device_error, place_model, resolve_attention_backend)
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.kv_cache import KVLayout
+from worker.engine.kv_format import resolve_kv_format
+from worker.engine.memory_profile import largest_step, profile_step
+from tests.engine.tiny_models import (
+    MODEL_FACTORIES, greedy, random_prompt, save_tiny_llama, tokens_before_divergence)
+
+ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered"
+
+
+def test_place_model_keeps_fp32_buffers():
+    torch.manual_seed(0)
+    model = MODEL_FACTORIES["llama"]()
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    place_model(model, torch.device("cpu"), torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)
+    # a plain cast loses them: what place_model prevents
+    assert not torch.equal(model.to(torch.bfloat16).model.rotary_emb.inv_freq.float(), inv_freq)
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory) -> str:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def test_bf16_engine_agrees_with_hf_generate_in_bf16(saved_tiny):
+    """HF loads the model in bf16 (fp32 RoPE buffers) and generates each prompt alone; the engine
+    batches them (other matmul shapes, other bf16 rounding), so agreement is measured: the share of
+    tokens before each stream's first divergence."""
+    prompts = [random_prompt(n, seed=n) for n in (5, 37, 120, 260, 300, 410)]
+    new_tokens = 24
+    reference = AutoModelForCausalLM.from_pretrained(saved_tiny, dtype=torch.bfloat16).eval()
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+            expected.append(out[0, len(prompt):].tolist())
+    engine = Engine.from_pretrained(saved_tiny, EngineConfig(device="cpu", dtype="bfloat16",
+                                                             num_blocks=256, block_size=16))
+    assert engine.model.model.rotary_emb.inv_freq.dtype == torch.float32
+    produced = engine.generate(prompts, greedy(new_tokens))
+    agreed = sum(tokens_before_divergence(got, want) for got, want in zip(produced, expected))
+    agreement = agreed / (len(prompts) * new_tokens)
+    print(f"bf16 agreement with HF generate: {agreement:.1%}")
+    assert agreement >= AGREEMENT_BOUND
+
+
+# measured 100% on AVX-512 Zen4; bf16 rounding differs by CPU kind, so a margin of one stream's
+# early divergence
+AGREEMENT_BOUND = 0.80
+
+
+def test_sticky_device_errors_are_told_from_request_errors():
+    assert is_sticky_device_error(RuntimeError(ILLEGAL_ACCESS))
+    assert is_sticky_device_error(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not is_sticky_device_error(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_sticky_device_error(RuntimeError("shape mismatch"))
+    assert not is_sticky_device_error(ValueError(ILLEGAL_ACCESS))
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None:
+        assert is_sticky_device_error(accelerator_error("an illegal instruction"))
+
+
+@pytest.mark.parametrize("where", ["forward", "sampler"])
+def test_a_sticky_error_leaves_the_requests_unfinished(tiny_llama, where):
+    engine = tiny_llama.engine()
+    engine.add_request("a", random_prompt(7, seed=1), greedy(5))
+    engine.step()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(ILLEGAL_ACCESS)
+
+    target = engine.runner if where == "forward" else engine.sampler
+    setattr(target, "execute" if where == "forward" else "sample", fail)
+    with pytest.raises(DeviceFailure):
+        engine.step()
+    assert engine.has_unfinished() and engine.stats().num_running == 1
+
+
+def test_an_ordinary_forward_error_fails_only_its_requests(tiny_llama):
+    engine = tiny_llama.engine()
+    engine.add_request("a", random_prompt(7, seed=1), greedy(5))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    engine.runner.execute = fail
+    outputs = engine.step()
+    assert [o.finish_reason for o in outputs] == ["error"] and not engine.has_unfinished()
+
+
+def test_attention_backend_and_graph_settings():
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu) == "sdpa"
+    assert resolve_attention_backend("triton", cpu) == "triton"
+    with pytest.raises(ValueError):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(ValueError):
+        EngineConfig(cuda_graphs="always")
+
+
+@pytest.mark.parametrize("max_batched_tokens, max_running", [(96, 8), (16, 64)])
+def test_the_profiling_step_has_the_largest_shape(tiny_llama, max_batched_tokens, max_running):
+    step = largest_step(max_batched_tokens, max_running, block_size=4)
+    assert step.num_batched_tokens == max_batched_tokens
+    assert sum(c.emits_token for c in step.chunks) == min(max_running, max_batched_tokens)
+    model = tiny_llama.engine().model
+    layout = KVLayout.from_model_config(model.config, resolve_kv_format("auto", torch.float32))
+    profile = profile_step(model, layout, 4, max_batched_tokens, max_running,
+                           torch.device("cpu"), "sdpa")
+    assert (profile.num_tokens, profile.num_logits_rows) == (
+        max_batched_tokens, min(max_running, max_batched_tokens))
+    assert profile.peak_bytes == 0  # measured on CUDA only

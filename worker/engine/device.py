@@ -1,0 +1,70 @@
+"""The engine's device: selecting it, putting a model on it without losing its fp32 buffers, the
+attention backend it runs, and telling an error that poisons the device from one that fails a
+request."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engine.triton_attention import triton_available
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+
+# Messages of errors after which a CUDA context cannot run anything again (older torch raises
+# them as plain RuntimeError; newer ones as torch.AcceleratorError).
+_STICKY_MARKERS = (
+    "CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
+    "CUBLAS_STATUS_EXECUTION_FAILED", "CUBLAS_STATUS_INTERNAL_ERROR", "cuDNN error",
+    "misaligned address", "an illegal instruction",
+)
+
+
+class DeviceFailure(RuntimeError):
+    """The device is in a state no later step can use. The worker process must exit: its requests
+    stay pending in Redis and resume on another worker (a restarted process gets a fresh context)."""
+
+
+def is_sticky_device_error(error: BaseException) -> bool:
+    """Whether `error` leaves the device unusable (an out-of-memory error does not)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(marker in text for marker in _STICKY_MARKERS)
+
+
+def select_device(device: torch.device) -> None:
+    """Make `device` the current CUDA device, so that `cuda:N` holds for every allocation, stream
+    and kernel launch that names no device (Triton launches on the current device)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def place_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Move the model to `device` and cast its weights to `dtype`; fp32 buffers stay fp32.
+
+    `model.to(dtype)` would also cast buffers such as RoPE's inv_freq: in bf16 the angles of far
+    apart positions collapse. transformers' own `from_pretrained(dtype=...)` keeps them fp32.
+    """
+    fp32_buffers = [(name, buf) for name, buf in model.named_buffers()
+                    if buf.dtype == torch.float32]
+    model.to(device=device, dtype=dtype)
+    for name, buf in fp32_buffers:
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        owner._buffers[attr] = buf.to(device)
+    return model
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """'auto' -> the Triton paged kernel on CUDA when triton is importable, else gather + SDPA."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                         f"got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "sdpa"
+    if name == "triton" and not triton_available():
+        raise ValueError("attention_backend 'triton' needs the `triton` package")
+    return name

@@ -1,0 +1,73 @@
+"""The profiling step that sizes the KV budget on an accelerator: one dummy forward and sampling at
+the largest step shape the scheduler can produce, measuring the peak memory it needs beyond the
+weights (as vLLM and nano-vllm do before they allocate their caches)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.messages import SamplingParams
+from worker.engine.kv_cache import KVCachePool, KVLayout
+from worker.engine.model_runner import ModelRunner
+from worker.engine.sampler import Sampler, SamplerInput
+from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from worker.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    num_tokens: int  # tokens in the dummy step (= max_batched_tokens)
+    num_logits_rows: int  # rows sampled (as many streams as one step can emit for)
+    peak_bytes: int  # device memory the step needed beyond what was allocated before it (0 on CPU)
+
+
+def largest_step(max_batched_tokens: int, max_running: int, block_size: int) -> SchedulerOutput:
+    """The step with the most tokens and the most logits rows: decodes for all streams but one,
+    whose prefill chunk takes the rest of the token budget. Block tables are 0, 1, 2, ...
+    (a dummy pool of `blocks_for(step)` blocks holds them)."""
+    num_rows = min(max_running, max_batched_tokens)
+    prefill_tokens = max_batched_tokens - (num_rows - 1)
+    lengths = [1] * (num_rows - 1) + [prefill_tokens]
+    chunks, next_block = [], 0
+    params = SamplingParams(max_tokens=1)
+    for i, length in enumerate(lengths):
+        num_blocks = -(-length // block_size)
+        table = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        seq = Sequence(f"profile-{i}", [0] * length, params)
+        chunks.append(ScheduledChunk(seq, 0, length, table, emits_token=True))
+    return SchedulerOutput(chunks=chunks)
+
+
+def blocks_for(step: SchedulerOutput) -> int:
+    return sum(len(c.block_table) for c in step.chunks)
+
+
+def profile_step(model: torch.nn.Module, layout: KVLayout, block_size: int, max_batched_tokens: int,
+                 max_running: int, device: torch.device, attention_backend: str) -> StepProfile:
+    """Run the largest step through a throwaway pool, then sample it the most expensive way
+    (top-p's full sort, penalties, logprobs); report the peak memory it took."""
+    step = largest_step(max_batched_tokens, max_running, block_size)
+    measuring = device.type == "cuda"
+    if measuring:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device) if measuring else 0
+    pool = KVCachePool(layout, blocks_for(step), block_size, device)
+    runner = ModelRunner(model, pool, attention_backend=attention_backend)
+    emitting, logits = runner.execute(step)
+    worst = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50,
+                           repetition_penalty=1.1, frequency_penalty=0.1, logprobs=20, seed=0)
+    Sampler([]).sample(logits, [SamplerInput(worst, c.seq.prompt_token_ids, []) for c in emitting])
+    peak = 0
+    if measuring:
+        torch.cuda.synchronize(device)
+        peak = max(0, torch.cuda.max_memory_allocated(device) - before - pool.num_bytes)
+    num_rows = logits.shape[0]
+    del pool, runner, logits
+    if measuring:
+        torch.cuda.empty_cache()
+    return StepProfile(step.num_batched_tokens, num_rows, peak)
