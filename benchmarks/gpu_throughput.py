@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from worker.engine.engine import Engine, EngineConfig
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 from tests.engine.paged_cases import CASES, ChunkSpec, PagedCase, run_case
 from worker.engine.sampler import Sampler, SamplerInput
 from worker.engine.triton_attention import interpreting

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 from worker.engine.attention import CONTEXT_KWARG, paged_attention_forward
 from worker.engine.kv_cache import KVCachePool, KVLayout
 from worker.engine.kv_format import resolve_kv_format

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 from worker.engine.kv_cache import KVCachePool, KVLayout
 from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import Sampler, SamplerInput
