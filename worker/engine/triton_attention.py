@@ -203,6 +203,8 @@ if triton is not None:
                 k_scale = tl.load(ks_ptr + s_rows, mask=n_valid, other=0.0).to(tl.float32)
                 v_scale = tl.load(vs_ptr + s_rows, mask=n_valid, other=0.0).to(tl.float32)
                 qk = qk * k_scale[None, :]
+            else:
+                v_scale = tl.full([BLOCK_N], 1.0, tl.float32)  # unused: keeps the name defined
             visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
 
