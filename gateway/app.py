@@ -14,6 +14,8 @@ from gateway.admission.admission import Admission, QueueWaitEstimator
 from gateway.admission.auth import ApiKeyAuth, ApiKeyStore
 from gateway.admission.body_limit import BodySizeLimit
 from gateway.admission.ratelimit import RateLimiter
+from gateway.dashboard.history import (FleetHistory, HistorySampler, history_router,
+                                       redis_snapshot_reader)
 from gateway.dashboard.metrics import GatewayMetrics, RejectionCounter, metrics_route
 from gateway.dashboard.router import dashboard_router
 from gateway.errors import install_error_handlers
@@ -55,13 +57,18 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
         model_info = model_info or ModelInfo.from_pretrained(
             served_model_id(settings.model), model_path, tokenizer)
     background = BackgroundTasks()
+    samplers: list[HistorySampler] = []
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await client.start()
+        for sampler in samplers:
+            sampler.start()
         try:
             yield
         finally:
+            for sampler in samplers:
+                await sampler.stop()
             try:
                 await asyncio.wait_for(background.drain(), SHUTDOWN_DRAIN_S)
             except TimeoutError:
@@ -92,6 +99,10 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.include_router(metrics_route(metrics))
     if redis is not None:
         app.include_router(dashboard_router(redis, served_id, metrics))
+        history = FleetHistory(settings.dashboard_history_s, settings.dashboard_sample_s)
+        samplers.append(HistorySampler(history, redis_snapshot_reader(redis, served_id), metrics))
+        app.state.history = history
+        app.include_router(history_router(history))
     # /v1/files takes batch input files and enforces KVFLEET_BATCH_MAX_FILE_BYTES itself.
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
                        exempt_paths=("/v1/files",))

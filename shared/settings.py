@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.models import DEFAULT_MODEL, default_cache_dir
@@ -72,6 +72,17 @@ class GatewaySettings(BatchApiSettings):
     api_keys: str = ""  # comma-separated plaintext keys (KVFLEET_API_KEYS), besides Redis keys
     rate_limit_rpm: int = 0  # requests per minute per key
     rate_limit_tpm: int = 0  # tokens (prompt + max_tokens) per minute per key
+    # The dashboard's charts: one sample of the fleet every dashboard_sample_s, kept this long.
+    dashboard_history_s: float = 900.0
+    dashboard_sample_s: float = 5.0
+
+    @field_validator("dashboard_sample_s")
+    @classmethod
+    def _check_dashboard_sample(cls, value: float, info: ValidationInfo) -> float:
+        history_s = info.data.get("dashboard_history_s", 900.0)
+        if not 0 < value <= history_s:
+            raise ValueError(f"must be > 0 and at most dashboard_history_s ({history_s:g})")
+        return value
 
 
 class WorkerSettings(CommonSettings):

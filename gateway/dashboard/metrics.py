@@ -53,6 +53,11 @@ class RecentValues:
                 self._values.popleft()
             return [v for _, v in self._values]
 
+    def since(self, t: float) -> list[float]:
+        """Values observed after clock time `t` (at most the last `max_count`)."""
+        with self._lock:
+            return [v for at, v in self._values if at > t]
+
 
 def quantile(values: list[float], q: float) -> float | None:
     """Linear-interpolated quantile (numpy's default method); None for no values."""
@@ -71,6 +76,7 @@ class GatewayMetrics:
                  recent_ttft_window_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
+        self.clock = clock
         self._clock = clock
         self._recent_ttft = RecentValues(recent_ttft_count, recent_ttft_window_s, clock)
         p = "kvfleet_gateway_"
@@ -147,6 +153,10 @@ class GatewayMetrics:
         """(p50, p99) of the recent TTFTs (last `recent_ttft_count` within the window), or Nones."""
         values = self._recent_ttft.snapshot()
         return quantile(values, 0.5), quantile(values, 0.99)
+
+    def ttft_since(self, t: float) -> list[float]:
+        """TTFTs of the first tokens sent after `clock()` time `t` (the dashboard's history)."""
+        return self._recent_ttft.since(t)
 
     def requests_in_flight(self) -> int:
         value = self.registry.get_sample_value("kvfleet_gateway_requests_in_flight",

@@ -1,5 +1,6 @@
-"""The dashboard's HTML page: no external assets (inline CSS and JS); it polls `dashboard/data`
-and re-renders. Kept as a Python string so a plain `pip install .` ships it."""
+"""The dashboard's HTML page: no external assets (inline CSS, JS and SVG); it polls
+`dashboard/data` for the cards and the worker table and `dashboard/history` for the charts of the
+last 15 minutes, and re-renders. Kept as a Python string so a plain `pip install .` ships it."""
 
 from __future__ import annotations
 
@@ -45,6 +46,22 @@ DASHBOARD_HTML = """<!doctype html>
   .fill { height:100%; background:var(--ok); }
   .fill.warn { background:var(--warn); } .fill.bad { background:var(--bad); }
   .stale { color:var(--warn); }
+  .charts { display:grid; grid-template-columns:repeat(auto-fit, minmax(300px, 1fr)); gap:10px;
+            margin-bottom:18px; }
+  .chart { background:var(--panel); border:1px solid var(--line); border-radius:8px;
+           padding:8px 10px 4px; }
+  .chart .head { display:flex; gap:10px; align-items:baseline; font-size:12px; color:var(--dim); }
+  .chart .head .latest { margin-left:auto; color:var(--text); font-weight:600;
+                         font-variant-numeric:tabular-nums; }
+  .chart svg { width:100%; height:auto; display:block; }
+  .chart .axis { stroke:var(--line); stroke-width:1; }
+  .chart .axis.top { stroke-dasharray:3 3; }
+  .chart text { fill:var(--dim); font-size:10px; font-family:system-ui, sans-serif; }
+  .line { fill:none; stroke-width:2; stroke-linejoin:round; stroke-linecap:round; }
+  .line.tps { stroke:#39c5cf; } .line.p50 { stroke:#a371f7; } .line.p99 { stroke:#ff7b72; }
+  .line.queue { stroke:#e3b341; } .line.kv { stroke:#7ee787; }
+  .key { display:inline-block; width:10px; height:3px; vertical-align:middle; margin-right:3px; }
+  .key.p50 { background:#a371f7; } .key.p99 { background:#ff7b72; }
   #empty { color:var(--dim); padding:14px; text-align:center; }
 </style>
 </head>
@@ -68,6 +85,17 @@ DASHBOARD_HTML = """<!doctype html>
     <div class="sub">recent requests</div></div>
   <div class="card"><div class="label">TTFT p99</div><div class="value" id="ttft-p99">–</div>
     <div class="sub" id="in-flight">–</div></div>
+</section>
+<section class="charts" id="charts">
+  <div class="chart"><div class="head">Fleet tokens/s<span class="latest" id="latest-tps">–</span>
+    </div><svg id="chart-tps" viewBox="0 0 320 120"></svg></div>
+  <div class="chart"><div class="head">TTFT <span><i class="key p50"></i>p50</span>
+    <span><i class="key p99"></i>p99</span><span class="latest" id="latest-ttft">–</span></div>
+    <svg id="chart-ttft" viewBox="0 0 320 120"></svg></div>
+  <div class="chart"><div class="head">Queue depth<span class="latest" id="latest-queue">–</span>
+    </div><svg id="chart-queue" viewBox="0 0 320 120"></svg></div>
+  <div class="chart"><div class="head">KV usage<span class="latest" id="latest-kv">–</span>
+    </div><svg id="chart-kv" viewBox="0 0 320 120"></svg></div>
 </section>
 <table>
   <thead><tr><th>worker</th><th>model</th><th>KV usage</th><th>running</th><th>waiting</th>
@@ -174,7 +202,84 @@ async function poll() {
     setTimeout(poll, POLL_MS);
   }
 }
+// ---- charts of the last 15 minutes (dashboard/history) ----
+const SVG_NS = "http://www.w3.org/2000/svg";
+const W = 320, H = 120, LEFT = 40, RIGHT = 6, TOP = 8, BOTTOM = 18;
+const count = (v) => Number(v).toFixed(0);
+const CHARTS = [
+  {id: "chart-tps", latest: "latest-tps", fmt: (v) => fmt(v, 1), axis: count,
+   series: [{key: "tokens_per_s", cls: "tps"}]},
+  {id: "chart-ttft", latest: "latest-ttft", fmt: fmtS, axis: fmtS,
+   series: [{key: "ttft_p50_s", cls: "p50"}, {key: "ttft_p99_s", cls: "p99"}]},
+  {id: "chart-queue", latest: "latest-queue", fmt: count, axis: count,
+   series: [{key: "queue_depth", cls: "queue"}]},
+  {id: "chart-kv", latest: "latest-kv", fmt: (v) => v.toFixed(1) + "%", axis: (v) => count(v) + "%",
+   series: [{key: "kv_usage_pct", cls: "kv"}], max: 100},
+];
+
+function svgEl(name, attrs, text) {
+  const el = document.createElementNS(SVG_NS, name);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  if (text !== undefined) el.textContent = text;
+  return el;
+}
+
+function niceMax(v) {  // the smallest 1, 2, 2.5 or 5 x 10^k at or above v
+  if (!(v > 0)) return 1;
+  const p = Math.pow(10, Math.floor(Math.log10(v)));
+  return [1, 2, 2.5, 5, 10].map((m) => m * p).find((m) => m >= v * (1 - 1e-9));
+}
+
+function drawChart(spec, h) {
+  const svg = $(spec.id);
+  svg.replaceChildren();
+  const t1 = h.now, t0 = h.now - h.history_s;
+  const values = h.points.flatMap((p) => spec.series.map((s) => p[s.key]))
+    .filter((v) => v !== null && v !== undefined);
+  const top = spec.max || niceMax(Math.max(0, ...values));
+  const x = (t) => LEFT + (W - LEFT - RIGHT) * Math.max(0, t - t0) / (t1 - t0);
+  const y = (v) => TOP + (H - TOP - BOTTOM) * (1 - Math.min(v, top) / top);
+  svg.append(
+    svgEl("line", {class: "axis", x1: LEFT, x2: W - RIGHT, y1: y(0), y2: y(0)}),
+    svgEl("line", {class: "axis top", x1: LEFT, x2: W - RIGHT, y1: y(top), y2: y(top)}),
+    svgEl("text", {x: LEFT - 4, y: y(top) + 4, "text-anchor": "end", class: "ymax"}, spec.axis(top)),
+    svgEl("text", {x: LEFT - 4, y: y(0) + 4, "text-anchor": "end"}, spec.axis(0)),
+    svgEl("text", {x: LEFT, y: H - 4}, "-" + Math.round(h.history_s / 60) + " min"),
+    svgEl("text", {x: W - RIGHT, y: H - 4, "text-anchor": "end"}, "now"));
+  for (const s of spec.series) {
+    let d = "", drawn = 0, penUp = true;
+    for (const p of h.points) {
+      const v = p[s.key];
+      if (v === null || v === undefined || p.t < t0) { penUp = true; continue; }
+      const xy = x(p.t).toFixed(1) + " " + y(v).toFixed(1);
+      d += penUp ? "M" + xy + " L" + xy : " L" + xy;  // a lone point still shows (round cap)
+      penUp = false;
+      drawn += 1;
+    }
+    svg.append(svgEl("path", {class: "line " + s.cls, d: d || "M0 0", "data-points": drawn}));
+  }
+  const last = [...h.points].reverse().find((p) => p[spec.series[0].key] !== null);
+  $(spec.latest).textContent = last ? spec.series.map((s) => spec.fmt(last[s.key] ?? 0))
+    .join(" / ") : "–";
+}
+
+async function pollHistory() {
+  let waitMs = 5000;
+  try {
+    const res = await fetch("dashboard/history", {cache: "no-store"});
+    if (res.ok) {
+      const h = await res.json();
+      for (const spec of CHARTS) drawChart(spec, h);
+      waitMs = Math.max(1000, h.sample_s * 1000);
+    }
+  } catch (err) {
+    // the status line already says what is unreachable
+  } finally {
+    setTimeout(pollHistory, waitMs);
+  }
+}
 poll();
+pollHistory();
 </script>
 </body>
 </html>

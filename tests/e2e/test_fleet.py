@@ -59,6 +59,24 @@ def test_streamed_chat_completion_answers_sensibly(fleet):
     assert usage["completion_tokens"] > 0 and usage["prompt_tokens"] > 10
 
 
+def test_the_dashboard_history_samples_the_live_fleet(fleet):
+    """The gateway's sampler runs by itself (every 5 s by default): a point after our request
+    counts the live worker and our request's first token."""
+    asked_at = time.time()
+    chat(fleet.url, QUESTION, max_tokens=5)
+    deadline = time.monotonic() + 30
+    while True:
+        body = httpx.get(f"{fleet.url}/dashboard/history", timeout=10).json()
+        after = [p for p in body["points"] if p["t"] > asked_at and p["ttft_count"] >= 1]
+        if after:
+            break
+        assert time.monotonic() < deadline, body
+        time.sleep(0.5)
+    assert (body["history_s"], body["sample_s"]) == (900.0, 5.0)
+    assert after[0]["workers"] >= 1 and after[0]["ttft_p50_s"] > 0
+    assert after[0]["kv_usage_pct"] is not None and after[0]["queue_depth"] is not None
+
+
 def test_greedy_output_equals_transformers_generate(fleet):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
