@@ -1,11 +1,12 @@
-# syntax=docker/dockerfile:1.7
 # One image for every role (gateway, worker, batch-worker); the command picks the role.
 #   CPU (default):  docker build -t kvfleet:cpu .
 #   CUDA:           docker build -t kvfleet:cuda \
 #                     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
 # The CUDA wheels of torch carry the CUDA runtime (nvidia-* packages), so the slim Python base
 # serves both; the host needs only the NVIDIA driver and container toolkit. BASE_IMAGE may name
-# e.g. an nvidia/cuda runtime image with Python 3.11 instead.
+# any image with Python 3.11 as `python` and its venv module (an nvidia/cuda runtime image, or one
+# made locally where no registry is reachable: docs/DEPLOY.md). No `# syntax=` line: BuildKit's
+# built-in Dockerfile frontend does all this file uses, and fetching another needs a registry.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # Dependencies: a virtualenv built from pyproject's list alone, so editing code never
@@ -34,7 +35,7 @@ FROM ${BASE_IMAGE}
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONPATH=/app \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     KVFLEET_CACHE_DIR=/home/kvfleet/.cache/kvfleet/models KVFLEET_HOST=0.0.0.0
-RUN useradd --create-home --uid 1000 kvfleet
+RUN useradd --create-home --uid 1000 kvfleet && install -d -o kvfleet -g kvfleet /home/kvfleet/.cache
 COPY --from=deps /opt/venv /opt/venv
 COPY --from=model --chown=kvfleet:kvfleet /models /home/kvfleet/.cache/kvfleet/models
 COPY deploy/healthcheck.py /usr/local/bin/kvfleet-healthcheck

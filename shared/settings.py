@@ -111,7 +111,7 @@ class WorkerSettings(CommonSettings):
     max_deliveries: int = 3
     read_block_ms: int = 200  # blocking XREADGROUP stays below redis-py's socket timeout
     result_ttl_s: int = 3600  # how long a finished request's hash and checkpoint are kept
-    num_threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = the CPUs this process may use
     metrics_port: int = 0  # Prometheus /metrics of this worker: 0 = a free port, -1 = off
     metrics_host: str = "0.0.0.0"
     metrics_advertise_host: str = ""  # host put in the heartbeat's metrics_url; "" = hostname

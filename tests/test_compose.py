@@ -1,11 +1,13 @@
 """The deployment files hold together: docker-compose.yml (through `docker compose config` where
-the compose plugin works, else parsed as YAML with the same checks), the Dockerfile's shape, and
-the Kubernetes examples in deploy/k8s."""
+the compose plugin works, else parsed as YAML after the same variable interpolation, with the same
+checks), .env, deploy/gpu-workers.sh, the Dockerfile's shape, and the Kubernetes examples in
+deploy/k8s. deploy/smoke.sh runs the real thing with a Docker engine (docs/DEPLOY.md)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -21,6 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 KVFLEET_SERVICES = ("gateway", "worker", "worker-cpu", "batch")
 REDIS_URL = "redis://redis:6379/0"
+# Compose variables the tests set, so that they must reach the right places.
+CUSTOM = {"KVFLEET_GATEWAY_HOST_PORT": "18123", "KVFLEET_REDIS_HOST_PORT": "16399",
+          "KVFLEET_WORKER_CPUS": "3", "KVFLEET_BASE_IMAGE": "local/python:3.11",
+          "KVFLEET_REDIS_IMAGE": "local/redis:7"}
 
 
 def compose_plugin_works() -> bool:
@@ -38,15 +44,51 @@ def compose_plugin_works() -> bool:
 SOURCES = ["yaml", *(["docker-compose-config"] if compose_plugin_works() else [])]
 
 
-@pytest.fixture(scope="module", params=SOURCES)
-def compose(request) -> dict:
-    if request.param == "yaml":
-        return yaml.safe_load(COMPOSE.read_text())  # safe_load resolves the `<<` merge keys
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's `${VAR:-default}` and `${VAR}` substitution (all this file uses)."""
+    def value(match: re.Match) -> str:
+        return env.get(match[1]) or (match[3] or "")
+    return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", value, text)
+
+
+class OverrideLoader(yaml.SafeLoader):
+    """YAML with Compose's `!override` tag (replace, don't merge, the base file's value)."""
+
+
+OverrideLoader.add_constructor(
+    "!override", lambda loader, node: loader.construct_sequence(node, deep=True)
+    if isinstance(node, yaml.SequenceNode) else loader.construct_mapping(node, deep=True))
+
+
+def load_compose(source: str, env: dict[str, str], *extra_files: Path,
+                 compose_file: Path = COMPOSE) -> dict:
+    if source == "yaml":
+        # safe_load resolves the `<<` merge keys
+        return yaml.safe_load(interpolate(compose_file.read_text(), env))
+    files = [arg for path in (compose_file, *extra_files) for arg in ("-f", str(path))]
+    base_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("KVFLEET_", "COMPOSE_"))}
     result = subprocess.run(
-        ["docker", "compose", "-f", str(COMPOSE), "--profile", "cpu", "--profile", "gpu",
-         "config", "--format", "json"], capture_output=True, text=True, timeout=60)
+        ["docker", "compose", *files, "--profile", "cpu", "--profile", "gpu", "config",
+         "--format", "json"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env={**base_env, **env})
     assert result.returncode == 0, f"docker compose config rejected the file:\n{result.stderr}"
     return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module", params=SOURCES)
+def compose(request) -> dict:
+    return load_compose(request.param, {})
+
+
+@pytest.fixture(scope="module", params=SOURCES)
+def custom_compose(request) -> dict:
+    return load_compose(request.param, CUSTOM)
+
+
+def dotenv() -> dict[str, str]:
+    lines = (ROOT / ".env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
 
 
 def command_of(service: dict) -> list[str]:
@@ -139,6 +181,34 @@ def test_the_gateway_is_checked_on_health_and_published_on_loopback(compose):
     assert "profiles" not in gateway
 
 
+def test_host_ports_cpu_share_and_images_come_from_variables(compose, custom_compose):
+    assert host_ports(compose["services"]["redis"]) == [("127.0.0.1", "6379")]
+    services = custom_compose["services"]
+    assert host_ports(services["gateway"]) == [("127.0.0.1", "18123")]
+    assert host_ports(services["redis"]) == [("127.0.0.1", "16399")]
+    assert services["redis"]["image"] == "local/redis:7"
+    for name in KVFLEET_SERVICES:
+        assert services[name]["build"]["args"]["BASE_IMAGE"] == "local/python:3.11"
+    assert float(services["worker-cpu"]["cpus"]) == 3.0
+    assert float(compose["services"]["worker-cpu"]["cpus"]) == 2.0
+
+
+def test_each_cpu_worker_gets_a_cpu_limit_and_threads_to_match(compose):
+    worker = compose["services"]["worker-cpu"]
+    assert float(worker["cpus"]) > 0
+    # 0: the worker sizes its torch threads by the container's CPU quota (worker/cpu_share.py)
+    assert environment_of(worker)["KVFLEET_NUM_THREADS"] == "0"
+
+
+def test_models_live_in_one_cache_volume(compose):
+    assert "model-cache" in compose.get("volumes", {})
+    for name in ("gateway", "worker", "worker-cpu"):  # the gateway loads the tokenizer
+        volumes = compose["services"][name].get("volumes") or []
+        mounts = {(v["source"] if isinstance(v, dict) else v.split(":")[0]).split("_")[-1]:
+                  v["target"] if isinstance(v, dict) else v.split(":")[1] for v in volumes}
+        assert mounts.get("model-cache") == "/home/kvfleet/.cache", name
+
+
 def test_workers_scale_without_host_ports_or_names(compose):
     for name in ("worker", "worker-cpu"):
         worker = compose["services"][name]
@@ -150,7 +220,9 @@ def test_workers_scale_without_host_ports_or_names(compose):
 def test_the_gpu_worker_reserves_one_nvidia_gpu_in_the_gpu_profile(compose):
     worker = compose["services"]["worker"]
     (device,) = gpu_devices(worker)
-    assert device["driver"] == "nvidia" and int(device["count"]) == 1
+    # A device id, not `count: 1`: every replica of a count-1 service gets the same first GPU.
+    assert device["driver"] == "nvidia" and device["device_ids"] == ["0"]
+    assert "count" not in device
     capabilities = [c for group in device["capabilities"]
                     for c in (group if isinstance(group, list) else [group])]
     assert capabilities == ["gpu"]
@@ -161,14 +233,54 @@ def test_the_gpu_worker_reserves_one_nvidia_gpu_in_the_gpu_profile(compose):
         "the GPU worker must be built from a CUDA torch index"
 
 
-def test_plain_up_needs_no_gpu_and_the_cpu_profile_adds_cpu_workers(compose):
+def test_plain_up_serves_with_a_cpu_worker_and_needs_no_gpu(compose):
     services = compose["services"]
-    default = [name for name, s in services.items() if not s.get("profiles")]
-    assert set(default) == {"redis", "gateway", "batch"}
+    assert dotenv()["COMPOSE_PROFILES"] == "cpu"  # what a plain `docker compose up` starts
+    profiles = set(dotenv()["COMPOSE_PROFILES"].split(","))
+    default = {name for name, s in services.items()
+               if not s.get("profiles") or profiles & set(s["profiles"])}
+    assert default == {"redis", "gateway", "batch", "worker-cpu"}
     assert all(not gpu_devices(services[name]) for name in default)
     cpu = services["worker-cpu"]
     assert cpu["profiles"] == ["cpu"] and not gpu_devices(cpu)
     assert environment_of(cpu)["KVFLEET_DEVICE"] == "cpu"
+    if compose_plugin_works():  # Compose itself, reading the committed .env as plain `up` does
+        base_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("KVFLEET_", "COMPOSE_"))}
+        result = subprocess.run(["docker", "compose", "config", "--services"],
+                                capture_output=True, text=True, timeout=60, cwd=ROOT, env=base_env)
+        assert result.returncode == 0, result.stderr
+        assert set(result.stdout.split()) == default
+
+
+def gpu_workers_override(tmp_path: Path, num_gpus: int) -> Path:
+    """The script's output where Compose looks for it: beside (a copy of) docker-compose.yml."""
+    result = subprocess.run(["sh", str(ROOT / "deploy" / "gpu-workers.sh"), str(num_gpus)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    shutil.copy(COMPOSE, tmp_path / "docker-compose.yml")
+    path = tmp_path / "docker-compose.override.yml"
+    path.write_text(result.stdout)
+    return path
+
+
+def test_gpu_workers_sh_gives_each_gpu_its_own_worker_service(tmp_path):
+    override_path = gpu_workers_override(tmp_path, 4)
+    services = yaml.load(override_path.read_text(), Loader=OverrideLoader)["services"]
+    assert set(services) == {"worker-gpu1", "worker-gpu2", "worker-gpu3"}  # GPU 0: `worker`
+    for index in (1, 2, 3):
+        service = services[f"worker-gpu{index}"]
+        assert service["extends"] == {"file": "docker-compose.yml", "service": "worker"}
+        (device,) = gpu_devices(service)
+        assert device["device_ids"] == [str(index)] and device["driver"] == "nvidia"
+    if compose_plugin_works():  # merged by Compose itself: one device each, all distinct
+        merged = load_compose("docker-compose-config", {}, override_path,
+                              compose_file=tmp_path / "docker-compose.yml")["services"]
+        ids = [gpu_devices(merged[name])[0]["device_ids"]
+               for name in ("worker", "worker-gpu1", "worker-gpu2", "worker-gpu3")]
+        assert all(len(gpu_devices(merged[name])) == 1 for name in merged if "worker-gpu" in name)
+        assert ids == [["0"], ["1"], ["2"], ["3"]]
+        assert merged["worker-gpu3"]["profiles"] == ["gpu"]
 
 
 def test_the_batch_worker_feeds_the_gateway(compose):
@@ -182,6 +294,8 @@ def test_the_batch_worker_feeds_the_gateway(compose):
 
 def test_the_dockerfile_builds_cpu_or_cuda_as_a_non_root_user():
     text = (ROOT / "Dockerfile").read_text()
+    # A `# syntax=` line makes BuildKit pull a frontend image: no build without a registry.
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
     assert re.search(r"^ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu$", text, re.M)
     assert re.search(r"^ARG BASE_IMAGE=", text, re.M)
     assert re.search(r"^USER kvfleet$", text, re.M)

@@ -13,6 +13,7 @@ import torch
 from shared.models import resolve_model_path, served_model_id
 from shared.settings import WorkerSettings
 from shared.wire import Keys
+from worker.cpu_share import cpu_share
 from worker.engine.engine import Engine, EngineConfig
 from worker.metrics import WorkerMetrics
 from worker.protocol import WorkerProtocol
@@ -42,8 +43,13 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
 def build_engine(settings: WorkerSettings) -> Engine:
     from transformers import AutoTokenizer
 
-    if settings.num_threads > 0:
-        torch.set_num_threads(settings.num_threads)
+    # On CPU: the configured threads, else torch's default (physical cores) capped by this
+    # process's share of the machine (its cpuset and its cgroup CPU quota, e.g. a container's).
+    threads = settings.num_threads if settings.num_threads > 0 else \
+        min(torch.get_num_threads(), cpu_share())
+    if threads != torch.get_num_threads():
+        log.info("torch threads: %d", threads)
+        torch.set_num_threads(threads)
     path = resolve_model_path(settings.model, settings.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return Engine.from_pretrained(path, engine_config(settings), tokenizer=tokenizer)  # logs its budget
