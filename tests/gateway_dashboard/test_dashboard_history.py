@@ -7,23 +7,20 @@ import asyncio
 import re
 import subprocess
 from collections.abc import Iterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
-from fastapi import FastAPI
 from PIL import Image
 
 from gateway.dashboard.history import (FleetHistory, HistoryPoint, HistorySampler,
                                        history_router, redis_snapshot_reader)
 from gateway.dashboard.metrics import GatewayMetrics
-from gateway.dashboard.router import dashboard_router
 from gateway.fleet.redis_context import RedisContext
 from tests.gateway_dashboard.test_dashboard import (CHROMIUM_TIMEOUT_S, KEYS, MODEL, chromium_dom,
-                                                    find_chromium, free_port, serve_in_thread,
-                                                    text_of, write_heartbeat)
+                                                    find_chromium, free_port, make_app,
+                                                    serve_in_thread, text_of, write_heartbeat)
 
 WINDOW_S = 900.0
 SAMPLE_S = 5.0
@@ -150,17 +147,7 @@ def chart_url(redis_url) -> Iterator[str]:
     history = FrozenHistory(WINDOW_S, SAMPLE_S)
     for point in synthetic_history().points():
         history.add(point)
-    context = RedisContext(redis_url, KEYS)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        try:
-            yield
-        finally:
-            await context.aclose()
-
-    app = FastAPI(lifespan=lifespan)
-    app.include_router(dashboard_router(context, MODEL, GatewayMetrics(MODEL)))
+    app = make_app(redis_url, GatewayMetrics(MODEL))  # the dashboard as test_dashboard serves it
     app.include_router(history_router(history))
     yield from serve_in_thread(app)
 
