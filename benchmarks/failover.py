@@ -1,19 +1,28 @@
 """Failover benchmark: the pause a client sees when the worker serving it is SIGKILLed, whether its
-text stays identical to an uninterrupted run, and what the kill costs in throughput.
+text stays identical to an uninterrupted run, and what the kill costs — on an idle fleet, or on a
+fleet kept at a given fraction of its measured capacity (`--load`).
 
     .venv/bin/python -m benchmarks.failover --trials 5 --requests 8 --max-tokens 120
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.failover --trials 20 --requests 6 \\
+        --max-tokens 60 --no-calm --load 0.8
 
 Each trial: 2 workers serve N streamed greedy requests; once every request has tokens, the worker
 serving most of them is SIGKILLed and a replacement started afterwards. Reported: per-request pause
 (largest gap between content chunks) of resumed requests, p50 and max over all trials; fraction of
 requests whose text equals the uninterrupted reference; median wall time of runs with a kill vs
 runs without one (each trial runs both, after one warm-up run).
+
+With `--load F`: first the fleet's capacity is measured (output tokens/s of closed-loop clients at
+each `--capacity-concurrency`, the largest rate); then a background closed loop at the smallest of
+those concurrencies that reached F x capacity runs through every trial, the replacement worker
+included. Reported too: the load the fleet served in the `--load-window-s` before each kill as a
+share of capacity, and whether every background answer (the victim's included) equals the first
+answer its prompt got.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -21,63 +30,43 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import redis
 
-from shared.models import DEFAULT_MODEL
+from benchmarks.fleet_load import (Answer, ClosedLoop, References, measure_capacity,
+                                   served_tokens_per_s, start_two_workers, stream_answer)
 from shared.redis_server import EmbeddedRedis
 from tests.helpers.processes import ProcessFleet
 
 
-def body(i: int, max_tokens: int) -> dict:
-    return {"model": DEFAULT_MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0,
-            "messages": [{"role": "user", "content": f"Tell story number {i} about a lighthouse."}]}
-
-
-def stream(url: str, payload: dict, record: dict) -> None:
-    pieces, times = [], []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=900) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                record.setdefault("id", chunk.get("id"))
-                for choice in chunk.get("choices", []):
-                    if choice["delta"].get("content"):
-                        pieces.append(choice["delta"]["content"])
-                        times.append(time.monotonic())
-    record["text"], record["times"] = "".join(pieces), times
-
-
-def run(url: str, n: int, max_tokens: int, during=None) -> tuple[list[dict], float]:
-    records = [dict() for _ in range(n)]
-    threads = [threading.Thread(target=stream, args=(url, body(i, max_tokens), records[i]))
+def run(url: str, n: int, max_tokens: int, during=None) -> tuple[list[Answer], float]:
+    answers = [Answer(i, max_tokens) for i in range(n)]
+    threads = [threading.Thread(target=stream_answer, args=(url, i, max_tokens, answers[i]))
                for i in range(n)]
     start = time.monotonic()
     for t in threads:
         t.start()
     if during:
-        during(records)
+        during(answers)
     for t in threads:
         t.join()
-    return records, time.monotonic() - start
+    return answers, time.monotonic() - start
 
 
-def kill_busiest(fleet: ProcessFleet, client: redis.Redis, records: list[dict]) -> str:
-    """Once every request streams, SIGKILL the worker that owns most of them."""
+def kill_busiest(fleet: ProcessFleet, client: redis.Redis, answers: list[Answer]) -> float:
+    """Once every request streams, SIGKILL the worker that owns most of them; the kill's time."""
     while True:
-        ids = [r.get("id") for r in records]
+        ids = [a.req_id for a in answers]
         if all(ids):
             owners = [client.hget(f"{fleet.prefix}req:{i}", "worker") for i in ids]
             done = [client.strlen(f"{fleet.prefix}req:{i}:ckpt") // 4 for i in ids]
             if min(done) >= 5 and all(owners):
                 victim_id = max(set(owners), key=owners.count).decode()
                 fleet.workers.pop(victim_id).kill()
-                return victim_id
+                return time.monotonic()
         time.sleep(0.02)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--requests", type=int, default=8)
@@ -85,47 +74,90 @@ def main() -> int:
     parser.add_argument("--heartbeat-ttl-s", type=float, default=2.0)
     parser.add_argument("--no-calm", action="store_true",
                         help="kill runs only (no throughput comparison): more trials per minute")
-    args = parser.parse_args()
+    parser.add_argument("--load", type=float, default=0.0,
+                        help="keep the fleet at this fraction of its measured capacity (0: idle)")
+    parser.add_argument("--capacity-concurrency", default="4,8,16,24",
+                        help="closed-loop concurrencies of the capacity measurement")
+    parser.add_argument("--capacity-s", type=float, default=30.0)
+    parser.add_argument("--background-max-tokens", type=int, default=64)
+    parser.add_argument("--load-window-s", type=float, default=5.0)
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     flags = ["--kv-memory", "512MiB", "--num-threads", "1", "--heartbeat-ttl-s",
              str(args.heartbeat_ttl_s), "--heartbeat-interval-s", "0.5"]
+    references = References()
+    background: ClosedLoop | None = None
+    loads: list[float] = []
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as logs:
         fleet = ProcessFleet(server.url, Path(logs), worker_flags=flags)
         client = redis.Redis.from_url(server.url)
         try:
-            fleet.start_gateway()
-            for name in ("a", "b"):
-                fleet.start_worker(name)
+            start_two_workers(fleet)
             # The first run warms up (and fills the prefix cache) and gives the reference texts.
             reference, _ = run(fleet.url, args.requests, args.max_tokens)
-            pauses, identical, walls, calm_walls = [], 0, [], []
+            references.check(reference)
+            if args.load > 0:
+                print("capacity (2 workers, no kill):", flush=True)
+                concurrencies = [int(c) for c in args.capacity_concurrency.split(",")]
+                capacity, rates, sweep = measure_capacity(
+                    fleet.url, concurrencies, args.background_max_tokens, args.capacity_s,
+                    warmup_s=10.0)
+                references.check(sweep)
+                chosen = min((c for c, r in rates.items() if r >= args.load * capacity),
+                             default=max(concurrencies))
+                print(f"capacity {capacity:.1f} tokens/s; background load: {chosen} clients "
+                      f"({rates[chosen]:.1f} tokens/s = {rates[chosen] / capacity:.0%})", flush=True)
+                background = ClosedLoop(fleet.url, chosen, args.background_max_tokens,
+                                        first_prompt=7).start()
+                time.sleep(10)  # the background reaches its steady state
+            pauses, walls, calm_walls = [], [], []
             for trial in range(args.trials):
                 if not args.no_calm:
                     calm_walls.append(run(fleet.url, args.requests, args.max_tokens)[1])
-                records, wall_s = run(fleet.url, args.requests, args.max_tokens,
-                                      during=lambda recs: kill_busiest(fleet, client, recs))
+                killed_at = []
+                answers, wall_s = run(fleet.url, args.requests, args.max_tokens,
+                                      during=lambda a: killed_at.append(
+                                          kill_busiest(fleet, client, a)))
                 walls.append(wall_s)
-                for got, want in zip(records, reference):
-                    identical += got["text"] == want["text"]
-                    attempt = client.hget(f"{fleet.prefix}req:{got['id']}", "attempt")
-                    if attempt not in (b"1", None) and len(got["times"]) > 1:
-                        gaps = [b - a for a, b in zip(got["times"], got["times"][1:])]
-                        pauses.append(max(gaps))
+                references.check(answers)
+                for answer in answers:
+                    attempt = client.hget(f"{fleet.prefix}req:{answer.req_id}", "attempt")
+                    if attempt not in (b"1", None) and len(answer.times) > 1:
+                        pauses.append(max(b - a for a, b in zip(answer.times, answer.times[1:])))
+                load = ""
+                if background is not None:
+                    served = background.snapshot() + answers
+                    rate = served_tokens_per_s(served, killed_at[0] - args.load_window_s,
+                                               killed_at[0])
+                    loads.append(rate / capacity)
+                    load = f"; load before the kill {rate:.0f} tokens/s = {rate / capacity:.0%}"
                 fleet.start_worker(f"spare{trial}")  # two workers again for the next trial
-                print(f"trial {trial + 1}: {wall_s:.1f} s with a kill; resumed so far "
-                      f"{len(pauses)}, identical so far {identical}", flush=True)
+                print(f"trial {trial + 1}: {wall_s:.1f} s with a kill{load}; resumed so far "
+                      f"{len(pauses)}, identical so far {references.identical}/"
+                      f"{references.checked}", flush=True)
+            if background is not None:
+                references.check(background.stop())
         finally:
             fleet.stop()
-    total = args.trials * args.requests
-    print(f"\nrequests identical to the uninterrupted run: {identical}/{total}")
+    print(f"\nanswers identical to the first answer of their prompt: "
+          f"{references.identical}/{references.checked}")
+    if references.mismatches:
+        print(f"  not identical: {references.mismatches[:10]}")
     if pauses:
         print(f"client-visible pause of resumed requests: p50 {statistics.median(pauses):.2f} s, "
               f"max {max(pauses):.2f} s (n={len(pauses)}; heartbeat TTL {args.heartbeat_ttl_s} s)")
+    if loads:
+        print(f"load in the {args.load_window_s:g} s before each kill: min {min(loads):.0%}, "
+              f"median {statistics.median(loads):.0%} of capacity")
     killed = statistics.median(walls)
     if calm_walls:
         calm = statistics.median(calm_walls)
         print(f"wall time of a run: median {calm:.1f} s without a kill, {killed:.1f} s with one "
               f"(ratio {killed / calm:.2f})")
-    return 0 if identical == total else 1
+    return 0 if not references.mismatches else 1
 
 
 if __name__ == "__main__":
