@@ -8,6 +8,8 @@ from typing import Any
 
 import msgpack
 
+from shared.structured import OutputConstraint
+
 
 @dataclass
 class SamplingParams:
@@ -28,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; N = also return the top-N alternatives
     skip_prefix_cache: bool = False
+    # Output tokens must follow this grammar (structured outputs, constrained tool calls).
+    constraint: OutputConstraint | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def greedy(self) -> bool:
@@ -39,7 +44,10 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        fields = {k: v for k, v in data.items() if k in names}
+        fields["constraint"] = OutputConstraint.from_dict(fields.get("constraint"))
+        fields["logit_bias"] = {int(k): float(v) for k, v in (fields.get("logit_bias") or {}).items()}
+        return cls(**fields)
 
 
 @dataclass

@@ -50,10 +50,10 @@ def test_a_failing_request_errors_alone_and_leaks_nothing(tiny_llama, monkeypatc
     bad = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, seed=666)
     sample = engine.sampler.sample
 
-    def failing_sample(logits, inputs):
+    def failing_sample(logits, inputs, *rest):
         if any(inp.params.seed == 666 for inp in inputs):
             raise RuntimeError("poison")
-        return sample(logits, inputs)
+        return sample(logits, inputs, *rest)
 
     monkeypatch.setattr(engine.sampler, "sample", failing_sample)
     good_prompt = random_prompt(9, 3)

@@ -24,6 +24,8 @@ from worker.engine.sampler import Sampler, SamplerInput
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StopChecker
+from worker.structured.compiler import GrammarCompiler
+from worker.structured.requests import ConstrainedRequests
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 
@@ -125,6 +127,10 @@ class Engine:
             config.max_batched_tokens, config.max_running, config.watermark,
             preemption=self.preemption, swap_space=self.swap_space)
         self.sampler = Sampler(eos)
+        # Structured outputs: one grammar matcher per constrained request (needs the tokenizer).
+        self.constrained = ConstrainedRequests(
+            GrammarCompiler(tokenizer, model.config.vocab_size, eos) if tokenizer is not None
+            else None)
         decode_graphs = None
         if graphs_mode is not None:
             decode_graphs = DecodeGraphs(model, self.pool, scratch_block=self.budget.num_blocks - 1,
@@ -200,6 +206,8 @@ class Engine:
             raise ValueError(
                 f"request {req_id!r}: needs {blocks} KV blocks but the pool has only "
                 f"{self.block_manager.num_blocks}")
+        # a resumed request replays its tokens through its grammar: same masks as before the crash
+        self.constrained.add(req_id, params.constraint, output_token_ids or [])
         seq = Sequence(req_id, prompt_token_ids, params, output_token_ids=output_token_ids or [])
         self._seqs[req_id] = seq
         self.scheduler.add(seq)
@@ -211,6 +219,7 @@ class Engine:
             return None
         self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         self._swapped.pop(req_id, None)
+        self.constrained.discard(req_id)
         return self._output(seq, [], None)
 
     def has_unfinished(self) -> bool:
@@ -244,7 +253,24 @@ class Engine:
         outputs += self._fail(failed)
         emissions = self.scheduler.update(sched, samples)
         outputs += [self._emission_output(e) for e in emissions]
-        return outputs
+        return outputs + self._advance_constrained(emissions)
+
+    def _advance_constrained(self, emissions: list[TokenEmission]) -> list[RequestOutput]:
+        """Move each constrained request's grammar past its new token; a token the grammar
+        refuses (it cannot be sampled: the mask forbids it) fails the request."""
+        if not len(self.constrained):
+            return []
+        failed = []
+        for emission in emissions:
+            req_id = emission.seq.req_id
+            if emission.token_id is not None and not emission.finished:
+                try:
+                    self.constrained.advance(req_id, emission.token_id)
+                except ValueError as exc:
+                    failed.append((emission.seq, exc))
+            if emission.finished:
+                self.constrained.discard(req_id)
+        return self._fail(failed)
 
     def _swap(self, sched: SchedulerOutput) -> None:
         """Copy preempted streams' blocks out (before this step may overwrite them), then copy
@@ -268,7 +294,8 @@ class Engine:
         inputs = [SamplerInput(c.seq.params, c.seq.prompt_token_ids, c.seq.output_token_ids)
                   for c in emitting]
         try:
-            results = self.sampler.sample(logits, inputs)
+            mask = self.constrained.mask([c.seq.req_id for c in emitting])
+            results = self.sampler.sample(logits, inputs, mask)
             return {c.seq.req_id: r for c, r in zip(emitting, results)}, []
         except Exception as exc:
             _raise_if_sticky(exc)
@@ -276,7 +303,9 @@ class Engine:
         samples, failed = {}, []
         for i, chunk in enumerate(emitting):
             try:
-                samples[chunk.seq.req_id] = self.sampler.sample(logits[i:i + 1], inputs[i:i + 1])[0]
+                mask = self.constrained.mask([chunk.seq.req_id])
+                samples[chunk.seq.req_id] = self.sampler.sample(
+                    logits[i:i + 1], inputs[i:i + 1], mask)[0]
             except Exception as exc:
                 _raise_if_sticky(exc)
                 failed.append((chunk.seq, exc))
@@ -299,6 +328,7 @@ class Engine:
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         self._seqs.pop(seq.req_id, None)
+        self.constrained.discard(seq.req_id)
         return self._output(seq, [], None)
 
     @staticmethod

@@ -23,10 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.wire import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from worker.structured.logit_mask import LogitMask
 
 # Below this temperature a row is sampled greedily (as vLLM does): dividing by ~0 only overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -62,20 +66,27 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
 
     def sample(
-        self, logits: torch.Tensor, inputs: list[SamplerInput]
+        self, logits: torch.Tensor, inputs: list[SamplerInput], logit_mask: LogitMask | None = None
     ) -> list[tuple[int, TokenLogprob | None]]:
-        """One (token id, logprob or None) per row of `logits` [N, vocab]; row i is inputs[i]."""
+        """One (token id, logprob or None) per row of `logits` [N, vocab]; row i is inputs[i].
+
+        `logit_mask`: the tokens each constrained row may take now (its grammar's next tokens)."""
         if logits.dim() != 2 or logits.shape[0] != len(inputs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(inputs)} inputs")
         if not inputs:
             return []
-        modifies = any(_needs_penalties(inp) or _needs_min_tokens(inp) for inp in inputs)
+        modifies = logit_mask is not None or any(
+            _needs_penalties(inp) or _needs_min_tokens(inp) or inp.params.logit_bias
+            for inp in inputs)
         # float32; a private copy only when rows are modified in place (the caller's stay intact)
         scores = logits.detach().to(torch.float32, copy=modifies)  # [N, vocab]
         raw_logprobs = _raw_logprobs(scores, inputs)  # before any penalty or temperature
         if modifies:
             apply_penalties(scores, inputs)
             apply_min_tokens(scores, inputs, self.eos_token_ids)
+            apply_logit_bias(scores, inputs)
+            if logit_mask is not None:
+                logit_mask.apply(scores)  # last: nothing may re-allow a token the grammar refuses
         token_ids = _choose_tokens(scores, inputs)  # [N] int64, on the device
         return _to_host(token_ids, raw_logprobs, inputs)
 
@@ -86,7 +97,8 @@ def _needs_penalties(inp: SamplerInput) -> bool:
 
 
 def _needs_min_tokens(inp: SamplerInput) -> bool:
-    return inp.position < inp.params.min_tokens
+    # A constrained row ends when its grammar does: masking EOS there could leave no token at all.
+    return inp.position < inp.params.min_tokens and inp.params.constraint is None
 
 
 # --- penalties (in place on float32 scores [N, vocab], counted on the device) ---------------------
@@ -138,8 +150,9 @@ def _padded_ids(scores: torch.Tensor, token_lists) -> tuple[torch.Tensor, torch.
 
 
 # --- per-row logit masks: tokens a row may not sample now -----------------------------------------
-# min_tokens is the only one today; grammar masks and logit_bias belong beside it, applied after
-# the penalties and before temperature and the filters, as [N, vocab] masks or (row, col) pairs.
+# min_tokens, logit_bias (row, col) pairs and the grammar masks of constrained rows
+# (worker/structured/logit_mask.py), applied after the penalties and before temperature and the
+# filters.
 
 
 def apply_min_tokens(
@@ -163,6 +176,24 @@ def apply_min_tokens(
         cols.extend(blocked_in_vocab)
     if rows:
         scores[_index(rows, scores.device), _index(cols, scores.device)] = float("-inf")
+
+
+def apply_logit_bias(scores: torch.Tensor, inputs: list[SamplerInput]) -> None:
+    """OpenAI's logit_bias: a per-request value added to the logits of the given token ids."""
+    vocab_size = scores.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, inp in enumerate(inputs):
+        for token_id, bias in inp.params.logit_bias.items():
+            if 0 <= token_id < vocab_size:
+                rows.append(i)
+                cols.append(token_id)
+                biases.append(bias)
+    if rows:
+        values = torch.tensor(biases, dtype=torch.float32).to(scores.device, non_blocking=True)
+        scores.index_put_((_index(rows, scores.device), _index(cols, scores.device)), values,
+                          accumulate=True)
 
 
 # --- choosing tokens ------------------------------------------------------------------------------

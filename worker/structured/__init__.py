@@ -1,0 +1,1 @@
+"""Constrained decoding on the worker: compiled grammars, per-request matchers, logit masks."""
