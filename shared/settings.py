@@ -56,7 +56,13 @@ class GatewaySettings(BatchApiSettings):
     request_timeout_s: float = 600.0  # deadline carried in the stream entry
     first_event_timeout_s: float = 600.0  # no event at all for this long -> error to the client
     max_body_bytes: int = 1_000_000
-    default_max_tokens: int = 256
+    # max_tokens of a request that gives none; None = the rest of the context (as vLLM)
+    default_max_tokens: int | None = None
+    # Tool calls: the model's call format (auto = from its chat template; see gateway/tools/).
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    # Reasoning: split <think>...</think> into reasoning_content (auto = when the vocabulary has
+    # both tags as tokens).
+    reasoning_parser: Literal["auto", "think", "none"] = "auto"
     # Temperature of requests that give none. None: the model's generation config decides, as in
     # transformers' generate() (greedy unless it sets do_sample) — sensible answers from small
     # models; set 1.0 for OpenAI's default.

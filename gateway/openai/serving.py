@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING
 from gateway.dashboard.metrics import GatewayMetrics, RequestTracker
 from gateway.errors import bad_request, error_body, model_not_found
 from gateway.fleet.client import EngineClient, EngineError
+from gateway.openai.constraints import request_constraint
+from gateway.openai.fields import check_extra_fields
 from gateway.openai.protocol import MAX_CHOICES, SamplingRequest
 from gateway.openai.responses import UsageInfo
 from gateway.openai.tokenization import PromptProcessor
 from gateway.output.background import BackgroundTasks
 from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
 from gateway.output.merge import merge_choices
+from shared.wire import OutputConstraint
 from shared.settings import GatewaySettings
 from shared.wire import GenerationRequest, Usage
 
@@ -105,9 +108,11 @@ class OpenAIServing:
         tracker = self.metrics.track(self.endpoint)
         try:
             self.check_model(request.model)
+            self.check_fields(request)
+            constraint = self.constraint(request)
             prompts = await self.prompts(request)
             req_hex = new_request_id()
-            requests = self.build_requests(req_hex, prompts, request)
+            requests = self.build_requests(req_hex, prompts, request, constraint)
             await self.admit(requests, principal)
             choices = await self.submit_all(requests)
             # The response id is the request id (`kvf:req:{id}` in Redis).
@@ -123,6 +128,22 @@ class OpenAIServing:
         """The token ids of each prompt of the request."""
         raise NotImplementedError
 
+    unsupported_fields: dict[str, str] = {}
+
+    def check_fields(self, request: SamplingRequest) -> None:
+        """400 for an OpenAI field kvfleet does not implement; warn about unknown ones."""
+        check_extra_fields(request.model_extra, self.unsupported_fields, self.endpoint)
+        bad = next((t for t in request.token_bias() if t >= self.processor.model.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"`logit_bias`: token id {bad} is out of range: the model's "
+                              f"vocabulary has {self.processor.model.vocab_size} tokens.",
+                              param="logit_bias")
+
+    def constraint(self, request: SamplingRequest) -> OutputConstraint | None:
+        """The grammar every choice's output must follow (structured outputs), if any."""
+        found = request_constraint(request)
+        return found[1] if found else None
+
     async def _respond(self, request, choices: list[ChoiceStream], prompts: list[list[int]],
                        response_id: str, created: int, tracker: RequestTracker):
         raise NotImplementedError
@@ -135,8 +156,8 @@ class OpenAIServing:
         if model != self.served_id:
             raise model_not_found(model)
 
-    def build_requests(self, req_hex: str, prompts: list[list[int]], request: SamplingRequest
-                       ) -> list[GenerationRequest]:
+    def build_requests(self, req_hex: str, prompts: list[list[int]], request: SamplingRequest,
+                       constraint: OutputConstraint | None = None) -> list[GenerationRequest]:
         """One GenerationRequest per choice: choice `p * n + i` is prompt p's i-th sample."""
         num_choices = len(prompts) * request.n
         if num_choices > MAX_CHOICES:
@@ -152,11 +173,11 @@ class OpenAIServing:
                 index = prompt_index * request.n + i
                 req_id = f"cmpl-{req_hex}" if num_choices == 1 else f"cmpl-{req_hex}-{index}"
                 params = request.to_sampling_params(max_tokens, wrap_int64(base_seed + index),
-                                                    self.default_temperature)
+                                                    self.default_temperature, constraint)
                 requests.append(GenerationRequest(
                     req_id=req_id, model=self.served_id, prompt_token_ids=prompt_ids,
                     params=params, deadline=now + self.settings.request_timeout_s,
-                    priority=request.priority, created=now))
+                    priority=request.queue_priority, created=now))
         return requests
 
     async def submit_all(self, requests: list[GenerationRequest]) -> list[ChoiceStream]:
@@ -165,9 +186,11 @@ class OpenAIServing:
         try:
             for request in requests:
                 events = await self.client.submit(request)
+                decoder = (self.processor.decoder if request.params.skip_special_tokens
+                           else self.processor.decoder_with_special)
                 choices.append(ChoiceStream(self.client, request, events,
-                                               self.processor.tokenizer, self.background,
-                                               self.processor.decoder))
+                                            self.processor.tokenizer, self.background, decoder,
+                                            eos_token_ids=self.processor.eos_token_ids))
         except BaseException:
             for choice in choices:
                 await choice.close()

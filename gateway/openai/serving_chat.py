@@ -1,10 +1,15 @@
-"""POST /v1/chat/completions: messages through the chat template in, an assistant message out."""
+"""POST /v1/chat/completions: messages (and tools) through the chat template in, an assistant
+message out — its reasoning, content and tool calls split from the generated text."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 from gateway.dashboard.metrics import RequestTracker
+from gateway.errors import bad_request
+from gateway.openai.chat_output import ChatOutput, ChatOutputOptions
+from gateway.openai.constraints import check, request_constraint
+from gateway.openai.fields import UNSUPPORTED_CHAT
 from gateway.openai.protocol import ChatCompletionRequest
 from gateway.openai.responses import (
     ChatChoice,
@@ -18,28 +23,89 @@ from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
 from gateway.openai.sse_chunks import ChatChunkEncoder
 from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
 from gateway.output.merge import merge_choices
+from gateway.output.reasoning import prompt_opens_reasoning, supports_reasoning
+from gateway.tools.formats import format_for_template, template_has_tools
+from gateway.tools.grammar import tool_call_constraint
+from gateway.tools.prompting import template_input
+from shared.wire import OutputConstraint
 
 
 class ChatServing(OpenAIServing):
 
     endpoint = "chat"
+    unsupported_fields = UNSUPPORTED_CHAT
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        template = getattr(self.processor.tokenizer, "chat_template", None)
+        self.native_tools = template_has_tools(template)
+        self.tool_format = format_for_template(template, self.settings.tool_call_parser)
+        mode = self.settings.reasoning_parser
+        self.reasoning = mode == "think" or (
+            mode == "auto" and supports_reasoning(self.processor.tokenizer))
 
     async def prompts(self, request: ChatCompletionRequest) -> list[list[int]]:
+        choice = request.effective_tool_choice
+        tools = ([t.model_dump(exclude_none=True) for t in request.tools]
+                 if request.tools and choice != "none" else None)
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+        rendered = template_input(request.messages, tools, self.native_tools, kwargs)
         return [await self.processor.chat_prompt_async(
-            [m.to_template_dict() for m in request.messages], request.add_generation_prompt)]
+            rendered.messages, request.add_generation_prompt, request.continue_final_message,
+            rendered.tools, rendered.kwargs)]
+
+    def constraint(self, request: ChatCompletionRequest) -> OutputConstraint | None:
+        """Structured outputs, or the grammar of a forced tool call (never both)."""
+        found = request_constraint(request)
+        forced = self._forced_call(request)
+        if forced is None:
+            return found[1] if found else None
+        if found:
+            raise bad_request(f"`tool_choice` forces a tool call, so `{found[0]}` cannot also "
+                              "constrain the output.", param=found[0])
+        return check("tools", forced)
+
+    def _forced_call(self, request: ChatCompletionRequest) -> OutputConstraint | None:
+        choice = request.effective_tool_choice
+        if choice in ("none", "auto"):
+            return None
+        functions = [(t.function.name, t.function.parameters) for t in request.tools]
+        if choice != "required":
+            functions = [f for f in functions if f[0] == choice.function.name]
+            if not functions:
+                raise bad_request(f"`tool_choice` names the function `{choice.function.name}`, "
+                                  "which is not in `tools`.", param="tool_choice")
+        parallel = request.parallel_tool_calls and choice == "required"
+        return tool_call_constraint(functions, self.tool_format, parallel)
+
+    def _options(self, request: ChatCompletionRequest, prompt: list[int]) -> ChatOutputOptions:
+        tools_on = bool(request.tools) and request.effective_tool_choice != "none"
+        opened = self.reasoning and prompt_opens_reasoning(
+            self.processor.decode(prompt[-4:], skip_special_tokens=False))
+        return ChatOutputOptions(self.tool_format if tools_on else None, self.reasoning, opened)
 
     async def _respond(self, request: ChatCompletionRequest, choices: list[ChoiceStream],
                        prompts: list[list[int]], response_id: str, created: int,
                        tracker: RequestTracker) -> ChatCompletionResponse:
         usage = UsageTally(request.n)
+        options = self._options(request, prompts[0])
         out = []
         for index, deltas in enumerate(await self.collect(choices, tracker)):
             final = deltas[-1]
             usage.add(index, final.usage)
             logprobs = self._logprobs(deltas) if request.logprobs else None
-            message = ChatMessageOut(content="".join(d.text for d in deltas))
+            output = ChatOutput(options)
+            first, last = output.feed("".join(d.text for d in deltas)), output.finish()
+            reasoning = first.reasoning + last.reasoning
+            calls = output.tool_calls
+            message = ChatMessageOut(
+                content=(first.content + last.content) or (None if calls else ""),
+                reasoning_content=reasoning if output.saw_reasoning else None, tool_calls=calls)
+            reason = "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
             out.append(ChatChoice(index=index, message=message, logprobs=logprobs,
-                                  finish_reason=final.finish_reason))
+                                  finish_reason=reason))
         info = usage.info()
         tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
                        info.completion_tokens)
@@ -51,6 +117,8 @@ class ChatServing(OpenAIServing):
                       tracker: RequestTracker) -> AsyncIterator[bytes]:
         frames = ChatChunkEncoder(response_id, created, self.served_id)
         usage = UsageTally(request.n)
+        options = self._options(request, prompts[0])
+        outputs = [ChatOutput(options) for _ in choices]
         finish_reasons: list[str | None] = []
         try:
             for index in range(len(choices)):
@@ -59,12 +127,21 @@ class ChatServing(OpenAIServing):
                 if delta.token_ids:
                     tracker.on_tokens(len(delta.token_ids))
                 logprobs = self._logprobs([delta]) if request.logprobs and delta.logprobs else None
-                if delta.text or logprobs is not None:
-                    yield frames.content(index, delta.text, logprobs)
+                piece = outputs[index].feed(delta.text)
                 if delta.finish_reason is not None:
+                    last = outputs[index].finish()
+                    piece.reasoning += last.reasoning
+                    piece.content += last.content
+                    piece.tool_calls += last.tool_calls
+                for frame in frames.pieces(index, piece, logprobs):
+                    yield frame
+                if delta.finish_reason is not None:
+                    reason = delta.finish_reason
+                    if outputs[index].tool_calls and reason == "stop":
+                        reason = "tool_calls"
                     usage.add(index, delta.usage)
-                    finish_reasons.append(delta.finish_reason)
-                    yield frames.finish(index, delta.finish_reason)
+                    finish_reasons.append(reason)
+                    yield frames.finish(index, reason)
             info = usage.info()
             if request.include_usage:
                 yield frames.usage(info)

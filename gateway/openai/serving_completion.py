@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from gateway.dashboard.metrics import RequestTracker
+from gateway.openai.fields import UNSUPPORTED_COMPLETIONS
 from gateway.openai.protocol import CompletionRequest
 from gateway.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
@@ -17,6 +18,7 @@ from shared.wire import TokenLogprob
 class CompletionServing(OpenAIServing):
 
     endpoint = "completions"
+    unsupported_fields = UNSUPPORTED_COMPLETIONS
 
     async def prompts(self, request: CompletionRequest) -> list[list[int]]:
         return await self.processor.completion_prompts_async(request.prompt)

@@ -71,6 +71,20 @@ class ChatChunkEncoder(_ChunkEncoder):
     def content(self, index: int, text: str, logprobs: BaseModel | None = None) -> bytes:
         return self._choice(index, f'{{"content":{encode_basestring(text)}}}', logprobs, None)
 
+    def pieces(self, index: int, piece, logprobs: BaseModel | None = None) -> list[bytes]:
+        """Frames of one ChatPiece: reasoning, content (with the logprobs), tool-call deltas."""
+        frames = []
+        if piece.reasoning:
+            frames.append(self._choice(
+                index, f'{{"reasoning_content":{encode_basestring(piece.reasoning)}}}', None, None))
+        if piece.content or (logprobs is not None and not piece.tool_calls):
+            frames.append(self.content(index, piece.content, logprobs))
+            logprobs = None
+        if piece.tool_calls:
+            calls = [c.model_dump(exclude_none=True) for c in piece.tool_calls]
+            frames.append(self._choice(index, f'{{"tool_calls":{_json(calls)}}}', logprobs, None))
+        return frames
+
     def finish(self, index: int, finish_reason: str) -> bytes:
         return self._choice(index, "{}", None, finish_reason)
 

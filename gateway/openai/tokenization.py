@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from gateway.errors import APIError, bad_request
 from gateway.output.detokenizer import TextDecoder
@@ -20,6 +21,13 @@ DEFAULT_CONTEXT_LENGTH = 2048  # when neither the config nor the tokenizer says
 # Prompts with at least this many characters are tokenised off the event loop: ~1 ms of work on
 # a loaded 2-core machine (16k characters: ~60 ms, which every open stream would wait out).
 OFFLOAD_MIN_CHARS = 512
+
+
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not override them.
+_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                              "add_generation_prompt", "continue_final_message", "tokenize",
+                              "padding", "truncation", "max_length", "return_tensors",
+                              "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,9 @@ class PromptProcessor:
         self.tokenizer = tokenizer
         self.model = model
         self.decoder = TextDecoder(tokenizer)  # shared by every stream's detokeniser
+        self.decoder_with_special = TextDecoder(tokenizer, skip_special_tokens=False)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
         self.offload_min_chars = offload_min_chars
         self._token_texts: dict[int, str] = {}
         # One thread: long prompts queue behind each other. It tokenises with its own copy of
@@ -93,11 +104,15 @@ class PromptProcessor:
             len(p) for p in prompt if isinstance(p, str))
         return await self._maybe_offload(size, "completion_prompts", prompt)
 
-    async def chat_prompt_async(self, messages: Sequence[Mapping[str, str]],
-                                add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt_async(self, messages: Sequence[Mapping[str, Any]],
+                                add_generation_prompt: bool = True,
+                                continue_final_message: bool = False,
+                                tools: list[dict] | None = None,
+                                template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """`chat_prompt`, in a worker thread when the conversation is long."""
         size = sum(len(m.get("content") or "") for m in messages)
-        return await self._maybe_offload(size, "chat_prompt", messages, add_generation_prompt)
+        return await self._maybe_offload(size, "chat_prompt", messages, add_generation_prompt,
+                                         continue_final_message, tools, template_kwargs)
 
     async def _maybe_offload(self, size: int, method: str, *args):
         if size < self.offload_min_chars:
@@ -124,14 +139,19 @@ class PromptProcessor:
             self._check_ids(ids, "prompt")
         return token_ids
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
-                    ) -> list[int]:
-        """Token ids of a conversation, through the model's chat template."""
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, tools: list[dict] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a conversation, through the model's chat template (`template_kwargs`:
+        the request's `chat_template_kwargs`, e.g. enable_thinking)."""
         if not messages:
             raise bad_request("`messages` must not be empty.", param="messages")
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
         try:
             rendered = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
+                list(messages), add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools, tokenize=True,
+                **kwargs)
         except Exception as exc:  # jinja raises for conversations the template refuses
             raise bad_request(f"The chat template refused the messages: {exc}",
                               param="messages") from exc
@@ -141,8 +161,10 @@ class PromptProcessor:
         self._check_ids(ids, "messages")
         return ids
 
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int) -> int:
-        """max_tokens for one prompt: the client's if it fits the context, else a 400."""
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None,
+                           default: int | None = None) -> int:
+        """max_tokens for one prompt: the client's if it fits the context, else a 400; none
+        asked: `default`, or (None) the rest of the context, as vLLM does."""
         context = self.model.context_length
         if requested is None:
             if prompt_len >= context:
@@ -150,7 +172,7 @@ class PromptProcessor:
                                f"However, your prompt has {prompt_len} tokens. Please reduce the "
                                "length of the prompt.", param="prompt",
                                code="context_length_exceeded")
-            return min(default, context - prompt_len)
+            return context - prompt_len if default is None else min(default, context - prompt_len)
         if prompt_len + requested > context:
             raise APIError(400, f"This model's maximum context length is {context} tokens. "
                            f"However, you requested {prompt_len + requested} tokens ({prompt_len} "
@@ -159,8 +181,8 @@ class PromptProcessor:
                            code="context_length_exceeded")
         return requested
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token on its own, as logprobs show it (an incomplete character shows as U+FFFD)."""

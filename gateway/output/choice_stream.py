@@ -86,7 +86,8 @@ class ChoiceStream:
 
     def __init__(self, client: EngineClient, request: GenerationRequest, events: EventStream,
                  tokenizer, background: BackgroundTasks | None = None,
-                 decoder: TextDecoder | None = None, *, start: StreamStart | None = None):
+                 decoder: TextDecoder | None = None, *, start: StreamStart | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self._start = start or StreamStart.fresh(request)
         if background is None and not self._start.follower:
             raise ValueError("the owner of a request needs BackgroundTasks to cancel it")
@@ -98,7 +99,12 @@ class ChoiceStream:
                                          attempt=self._start.attempt)
         self._detokenizer = IncrementalDetokenizer(tokenizer, self._start.context_token_ids,
                                                    decoder)
-        self._stops = StopStringFilter(request.params.stop)
+        params = request.params
+        self._stops = StopStringFilter(params.stop, params.include_stop_str_in_output)
+        # the token that ended the answer has no text in it (as vLLM), unless asked for
+        self._silent_stop_ids = frozenset() if params.include_stop_str_in_output else (
+            frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                else eos_token_ids))
         self._num_tokens = 0  # tokens this stream sent (the usage when the worker's is missing)
         self._finished = False
         self._closed = False
@@ -117,7 +123,8 @@ class ChoiceStream:
             while True:
                 accepted = await self._next_tokens()
                 index = self._sequencer.next_seq - len(accepted.token_ids)
-                delta = self._delta(accepted.token_ids, accepted.logprobs, index)
+                final_reason = accepted.final.finish_reason if accepted.final else None
+                delta = self._delta(accepted.token_ids, accepted.logprobs, index, final_reason)
                 if accepted.final is not None:
                     self._finish(delta, accepted.final)
                     yield delta
@@ -134,9 +141,15 @@ class ChoiceStream:
             await self.close()
 
     def _delta(self, token_ids: list[int], logprobs: list[TokenLogprob] | None,
-               index: int) -> ChoiceDelta:
+               index: int, final_reason: str | None = None) -> ChoiceDelta:
+        """The delta of output tokens `index ..`: their text through the stop-string filter,
+        which ends the answer only once min_tokens tokens are out (the worker's rule)."""
         self._num_tokens += len(token_ids)
-        text = self._stops.feed(self._detokenizer.add(token_ids))
+        texted = token_ids
+        if final_reason == "stop" and texted and texted[-1] in self._silent_stop_ids:
+            texted = texted[:-1]
+        may_stop = index + len(token_ids) >= self._request.params.min_tokens
+        text = self._stops.feed(self._detokenizer.add(texted), may_stop=may_stop)
         return ChoiceDelta(text=text, token_ids=token_ids, logprobs=logprobs, token_index=index)
 
     def _replay(self) -> ChoiceDelta | None:
@@ -144,7 +157,8 @@ class ChoiceStream:
         start = self._start
         if not start.replay_token_ids and start.replay_finish_reason is None:
             return None
-        delta = self._delta(list(start.replay_token_ids), None, start.replay_index)
+        delta = self._delta(list(start.replay_token_ids), None, start.replay_index,
+                            start.replay_finish_reason)
         if start.replay_finish_reason is not None:
             self._finished = True
             self._flush(delta)

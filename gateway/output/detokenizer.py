@@ -9,7 +9,8 @@ REPLACEMENT_CHAR = "\ufffd"  # what decode() yields for an incomplete UTF-8 sequ
 CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces come out right
 
 
-def _backend_decode(tokenizer) -> Callable[[list[int]], str] | None:
+def _backend_decode(tokenizer, skip_special_tokens: bool = True
+                    ) -> Callable[[list[int]], str] | None:
     """The `tokenizers` backend's decode when it returns exactly what
     `tokenizer.decode(ids, skip_special_tokens=True)` returns: transformers' fast tokenizers only
     add Python layers around it, plus the optional clean-up of tokenization spaces."""
@@ -26,7 +27,7 @@ def _backend_decode(tokenizer) -> Callable[[list[int]], str] | None:
             or cls._decode is not TokenizersBackend._decode
             or getattr(tokenizer, "clean_up_tokenization_spaces", False)):
         return None
-    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class TextDecoder:
@@ -35,10 +36,10 @@ class TextDecoder:
     (a one-token window is what the incremental detokeniser decodes most). One per tokenizer,
     shared by all requests."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self._decode = _backend_decode(tokenizer) or (
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        self._decode = _backend_decode(tokenizer, skip_special_tokens) or (
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
         self._single: dict[int, str] = {}  # token id -> its text alone (at most the vocabulary)
 
     def decode(self, ids: list[int]) -> str:
@@ -107,21 +108,29 @@ class StopStringFilter:
     stop string, so a stop string can never start inside text already released.
     """
 
-    def __init__(self, stop: Sequence[str]):
+    def __init__(self, stop: Sequence[str], include_stop: bool = False):
         self._stop = [s for s in stop if s]
+        self._include_stop = include_stop  # include_stop_str_in_output
         self._held = ""
         self.stopped = False
 
-    def feed(self, text: str) -> str:
-        """The part of `text` (plus what was held) that is safe to send."""
+    def feed(self, text: str, may_stop: bool = True) -> str:
+        """The part of `text` (plus what was held) that is safe to send. `may_stop` False (the
+        answer is shorter than min_tokens): a stop string passes as text."""
         if self.stopped:
             return ""
         buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self._stop) if i >= 0]
-        if hits:
+        hits = [(i, i + len(s)) for s, i in ((s, buffer.find(s)) for s in self._stop) if i >= 0]
+        if hits and may_stop:
             self.stopped = True
             self._held = ""
-            return buffer[:min(hits)]
+            start, end = min(hits)
+            return buffer[:end if self._include_stop else start]
+        if hits:  # release through the last complete occurrence, hold a possible new start
+            done = max(end for _, end in hits)
+            hold = self._longest_partial_match(buffer[done:])
+            self._held = buffer[len(buffer) - hold:] if hold else ""
+            return buffer[:len(buffer) - hold]
         hold = self._longest_partial_match(buffer)
         self._held = buffer[len(buffer) - hold:] if hold else ""
         return buffer[:len(buffer) - hold]

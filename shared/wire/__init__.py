@@ -7,6 +7,7 @@ records through their encode/decode, run the scripts through the call builders o
 
     keys.py           Keys (every key name), PRIORITIES
     messages.py       SamplingParams, GenerationRequest, TokenEvent, TokenLogprob, Usage (msgpack)
+    constraint.py     OutputConstraint (the grammar of a constrained request, inside SamplingParams)
     status.py         RequestStatus and its finish reasons
     checkpoint.py     the checkpoint codec (uint32 little-endian token ids)
     records.py        QueueEntry (stream entry), RequestRecord (request hash), DeadLetterEntry
@@ -21,6 +22,7 @@ records through their encode/decode, run the scripts through the call builders o
 from shared.wire.api_keys import ApiKeyRecord, api_key_field
 from shared.wire.batch import BatchRecord, BatchStatus, FileRecord
 from shared.wire.checkpoint import decode_checkpoint, encode_checkpoint
+from shared.wire.constraint import ConstraintError, OutputConstraint
 from shared.wire.heartbeat import Heartbeat
 from shared.wire.keys import PRIORITIES, Keys
 from shared.wire.lua import LuaScript, ScriptCall
@@ -29,7 +31,8 @@ from shared.wire.records import DeadLetterEntry, QueueEntry, RequestRecord
 from shared.wire.status import RequestStatus
 
 __all__ = [
-    "PRIORITIES", "ApiKeyRecord", "BatchRecord", "BatchStatus", "DeadLetterEntry", "FileRecord",
+    "PRIORITIES", "ApiKeyRecord", "BatchRecord", "BatchStatus", "ConstraintError",
+    "DeadLetterEntry", "FileRecord", "OutputConstraint",
     "GenerationRequest", "Heartbeat", "Keys", "LuaScript", "QueueEntry", "RequestRecord",
     "RequestStatus", "SamplingParams", "ScriptCall", "TokenEvent", "TokenLogprob", "Usage",
     "api_key_field", "decode_checkpoint", "encode_checkpoint",

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgpack
 
-from shared.structured import OutputConstraint
+from shared.wire.constraint import OutputConstraint
 
 
 @dataclass
@@ -33,6 +33,9 @@ class SamplingParams:
     # Output tokens must follow this grammar (structured outputs, constrained tool calls).
     constraint: OutputConstraint | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Output text (the gateway's side; in the record so a re-attached stream reads the same):
+    include_stop_str_in_output: bool = False  # keep the stop string / stop token's text
+    skip_special_tokens: bool = True  # special tokens' text left out of the output
 
     @property
     def greedy(self) -> bool:

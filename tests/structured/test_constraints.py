@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.messages import GenerationRequest, SamplingParams
-from shared.structured import ConstraintError, OutputConstraint, validate
+from shared.wire import GenerationRequest, SamplingParams
+from shared.structured import ConstraintError, OutputConstraint, grammar_of, validate
 
 
 def test_constraint_travels_inside_the_request_record():
@@ -22,7 +22,7 @@ def test_constraint_travels_inside_the_request_record():
 def test_equal_schemas_give_one_grammar_text():
     a = OutputConstraint.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
     b = OutputConstraint.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
-    assert a == b and a.grammar() == b.grammar()
+    assert a == b and grammar_of(a) == grammar_of(b)
 
 
 def test_property_order_is_the_schemas():

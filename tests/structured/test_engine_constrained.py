@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 from shared.structured import OutputConstraint
 from tests.engine.tiny_models import run_to_completion
 

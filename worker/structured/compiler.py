@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import llguidance
 import llguidance.hf
 
-from shared.structured import ConstraintError, OutputConstraint
+from shared.structured import ConstraintError, OutputConstraint, grammar_of
 from worker.structured.matcher import RequestMatcher
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class GrammarCompiler:
         """A matcher at the start of the constraint's grammar, advanced over `output_token_ids`
         (a resumed request replays its checkpoint, so its next masks are the ones the first
         worker would have computed). Raises ConstraintError."""
-        matcher = RequestMatcher(self._compiled(constraint.grammar()).deep_copy())
+        matcher = RequestMatcher(self._compiled(grammar_of(constraint)).deep_copy())
         if output_token_ids:
             matcher.advance(output_token_ids)
         return matcher
