@@ -24,6 +24,8 @@ from gateway.fleet.redis_client import RedisEngineClient
 from gateway.fleet.redis_context import RedisContext
 from gateway.openai.batches import batch_router
 from gateway.openai.routes import router
+from gateway.openai.utility_routes import utility_router
+from gateway.request_id import RequestIdMiddleware
 from gateway.openai.serving_chat import ChatServing
 from gateway.openai.serving_completion import CompletionServing
 from gateway.openai.serving_reattach import ReattachServing
@@ -95,6 +97,7 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.state.background = background
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(utility_router)
     app.include_router(batch_router(redis, settings))
     app.include_router(metrics_route(metrics))
     if redis is not None:
@@ -107,7 +110,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
                        exempt_paths=("/v1/files",))
     app.add_middleware(ApiKeyAuth, store=ApiKeyStore(settings.api_keys, redis))
-    app.add_middleware(RejectionCounter, metrics=metrics)  # added last: outermost, sees every 413
+    app.add_middleware(RejectionCounter, metrics=metrics)  # sees every 413
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries X-Request-Id
     return app
 
 

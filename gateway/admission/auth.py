@@ -1,6 +1,7 @@
 """Optional API keys: plaintext keys from settings (`KVFLEET_API_KEYS`) and keys kept in Redis as
 SHA-256 hashes (`kvfleet keys`). When any key exists, every `/v1/*` request needs
-`Authorization: Bearer <key>`; `/health`, `/ready`, `/metrics` and `/dashboard` stay open."""
+`Authorization: Bearer <key>`, and so do `/tokenize` and `/detokenize`; `/health`, `/ready`,
+`/metrics`, `/version` and `/dashboard` stay open."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gateway.fleet.redis_context import RedisContext
 from shared.wire import ApiKeyRecord, Keys, api_key_field
 
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PATHS = ("/tokenize", "/detokenize")  # vLLM's utility routes: they do the model's work
 KEY_PREFIX = "kvf-"  # plaintext keys start with it, so a leaked one is recognisable
 
 
@@ -102,7 +104,9 @@ class ApiKeyAuth:
         self.store = store
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith(PROTECTED_PREFIX):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path.startswith(PROTECTED_PREFIX)
+                                           or path in PROTECTED_PATHS):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -11,7 +13,11 @@ from gateway.errors import APIError
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai.responses import ModelCard, ModelList
 
+log = logging.getLogger(__name__)
+
 router = APIRouter()
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (nobody reads it)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -27,14 +33,48 @@ def _send(result) -> Response:
     return Response(result.model_dump_json(), media_type="application/json")
 
 
+async def _answer(request: Request, work: Awaitable) -> Response:
+    """The handler's answer; a non-streaming request is cancelled (and so cancelled on the
+    workers) when its client goes away first, as a stream is."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (server shutdown)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        log.info("client went away before the answer (X-Request-Id %s): request cancelled",
+                 getattr(request.state, "request_id", "-"))
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    result = task.result()
+    if not isinstance(result, AsyncIterator):
+        log.info("X-Request-Id %s answered as %s", getattr(request.state, "request_id", "-"),
+                 getattr(result, "id", "-"))
+    return _send(result)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    return _send(await request.app.state.completions.create(body, _principal(request)))
+    return await _answer(request, request.app.state.completions.create(body, _principal(request)))
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    return _send(await request.app.state.chat.create(body, _principal(request)))
+    return await _answer(request, request.app.state.chat.create(body, _principal(request)))
 
 
 @router.get("/v1/requests/{req_id}/stream")
