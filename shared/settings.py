@@ -108,6 +108,7 @@ class WorkerSettings(CommonSettings):
     # decode steps from CUDA graphs at batch-size buckets (auto: on CUDA with the triton backend);
     # eager runs their static buffers without capturing (debugging)
     cuda_graphs: Literal["auto", "off", "eager"] = "auto"
+    grammar_cache_size: int = 256  # compiled output constraints (structured outputs) kept, LRU
     block_size: int = 16
     max_batched_tokens: int = 512
     max_running: int = 64

@@ -35,6 +35,9 @@ class FakeStats:
     num_cached_blocks: int = 0
     num_generated_tokens: int = 0
     num_prefill_tokens_computed: int = 0
+    num_constrained: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
 
 
 class FakeClock:
@@ -75,7 +78,8 @@ def test_counters_and_gauges_follow_steps():
                       FakeStats(num_blocks_free=75, num_running=1, num_preemptions=2,
                                 num_swap_preemptions=1, swap_used_bytes=4096,
                                 prefix_queried_tokens=80, prefix_hit_tokens=40,
-                                num_cached_blocks=4, num_prefill_tokens_computed=45),
+                                num_cached_blocks=4, num_prefill_tokens_computed=45,
+                                num_constrained=3, grammar_compiles=2, grammar_cache_hits=5),
                       step_time_s=0.03)
 
     assert value(metrics, "kvfleet_worker_requests_started_total") == 2
@@ -95,6 +99,9 @@ def test_counters_and_gauges_follow_steps():
     assert value(metrics, "kvfleet_worker_prefix_cache_hit_ratio") == pytest.approx(0.5)
     assert value(metrics, "kvfleet_worker_prefix_cache_queried_tokens_total") == 80
     assert value(metrics, "kvfleet_worker_prefix_cache_hit_tokens_total") == 40
+    assert value(metrics, "kvfleet_worker_constrained_requests") == 3
+    assert value(metrics, "kvfleet_worker_grammar_compiles_total") == 2
+    assert value(metrics, "kvfleet_worker_grammar_cache_hits_total") == 5
 
 
 def test_histograms_bucket_queue_wait_and_step_time():

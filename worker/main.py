@@ -37,6 +37,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         swap_space_bytes=settings.swap_space_bytes,
         attention_backend=settings.attention_backend,
         cuda_graphs=settings.cuda_graphs,
+        grammar_cache_size=settings.grammar_cache_size,
     )
 
 

@@ -47,6 +47,9 @@ class StepStats(Protocol):
     prefix_hit_tokens: int
     num_cached_blocks: int
     num_prefill_tokens_computed: int
+    num_constrained: int
+    grammar_compiles: int
+    grammar_cache_hits: int
 
 
 class TokenRate:
@@ -116,6 +119,8 @@ class WorkerMetrics:
         self._prefill = CumulativeDelta()
         self._queried = CumulativeDelta()
         self._hits = CumulativeDelta()
+        self._compiles = CumulativeDelta()
+        self._grammar_hits = CumulativeDelta()
         self._server = None
         self._build_counters()
         self._build_gauges()
@@ -155,10 +160,16 @@ class WorkerMetrics:
         self.takeovers = self._counter(
             p + "takeovers", "Requests this worker took over from a worker whose heartbeat was "
             "gone (resumed from its checkpoint). Nonzero without a worker dying means a bug.")
+        self.grammar_compiles = self._counter(
+            p + "grammar_compiles", "Output constraints compiled (grammar cache misses).")
+        self.grammar_cache_hits = self._counter(
+            p + "grammar_cache_hits", "Constrained requests whose grammar was already compiled.")
 
     def _build_gauges(self) -> None:
         p = "kvfleet_worker_"
         self.running = self._gauge(p + "running", "Streams in the running batch.")
+        self.constrained = self._gauge(
+            p + "constrained_requests", "Requests in the engine whose output follows a grammar.")
         self.waiting = self._gauge(p + "waiting", "Requests admitted but waiting for KV blocks.")
         self.kv_blocks_total = self._gauge(p + "kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_blocks_used = self._gauge(
@@ -239,6 +250,9 @@ class WorkerMetrics:
         self.prompt_tokens.inc(self._prefill.step(stats.num_prefill_tokens_computed))
         self.prefix_queried_tokens.inc(self._queried.step(stats.prefix_queried_tokens))
         self.prefix_hit_tokens.inc(self._hits.step(stats.prefix_hit_tokens))
+        self.constrained.set(stats.num_constrained)
+        self.grammar_compiles.inc(self._compiles.step(stats.grammar_compiles))
+        self.grammar_cache_hits.inc(self._grammar_hits.step(stats.grammar_cache_hits))
 
     # ---- derived numbers -----------------------------------------------------------------
 

@@ -27,7 +27,15 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (not implemented: 400)
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _not_implemented(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("`continuous_usage_stats` is not supported (usage comes in the "
+                             "last chunk)")
+        return value
 
 
 class SamplingRequest(BaseModel):

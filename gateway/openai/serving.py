@@ -112,6 +112,7 @@ class OpenAIServing:
             constraint = self.constraint(request)
             prompts = await self.prompts(request)
             req_hex = new_request_id()
+            self._log_who(request, req_hex)
             requests = self.build_requests(req_hex, prompts, request, constraint)
             await self.admit(requests, principal)
             choices = await self.submit_all(requests)
@@ -129,6 +130,14 @@ class OpenAIServing:
         raise NotImplementedError
 
     unsupported_fields: dict[str, str] = {}
+
+    @staticmethod
+    def _log_who(request: SamplingRequest, req_hex: str) -> None:
+        """`user`, `safety_identifier` and `metadata` are for the operator: logged with the id."""
+        who = {k: getattr(request, k, None) for k in ("user", "safety_identifier", "metadata")}
+        who = {k: v for k, v in who.items() if v}
+        if who:
+            log.info("request cmpl-%s from %s", req_hex, who)
 
     def check_fields(self, request: SamplingRequest) -> None:
         """400 for an OpenAI field kvfleet does not implement; warn about unknown ones."""

@@ -104,3 +104,15 @@ def test_logit_bias_moves_greedy_choices(make_engine):
     engine.add_request("ban", PROMPT, SamplingParams(max_tokens=1, temperature=0.0,
                                                      logit_bias={banned: -100.0}))
     assert run_to_completion(engine)["ban"][0] != banned
+
+
+def test_engine_stats_count_constrained_requests_and_compiles(make_engine):
+    engine = make_engine(grammar_cache_size=4)
+    constraint = OutputConstraint.choice(["red", "green"])
+    engine.add_request("a", PROMPT, sampled(1, constraint=constraint))
+    engine.add_request("b", PROMPT, sampled(2, constraint=constraint))
+    engine.add_request("c", PROMPT, sampled(3))
+    stats = engine.stats()
+    assert (stats.num_constrained, stats.grammar_compiles, stats.grammar_cache_hits) == (2, 1, 1)
+    run_to_completion(engine)
+    assert engine.stats().num_constrained == 0

@@ -28,6 +28,7 @@ class EngineConfig:
     swap_space_bytes: int = 4 << 30  # host memory for swapped-out KV blocks
     attention_backend: str = "auto"  # auto (triton on CUDA, else sdpa) | sdpa | triton
     cuda_graphs: str = "auto"  # auto (decode graphs with the triton backend on CUDA) | off | eager
+    grammar_cache_size: int = 256  # compiled output constraints kept (LRU)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -58,6 +58,9 @@ class EngineStats:
     num_prefill_tokens_computed: int
     num_swap_preemptions: int = 0  # of num_preemptions, those that swapped the KV out
     swap_used_bytes: int = 0  # host memory held by swapped-out streams
+    num_constrained: int = 0  # requests with an output constraint
+    grammar_compiles: int = 0  # constraints compiled (cache misses)
+    grammar_cache_hits: int = 0
 
 
 def eos_token_ids_of(model) -> list[int]:
@@ -129,8 +132,8 @@ class Engine:
         self.sampler = Sampler(eos)
         # Structured outputs: one grammar matcher per constrained request (needs the tokenizer).
         self.constrained = ConstrainedRequests(
-            GrammarCompiler(tokenizer, model.config.vocab_size, eos) if tokenizer is not None
-            else None)
+            GrammarCompiler(tokenizer, model.config.vocab_size, eos, config.grammar_cache_size)
+            if tokenizer is not None else None)
         decode_graphs = None
         if graphs_mode is not None:
             decode_graphs = DecodeGraphs(model, self.pool, scratch_block=self.budget.num_blocks - 1,
@@ -351,7 +354,10 @@ class Engine:
             num_generated_tokens=sched.num_generated_tokens,
             num_prefill_tokens_computed=sched.num_prefill_tokens_computed,
             num_swap_preemptions=sched.num_swap_preemptions,
-            swap_used_bytes=sum(h.num_bytes for h in self._swapped.values()))
+            swap_used_bytes=sum(h.num_bytes for h in self._swapped.values()),
+            num_constrained=len(self.constrained),
+            grammar_compiles=self.constrained.compiler.misses if self.constrained.compiler else 0,
+            grammar_cache_hits=self.constrained.compiler.hits if self.constrained.compiler else 0)
 
     def budget_report(self) -> list[str]:
         swap = self.swap_space.capacity_blocks * self.pool.block_bytes

@@ -1,0 +1,74 @@
+"""A constrained request whose worker is SIGKILLed mid-answer continues on another worker with
+exactly the text an uninterrupted run gives, and that text still fits the schema."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from shared.models import DEFAULT_MODEL
+from tests.helpers.processes import ProcessFleet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["words"],
+          "properties": {"words": {"type": "array", "minItems": 24, "maxItems": 24,
+                                   "items": {"type": "string", "maxLength": 6}}}}
+BODY = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 300, "temperature": 0.9,
+        "seed": 7, "messages": [{"role": "user", "content": "List some words."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}
+
+
+def stream(url: str, record: dict) -> None:
+    pieces = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=BODY, timeout=600) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            record.setdefault("id", chunk["id"])
+            for choice in chunk["choices"]:
+                pieces.append(choice["delta"].get("content") or "")
+                record["finish_reason"] = choice.get("finish_reason") or record.get(
+                    "finish_reason")
+    record["text"] = "".join(pieces)
+
+
+def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
+    fleet = ProcessFleet(redis_server.url, tmp_path,
+                         worker_flags=["--kv-memory", "256MiB", "--num-threads", "1",
+                                       "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"])
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        fleet.start_gateway()
+        victim = fleet.start_worker("victim")
+        reference: dict = {}
+        stream(fleet.url, reference)
+        assert reference["finish_reason"] == "stop"
+        assert len(json.loads(reference["text"])["words"]) == 24
+        record: dict = {}
+        thread = threading.Thread(target=stream, args=(fleet.url, record))
+        thread.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # kill once the victim has produced some tokens
+            req_id = record.get("id")
+            if req_id and client.strlen(f"{fleet.prefix}req:{req_id}:ckpt") // 4 >= 10:
+                victim.kill()
+                break
+            time.sleep(0.02)
+        assert victim.popen.returncode is not None or victim.popen.wait(10) == -9
+        fleet.start_worker("rescuer")
+        thread.join(timeout=600)
+        assert record["text"] == reference["text"]
+        assert record["finish_reason"] == "stop"
+        attempt = client.hget(f"{fleet.prefix}req:{record['id']}", "attempt")
+        assert attempt not in (b"1", None), "the rescuer resumed the request"
+    finally:
+        fleet.stop()
