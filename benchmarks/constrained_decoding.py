@@ -16,7 +16,6 @@ mask per constrained request per step and applying it in the sampler. Runs alter
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -26,6 +25,7 @@ import torch
 
 from shared.messages import SamplingParams
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from benchmarks.engine_throughput import load_requests
 from shared.structured import OutputConstraint
 from worker.engine.engine import Engine, EngineConfig
 
@@ -34,20 +34,6 @@ WORKLOAD = str(Path(__file__).resolve().parents[2] / "shared" / "workloads" / "c
 LONG_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
                "properties": {"items": {"type": "array", "minItems": 400, "maxItems": 400,
                                         "items": {"type": "string", "maxLength": 8}}}}
-
-
-def load_requests(path: str, num: int, tokenizer) -> list[tuple[list[int], int]]:
-    requests = []
-    with open(path) as f:
-        for line in f:
-            if len(requests) == num:
-                break
-            item = json.loads(line)
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
-                                                add_generation_prompt=True,
-                                                tokenize=True)["input_ids"]
-            requests.append((list(ids), int(item["max_tokens"])))
-    return requests
 
 
 def params_for(i: int, max_tokens: int, constrained: bool) -> SamplingParams:
@@ -60,9 +46,10 @@ def params_for(i: int, max_tokens: int, constrained: bool) -> SamplingParams:
 def run(engine: Engine, requests, constrained_every: int, tag: str) -> tuple[int, float]:
     """(output tokens, seconds) for all requests at once; request i is constrained when
     constrained_every > 0 and i % constrained_every == 0."""
-    for i, (prompt, max_tokens) in enumerate(requests):
+    for i, request in enumerate(requests):
         constrained = constrained_every > 0 and i % constrained_every == 0
-        engine.add_request(f"{tag}-{i}", prompt, params_for(i, max_tokens, constrained))
+        engine.add_request(f"{tag}-{i}", request.prompt,
+                           params_for(i, request.max_tokens, constrained))
     tokens = 0
     start = time.perf_counter()
     while engine.has_unfinished():
@@ -98,7 +85,7 @@ def main() -> None:
         device="cpu", dtype="float32", kv_memory_bytes=int(args.kv_memory_gib * 2**30),
         max_running=args.num_requests), tokenizer=tokenizer)
     print(f"model {DEFAULT_MODEL}, {len(requests)} requests of {args.workload}, "
-          f"{sum(m for _, m in requests)} output tokens per run; CPU: {cpu_name()}, "
+          f"{sum(r.max_tokens for r in requests)} output tokens per run; CPU: {cpu_name()}, "
           f"torch threads {torch.get_num_threads()}")
     compile_start = time.perf_counter()
     engine.constrained.compiler.matcher(OutputConstraint.json_schema(LONG_SCHEMA))

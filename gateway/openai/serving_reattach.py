@@ -32,9 +32,12 @@ class ReattachServing:
         if attached is None:
             raise request_not_found(req_id)
         snapshot, events = attached
+        params = snapshot.request.params
+        decoder = (self.processor.decoder if params.skip_special_tokens
+                   else self.processor.decoder_with_special)
         choice = ChoiceStream(self.client, snapshot.request, events, self.processor.tokenizer,
-                              decoder=self.processor.decoder,
-                              start=StreamStart.resume(snapshot, after))
+                              decoder=decoder, start=StreamStart.resume(snapshot, after),
+                              eos_token_ids=self.processor.eos_token_ids)
         return stream_with_errors(self._chunks(req_id, int(snapshot.request.created), choice))
 
     async def _chunks(self, req_id: str, created: int, choice: ChoiceStream

@@ -7,11 +7,11 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 import redis
 
 from shared.models import DEFAULT_MODEL
+from tests.e2e.test_failover import stream_text
 from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -24,23 +24,6 @@ BODY = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 300, "temperature"
         "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}
 
 
-def stream(url: str, record: dict) -> None:
-    pieces = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=BODY, timeout=600) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            record.setdefault("id", chunk["id"])
-            for choice in chunk["choices"]:
-                pieces.append(choice["delta"].get("content") or "")
-                record["finish_reason"] = choice.get("finish_reason") or record.get(
-                    "finish_reason")
-    record["text"] = "".join(pieces)
-
-
 def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
     fleet = ProcessFleet(redis_server.url, tmp_path,
                          worker_flags=["--kv-memory", "256MiB", "--num-threads", "1",
@@ -50,11 +33,11 @@ def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
         fleet.start_gateway()
         victim = fleet.start_worker("victim")
         reference: dict = {}
-        stream(fleet.url, reference)
+        stream_text(fleet.url, BODY, reference)
         assert reference["finish_reason"] == "stop"
         assert len(json.loads(reference["text"])["words"]) == 24
         record: dict = {}
-        thread = threading.Thread(target=stream, args=(fleet.url, record))
+        thread = threading.Thread(target=stream_text, args=(fleet.url, BODY, record))
         thread.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # kill once the victim has produced some tokens
