@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.wire import SamplingParams
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from benchmarks.engine_throughput import load_requests
 from shared.structured import OutputConstraint
