@@ -31,7 +31,7 @@ else:
     print("no CUDA device: this check needs one")
 PYEOF
 
-need="transformers safetensors gguf pydantic_settings redis msgpack pytest pytest_timeout"
+need="transformers safetensors gguf pydantic_settings redis msgpack pytest pytest_timeout llguidance"
 if ! "$PY" -c "import ${need// /, }" 2>/dev/null; then
     if [ -d benchmarks/wheelhouse ]; then
         echo "== installing the Python dependencies from benchmarks/wheelhouse (offline)"
