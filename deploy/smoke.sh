@@ -96,7 +96,7 @@ log "scale to two workers: docker compose up --scale worker-cpu=2"
 docker compose up -d --scale worker-cpu=2 --no-recreate >>"$WORK/up.log" 2>&1 || fail "scale"
 wait_for 300 "two workers' heartbeats" have_workers 2
 threads=$(docker compose logs worker-cpu 2>/dev/null | grep -o 'torch threads: [0-9]*' | sort | uniq -c)
-log "CPU workers (limit ${KVFLEET_WORKER_CPUS} CPU each): ${threads:-torch's default thread count}"
+log "CPU workers (limit ${KVFLEET_WORKER_CPUS} CPU each): ${threads:-no thread cap logged}"
 
 log "streamed chat; SIGKILL its worker mid-stream"
 stream_chat "$WORK/killed.sse" &
