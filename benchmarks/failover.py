@@ -76,11 +76,14 @@ def parse_args() -> argparse.Namespace:
                         help="kill runs only (no throughput comparison): more trials per minute")
     parser.add_argument("--load", type=float, default=0.0,
                         help="keep the fleet at this fraction of its measured capacity (0: idle)")
-    parser.add_argument("--capacity-concurrency", default="4,8,16,24",
+    parser.add_argument("--capacity-concurrency", default="8,16,32,64,96",
                         help="closed-loop concurrencies of the capacity measurement")
     parser.add_argument("--capacity-s", type=float, default=30.0)
     parser.add_argument("--background-max-tokens", type=int, default=64)
     parser.add_argument("--load-window-s", type=float, default=5.0)
+    parser.add_argument("--settle-s", type=float, default=10.0,
+                        help="with --load: wait after the replacement worker joined, so that each "
+                             "trial starts from the loaded steady state")
     return parser.parse_args()
 
 
@@ -135,6 +138,8 @@ def main() -> int:
                     loads.append(rate / capacity)
                     load = f"; load before the kill {rate:.0f} tokens/s = {rate / capacity:.0%}"
                 fleet.start_worker(f"spare{trial}")  # two workers again for the next trial
+                if background is not None:
+                    time.sleep(args.settle_s)
                 print(f"trial {trial + 1}: {wall_s:.1f} s with a kill{load}; resumed so far "
                       f"{len(pauses)}, identical so far {references.identical}/"
                       f"{references.checked}", flush=True)
