@@ -36,6 +36,8 @@ import redis
 from benchmarks.fleet_load import (Answer, ClosedLoop, References, measure_capacity,
                                    served_tokens_per_s, start_two_workers, stream_answer)
 from shared.redis_server import EmbeddedRedis
+from shared.wire import Keys, RequestRecord
+from shared.wire.checkpoint import TOKEN_BYTES
 from tests.helpers.processes import ProcessFleet
 
 
@@ -55,11 +57,12 @@ def run(url: str, n: int, max_tokens: int, during=None) -> tuple[list[Answer], f
 
 def kill_busiest(fleet: ProcessFleet, client: redis.Redis, answers: list[Answer]) -> float:
     """Once every request streams, SIGKILL the worker that owns most of them; the kill's time."""
+    keys = Keys(fleet.prefix)
     while True:
         ids = [a.req_id for a in answers]
         if all(ids):
-            owners = [client.hget(f"{fleet.prefix}req:{i}", "worker") for i in ids]
-            done = [client.strlen(f"{fleet.prefix}req:{i}:ckpt") // 4 for i in ids]
+            owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
+            done = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
             if min(done) >= 5 and all(owners):
                 victim_id = max(set(owners), key=owners.count).decode()
                 fleet.workers.pop(victim_id).kill()
@@ -130,7 +133,8 @@ def main() -> int:
                 walls.append(wall_s)
                 references.check(answers)
                 for answer in answers:
-                    attempt = client.hget(f"{fleet.prefix}req:{answer.req_id}", "attempt")
+                    attempt = client.hget(Keys(fleet.prefix).request(answer.req_id),
+                                          RequestRecord.ATTEMPT)
                     if attempt not in (b"1", None) and len(answer.times) > 1:
                         pauses.append(max(b - a for a, b in zip(answer.times, answer.times[1:])))
                 load = ""

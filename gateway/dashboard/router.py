@@ -48,8 +48,7 @@ async def read_workers(client: Redis, keys: Keys, now: float) -> list[dict[str, 
 
 async def read_queue(client: Redis, keys: Keys, model: str) -> dict[str, Any]:
     by_priority = {}
-    for priority in PRIORITIES:
-        stream = keys.queue(model, priority)
+    for priority, stream in zip(PRIORITIES, keys.queues(model)):
         depth, pending = await stream_depth(client, stream, keys.group)
         by_priority[priority] = {"stream": stream, "depth": depth, "pending": pending}
     return {"depth": sum(p["depth"] for p in by_priority.values()),

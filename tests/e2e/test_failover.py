@@ -12,6 +12,8 @@ import pytest
 import redis
 
 from shared.models import DEFAULT_MODEL
+from shared.wire import Keys, RequestRecord
+from shared.wire.checkpoint import TOKEN_BYTES
 from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -76,14 +78,15 @@ def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_server, tmp_path):
         reference = run_all(fleet.url)  # uninterrupted, all on one worker
         assert all(r["finish_reason"] == "length" for r in reference)
         fleet.start_worker("rescuer")
+        keys = Keys(fleet.prefix)
 
         def kill_when_streaming(records):
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
                 ids = [r.get("id") for r in records]
                 if all(ids):
-                    owners = [client.hget(f"{fleet.prefix}req:{i}", "worker") for i in ids]
-                    progress = [client.strlen(f"{fleet.prefix}req:{i}:ckpt") // 4 for i in ids]
+                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
+                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
                     if b"victim" in owners and min(progress) >= 10:
                         victim.kill()  # SIGKILL
                         return
@@ -97,7 +100,7 @@ def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_server, tmp_path):
             assert got["finish_reason"] == "length"
             assert got["text"] == want["text"]
         resumed = [r for r in records
-                   if client.hget(f"{fleet.prefix}req:{r['id']}", "attempt") not in (b"1", None)]
+                   if client.hget(keys.request(r["id"]), RequestRecord.ATTEMPT) not in (b"1", None)]
         assert resumed, "no request was resumed by the rescuer"
     finally:
         fleet.stop()

@@ -13,6 +13,7 @@ import redis
 import torch
 
 from shared.models import DEFAULT_MODEL, resolve_model_path
+from shared.wire import Keys, RequestRecord
 from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -120,7 +121,8 @@ def test_two_workers_share_one_queue(fleet):
     for thread in threads:
         thread.join(timeout=300)
     assert all(r is not None and r["usage"]["completion_tokens"] == 48 for r in results)
-    served_by = {client.hget(f"{fleet.prefix}req:{r['id']}", "worker") for r in results}
+    keys = Keys(fleet.prefix)
+    served_by = {client.hget(keys.request(r["id"]), RequestRecord.WORKER) for r in results}
     assert served_by == {b"w0", b"w-second"}
 
 
@@ -133,7 +135,7 @@ def test_a_request_queued_with_no_worker_is_served_when_one_starts(redis_server,
         thread.start()
         client = redis.Redis.from_url(redis_server.url)
         deadline = time.monotonic() + 30
-        while client.xlen(f"{fleet.prefix}{DEFAULT_MODEL}:q") == 0:
+        while client.xlen(Keys(fleet.prefix).queue(DEFAULT_MODEL)) == 0:
             assert time.monotonic() < deadline, "request never reached the stream"
             time.sleep(0.1)
         assert not result

@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from gateway.fleet.fanout import stop_task
-from shared.wire import GenerationRequest, Keys, TokenEvent
+from shared.wire import GenerationRequest, Keys, QueueEntry, TokenEvent
 
 
 class FakeWorker:
@@ -51,7 +51,7 @@ class FakeWorker:
 
     async def _serve(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         self.entries.append(fields)
-        request = GenerationRequest.unpack(fields[b"payload"])
+        request = QueueEntry.decode(fields).request
         self.received.append(request)
         pipe = self.redis.pipeline(transaction=False)
         for event in self.script(request):

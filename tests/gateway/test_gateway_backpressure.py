@@ -12,7 +12,7 @@ from gateway.app import create_app
 from gateway.errors import TooManyRequests
 from gateway.fleet.client import QueueLoad
 from shared.settings import GatewaySettings
-from shared.wire import GenerationRequest, Keys, SamplingParams
+from shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
 from tests.gateway.helpers import MODEL
 
 PREFIX = "kvbp:"
@@ -36,9 +36,9 @@ async def redis(redis_url):
 
 
 async def heartbeat(redis: Redis, wid: str, tokens_per_s: float, model: str = MODEL) -> None:
-    await redis.hset(KEYS.worker(wid), mapping={"model": model, "tokens_per_s": tokens_per_s,
-                                                "blocks_total": 100, "blocks_free": 50,
-                                                "running": 1, "waiting": 0, "ts": 0})
+    beat = Heartbeat(model=model, ts=0, tokens_per_s=tokens_per_s, blocks_total=100,
+                     blocks_free=50, running=1, waiting=0)
+    await redis.hset(KEYS.worker(wid), mapping=beat.encode())
     await redis.expire(KEYS.worker(wid), 30)
 
 
@@ -48,7 +48,7 @@ async def queue_requests(redis: Redis, count: int, group: bool = True) -> None:
         await redis.xgroup_create(stream, KEYS.group, id="0", mkstream=True)
     for i in range(count):
         request = GenerationRequest(f"q{i}", MODEL, [1, 2], SamplingParams())
-        await redis.xadd(stream, {"id": request.req_id, "payload": request.pack()})
+        await redis.xadd(stream, QueueEntry(request).encode())
 
 
 @pytest.fixture

@@ -112,3 +112,28 @@ async def test_unreachable_redis_is_503_never_500(tokenizer, model_info):
     assert ready.status_code == 503 and "error" in ready.json()
     assert health.status_code == 200
     assert elapsed_s < 15
+
+
+async def test_batch_routes_use_the_gateways_redis_and_its_own_limits(redis_url, tokenizer,
+                                                                      model_info):
+    """The upload limit comes from the gateway's settings (`--batch-max-file-bytes`), and the
+    file lands under the gateway's key prefix, through the app's one Redis context."""
+    settings = GatewaySettings(redis_url=redis_url, model=MODEL, key_prefix=PREFIX,
+                               batch_max_file_bytes=300)
+    app = create_app(settings, None, tokenizer, model_info=model_info)
+    line = ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": '
+            '{"model": "%s", "prompt": "hi"}}\n' % MODEL).encode()
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            ok = await http.post("/v1/files", data={"purpose": "batch"},
+                                 files={"file": ("a.jsonl", line)})
+            too_big = await http.post("/v1/files", data={"purpose": "batch"},
+                                      files={"file": ("b.jsonl", line * 3)})
+    assert ok.status_code == 200, ok.text
+    assert too_big.status_code == 413 and "300 bytes" in too_big.json()["error"]["message"]
+    redis = Redis.from_url(redis_url)
+    try:
+        assert await redis.exists(Keys(PREFIX).file(ok.json()["id"])) == 1
+    finally:
+        await redis.aclose()

@@ -12,16 +12,21 @@ from redis.asyncio import Redis
 
 from gateway.app import create_app
 from shared.settings import GatewaySettings
-from shared.wire import GenerationRequest, Keys, RequestStatus, SamplingParams, TokenEvent, Usage
+from shared.wire import (
+    GenerationRequest,
+    Keys,
+    RequestRecord,
+    RequestStatus,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+    encode_checkpoint,
+)
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL, sse_events
 
 PREFIX = "kvra:"
 KEYS = Keys(PREFIX)
-
-
-def encode(token_ids: list[int]) -> bytes:
-    return b"".join(t.to_bytes(4, "little") for t in token_ids)
 
 
 class StandInWorker:
@@ -35,16 +40,15 @@ class StandInWorker:
                                          created=1000.0)
 
     async def start(self, status: RequestStatus, attempt: int = 0) -> None:
-        await self.redis.hset(KEYS.request(self.req_id), mapping={
-            "payload": self.request.pack(), "attempt": attempt, "status": status.value})
+        record = RequestRecord(self.request, attempt=attempt, status=status)
+        await self.redis.hset(KEYS.request(self.req_id), mapping=record.encode())
 
     async def step(self, seq: int, token_ids: list[int], attempt: int = 0, publish: bool = True,
                    finish_reason: str | None = None) -> None:
-        await self.redis.append(KEYS.checkpoint(self.req_id), encode(token_ids))
+        await self.redis.append(KEYS.checkpoint(self.req_id), encode_checkpoint(token_ids))
         if finish_reason is not None:
-            status = {"stop": RequestStatus.FINISHED_STOPPED,
-                      "length": RequestStatus.FINISHED_LENGTH}[finish_reason]
-            await self.redis.hset(KEYS.request(self.req_id), "status", status.value)
+            status = RequestStatus.for_finish_reason(finish_reason)
+            await self.redis.hset(KEYS.request(self.req_id), RequestRecord.STATUS, status.value)
         if publish:
             event = TokenEvent(seq=seq, attempt=attempt, token_ids=token_ids,
                                finish_reason=finish_reason,
