@@ -48,7 +48,7 @@ class BatchStore:
     def save_file(self, record: FileRecord, content: bytes, pipeline: Pipeline | None = None
                   ) -> None:
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.file(record.id), mapping=record.to_redis())
+        pipe.hset(self.keys.file(record.id), mapping=record.encode())
         pipe.expire(self.keys.file(record.id), self.ttl_s)
         pipe.set(self.keys.file_content(record.id), content, ex=self.ttl_s)
         if pipeline is None:
@@ -56,7 +56,7 @@ class BatchStore:
 
     def get_file(self, file_id: str) -> FileRecord | None:
         data = self.redis.hgetall(self.keys.file(file_id))
-        return FileRecord.from_redis(data) if data else None
+        return FileRecord.decode(data) if data else None
 
     def file_content(self, file_id: str) -> bytes | None:
         return self.redis.get(self.keys.file_content(file_id))
@@ -68,7 +68,7 @@ class BatchStore:
 
     def create_batch(self, record: BatchRecord, pipeline: Pipeline | None = None) -> None:
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.batch(record.id), mapping=record.to_redis())
+        pipe.hset(self.keys.batch(record.id), mapping=record.encode())
         pipe.expire(self.keys.batch(record.id), self.ttl_s)
         pipe.sadd(self.keys.batches_active(), record.id)
         index = self.keys.batches_by_time()
@@ -97,7 +97,7 @@ class BatchStore:
 
     def get_batch(self, batch_id: str) -> BatchRecord | None:
         data = self.redis.hgetall(self.keys.batch(batch_id))
-        return BatchRecord.from_redis(data) if data else None
+        return BatchRecord.decode(data) if data else None
 
     def status(self, batch_id: str) -> BatchStatus | None:
         raw = self.redis.hget(self.keys.batch(batch_id), BatchRecord.STATUS)

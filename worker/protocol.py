@@ -1,72 +1,47 @@
-"""The worker's side of the fleet protocol: every Redis read and write a worker makes.
+"""The worker's side of the fleet protocol: every Redis read and write a worker makes, through
+the scripts and records of the wire contract (shared/wire/).
 
 Ordering guarantees (DESIGN.md, "The fleet protocol"):
-- `claim` increments the request's `attempt` (the fencing token) and reads its checkpoint in one
-  atomic script, so the claimer resumes exactly after the last token any earlier attempt recorded.
-- `publish` appends new tokens to the checkpoint, publishes them and, on the final event, records the
-  status and XACKs — one script per request, all requests of a step in one pipelined round trip.
-  The script does nothing and returns 0 when the attempt is stale: that worker must stop the request.
+- `read_if_fits` delivers the next request (by priority) only when its prompt fits this worker's
+  budget, in one round trip (READ_IF_FITS): the entry tested is the entry delivered.
+- `start_attempt` increments the request's `attempt` (the fencing token) and reads its checkpoint
+  in one atomic script, so the claimer resumes exactly after the last token any earlier attempt
+  recorded.
+- `publish` appends new tokens to the checkpoint (renewing its TTL), publishes them and, on the
+  final event, records the status and XACKs — one script per request, all requests of a step in
+  one pipelined round trip. The script does nothing and returns 0 when the attempt is stale: that
+  worker must stop the request.
 - `claim_orphan` takes over an entry only when the worker holding it has no heartbeat key; the
   holder keeps its entries' idle time low (`refresh_pending`) from the moment each is delivered.
 """
 
 from __future__ import annotations
 
-import array
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
 import redis
 
-from shared.wire import PRIORITIES, GenerationRequest, Keys, RequestStatus, TokenEvent
+from shared.wire import (
+    DeadLetterEntry,
+    GenerationRequest,
+    Heartbeat,
+    Keys,
+    QueueEntry,
+    RequestStatus,
+    TokenEvent,
+    decode_checkpoint,
+)
+from shared.wire import scripts
+from shared.wire.records import text
 
 log = logging.getLogger(__name__)
 
 # Idle pending entries looked at per stream per orphan check: entries of live workers are skipped,
 # so the scan must see past them.
 ORPHAN_SCAN_COUNT = 100
-
-# KEYS: request hash, checkpoint. ARGV: worker id.
-# Returns {attempt, checkpoint bytes}.
-_CLAIM = """
-local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'worker', ARGV[1])
-local ckpt = redis.call('GET', KEYS[2]) or ''
-return {attempt, ckpt}
-"""
-
-# KEYS: request hash, checkpoint, token channel, request stream.
-# ARGV: attempt, packed event, new token bytes, final status ('' if not final), stream entry id,
-#       group, result ttl seconds.
-_PUBLISH = """
-if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '-1') ~= tonumber(ARGV[1]) then
-  return 0
-end
-if ARGV[3] ~= '' then redis.call('APPEND', KEYS[2], ARGV[3]) end
-redis.call('PUBLISH', KEYS[3], ARGV[2])
-if ARGV[4] ~= '' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[4])
-  redis.call('EXPIRE', KEYS[1], ARGV[7])
-  redis.call('EXPIRE', KEYS[2], ARGV[7])
-  if ARGV[5] ~= '' then redis.call('XACK', KEYS[4], ARGV[6], ARGV[5]) end
-end
-return 1
-"""
-
-
-def encode_tokens(token_ids: list[int]) -> bytes:
-    """Checkpoint encoding: little-endian uint32 per token, so APPEND extends it in O(1)."""
-    data = array.array("I", token_ids)
-    if data.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte unsigned int
-        raise RuntimeError("uint32 array expected")
-    return data.tobytes()
-
-
-def decode_tokens(raw: bytes | None) -> list[int]:
-    data = array.array("I")
-    data.frombytes(raw or b"")
-    return data.tolist()
 
 
 @dataclass
@@ -77,6 +52,15 @@ class Delivery:
     stream: str
     entry_id: str
     times_delivered: int = 1
+
+
+@dataclass(frozen=True)
+class TooLarge:
+    """The next request (by priority) does not fit this worker's budget: it stays in its stream
+    for a worker with room."""
+
+    stream: str
+    prompt_len: int
 
 
 @dataclass
@@ -101,13 +85,14 @@ class WorkerProtocol:
         self.model = model
         self.worker_id = worker_id
         self.result_ttl_s = result_ttl_s
-        self._claim = client.register_script(_CLAIM)
-        self._publish = client.register_script(_PUBLISH)
+        self._start_attempt = scripts.START_ATTEMPT.register(client)
+        self._publish = scripts.PUBLISH.register(client)
+        self._read_if_fits = scripts.READ_IF_FITS.register(client)
 
     @property
     def streams(self) -> list[str]:
         """Request streams in the order they are served: interactive before batch."""
-        return [self.keys.queue(self.model, p) for p in PRIORITIES]
+        return self.keys.queues(self.model)
 
     def ensure_groups(self) -> None:
         for stream in self.streams:
@@ -118,26 +103,28 @@ class WorkerProtocol:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def peek_next(self) -> tuple[str, GenerationRequest] | None:
-        """The next undelivered request (stream, request) without taking it, highest priority first."""
-        for stream in self.streams:
-            groups = self.client.xinfo_groups(stream)
-            group = next((g for g in groups if _s(g["name"]) == self.keys.group), None)
-            if group is None:
-                continue
-            last = _s(group["last-delivered-id"])
-            entries = self.client.xrange(stream, min=f"({last}" if last != "0-0" else "-", count=1)
-            if entries:
-                return stream, GenerationRequest.unpack(entries[0][1][b"payload"])
-        return None
+    def read_if_fits(self, budget_tokens: int) -> Delivery | TooLarge | None:
+        """Take the next new request, highest priority first, if its prompt is at most
+        `budget_tokens`; TooLarge when it is not (it stays queued); None when none waits."""
+        call = scripts.read_if_fits(self.streams, self.keys.group, self.worker_id, budget_tokens)
+        reply = self._read_if_fits(keys=call.keys, args=call.args)
+        if not reply:
+            return None
+        stream = self.streams[int(reply[1]) - 1]
+        if not int(reply[0]):
+            return TooLarge(stream, int(reply[2]))
+        entry_id, flat = reply[2], reply[3]
+        fields = dict(zip(flat[::2], flat[1::2]))
+        return Delivery(QueueEntry.decode(fields).request, stream, text(entry_id))
 
     def read_new(self, stream: str, block_ms: int | None) -> Delivery | None:
-        """Take one new request from `stream` (XREADGROUP), waiting at most `block_ms`."""
+        """Take one new request from `stream` (XREADGROUP) whatever its size, waiting at most
+        `block_ms`: for an idle worker, whose whole pool is free."""
         reply = self.client.xreadgroup(self.keys.group, self.worker_id, {stream: ">"}, count=1,
                                        block=block_ms)
         for _, entries in reply or []:
             for entry_id, fields in entries:
-                return Delivery(GenerationRequest.unpack(fields[b"payload"]), stream, _s(entry_id))
+                return Delivery(QueueEntry.decode(fields).request, stream, text(entry_id))
         return None
 
     def claim_orphan(self, min_idle_ms: int, held: frozenset[str] = frozenset()) -> Delivery | None:
@@ -154,9 +141,9 @@ class WorkerProtocol:
                                                  ORPHAN_SCAN_COUNT, idle=min_idle_ms)
             if not pending:
                 continue
-            alive = self._consumers_alive({_s(p["consumer"]) for p in pending})
+            alive = self._consumers_alive({text(p["consumer"]) for p in pending})
             for entry in pending:
-                consumer, entry_id = _s(entry["consumer"]), _s(entry["message_id"])
+                consumer, entry_id = text(entry["consumer"]), text(entry["message_id"])
                 if consumer == self.worker_id and entry_id in held:
                     continue
                 if consumer != self.worker_id and alive[consumer]:
@@ -186,8 +173,7 @@ class WorkerProtocol:
         if not fields:  # trimmed away (Redis 6 still returns it): nothing to resume
             self.client.xack(stream, self.keys.group, entry_id)
             return None
-        return Delivery(GenerationRequest.unpack(fields[b"payload"]), stream, entry_id,
-                        times_delivered)
+        return Delivery(QueueEntry.decode(fields).request, stream, entry_id, times_delivered)
 
     def ack(self, stream: str, entry_id: str) -> None:
         """Acknowledge an entry this worker will not serve (a duplicate of one it serves)."""
@@ -195,9 +181,9 @@ class WorkerProtocol:
 
     def start_attempt(self, req_id: str) -> tuple[int, list[int]]:
         """Fence a new attempt and read the checkpoint: (attempt, tokens generated so far)."""
-        attempt, raw = self._claim(keys=[self.keys.request(req_id), self.keys.checkpoint(req_id)],
-                                   args=[self.worker_id, RequestStatus.RUNNING.value])
-        return int(attempt), decode_tokens(raw)
+        call = scripts.start_attempt(self.keys, req_id, self.worker_id)
+        attempt, raw = self._start_attempt(keys=call.keys, args=call.args)
+        return int(attempt), decode_checkpoint(raw)
 
     def publish(self, items: list[Publication]) -> list[bool]:
         """Checkpoint + publish every item in one round trip; False where the attempt was stale."""
@@ -205,13 +191,10 @@ class WorkerProtocol:
             return []
         pipe = self.client.pipeline(transaction=False)
         for item in items:
-            self._publish(
-                keys=[self.keys.request(item.req_id), self.keys.checkpoint(item.req_id),
-                      self.keys.tokens(item.req_id), item.stream],
-                args=[item.attempt, item.event.pack(), encode_tokens(item.event.token_ids),
-                      item.final_status.value if item.final_status else "", item.entry_id,
-                      self.keys.group, self.result_ttl_s],
-                client=pipe)
+            call = scripts.publish(self.keys, item.req_id, item.attempt, item.event,
+                                   item.final_status, item.stream, item.entry_id,
+                                   self.result_ttl_s)
+            self._publish(keys=call.keys, args=call.args, client=pipe)
         return [bool(ok) for ok in pipe.execute()]
 
     def fail(self, delivery: Delivery, attempt: int, seq: int, message: str,
@@ -219,10 +202,9 @@ class WorkerProtocol:
         """End a request with an error event to its client (and the dead-letter stream if asked)."""
         req_id = delivery.request.req_id
         if dead_letter:
-            self.client.xadd(self.keys.dead_letter(self.model),
-                             {"id": req_id, "payload": delivery.request.pack(),
-                              "error": message, "worker": self.worker_id},
-                             maxlen=10_000, approximate=True)
+            entry = DeadLetterEntry(delivery.request, message, self.worker_id)
+            self.client.xadd(self.keys.dead_letter(self.model), entry.encode(),
+                             maxlen=DeadLetterEntry.MAXLEN, approximate=True)
         event = TokenEvent(seq=seq, attempt=attempt, finish_reason="error", error=message)
         self.publish([Publication(req_id, attempt, event, RequestStatus.FINISHED_ERROR,
                                   delivery.stream, delivery.entry_id)])
@@ -236,16 +218,14 @@ class WorkerProtocol:
                 pipe.xclaim(stream, self.keys.group, self.worker_id, 0, ids, justid=True)
         pipe.execute()
 
-    def heartbeat(self, fields: dict[str, str | int | float], ttl_s: float) -> None:
+    def heartbeat(self, beat: Heartbeat, ttl_s: float) -> None:
+        """Write `beat` (stamped with this worker's model and the time now) with a TTL."""
         key = self.keys.worker(self.worker_id)
+        beat = dataclasses.replace(beat, model=self.model, ts=time.time())
         pipe = self.client.pipeline(transaction=False)
-        pipe.hset(key, mapping={**fields, "model": self.model, "ts": time.time()})
+        pipe.hset(key, mapping=beat.encode())
         pipe.pexpire(key, int(ttl_s * 1000))
         pipe.execute()
 
     def remove_heartbeat(self) -> None:
         self.client.delete(self.keys.worker(self.worker_id))
-
-
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

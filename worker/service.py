@@ -16,20 +16,13 @@ from dataclasses import dataclass
 import redis
 
 from shared.settings import WorkerSettings
-from shared.wire import RequestStatus, TokenEvent, Usage
+from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
 from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
 from worker.metrics import WorkerMetrics
-from worker.protocol import Delivery, Publication, WorkerProtocol
+from worker.protocol import Delivery, Publication, TooLarge, WorkerProtocol
 
 log = logging.getLogger(__name__)
-
-_STATUS_OF_REASON = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH,
-    "abort": RequestStatus.FINISHED_ABORTED,
-    "error": RequestStatus.FINISHED_ERROR,
-}
 
 
 @dataclass
@@ -53,7 +46,8 @@ class WorkerService:
         self.protocol = protocol
         self.inflight: dict[str, Inflight] = {}
         self._backlog: list[Publication] = []  # produced but not yet published (Redis was down)
-        self._stats_snapshot: dict[str, float | str] = {}
+        # The heartbeat the thread writes next (the protocol stamps model and time).
+        self._stats_snapshot = Heartbeat(model=protocol.model, ts=0.0)
         # stream -> entry ids delivered to this worker and not yet finished here; the heartbeat
         # thread refreshes them. Written by the loop, read by the heartbeat thread, under _lock.
         self._held_entries: dict[str, set[str]] = {}
@@ -154,23 +148,20 @@ class WorkerService:
         stats = self.engine.stats()
         if stats.num_waiting > 0:  # work already here that does not fit yet
             return
-        reserved_tokens = 0
+        # Requests just admitted hold no blocks until the scheduler runs them: the budget is taken
+        # once and what they will need is subtracted from it.
+        budget_tokens = admissible_tokens(self.engine)
         # No read-ahead beyond the running group: a request this worker can't run yet is better
         # left in the stream, where another worker may take it sooner.
         while len(self.inflight) < self.settings.max_running:
-            peeked = self.protocol.peek_next()
-            if peeked is None:
+            delivery = self.protocol.read_if_fits(budget_tokens)
+            if delivery is None:
                 if block and not self.inflight:
                     self._wait_for_work()
                 return
-            stream, request = peeked
-            needed = reserved_tokens + len(request.prompt_token_ids)
-            if not self.engine.can_admit(needed):
-                return  # leave it in the stream for a worker with room
-            delivery = self.protocol.read_new(stream, block_ms=None)
-            if delivery is None:
-                return
-            reserved_tokens += len(delivery.request.prompt_token_ids)
+            if isinstance(delivery, TooLarge):
+                return  # left in the stream for a worker with room
+            budget_tokens -= len(delivery.request.prompt_token_ids)
             self._start(delivery)
             block = False
 
@@ -264,7 +255,7 @@ class WorkerService:
                         output.num_cached_tokens) if final else None,
             error=(output.error or "the worker failed") if output.finish_reason == "error" else None,
         )
-        status = _STATUS_OF_REASON[output.finish_reason] if final else None
+        status = RequestStatus.for_finish_reason(output.finish_reason) if final else None
         return Publication(output.req_id, inflight.attempt, event, status,
                            inflight.delivery.stream, inflight.delivery.entry_id)
 
@@ -299,28 +290,24 @@ class WorkerService:
     def _snapshot_stats(self) -> None:
         stats = self.engine.stats()
         self.metrics.update_stats(stats)
+        beat = Heartbeat(
+            model=self.protocol.model, ts=0.0,
+            blocks_total=stats.num_blocks_total, blocks_free=stats.num_blocks_free,
+            running=stats.num_running, waiting=stats.num_waiting,
+            preemptions=stats.num_preemptions, swap_preemptions=stats.num_swap_preemptions,
+            generated_tokens=stats.num_generated_tokens,
+            prefix_queried_tokens=stats.prefix_queried_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            tokens_per_s=round(self.metrics.tokens_per_s(), 2), metrics_url=self.metrics_url or "")
         with self._lock:
-            self._stats_snapshot = {
-                "blocks_total": stats.num_blocks_total,
-                "blocks_free": stats.num_blocks_free,
-                "running": stats.num_running,
-                "waiting": stats.num_waiting,
-                "preemptions": stats.num_preemptions,
-                "swap_preemptions": stats.num_swap_preemptions,
-                "generated_tokens": stats.num_generated_tokens,
-                "prefix_queried_tokens": stats.prefix_queried_tokens,
-                "prefix_hit_tokens": stats.prefix_hit_tokens,
-                "tokens_per_s": round(self.metrics.tokens_per_s(), 2),
-            }
-            if self.metrics_url:
-                self._stats_snapshot["metrics_url"] = self.metrics_url
+            self._stats_snapshot = beat
 
     def _beat(self) -> None:
         """One heartbeat: the stats snapshot, then the idle time of every held entry reset."""
         with self._lock:
-            fields = dict(self._stats_snapshot)
+            beat = self._stats_snapshot
             entries = {stream: sorted(ids) for stream, ids in self._held_entries.items() if ids}
-        self.protocol.heartbeat(fields, self.settings.heartbeat_ttl_s)
+        self.protocol.heartbeat(beat, self.settings.heartbeat_ttl_s)
         self.protocol.refresh_pending(entries)
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
@@ -330,3 +317,19 @@ class WorkerService:
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             stop.wait(self.settings.heartbeat_interval_s)
+
+
+def admissible_tokens(engine: Engine) -> int:
+    """The most prompt tokens `engine.can_admit` accepts now (-1: not even an empty prompt). The
+    admission script compares a request's prompt length with this number; `can_admit` grows no
+    easier with more tokens, so a binary search finds it."""
+    if not engine.can_admit(0):
+        return -1
+    low, high = 0, engine.stats().num_blocks_total * engine.config.block_size + 1
+    while high - low > 1:  # can_admit(low) holds, can_admit(high) does not
+        middle = (low + high) // 2
+        if engine.can_admit(middle):
+            low = middle
+        else:
+            high = middle
+    return low

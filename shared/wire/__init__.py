@@ -1,8 +1,9 @@
 """The wire contract between gateway, worker, dashboard and batch jobs: every Redis key, every
 message and stored record with its encoding, and every Lua script with its KEYS and ARGV.
 
-Nothing that crosses Redis is defined anywhere else: build keys with `Keys`, write and read
-records through their encode/decode, run the scripts through the call builders of `scripts` and
+Nothing that crosses Redis is defined anywhere else: build keys with `Keys`; write and read stored
+records through their `encode`/`decode` (hash or stream fields) and messages through `pack`/
+`unpack` (msgpack bytes); run the scripts through the call builders of `scripts` and
 `batch_scripts` (`scripts.enqueue(...)` gives the KEYS and ARGV of one ENQUEUE call).
 
     keys.py           Keys (every key name), PRIORITIES

@@ -61,11 +61,11 @@ class FileRecord:
                 "filename": self.filename, "purpose": self.purpose, "status": "processed",
                 "status_details": None}
 
-    def to_redis(self) -> dict[str, str]:
+    def encode(self) -> dict[str, str]:
         return {self.RECORD: json.dumps(self.__dict__)}
 
     @classmethod
-    def from_redis(cls, data: dict[bytes, bytes]) -> FileRecord:
+    def decode(cls, data: dict[bytes, bytes]) -> FileRecord:
         return cls(**json.loads(data[cls.RECORD.encode()]))
 
 
@@ -116,7 +116,7 @@ class BatchRecord:
                                    "failed": self.failed},
                 "metadata": self.metadata}
 
-    def to_redis(self) -> dict[str, str]:
+    def encode(self) -> dict[str, str]:
         """The hash of a new batch."""
         fixed = {"id": self.id, "input_file_id": self.input_file_id, "endpoint": self.endpoint,
                  "completion_window": self.completion_window, "created_at": self.created_at,
@@ -125,7 +125,7 @@ class BatchRecord:
                 self.COMPLETED: "0", self.FAILED: "0", self.ATTEMPTS: "0"}
 
     @classmethod
-    def from_redis(cls, data: dict[bytes, bytes]) -> BatchRecord:
+    def decode(cls, data: dict[bytes, bytes]) -> BatchRecord:
         text = {k.decode(): v.decode() for k, v in data.items()}
         record = cls(**json.loads(text[cls.RECORD]))
         record.status = BatchStatus(text[cls.STATUS])

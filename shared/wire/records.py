@@ -24,7 +24,7 @@ def text(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def field(raw: RawFields, name: str) -> bytes | str | None:
+def field_value(raw: RawFields, name: str) -> bytes | str | None:
     """One field of a hash or stream entry, whichever type its keys have."""
     value = raw.get(name.encode())
     return raw.get(name) if value is None else value
@@ -48,7 +48,7 @@ class QueueEntry:
 
     @classmethod
     def decode(cls, raw: RawFields) -> QueueEntry:
-        payload = field(raw, cls.PAYLOAD)
+        payload = field_value(raw, cls.PAYLOAD)
         if payload is None:
             raise ValueError("a request stream entry without a payload")
         return cls(GenerationRequest.unpack(payload))
@@ -116,5 +116,5 @@ class DeadLetterEntry:
 
     @classmethod
     def decode(cls, raw: RawFields) -> DeadLetterEntry:
-        return cls(GenerationRequest.unpack(field(raw, cls.PAYLOAD)), text(field(raw, cls.ERROR)),
-                   text(field(raw, cls.WORKER)))
+        return cls(GenerationRequest.unpack(field_value(raw, cls.PAYLOAD)),
+                   text(field_value(raw, cls.ERROR)), text(field_value(raw, cls.WORKER)))

@@ -25,7 +25,7 @@ from gateway.dashboard.metrics import GatewayMetrics, metrics_route
 from gateway.dashboard.router import dashboard_router
 from gateway.fleet.load import stream_depth
 from gateway.fleet.redis_context import RedisContext
-from shared.wire import Keys
+from shared.wire import Heartbeat, Keys
 
 MODEL = "tiny-model"
 KEYS = Keys("kvft:")
@@ -98,11 +98,11 @@ def write_heartbeat(client: redis.Redis, worker_id: str, *, total: int, free: in
                     running: int, tokens_per_s: float, model: str = MODEL,
                     metrics_url: str | None = None) -> None:
     key = KEYS.worker(worker_id)
-    client.hset(key, mapping={
-        "model": model, "ts": time.time(), "blocks_total": total, "blocks_free": free,
-        "running": running, "waiting": 1, "preemptions": 2, "generated_tokens": 500,
-        "prefix_queried_tokens": 400, "prefix_hit_tokens": 100, "tokens_per_s": tokens_per_s,
-        **({"metrics_url": metrics_url} if metrics_url else {})})
+    beat = Heartbeat(model=model, ts=time.time(), blocks_total=total, blocks_free=free,
+                     running=running, waiting=1, preemptions=2, generated_tokens=500,
+                     prefix_queried_tokens=400, prefix_hit_tokens=100, tokens_per_s=tokens_per_s,
+                     metrics_url=metrics_url or "")
+    client.hset(key, mapping=beat.encode())
     client.expire(key, 60)
 
 

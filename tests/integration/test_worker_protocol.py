@@ -6,17 +6,29 @@ import time
 
 import redis
 
-from shared.wire import GenerationRequest, Keys, RequestStatus, SamplingParams, TokenEvent
-from worker.protocol import Publication, WorkerProtocol, decode_tokens, encode_tokens
+from shared.wire import (
+    GenerationRequest,
+    Heartbeat,
+    Keys,
+    QueueEntry,
+    RequestRecord,
+    RequestStatus,
+    SamplingParams,
+    TokenEvent,
+    decode_checkpoint,
+    encode_checkpoint,
+)
+from worker.protocol import Publication, TooLarge, WorkerProtocol
 
 MODEL = "m"
+BEAT = Heartbeat(model=MODEL, ts=0.0)  # what a worker writes; only its existence matters here
 
 
 def enqueue(client: redis.Redis, keys: Keys, req_id: str, prompt=(1, 2, 3), priority="interactive"):
     request = GenerationRequest(req_id, MODEL, list(prompt), SamplingParams(max_tokens=4),
                                 priority=priority)
-    client.hset(keys.request(req_id), mapping={"payload": request.pack(), "attempt": 0})
-    client.xadd(keys.queue(MODEL, priority), {"id": req_id, "payload": request.pack()})
+    client.hset(keys.request(req_id), mapping=RequestRecord(request).encode())
+    client.xadd(keys.queue(MODEL, priority), QueueEntry(request).encode())
     return request
 
 
@@ -28,27 +40,28 @@ def make(client, worker_id="w1") -> WorkerProtocol:
 
 def test_checkpoint_encoding_round_trips():
     tokens = [0, 1, 49151, 2**32 - 1]
-    assert decode_tokens(encode_tokens(tokens)) == tokens
-    assert decode_tokens(encode_tokens([1, 2]) + encode_tokens([3])) == [1, 2, 3]
+    assert decode_checkpoint(encode_checkpoint(tokens)) == tokens
+    assert decode_checkpoint(encode_checkpoint([1, 2]) + encode_checkpoint([3])) == [1, 2, 3]
 
 
-def test_peek_does_not_take_and_read_takes(redis_client):
+def test_a_request_too_large_is_not_taken_and_one_that_fits_is(redis_client):
     protocol = make(redis_client)
-    enqueue(redis_client, protocol.keys, "a")
+    enqueue(redis_client, protocol.keys, "a", prompt=range(8))
     enqueue(redis_client, protocol.keys, "b")
-    stream, peeked = protocol.peek_next()
-    assert peeked.req_id == "a"
-    assert protocol.peek_next()[1].req_id == "a"  # still there
-    delivery = protocol.read_new(stream, block_ms=None)
-    assert delivery.request.req_id == "a"
-    assert protocol.peek_next()[1].req_id == "b"
+    assert protocol.read_if_fits(7) == TooLarge(protocol.keys.queue(MODEL), 8)
+    assert protocol.read_if_fits(7) == TooLarge(protocol.keys.queue(MODEL), 8)  # still there
+    delivery = protocol.read_if_fits(8)
+    assert delivery.request.req_id == "a" and delivery.stream == protocol.keys.queue(MODEL)
+    assert protocol.read_if_fits(8).request.req_id == "b"
+    assert protocol.read_if_fits(8) is None
 
 
 def test_interactive_is_served_before_batch(redis_client):
     protocol = make(redis_client)
     enqueue(redis_client, protocol.keys, "batch-1", priority="batch")
     enqueue(redis_client, protocol.keys, "chat-1")
-    assert protocol.peek_next()[1].req_id == "chat-1"
+    assert protocol.read_if_fits(100).request.req_id == "chat-1"
+    assert protocol.read_if_fits(100).request.req_id == "batch-1"
 
 
 def test_a_stale_attempt_is_fenced_off(redis_client):
@@ -66,7 +79,7 @@ def test_a_stale_attempt_is_fenced_off(redis_client):
     ok = old.publish([Publication("r", attempt_old, TokenEvent(2, attempt_old, [7]), None,
                                   delivery.stream, delivery.entry_id)])
     assert ok == [False]
-    assert decode_tokens(redis_client.get(keys.checkpoint("r"))) == [5, 6]
+    assert decode_checkpoint(redis_client.get(keys.checkpoint("r"))) == [5, 6]
 
 
 def test_final_event_records_status_acks_and_expires(redis_client):
@@ -92,7 +105,7 @@ def test_final_event_records_status_acks_and_expires(redis_client):
 def test_orphans_are_claimed_only_once_their_worker_is_gone(redis_client):
     keys = Keys()
     dead, live = make(redis_client, "dead"), make(redis_client, "live")
-    dead.heartbeat({}, ttl_s=0.3)
+    dead.heartbeat(BEAT, ttl_s=0.3)
     enqueue(redis_client, keys, "r")
     dead.read_new(keys.queue(MODEL), None)
     time.sleep(0.05)
@@ -106,7 +119,7 @@ def test_orphans_are_claimed_only_once_their_worker_is_gone(redis_client):
     owner = redis_client.xpending_range(keys.queue(MODEL), keys.group, "-", "+", 1)[0]
     assert owner["consumer"] == b"live"
     assert owner["times_delivered"] == 2
-    live.heartbeat({}, ttl_s=5)
+    live.heartbeat(BEAT, ttl_s=5)
     time.sleep(0.05)
     assert make(redis_client, "third").claim_orphan(min_idle_ms=10) is None
 
@@ -119,7 +132,7 @@ def test_an_earlier_process_under_the_same_id_leaves_orphans_to_its_successor(re
     first = before.read_new(keys.queue(MODEL), None)
     before.read_new(keys.queue(MODEL), None)
     after = make(redis_client, "w-fixed")  # restarted: its heartbeat key is back at once
-    after.heartbeat({}, ttl_s=5)
+    after.heartbeat(BEAT, ttl_s=5)
     time.sleep(0.05)
     assert make(redis_client, "other").claim_orphan(min_idle_ms=10) is None  # w-fixed is alive
     # The successor holds r1 (say it was delivered to it); r2 is nobody's: it takes r2 over.
@@ -170,8 +183,9 @@ def test_fail_dead_letters_and_tells_the_client(redis_client):
 
 def test_heartbeat_expires(redis_client):
     protocol = make(redis_client)
-    protocol.heartbeat({"blocks_free": 3}, ttl_s=0.2)
+    protocol.heartbeat(Heartbeat(model="", ts=0.0, blocks_free=3), ttl_s=0.2)
     key = protocol.keys.worker("w1")
-    assert redis_client.hget(key, "model") == b"m"
+    beat = Heartbeat.decode(redis_client.hgetall(key))
+    assert (beat.model, beat.blocks_free) == ("m", 3) and abs(beat.ts - time.time()) < 5
     time.sleep(0.35)
     assert not redis_client.exists(key)

@@ -10,9 +10,17 @@ import pytest
 import redis
 
 from shared.settings import WorkerSettings
-from shared.wire import GenerationRequest, Keys, SamplingParams, TokenEvent
+from shared.wire import (
+    GenerationRequest,
+    Keys,
+    QueueEntry,
+    RequestRecord,
+    SamplingParams,
+    TokenEvent,
+    decode_checkpoint,
+)
 from tests.engine.tiny_models import TinyModel, random_prompt
-from worker.protocol import WorkerProtocol, decode_tokens
+from worker.protocol import WorkerProtocol
 from worker.service import WorkerService
 
 MODEL = "tiny"
@@ -36,8 +44,8 @@ class Client:
         req_id = f"r-{uuid.uuid4().hex[:8]}"
         self.pubsub.subscribe(self.keys.tokens(req_id))
         request = GenerationRequest(req_id, MODEL, prompt, params, deadline=deadline)
-        self.redis.hset(self.keys.request(req_id), mapping={"payload": request.pack(), "attempt": 0})
-        self.redis.xadd(self.keys.queue(MODEL), {"id": req_id, "payload": request.pack()})
+        self.redis.hset(self.keys.request(req_id), mapping=RequestRecord(request).encode())
+        self.redis.xadd(self.keys.queue(MODEL), QueueEntry(request).encode())
         self.events[req_id] = []
         return req_id
 
@@ -99,7 +107,7 @@ def test_serves_a_request_token_for_token_like_generate(redis_url, client, tiny)
     final = client.final(req_id)
     assert final.finish_reason == "length" and final.usage.completion_tokens == 12
     assert client.text(req_id) == tiny.reference(prompt, 12)
-    assert decode_tokens(client.redis.get(Keys().checkpoint(req_id))) == tiny.reference(prompt, 12)
+    assert decode_checkpoint(client.redis.get(Keys().checkpoint(req_id))) == tiny.reference(prompt, 12)
     assert client.redis.xpending(Keys().queue(MODEL), Keys().group)["pending"] == 0
     text = worker.metrics.render().decode()
     assert 'kvfleet_worker_output_tokens_total{model="tiny",worker="w1"} 12.0' in text
