@@ -34,6 +34,7 @@ import redis
 from benchmarks.fleet_load import start_two_workers
 from shared.models import DEFAULT_MODEL
 from shared.redis_server import EmbeddedRedis
+from shared.wire import Heartbeat, Keys, RequestRecord
 from tests.helpers.processes import ProcessFleet
 
 
@@ -81,9 +82,10 @@ def main() -> int:
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory() as logs:
         fleet = ProcessFleet(server.url, Path(logs), worker_flags=flags)
         client = redis.Redis.from_url(server.url)
+        keys = Keys(fleet.prefix)
         try:
             start_two_workers(fleet)
-            metrics_urls = [client.hget(f"{fleet.prefix}worker:{w}", "metrics_url").decode()
+            metrics_urls = [Heartbeat.decode(client.hgetall(keys.worker(w))).metrics_url
                             for w in ("a", "b")]
 
             def client_loop() -> None:
@@ -92,12 +94,11 @@ def main() -> int:
                     results.append(completion(fleet.url, prompt, args.max_tokens))
 
             def monitor() -> None:
-                stream = f"{fleet.prefix}{DEFAULT_MODEL}:q"
+                stream = keys.queue(DEFAULT_MODEL)
                 while not stop.wait(2.0):
-                    beats = [client.hmget(f"{fleet.prefix}worker:{w}", "running", "waiting")
-                             for w in "ab"]
-                    running.append(sum(int(b[0] or 0) for b in beats))
-                    waiting.append(sum(int(b[1] or 0) for b in beats))
+                    beats = [Heartbeat.decode(client.hgetall(keys.worker(w))) for w in "ab"]
+                    running.append(sum(b.running for b in beats))
+                    waiting.append(sum(b.waiting for b in beats))
                     groups = client.xinfo_groups(stream) if client.exists(stream) else []
                     queued.append(sum(int(g.get("lag") or 0) for g in groups))
 
@@ -126,7 +127,7 @@ def main() -> int:
             within = sum(v for s in steps for k, v in s.items()
                          if re.search(r'le="([0-9.]+)"', k) and
                          float(re.search(r'le="([0-9.]+)"', k)[1]) == bound)
-            attempts = [int(client.hget(f"{fleet.prefix}req:{r}", "attempt") or 0)
+            attempts = [int(client.hget(keys.request(r), RequestRecord.ATTEMPT) or 0)
                         for r, _, _ in results if r]
         finally:
             stop.set()

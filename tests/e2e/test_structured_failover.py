@@ -11,6 +11,8 @@ import pytest
 import redis
 
 from shared.models import DEFAULT_MODEL
+from shared.wire import Keys, RequestRecord
+from shared.wire.checkpoint import TOKEN_BYTES
 from tests.e2e.test_failover import stream_text
 from tests.helpers.processes import ProcessFleet
 
@@ -29,6 +31,7 @@ def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
                          worker_flags=["--kv-memory", "256MiB", "--num-threads", "1",
                                        "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"])
     client = redis.Redis.from_url(redis_server.url)
+    keys = Keys(fleet.prefix)
     try:
         fleet.start_gateway()
         victim = fleet.start_worker("victim")
@@ -42,7 +45,7 @@ def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # kill once the victim has produced some tokens
             req_id = record.get("id")
-            if req_id and client.strlen(f"{fleet.prefix}req:{req_id}:ckpt") // 4 >= 10:
+            if req_id and client.strlen(keys.checkpoint(req_id)) // TOKEN_BYTES >= 10:
                 victim.kill()
                 break
             time.sleep(0.02)
@@ -51,7 +54,7 @@ def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
         thread.join(timeout=600)
         assert record["text"] == reference["text"]
         assert record["finish_reason"] == "stop"
-        attempt = client.hget(f"{fleet.prefix}req:{record['id']}", "attempt")
+        attempt = client.hget(keys.request(record["id"]), RequestRecord.ATTEMPT)
         assert attempt not in (b"1", None), "the rescuer resumed the request"
     finally:
         fleet.stop()
