@@ -38,6 +38,7 @@ class FakeStats:
     num_constrained: int = 0
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
+    num_cuda_graph_steps: int = 0
 
 
 class FakeClock:
@@ -70,7 +71,8 @@ def test_counters_and_gauges_follow_steps():
     metrics.step_done([FakeOutput("a", [1]), FakeOutput("b", [2])],
                       FakeStats(num_blocks_free=70, num_running=2, num_waiting=1,
                                 prefix_queried_tokens=40, prefix_hit_tokens=10,
-                                num_cached_blocks=3, num_prefill_tokens_computed=30),
+                                num_cached_blocks=3, num_prefill_tokens_computed=30,
+                                num_cuda_graph_steps=3),
                       step_time_s=0.1)
     clock.now += 0.1
     metrics.step_done([FakeOutput("a", [3], finish_reason="stop"),
@@ -79,7 +81,8 @@ def test_counters_and_gauges_follow_steps():
                                 num_swap_preemptions=1, swap_used_bytes=4096,
                                 prefix_queried_tokens=80, prefix_hit_tokens=40,
                                 num_cached_blocks=4, num_prefill_tokens_computed=45,
-                                num_constrained=3, grammar_compiles=2, grammar_cache_hits=5),
+                                num_constrained=3, grammar_compiles=2, grammar_cache_hits=5,
+                                num_cuda_graph_steps=7),
                       step_time_s=0.03)
 
     assert value(metrics, "kvfleet_worker_requests_started_total") == 2
@@ -102,6 +105,7 @@ def test_counters_and_gauges_follow_steps():
     assert value(metrics, "kvfleet_worker_constrained_requests") == 3
     assert value(metrics, "kvfleet_worker_grammar_compiles_total") == 2
     assert value(metrics, "kvfleet_worker_grammar_cache_hits_total") == 5
+    assert value(metrics, "kvfleet_worker_cuda_graph_steps_total") == 7
 
 
 def test_histograms_bucket_queue_wait_and_step_time():

@@ -14,7 +14,9 @@ from shared.models import resolve_model_path, served_model_id
 from shared.settings import WorkerSettings
 from shared.wire import Keys
 from worker.cpu_share import cpu_share
+from worker.engine.device import resolve_attention_backend
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.kv_cache import resolve_device
 from worker.metrics import WorkerMetrics
 from worker.protocol import WorkerProtocol
 from worker.service import WorkerService
@@ -41,8 +43,20 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
     )
 
 
+def check_device_settings(config: EngineConfig) -> None:
+    """Refuse a device and attention backend that cannot run together (the Triton kernel on a
+    CPU) before the model loads, with the reason, instead of failing every request's first step."""
+    try:
+        resolve_attention_backend(config.attention_backend, resolve_device(config.device))
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"kvfleet worker: {exc}") from None
+
+
 def build_engine(settings: WorkerSettings) -> Engine:
     from transformers import AutoTokenizer
+
+    config = engine_config(settings)
+    check_device_settings(config)
 
     # On CPU: the configured threads, else torch's default (physical cores) capped by this
     # process's share of the machine (its cpuset and its cgroup CPU quota, e.g. a container's).
@@ -53,7 +67,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
         torch.set_num_threads(threads)
     path = resolve_model_path(settings.model, settings.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return Engine.from_pretrained(path, engine_config(settings), tokenizer=tokenizer)  # logs its budget
+    return Engine.from_pretrained(path, config, tokenizer=tokenizer)  # logs its budget
 
 
 def run_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> None:

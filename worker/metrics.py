@@ -50,6 +50,7 @@ class StepStats(Protocol):
     num_constrained: int
     grammar_compiles: int
     grammar_cache_hits: int
+    num_cuda_graph_steps: int
 
 
 class TokenRate:
@@ -121,6 +122,7 @@ class WorkerMetrics:
         self._hits = CumulativeDelta()
         self._compiles = CumulativeDelta()
         self._grammar_hits = CumulativeDelta()
+        self._graph_steps = CumulativeDelta()
         self._server = None
         self._build_counters()
         self._build_gauges()
@@ -164,6 +166,9 @@ class WorkerMetrics:
             p + "grammar_compiles", "Output constraints compiled (grammar cache misses).")
         self.grammar_cache_hits = self._counter(
             p + "grammar_cache_hits", "Constrained requests whose grammar was already compiled.")
+        self.cuda_graph_steps = self._counter(
+            p + "cuda_graph_steps", "Decode steps run by replaying a captured CUDA graph (0 on "
+            "CPU, with --cuda-graphs off|eager, and for steps with a prefill chunk).")
 
     def _build_gauges(self) -> None:
         p = "kvfleet_worker_"
@@ -253,6 +258,7 @@ class WorkerMetrics:
         self.constrained.set(stats.num_constrained)
         self.grammar_compiles.inc(self._compiles.step(stats.grammar_compiles))
         self.grammar_cache_hits.inc(self._grammar_hits.step(stats.grammar_cache_hits))
+        self.cuda_graph_steps.inc(self._graph_steps.step(stats.num_cuda_graph_steps))
 
     # ---- derived numbers -----------------------------------------------------------------
 

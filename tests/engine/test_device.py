@@ -3,6 +3,10 @@ bf16, sticky device errors are told from request errors, and the profiling step'
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -106,7 +110,7 @@ def test_an_ordinary_forward_error_fails_only_its_requests(tiny_llama):
 def test_attention_backend_and_graph_settings():
     cpu = torch.device("cpu")
     assert resolve_attention_backend("auto", cpu) == "sdpa"
-    assert resolve_attention_backend("triton", cpu) == "triton"
+    assert resolve_attention_backend("triton", cpu) == "triton"  # under the tests' interpreter
     with pytest.raises(ValueError):
         EngineConfig(attention_backend="flash")
     with pytest.raises(ValueError):
@@ -125,3 +129,27 @@ def test_the_profiling_step_has_the_largest_shape(tiny_llama, max_batched_tokens
     assert (profile.num_tokens, profile.num_logits_rows) == (
         max_batched_tokens, min(max_running, max_batched_tokens))
     assert profile.peak_bytes == 0  # measured on CUDA only
+
+
+def test_the_triton_backend_on_a_cpu_is_refused_when_the_engine_is_built(tiny_llama, monkeypatch):
+    """Without Triton's interpreter the kernel cannot run on CPU tensors: the engine refuses the
+    pairing when it is built, instead of failing every request at its first step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="'triton' runs on CUDA devices only.*cpu"):
+        resolve_attention_backend("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        tiny_llama.engine(attention_backend="triton")
+    assert tiny_llama.engine(attention_backend="auto").attention_backend == "sdpa"
+
+
+def test_a_worker_asked_for_triton_on_a_cpu_exits_before_loading_its_model(tmp_path):
+    """`kvfleet worker --device cpu --attention-backend triton` exits at once with the reason; the
+    model path does not exist, so a check made after loading would fail differently."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "KVFLEET_MODEL": str(tmp_path / "no-model")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfleet", "worker", "--device", "cpu", "--attention-backend",
+         "triton", "--redis-url", "redis://127.0.0.1:9", "--metrics-port", "-1"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    assert "kvfleet worker: attention_backend 'triton' runs on CUDA devices only" in result.stderr
+    assert "Traceback" not in result.stderr

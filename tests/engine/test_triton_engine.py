@@ -5,6 +5,7 @@ prefill, prefix-cache hits and padded batch buckets."""
 from __future__ import annotations
 
 from worker.engine.cuda_graphs import batch_buckets
+from worker.metrics import WorkerMetrics
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
 
 SHARED = random_prompt(13, seed=40)
@@ -55,3 +56,35 @@ def test_batch_buckets():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(3) == [1, 2, 3]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+class EagerReplay:
+    """Stands in for a captured CUDA graph on CPU: a replay runs the captured body and writes the
+    bucket's logits buffer in place, as replaying the graph does."""
+
+    def __init__(self, graphs, size: int):
+        self.graphs, self.size = graphs, size
+        graphs._graph_logits[size] = graphs._forward(size)
+
+    def replay(self) -> None:
+        self.graphs._graph_logits[self.size].copy_(self.graphs._forward(self.size))
+
+
+def test_graph_replays_are_counted_and_exported(tiny_llama):
+    engine = tiny_llama.engine(attention_backend="triton", cuda_graphs="eager")
+    graphs = engine.runner.decode_graphs
+    for size in graphs.buckets:
+        graphs.graphs[size] = EagerReplay(graphs, size)
+    decode_only_steps = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda sched: (
+        decode_only_steps.append(all(c.num_tokens == 1 for c in sched.chunks)), execute(sched))[1]
+    produced = run(engine, 4)
+    assert [produced[f"p{i}"] for i in range(3)] == [tiny_llama.reference(p, 4) for p in prompts()]
+    replays = engine.stats().num_cuda_graph_steps
+    # every decode-only step replayed a graph, no step with a prefill chunk did
+    assert replays == sum(decode_only_steps) > 0 and not all(decode_only_steps)
+    metrics = WorkerMetrics("w1", "tiny")
+    metrics.update_stats(engine.stats())
+    assert f'kvfleet_worker_cuda_graph_steps_total{{model="tiny",worker="w1"}} {float(replays)}' \
+        in metrics.render().decode()

@@ -41,6 +41,7 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.buckets = batch_buckets(max_batch)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0  # decode steps run by replaying a captured graph (the metric's count)
         self._graph_logits: dict[int, torch.Tensor] = {}  # [bucket, vocab], written by replays
         device, bs = pool.device, pool.block_size
         size, max_blocks = self.buckets[-1], -(-max_model_len // bs)
@@ -71,6 +72,7 @@ class DecodeGraphs:
         self._fill(chunks, size)
         if size in self.graphs:
             self.graphs[size].replay()
+            self.num_replays += 1
             logits = self._graph_logits[size]
         else:
             logits = self._forward(size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.triton_attention import triton_available
+from worker.engine.triton_attention import interpreting, triton_available
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
@@ -59,7 +59,12 @@ def place_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """'auto' -> the Triton paged kernel on CUDA when triton is importable, else gather + SDPA."""
+    """'auto' -> the Triton paged kernel on CUDA when triton is importable, else gather + SDPA.
+
+    'triton' on a device the compiled kernel cannot run on is refused here, at start-up, rather
+    than failing every request at its first step; only Triton's interpreter (TRITON_INTERPRET=1,
+    which the tests set) runs the kernel on CPU tensors.
+    """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                          f"got {name!r}")
@@ -67,4 +72,7 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" and triton_available() else "sdpa"
     if name == "triton" and not triton_available():
         raise ValueError("attention_backend 'triton' needs the `triton` package")
+    if name == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(f"attention_backend 'triton' runs on CUDA devices only, and the device is "
+                         f"{device}: use 'auto' or 'sdpa' there")
     return name

@@ -61,6 +61,7 @@ class EngineStats:
     num_constrained: int = 0  # requests with an output constraint
     grammar_compiles: int = 0  # constraints compiled (cache misses)
     grammar_cache_hits: int = 0
+    num_cuda_graph_steps: int = 0  # decode steps replayed from a captured CUDA graph
 
 
 def eos_token_ids_of(model) -> list[int]:
@@ -345,7 +346,7 @@ class Engine:
     # ---- introspection ------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        bm, sched = self.block_manager, self.scheduler
+        bm, sched, graphs = self.block_manager, self.scheduler, self.runner.decode_graphs
         return EngineStats(
             num_blocks_total=bm.num_blocks, num_blocks_free=bm.num_free_blocks,
             num_running=len(sched.running), num_waiting=len(sched.waiting),
@@ -357,7 +358,8 @@ class Engine:
             swap_used_bytes=sum(h.num_bytes for h in self._swapped.values()),
             num_constrained=len(self.constrained),
             grammar_compiles=self.constrained.compiler.misses if self.constrained.compiler else 0,
-            grammar_cache_hits=self.constrained.compiler.hits if self.constrained.compiler else 0)
+            grammar_cache_hits=self.constrained.compiler.hits if self.constrained.compiler else 0,
+            num_cuda_graph_steps=graphs.num_replays if graphs is not None else 0)
 
     def budget_report(self) -> list[str]:
         swap = self.swap_space.capacity_blocks * self.pool.block_bytes
