@@ -6,13 +6,36 @@ import os
 
 import pytest
 import redis
-import torch
+from _pytest.mark.expression import Expression
 
-if not torch.cuda.is_available():
-    # Triton kernels run under Triton's interpreter on CPU tensors; it reads this at import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from shared.redis_server import EmbeddedRedis
 
-from shared.redis_server import EmbeddedRedis  # noqa: E402
+
+def selects_cuda(markexpr: str) -> bool:
+    """Whether a `-m` expression aims the run at the GPU tests: it admits a test marked only
+    `cuda` and not an unmarked one (`-m cuda`, `-m "cuda and not slow"`; not `-m "not slow"`)."""
+    if not markexpr:
+        return False
+    expression = Expression.compile(markexpr)
+    return (expression.evaluate(lambda name, **kwargs: name == "cuda")
+            and not expression.evaluate(lambda name, **kwargs: False))
+
+
+def interpret_unless_a_gpu_run(markexpr: str) -> None:
+    """A run not aimed at the GPU tests runs the Triton kernels under Triton's interpreter, on CPU
+    tensors, whether or not the host has a GPU; `-m cuda` runs them compiled. One process runs
+    one of the two, so a run mixing both kinds is taken as a CPU run. An explicit
+    TRITON_INTERPRET in the environment wins."""
+    if not selects_cuda(markexpr):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_plugin_registered(plugin):
+    """Triton reads TRITON_INTERPRET when it is imported, and a conftest below this one (loaded
+    before `pytest_configure` when a test path is given) may import it: so the variable is set as
+    soon as this conftest is registered, from the command line parsed by then."""
+    if isinstance(plugin, pytest.Config):
+        interpret_unless_a_gpu_run(plugin.known_args_namespace.markexpr)
 
 
 @pytest.fixture(scope="session")
@@ -40,9 +63,9 @@ def redis_client(redis_url):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` need a GPU: left out unless the -m expression names them, so a
-    CPU-only run neither fails nor reports them as skipped (gpu_check.sh runs `-m cuda`)."""
-    if "cuda" in (config.getoption("markexpr") or ""):
+    """Tests marked `cuda` need a GPU: left out unless the run is aimed at them (`-m cuda`, as
+    gpu_check.sh runs), so a CPU-only run neither fails nor reports them as skipped."""
+    if selects_cuda(config.getoption("markexpr")):
         return
     kept = [item for item in items if item.get_closest_marker("cuda") is None]
     if len(kept) < len(items):
