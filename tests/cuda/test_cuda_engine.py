@@ -69,6 +69,8 @@ def test_graph_replays_equal_eager_steps(saved_tiny, gpu):
         if mode == "auto":
             assert engine.runner.decode_graphs.graphs  # captured
         outputs[mode] = engine.generate(prompts, greedy(20))
+        replays = engine.stats().num_cuda_graph_steps  # kvfleet_worker_cuda_graph_steps_total
+        assert replays >= 19 if mode == "auto" else replays == 0  # every decode-only step
     assert outputs["auto"] == outputs["off"]
 
 
