@@ -124,3 +124,30 @@ def test_prefix_caching_off(tiny):
         assert run_one(engine, f"r{i}", prompt, 6) == tiny.reference(prompt, 6)
     stats = engine.stats()
     assert stats.prefix_hit_tokens == 0 and stats.num_cached_blocks == 0
+
+
+def test_masked_prefill_after_a_cached_prefix_never_asks_sdpa_for_gqa(tiny_llama, monkeypatch):
+    """A chunk after a cached prefix needs a mask; with GQA (4 query heads on 2 KV heads here)
+    its heads are packed per KV head, so no SDPA call gets a mask together with GQA (on CUDA that
+    pair runs the math kernel, which materialises every score). Tokens stay HF's."""
+    import torch.nn.functional as F
+
+    from worker.engine import attention
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((attn_mask is not None, q.shape[-3] != k.shape[-3] or kwargs.get("enable_gqa")))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    engine = tiny_llama.engine(block_size=BS, max_batched_tokens=6)  # chunked prefill too
+    shared = random_prompt(12, seed=5)
+    first, second = shared + random_prompt(5, seed=6), shared + random_prompt(9, seed=7)
+    assert run_one(engine, "a", first, 6) == tiny_llama.reference(first, 6)
+    assert run_one(engine, "b", second, 6) == tiny_llama.reference(second, 6)
+    assert engine.stats().prefix_hit_tokens >= 12
+    masked = [gqa for has_mask, gqa in calls if has_mask]
+    assert masked and not any(masked)
+    assert any(gqa for has_mask, gqa in calls if not has_mask)  # chunks from 0 keep is_causal GQA

@@ -10,7 +10,10 @@ in a batch of 1 (`input_ids` [1, T]). Each layer's attention call
        query heads are packed per KV head, so SDPA sees batch = kv_heads, heads = B,
        queries = n_rep and no K/V is repeated for GQA;
      - prefill chunks one sequence at a time, causal with an offset against the cached prefix
-       (a chunk at position 0 attends to its own fresh K/V with no gather).
+       (a chunk at position 0 attends to its own fresh K/V with no gather). A chunk after a
+       cached prefix needs a mask; its query heads are packed per KV head (queries = n_rep x n)
+       and the mask repeated to match, so SDPA never gets a mask together with GQA (on CUDA
+       that pair falls back to the math kernel, which materialises every score).
 The pool stores K/V in its format (`--kv-dtype`): writes convert or quantise, and gathers
 dequantise into the query's dtype, so attention itself always runs in the model's dtype.
 Everything that depends only on the step (slots, gather indices, masks) is built once in
@@ -52,7 +55,9 @@ class PrefillChunk:
     q_end: int
     context_len: int  # keys are the sequence's positions [0, context_len), context_len = start + n
     gather_index: torch.Tensor | None  # [2 * KVH * num_blocks]; None when the chunk starts at 0
-    mask: torch.Tensor | None  # [n, context_len] bool causal with offset; None when start == 0
+    # [n_rep * n, context_len] bool causal with offset, the [n, context_len] mask once per query
+    # head of a KV head's group (row r * n + i is query i); None when start == 0
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -118,22 +123,27 @@ def _prefill_attention(chunk: PrefillChunk, query, key, value, pool: KVCachePool
         v = value[:, :, chunk.q_start:chunk.q_end]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
     else:
-        head_dim = query.shape[3]
+        _, num_heads, num_queries, head_dim = q.shape
+        num_kv_heads = pool.layout.num_kv_heads
         kv = pool.gather(layer, chunk.gather_index, query.dtype).view(
-            2, pool.layout.num_kv_heads, -1, head_dim)
+            2, num_kv_heads, -1, head_dim)
         k = kv[0, :, :chunk.context_len].unsqueeze(0)  # [1, KVH, ctx, D]
         v = kv[1, :, :chunk.context_len].unsqueeze(0)
-        o = _cached_attention(pool, q, k, v, chunk.mask, scaling, enable_gqa=True)
+        # [1, H, n, D] -> [1, KVH, n_rep * n, D]: head h reads KV head h // n_rep (as the mask)
+        packed = q.reshape(1, num_kv_heads, -1, head_dim)
+        o = _cached_attention(pool, packed, k, v, chunk.mask, scaling)
+        o = o.view(1, num_heads, num_queries, head_dim)
     out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1)  # [n, H, D]
 
 
-def _cached_attention(pool: KVCachePool, q, k, v, mask, scaling, enable_gqa: bool = False):
-    """SDPA over K/V read from the pool. When the pool stores rows rotated by R (int8), q.k =
-    (qR).(kR) and p.V = (p.VR)R^T: rotate q, un-rotate the output, never the cache."""
+def _cached_attention(pool: KVCachePool, q, k, v, mask, scaling):
+    """SDPA over K/V read from the pool, q's heads already packed per KV head (no GQA). When the
+    pool stores rows rotated by R (int8), q.k = (qR).(kR) and p.V = (p.VR)R^T: rotate q,
+    un-rotate the output, never the cache."""
     rotation = pool.rotation(q.dtype)
     if rotation is not None:
         q = q @ rotation
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return o if rotation is None else o @ rotation.T
 
 

@@ -40,6 +40,7 @@ class ModelRunner:
         self.decode_group_cost_tokens = decode_group_cost_tokens
         self.device = next(model.parameters()).device
         num_kv_heads = pool.layout.num_kv_heads
+        self._group_size = model.config.num_attention_heads // num_kv_heads  # query heads per KV head
         # row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...] block view
         self._head_block_rows = (torch.arange(2 * num_kv_heads) * pool.num_blocks).unsqueeze(1)
         self._head_slot_rows = (torch.arange(num_kv_heads) * pool.num_blocks * pool.block_size).unsqueeze(1)
@@ -134,6 +135,7 @@ class ModelRunner:
             else:
                 query_pos = torch.arange(chunk.start, chunk.end).unsqueeze(1)  # [n, 1]
                 mask = torch.arange(chunk.end).unsqueeze(0) <= query_pos  # [n, ctx]
+                mask = mask.repeat(self._group_size, 1)  # [n_rep * n, ctx]: per packed head
                 blocks = chunk.block_table[:-(-chunk.end // bs)]
                 result.append(PrefillChunk(q_start, q_end, chunk.end, self._gather_index(blocks),
                                            mask.to(self.device, non_blocking=True)))
