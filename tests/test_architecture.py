@@ -1,6 +1,7 @@
 """The shape of the code base: no import cycles, each package imports only the layers below it,
 every module imports in a fresh interpreter, benchmarks run as modules without `sys.path` edits,
-and no path of the machine the checkout lives on is written into the tree."""
+and no path of the machine the checkout lives on (nor of any particular machine) is written into
+the tree."""
 
 from __future__ import annotations
 
@@ -155,15 +156,46 @@ def checkout_paths() -> set[Path]:
     return roots | {root.parent / "shared" for root in roots if (root.parent / "shared").is_dir()}
 
 
-def test_no_path_of_this_checkout_is_written_into_the_tree():
+# Paths and tools of particular development or CI machines, wherever this checkout lives: the
+# agents' workspace, a CI scratch folder, a root or macOS home, the team's CPU lock. Container
+# files are exempt from the home folders: there they name paths inside the image.
+MACHINE_NEEDLES = ("/work/", "/tmp/ci", "/root/", "/Users/", "cpulock")
+IMAGE_PATH_NEEDLES = ("/root/",)
+CONTAINER_FILES = ("Dockerfile", "docker-compose.yml")
+
+
+def tracked_texts() -> dict[str, str]:
+    """The text of every tracked file (binary model and image files left out)."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
     assert tracked, "not a git checkout: cannot list the tracked files"
+    return {name: (ROOT / name).read_text(errors="replace") for name in tracked
+            if (ROOT / name).is_file() and Path(name).suffix not in (".gguf", ".png", ".safetensors")}
+
+
+def test_no_path_of_this_checkout_is_written_into_the_tree():
     needles = {f"{path}/" for path in checkout_paths()}
-    hits = []
-    for name in tracked:
-        path = ROOT / name
-        if path.is_file() and path.suffix not in (".gguf", ".png", ".safetensors"):
-            text = path.read_text(errors="replace")
-            hits += [f"{name}: {needle}" for needle in sorted(needles) if needle in text]
+    hits = [f"{name}: {needle}" for name, text in tracked_texts().items()
+            for needle in sorted(needles) if needle in text]
+    assert hits == []
+
+
+def machine_paths_in(name: str, text: str) -> list[str]:
+    exempt = IMAGE_PATH_NEEDLES if Path(name).name in CONTAINER_FILES else ()
+    return [f"{name}: {needle}" for needle in MACHINE_NEEDLES
+            if needle in text and needle not in exempt]
+
+
+def test_the_machine_path_check_finds_one():
+    assert machine_paths_in("docs/X.md", "run it under /wor" "k/tools/cpu" "lock exclusive") == [
+        "docs/X.md: /work/", "docs/X.md: cpulock"]
+    assert machine_paths_in("Dockerfile", "--mount=type=cache,target=/roo" "t/.cache/pip") == []
+    assert machine_paths_in("deploy/run.sh", "cd /roo" "t/kvfleet") == ["deploy/run.sh: /root/"]
+
+
+def test_no_machine_specific_path_or_tool_is_written_into_the_tree():
+    """Docs included: a benchmark's command reads the same on every machine."""
+    this_file = str(Path(__file__).resolve().relative_to(ROOT))  # holds the needles themselves
+    hits = [hit for name, text in tracked_texts().items() if name != this_file
+            for hit in machine_paths_in(name, text)]
     assert hits == []
