@@ -69,6 +69,8 @@ class SamplingRequest(BaseModel):
     # batch queue; the names are accepted too.
     priority: int | Literal["interactive", "batch"] = 0
     skip_prefix_cache: bool = False
+    # vLLM: the prompt tokens' logprobs and top-N alternatives, in the response's choices
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Structured outputs as vLLM takes them (at most one, and not beside `response_format`).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -115,6 +117,17 @@ class SamplingRequest(BaseModel):
         """None = no logprobs; N = the sampled token's logprob plus the top-N alternatives."""
         return None
 
+    def prompt_logprobs_count(self) -> int | None:
+        """None = no prompt logprobs; N = each prompt token's logprob and the top-N."""
+        return self.prompt_logprobs
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("`prompt_logprobs` is not available in streams (with completions, "
+                             "`echo` and `logprobs` stream the prompt's logprobs)")
+        return self
+
     def token_bias(self) -> dict[int, float]:
         return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
@@ -129,7 +142,8 @@ class SamplingRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=seed, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs_count(), skip_prefix_cache=self.skip_prefix_cache,
+            logprobs=self.logprobs_count(), prompt_logprobs=self.prompt_logprobs_count(),
+            skip_prefix_cache=self.skip_prefix_cache,
             constraint=constraint, logit_bias=self.token_bias(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
@@ -163,16 +177,20 @@ class CompletionRequest(SamplingRequest):
     def _check_supported(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("`suffix` is not supported (no fill-in-the-middle template)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("`echo` together with `logprobs` is not supported "
-                             "(the workers return no prompt logprobs)")
-        if self.max_tokens == 0:
-            raise ValueError("`max_tokens` must be at least 1 (prompt logprobs are not "
-                             "supported)")
         return self
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """`echo` with `logprobs`: the prompt's tokens come first in `logprobs` (OpenAI)."""
+        return self.echo and self.logprobs is not None
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        counts = [c for c in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                  if c is not None]
+        return max(counts) if counts else None
 
 
 class ContentPart(BaseModel):

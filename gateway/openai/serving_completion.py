@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from gateway.dashboard.metrics import RequestTracker
 from gateway.openai.fields import UNSUPPORTED_COMPLETIONS
+from gateway.openai.prompt_logprobs import echo_logprobs, prompt_logprobs_of, vllm_prompt_logprobs
 from gateway.openai.protocol import CompletionRequest
 from gateway.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
@@ -37,13 +38,20 @@ class CompletionServing(OpenAIServing):
         for index, deltas in enumerate(await self.collect(choices, tracker)):
             final = deltas[-1]
             usage.add(index, final.usage)
+            prompt = prompts[index // request.n]
+            prompt_entries = prompt_logprobs_of(deltas)
             logprobs = None
-            if request.logprobs is not None:
+            if request.echo_logprobs:
+                logprobs, _ = echo_logprobs(self.processor, prompt_entries, prompt)
+            elif request.logprobs is not None:
                 logprobs = CompletionLogprobs()
-                self._add_logprobs(logprobs, deltas, 0)
-            out.append(CompletionChoice(index=index, logprobs=logprobs,
-                                        text=echoes[index] + "".join(d.text for d in deltas),
-                                        finish_reason=final.finish_reason))
+            if logprobs is not None:
+                self._add_logprobs(logprobs, deltas, len(echoes[index]))
+            out.append(CompletionChoice(
+                index=index, logprobs=logprobs, finish_reason=final.finish_reason,
+                text=echoes[index] + "".join(d.text for d in deltas),
+                prompt_logprobs=(vllm_prompt_logprobs(self.processor, prompt_entries, prompt)
+                                 if request.prompt_logprobs is not None else None)))
         info = usage.info()
         tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
                        info.completion_tokens)
@@ -57,12 +65,19 @@ class CompletionServing(OpenAIServing):
         frames = CompletionChunkEncoder(response_id, created, self.served_id)
         usage = UsageTally(request.n)
         offsets = [len(echo) for echo in echoes]
+        # echo with logprobs: the prompt's chunk waits for its logprobs (the first delta's)
+        echo_pending = [bool(echo) and request.echo_logprobs for echo in echoes]
         finish_reasons: list[str | None] = []
         try:
             for index, echo in enumerate(echoes):
-                if echo:
+                if echo and not echo_pending[index]:
                     yield frames.text(index, echo)
             async for index, delta in merge_choices([aiter(c) for c in choices]):
+                if echo_pending[index]:
+                    echo_pending[index] = False
+                    head, _ = echo_logprobs(self.processor, delta.prompt_logprobs,
+                                            prompts[index // request.n])
+                    yield frames.text(index, echoes[index], head)
                 if delta.token_ids:
                     tracker.on_tokens(len(delta.token_ids))
                 logprobs = None
