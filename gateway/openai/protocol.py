@@ -27,15 +27,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (not implemented: 400)
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _not_implemented(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("`continuous_usage_stats` is not supported (usage comes in the "
-                             "last chunk)")
-        return value
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, usage in every chunk
 
 
 class SamplingRequest(BaseModel):
@@ -103,6 +95,11 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM: every chunk carries the usage so far (with `include_usage` only, as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def queue_priority(self) -> str:

@@ -76,6 +76,25 @@ class UsageTally:
         return UsageInfo.of(prompt, self._completion_tokens, cached)
 
 
+class RunningUsage:
+    """The usage of a stream so far (vLLM's `continuous_usage_stats`): every prompt once, the
+    completion tokens every choice has streamed."""
+
+    def __init__(self, prompts: list[list[int]]):
+        self._prompt_tokens = sum(len(p) for p in prompts)
+        self._completion_tokens = 0
+
+    def add(self, num_tokens: int) -> None:
+        self._completion_tokens += num_tokens
+
+    def info(self) -> UsageInfo:
+        return UsageInfo.of(self._prompt_tokens, self._completion_tokens, 0)
+
+
+def running_usage(request: SamplingRequest, prompts: list[list[int]]) -> RunningUsage | None:
+    return RunningUsage(prompts) if request.continuous_usage else None
+
+
 class OpenAIServing:
     """Base of the handlers: talks to an EngineClient, never to Redis or HTTP objects."""
 

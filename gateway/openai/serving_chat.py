@@ -20,7 +20,7 @@ from gateway.openai.responses import (
     ChatMessageOut,
     TopLogprob,
 )
-from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
+from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of, running_usage
 from gateway.openai.sse_chunks import ChatChunkEncoder
 from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
 from gateway.output.merge import merge_choices
@@ -134,7 +134,9 @@ class ChatServing(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceStream],
                       prompts: list[list[int]], response_id: str, created: int,
                       tracker: RequestTracker) -> AsyncIterator[bytes]:
-        frames = ChatChunkEncoder(response_id, created, self.served_id)
+        running = running_usage(request, prompts)
+        frames = ChatChunkEncoder(response_id, created, self.served_id,
+                       running.info if running else None)
         usage = UsageTally(request.n)
         options = self._options(request, prompts[0])
         outputs = [ChatOutput(options) for _ in choices]
@@ -145,6 +147,8 @@ class ChatServing(OpenAIServing):
             async for index, delta in merge_choices([aiter(c) for c in choices]):
                 if delta.token_ids:
                     tracker.on_tokens(len(delta.token_ids))
+                    if running is not None:
+                        running.add(len(delta.token_ids))
                 logprobs = self._logprobs([delta]) if request.logprobs and delta.logprobs else None
                 piece = outputs[index].feed(delta.text)
                 if delta.finish_reason is not None:

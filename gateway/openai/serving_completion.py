@@ -9,7 +9,7 @@ from gateway.openai.fields import UNSUPPORTED_COMPLETIONS
 from gateway.openai.prompt_logprobs import echo_logprobs, prompt_logprobs_of, vllm_prompt_logprobs
 from gateway.openai.protocol import CompletionRequest
 from gateway.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
-from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
+from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of, running_usage
 from gateway.openai.sse_chunks import CompletionChunkEncoder
 from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
 from gateway.output.merge import merge_choices
@@ -62,7 +62,9 @@ class CompletionServing(OpenAIServing):
                       prompts: list[list[int]], response_id: str, created: int,
                       tracker: RequestTracker) -> AsyncIterator[bytes]:
         echoes = self._echoes(request, prompts)
-        frames = CompletionChunkEncoder(response_id, created, self.served_id)
+        running = running_usage(request, prompts)
+        frames = CompletionChunkEncoder(response_id, created, self.served_id,
+                       running.info if running else None)
         usage = UsageTally(request.n)
         offsets = [len(echo) for echo in echoes]
         # echo with logprobs: the prompt's chunk waits for its logprobs (the first delta's)
@@ -80,6 +82,8 @@ class CompletionServing(OpenAIServing):
                     yield frames.text(index, echoes[index], head)
                 if delta.token_ids:
                     tracker.on_tokens(len(delta.token_ids))
+                    if running is not None:
+                        running.add(len(delta.token_ids))
                 logprobs = None
                 if request.logprobs is not None and delta.logprobs:
                     logprobs = CompletionLogprobs()
