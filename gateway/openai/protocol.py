@@ -110,6 +110,10 @@ class SamplingRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def num_candidates(self) -> int:
+        """Samples generated per prompt (`best_of` may ask for more than the `n` returned)."""
+        return self.n
+
     def logprobs_count(self) -> int | None:
         """None = no logprobs; N = the sampled token's logprob plus the top-N alternatives."""
         return None
@@ -154,6 +158,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     response_format: ResponseFormat | None = None  # vLLM accepts it on completions too
+    # candidates per prompt; the n with the highest cumulative logprob are returned
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -174,7 +180,19 @@ class CompletionRequest(SamplingRequest):
     def _check_supported(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("`suffix` is not supported (no fill-in-the-middle template)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"`best_of` ({self.best_of}) must be at least `n` ({self.n})")
+        if self.stream and self.num_candidates() > self.n:
+            raise ValueError("`best_of` greater than `n` cannot be streamed (the best are "
+                             "known only at the end)")
         return self
+
+    def num_candidates(self) -> int:
+        return self.best_of or self.n
+
+    @property
+    def ranks_candidates(self) -> bool:
+        return self.num_candidates() > self.n
 
     @property
     def echo_logprobs(self) -> bool:
@@ -182,6 +200,8 @@ class CompletionRequest(SamplingRequest):
         return self.echo and self.logprobs is not None
 
     def logprobs_count(self) -> int | None:
+        if self.logprobs is None and self.ranks_candidates:
+            return 0  # the sampled tokens' logprobs rank the candidates
         return self.logprobs
 
     def prompt_logprobs_count(self) -> int | None:

@@ -186,19 +186,23 @@ class OpenAIServing:
 
     def build_requests(self, req_hex: str, prompts: list[list[int]], request: SamplingRequest,
                        constraint: OutputConstraint | None = None) -> list[GenerationRequest]:
-        """One GenerationRequest per choice: choice `p * n + i` is prompt p's i-th sample."""
-        num_choices = len(prompts) * request.n
+        """One GenerationRequest per choice: choice `p * n + i` is prompt p's i-th sample (with
+        `best_of`, per prompt best_of candidates instead of n)."""
+        per_prompt = request.num_candidates()  # n, or best_of candidates to pick n from
+        num_choices = len(prompts) * per_prompt
         if num_choices > MAX_CHOICES:
-            raise bad_request(f"{len(prompts)} prompts with n={request.n} make {num_choices} "
-                              f"choices; at most {MAX_CHOICES} are allowed.", param="n")
+            name = "n" if per_prompt == request.n else "best_of"
+            raise bad_request(f"{len(prompts)} prompts with {name}={per_prompt} make "
+                              f"{num_choices} choices; at most {MAX_CHOICES} are allowed.",
+                              param=name)
         base_seed = request.seed if request.seed is not None else random.getrandbits(63)
         now = time.time()
         requests = []
         for prompt_index, prompt_ids in enumerate(prompts):
             max_tokens = self.processor.resolve_max_tokens(
                 len(prompt_ids), request.requested_max_tokens(), self.settings.default_max_tokens)
-            for i in range(request.n):
-                index = prompt_index * request.n + i
+            for i in range(per_prompt):
+                index = prompt_index * per_prompt + i
                 req_id = f"cmpl-{req_hex}" if num_choices == 1 else f"cmpl-{req_hex}-{index}"
                 params = request.to_sampling_params(max_tokens, wrap_int64(base_seed + index),
                                                     self.default_temperature, constraint)

@@ -27,18 +27,22 @@ class CompletionServing(OpenAIServing):
     def _echoes(self, request: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """Per choice, the prompt text that `echo` puts before the completion ("" without it)."""
         return [self.processor.decode(p) if request.echo else "" for p in prompts
-                for _ in range(request.n)]
+                for _ in range(request.num_candidates())]
 
     async def _respond(self, request: CompletionRequest, choices: list[ChoiceStream],
                        prompts: list[list[int]], response_id: str, created: int,
                        tracker: RequestTracker) -> CompletionResponse:
         echoes = self._echoes(request, prompts)
-        usage = UsageTally(request.n)
+        per_prompt = request.num_candidates()
+        usage = UsageTally(per_prompt)
         out = []
-        for index, deltas in enumerate(await self.collect(choices, tracker)):
+        collected = await self.collect(choices, tracker)
+        for index, deltas in enumerate(collected):  # every candidate is billed
+            usage.add(index, deltas[-1].usage)
+        for index in best_candidates(collected, per_prompt, request.n):
+            deltas = collected[index]
             final = deltas[-1]
-            usage.add(index, final.usage)
-            prompt = prompts[index // request.n]
+            prompt = prompts[index // per_prompt]
             prompt_entries = prompt_logprobs_of(deltas)
             logprobs = None
             if request.echo_logprobs:
@@ -48,7 +52,7 @@ class CompletionServing(OpenAIServing):
             if logprobs is not None:
                 self._add_logprobs(logprobs, deltas, len(echoes[index]))
             out.append(CompletionChoice(
-                index=index, logprobs=logprobs, finish_reason=final.finish_reason,
+                index=len(out), logprobs=logprobs, finish_reason=final.finish_reason,
                 text=echoes[index] + "".join(d.text for d in deltas),
                 prompt_logprobs=(vllm_prompt_logprobs(self.processor, prompt_entries, prompt)
                                  if request.prompt_logprobs is not None else None)))
@@ -120,3 +124,19 @@ class CompletionServing(OpenAIServing):
     def _top(self, entry: TokenLogprob) -> dict[str, float]:
         top = {self.processor.token_text(token_id): logprob for token_id, logprob in entry.top}
         return top or {self.processor.token_text(entry.token_id): entry.logprob}
+
+
+def best_candidates(candidates: list[list[ChoiceDelta]], per_prompt: int, n: int) -> list[int]:
+    """Indices of the choices to return: per prompt, the n of its `per_prompt` candidates with
+    the highest cumulative logprob (best first, as vLLM's best_of), or all of them in order."""
+    if per_prompt == n:
+        return list(range(len(candidates)))
+    chosen = []
+    for first in range(0, len(candidates), per_prompt):
+        group = range(first, first + per_prompt)
+        chosen += sorted(group, key=lambda i: -_cumulative_logprob(candidates[i]))[:n]
+    return chosen
+
+
+def _cumulative_logprob(deltas: list[ChoiceDelta]) -> float:
+    return sum(entry.logprob for delta in deltas for entry in delta.logprobs or [])
