@@ -250,6 +250,7 @@ class WorkerService:
             attempt=inflight.attempt,
             token_ids=list(output.new_token_ids),
             logprobs=output.new_logprobs,
+            prompt_logprobs=output.prompt_logprobs,
             finish_reason=output.finish_reason,
             usage=Usage(output.num_prompt_tokens, output.num_output_tokens,
                         output.num_cached_tokens) if final else None,

@@ -19,10 +19,13 @@ if TYPE_CHECKING:
     from gateway.admission.ratelimit import RateLimiter
 
 class QueueWaitEstimator:
-    """Expected queue wait = undelivered requests × work per request ÷ fleet tokens/s.
+    """Expected queue wait = requests queued *ahead* × work per request ÷ fleet tokens/s.
 
-    The load is read from Redis at most once per `cache_s`; requests this gateway admitted since
-    are added to it, so a burst between two reads cannot slip through. With no live worker the
+    Ahead = undelivered entries of the model's streams plus what this gateway admitted since the
+    last read; a new request's own choices are not ahead of it (they are counted, once, for the
+    requests after it), so a request with many choices is admitted by an idle fleet. The depth
+    limit counts them (they take room in the queue). The load is read from Redis at most once
+    per `cache_s`, so a burst between two reads cannot slip through. With no live worker the
     wait is unknown (requests must still queue for a worker that starts later): only the depth
     limit applies then.
     """
@@ -62,15 +65,16 @@ class QueueWaitEstimator:
         if load is None:  # Redis unreadable: the enqueue itself will say so (503)
             return
         s = self._settings
-        depth = load.undelivered + self._admitted_since_read + num_requests
+        ahead = load.undelivered + self._admitted_since_read
+        depth = ahead + num_requests
         per_request_s = s.queue_tokens_per_request / self.throughput(load)
-        if s.max_queue_depth and depth > s.max_queue_depth:
+        if s.max_queue_depth and depth > s.max_queue_depth and ahead:  # an empty queue takes it
             raise TooManyRequests(
-                f"The queue of `{self._model}` is full ({depth - num_requests} requests waiting, "
+                f"The queue of `{self._model}` is full ({ahead} requests waiting, "
                 f"limit {s.max_queue_depth}). Retry later.",
                 (depth - s.max_queue_depth) * per_request_s, code="queue_full")
         if s.max_queue_wait_s and load.live_workers:
-            wait_s = depth * per_request_s
+            wait_s = ahead * per_request_s
             if wait_s > s.max_queue_wait_s:
                 raise TooManyRequests(
                     f"The expected wait in the queue of `{self._model}` is {wait_s:.0f} s "

@@ -29,6 +29,8 @@ class ChatOutputOptions:
     tool_format: ToolFormat | None = None  # None: tools are off (no parsing)
     reasoning: bool = False
     starts_in_reasoning: bool = False  # the template opened the think block in the prompt
+    # parallel_tool_calls false: the first call only; what the model writes after it is dropped
+    max_tool_calls: int | None = None
 
 
 class ChatOutput:
@@ -36,6 +38,7 @@ class ChatOutput:
         self._reasoning = (ReasoningSplitter(options.starts_in_reasoning)
                            if options.reasoning else None)
         self._tools = ToolCallParser(options.tool_format) if options.tool_format else None
+        self._max_calls = options.max_tool_calls
         self.saw_reasoning = False
 
     def feed(self, text: str) -> ChatPiece:
@@ -62,20 +65,34 @@ class ChatOutput:
         if self._tools is None:
             piece.content += content
             return piece
-        parsed = self._tools.feed(content) if content else None
-        pieces = [p for p in (parsed, self._tools.finish() if final else None) if p is not None]
-        for part in pieces:
-            piece.content += part.content
-            piece.tool_calls += [ToolCallDeltaOut(
-                index=d.index, id=d.id, type="function" if d.id else None,
-                function=FunctionCallDelta(name=d.name, arguments=d.arguments))
-                for d in part.calls]
+        if self._calls_done:  # past the last call the client may get: nothing more
+            return piece
+        if content:  # a feed's content is text before its calls
+            self._add(piece, self._tools.feed(content), keep_content=True)
+        if final and not self._calls_done:
+            last = self._tools.finish()
+            # finish's content is text after the calls: dropped if the last call it may keep came
+            self._add(piece, last, keep_content=not self._calls_done)
         return piece
+
+    def _add(self, piece: ChatPiece, part, keep_content: bool) -> None:
+        if keep_content:
+            piece.content += part.content
+        piece.tool_calls += [ToolCallDeltaOut(
+            index=d.index, id=d.id, type="function" if d.id else None,
+            function=FunctionCallDelta(name=d.name, arguments=d.arguments))
+            for d in part.calls if self._max_calls is None or d.index < self._max_calls]
+
+    @property
+    def _calls_done(self) -> bool:
+        return (self._tools is not None and self._max_calls is not None
+                and len(self._tools.calls) >= self._max_calls)
 
     @property
     def tool_calls(self) -> list[ToolCallOut]:
         """The calls found (complete ones), for the whole reply."""
         if self._tools is None:
             return []
+        calls = self._tools.calls[:self._max_calls]  # [:None]: all
         return [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-                for c in self._tools.calls]
+                for c in calls]

@@ -23,11 +23,9 @@ UNSUPPORTED_CHAT: dict[str, str] = {
     "prompt_cache_key": "`prompt_cache_key` is not supported (prefix caching is automatic)",
     "prompt_cache_retention": "`prompt_cache_retention` is not supported",
 }
-UNSUPPORTED_COMPLETIONS: dict[str, str] = {
-    "best_of": "`best_of` is not supported; use `n` and rank the choices by their `logprobs`",
-}
+UNSUPPORTED_COMPLETIONS: dict[str, str] = {}
 # Values of an unsupported field that mean "not used" (clients send them by default).
-OFF_VALUES: dict[str, tuple[Any, ...]] = {"verbosity": ("medium",), "best_of": (1,)}
+OFF_VALUES: dict[str, tuple[Any, ...]] = {"verbosity": ("medium",)}
 
 
 def check_extra_fields(extra: dict[str, Any] | None, unsupported: dict[str, str],

@@ -27,15 +27,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (not implemented: 400)
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _not_implemented(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("`continuous_usage_stats` is not supported (usage comes in the "
-                             "last chunk)")
-        return value
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, usage in every chunk
 
 
 class SamplingRequest(BaseModel):
@@ -69,6 +61,8 @@ class SamplingRequest(BaseModel):
     # batch queue; the names are accepted too.
     priority: int | Literal["interactive", "batch"] = 0
     skip_prefix_cache: bool = False
+    # vLLM: the prompt tokens' logprobs and top-N alternatives, in the response's choices
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Structured outputs as vLLM takes them (at most one, and not beside `response_format`).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -103,6 +97,11 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        """vLLM: every chunk carries the usage so far (with `include_usage` only, as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
     def queue_priority(self) -> str:
         if isinstance(self.priority, str):
             return self.priority
@@ -111,9 +110,24 @@ class SamplingRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def num_candidates(self) -> int:
+        """Samples generated per prompt (`best_of` may ask for more than the `n` returned)."""
+        return self.n
+
     def logprobs_count(self) -> int | None:
         """None = no logprobs; N = the sampled token's logprob plus the top-N alternatives."""
         return None
+
+    def prompt_logprobs_count(self) -> int | None:
+        """None = no prompt logprobs; N = each prompt token's logprob and the top-N."""
+        return self.prompt_logprobs
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("`prompt_logprobs` is not available in streams (with completions, "
+                             "`echo` and `logprobs` stream the prompt's logprobs)")
+        return self
 
     def token_bias(self) -> dict[int, float]:
         return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
@@ -129,7 +143,8 @@ class SamplingRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=seed, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs_count(), skip_prefix_cache=self.skip_prefix_cache,
+            logprobs=self.logprobs_count(), prompt_logprobs=self.prompt_logprobs_count(),
+            skip_prefix_cache=self.skip_prefix_cache,
             constraint=constraint, logit_bias=self.token_bias(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
@@ -143,6 +158,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     response_format: ResponseFormat | None = None  # vLLM accepts it on completions too
+    # candidates per prompt; the n with the highest cumulative logprob are returned
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -163,16 +180,34 @@ class CompletionRequest(SamplingRequest):
     def _check_supported(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("`suffix` is not supported (no fill-in-the-middle template)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("`echo` together with `logprobs` is not supported "
-                             "(the workers return no prompt logprobs)")
-        if self.max_tokens == 0:
-            raise ValueError("`max_tokens` must be at least 1 (prompt logprobs are not "
-                             "supported)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"`best_of` ({self.best_of}) must be at least `n` ({self.n})")
+        if self.stream and self.num_candidates() > self.n:
+            raise ValueError("`best_of` greater than `n` cannot be streamed (the best are "
+                             "known only at the end)")
         return self
 
+    def num_candidates(self) -> int:
+        return self.best_of or self.n
+
+    @property
+    def ranks_candidates(self) -> bool:
+        return self.num_candidates() > self.n
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """`echo` with `logprobs`: the prompt's tokens come first in `logprobs` (OpenAI)."""
+        return self.echo and self.logprobs is not None
+
     def logprobs_count(self) -> int | None:
+        if self.logprobs is None and self.ranks_candidates:
+            return 0  # the sampled tokens' logprobs rank the candidates
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        counts = [c for c in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                  if c is not None]
+        return max(counts) if counts else None
 
 
 class ContentPart(BaseModel):

@@ -47,11 +47,36 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`: one candidate at a prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id -> candidate
+# (the prompt's own token and the top-N alternatives).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _omit_none_prompt_logprobs(data: dict) -> dict:
+    """`prompt_logprobs` only when asked for (so stream chunks keep OpenAI's shape)."""
+    if data.get("prompt_logprobs") is None:
+        data.pop("prompt_logprobs", None)
+    return data
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler):
+        return _omit_none_prompt_logprobs(handler(self))
 
 
 class CompletionResponse(BaseModel):
@@ -113,6 +138,11 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler):
+        return _omit_none_prompt_logprobs(handler(self))
 
 
 class ChatCompletionResponse(BaseModel):

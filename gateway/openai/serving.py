@@ -76,6 +76,25 @@ class UsageTally:
         return UsageInfo.of(prompt, self._completion_tokens, cached)
 
 
+class RunningUsage:
+    """The usage of a stream so far (vLLM's `continuous_usage_stats`): every prompt once, the
+    completion tokens every choice has streamed."""
+
+    def __init__(self, prompts: list[list[int]]):
+        self._prompt_tokens = sum(len(p) for p in prompts)
+        self._completion_tokens = 0
+
+    def add(self, num_tokens: int) -> None:
+        self._completion_tokens += num_tokens
+
+    def info(self) -> UsageInfo:
+        return UsageInfo.of(self._prompt_tokens, self._completion_tokens, 0)
+
+
+def running_usage(request: SamplingRequest, prompts: list[list[int]]) -> RunningUsage | None:
+    return RunningUsage(prompts) if request.continuous_usage else None
+
+
 class OpenAIServing:
     """Base of the handlers: talks to an EngineClient, never to Redis or HTTP objects."""
 
@@ -167,19 +186,23 @@ class OpenAIServing:
 
     def build_requests(self, req_hex: str, prompts: list[list[int]], request: SamplingRequest,
                        constraint: OutputConstraint | None = None) -> list[GenerationRequest]:
-        """One GenerationRequest per choice: choice `p * n + i` is prompt p's i-th sample."""
-        num_choices = len(prompts) * request.n
+        """One GenerationRequest per choice: choice `p * n + i` is prompt p's i-th sample (with
+        `best_of`, per prompt best_of candidates instead of n)."""
+        per_prompt = request.num_candidates()  # n, or best_of candidates to pick n from
+        num_choices = len(prompts) * per_prompt
         if num_choices > MAX_CHOICES:
-            raise bad_request(f"{len(prompts)} prompts with n={request.n} make {num_choices} "
-                              f"choices; at most {MAX_CHOICES} are allowed.", param="n")
+            name = "n" if per_prompt == request.n else "best_of"
+            raise bad_request(f"{len(prompts)} prompts with {name}={per_prompt} make "
+                              f"{num_choices} choices; at most {MAX_CHOICES} are allowed.",
+                              param=name)
         base_seed = request.seed if request.seed is not None else random.getrandbits(63)
         now = time.time()
         requests = []
         for prompt_index, prompt_ids in enumerate(prompts):
             max_tokens = self.processor.resolve_max_tokens(
                 len(prompt_ids), request.requested_max_tokens(), self.settings.default_max_tokens)
-            for i in range(request.n):
-                index = prompt_index * request.n + i
+            for i in range(per_prompt):
+                index = prompt_index * per_prompt + i
                 req_id = f"cmpl-{req_hex}" if num_choices == 1 else f"cmpl-{req_hex}-{index}"
                 params = request.to_sampling_params(max_tokens, wrap_int64(base_seed + index),
                                                     self.default_temperature, constraint)

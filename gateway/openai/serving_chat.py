@@ -10,6 +10,7 @@ from gateway.errors import bad_request
 from gateway.openai.chat_output import ChatOutput, ChatOutputOptions
 from gateway.openai.constraints import check, request_constraint
 from gateway.openai.fields import UNSUPPORTED_CHAT
+from gateway.openai.prompt_logprobs import prompt_logprobs_of, vllm_prompt_logprobs
 from gateway.openai.protocol import ChatCompletionRequest
 from gateway.openai.responses import (
     ChatChoice,
@@ -19,13 +20,13 @@ from gateway.openai.responses import (
     ChatMessageOut,
     TopLogprob,
 )
-from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
+from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of, running_usage
 from gateway.openai.sse_chunks import ChatChunkEncoder
 from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
 from gateway.output.merge import merge_choices
 from gateway.output.reasoning import prompt_opens_reasoning, supports_reasoning
 from gateway.tools.formats import format_for_template, template_has_tools
-from gateway.tools.grammar import tool_call_constraint
+from gateway.tools.grammar import auto_tool_constraint, tool_call_constraint
 from gateway.tools.prompting import template_input
 from shared.wire import OutputConstraint
 
@@ -57,11 +58,15 @@ class ChatServing(OpenAIServing):
             rendered.tools, rendered.kwargs)]
 
     def constraint(self, request: ChatCompletionRequest) -> OutputConstraint | None:
-        """Structured outputs, or the grammar of a forced tool call (never both)."""
+        """Structured outputs, or the grammar of a forced tool call (never both); with
+        `tool_choice: "auto"` and no structured outputs, the grammar of optional calls."""
         found = request_constraint(request)
         forced = self._forced_call(request)
         if forced is None:
-            return found[1] if found else None
+            if found:
+                return found[1]
+            optional = self._optional_calls(request)
+            return check("tools", optional) if optional is not None else None
         if found:
             raise bad_request(f"`tool_choice` forces a tool call, so `{found[0]}` cannot also "
                               "constrain the output.", param=found[0])
@@ -80,11 +85,21 @@ class ChatServing(OpenAIServing):
         parallel = request.parallel_tool_calls and choice == "required"
         return tool_call_constraint(functions, self.tool_format, parallel)
 
+    def _optional_calls(self, request: ChatCompletionRequest) -> OutputConstraint | None:
+        """`auto`: text, or calls that follow the tools' schemas (None: the format has no call
+        marker to wait for; `min_tokens` / `ignore_eos` ask for an answer no grammar ends)."""
+        if (request.effective_tool_choice != "auto" or not request.tools or request.min_tokens
+                or request.ignore_eos):
+            return None
+        functions = [(t.function.name, t.function.parameters) for t in request.tools]
+        return auto_tool_constraint(functions, self.tool_format, request.parallel_tool_calls)
+
     def _options(self, request: ChatCompletionRequest, prompt: list[int]) -> ChatOutputOptions:
         tools_on = bool(request.tools) and request.effective_tool_choice != "none"
         opened = self.reasoning and prompt_opens_reasoning(
             self.processor.decode(prompt[-4:], skip_special_tokens=False))
-        return ChatOutputOptions(self.tool_format if tools_on else None, self.reasoning, opened)
+        return ChatOutputOptions(self.tool_format if tools_on else None, self.reasoning, opened,
+                                 max_tool_calls=None if request.parallel_tool_calls else 1)
 
     async def _respond(self, request: ChatCompletionRequest, choices: list[ChoiceStream],
                        prompts: list[list[int]], response_id: str, created: int,
@@ -104,8 +119,12 @@ class ChatServing(OpenAIServing):
                 content=(first.content + last.content) or (None if calls else ""),
                 reasoning_content=reasoning if output.saw_reasoning else None, tool_calls=calls)
             reason = "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None:
+                prompt_logprobs = vllm_prompt_logprobs(self.processor, prompt_logprobs_of(deltas),
+                                                       prompts[0])
             out.append(ChatChoice(index=index, message=message, logprobs=logprobs,
-                                  finish_reason=reason))
+                                  finish_reason=reason, prompt_logprobs=prompt_logprobs))
         info = usage.info()
         tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
                        info.completion_tokens)
@@ -115,7 +134,9 @@ class ChatServing(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceStream],
                       prompts: list[list[int]], response_id: str, created: int,
                       tracker: RequestTracker) -> AsyncIterator[bytes]:
-        frames = ChatChunkEncoder(response_id, created, self.served_id)
+        running = running_usage(request, prompts)
+        frames = ChatChunkEncoder(response_id, created, self.served_id,
+                       running.info if running else None)
         usage = UsageTally(request.n)
         options = self._options(request, prompts[0])
         outputs = [ChatOutput(options) for _ in choices]
@@ -126,6 +147,8 @@ class ChatServing(OpenAIServing):
             async for index, delta in merge_choices([aiter(c) for c in choices]):
                 if delta.token_ids:
                     tracker.on_tokens(len(delta.token_ids))
+                    if running is not None:
+                        running.add(len(delta.token_ids))
                 logprobs = self._logprobs([delta]) if request.logprobs and delta.logprobs else None
                 piece = outputs[index].feed(delta.text)
                 if delta.finish_reason is not None:

@@ -6,9 +6,10 @@ from collections.abc import AsyncIterator
 
 from gateway.dashboard.metrics import RequestTracker
 from gateway.openai.fields import UNSUPPORTED_COMPLETIONS
+from gateway.openai.prompt_logprobs import echo_logprobs, prompt_logprobs_of, vllm_prompt_logprobs
 from gateway.openai.protocol import CompletionRequest
 from gateway.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
-from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of
+from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of, running_usage
 from gateway.openai.sse_chunks import CompletionChunkEncoder
 from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
 from gateway.output.merge import merge_choices
@@ -26,24 +27,35 @@ class CompletionServing(OpenAIServing):
     def _echoes(self, request: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """Per choice, the prompt text that `echo` puts before the completion ("" without it)."""
         return [self.processor.decode(p) if request.echo else "" for p in prompts
-                for _ in range(request.n)]
+                for _ in range(request.num_candidates())]
 
     async def _respond(self, request: CompletionRequest, choices: list[ChoiceStream],
                        prompts: list[list[int]], response_id: str, created: int,
                        tracker: RequestTracker) -> CompletionResponse:
         echoes = self._echoes(request, prompts)
-        usage = UsageTally(request.n)
+        per_prompt = request.num_candidates()
+        usage = UsageTally(per_prompt)
         out = []
-        for index, deltas in enumerate(await self.collect(choices, tracker)):
+        collected = await self.collect(choices, tracker)
+        for index, deltas in enumerate(collected):  # every candidate is billed
+            usage.add(index, deltas[-1].usage)
+        for index in best_candidates(collected, per_prompt, request.n):
+            deltas = collected[index]
             final = deltas[-1]
-            usage.add(index, final.usage)
+            prompt = prompts[index // per_prompt]
+            prompt_entries = prompt_logprobs_of(deltas)
             logprobs = None
-            if request.logprobs is not None:
+            if request.echo_logprobs:
+                logprobs, _ = echo_logprobs(self.processor, prompt_entries, prompt)
+            elif request.logprobs is not None:
                 logprobs = CompletionLogprobs()
-                self._add_logprobs(logprobs, deltas, 0)
-            out.append(CompletionChoice(index=index, logprobs=logprobs,
-                                        text=echoes[index] + "".join(d.text for d in deltas),
-                                        finish_reason=final.finish_reason))
+            if logprobs is not None:
+                self._add_logprobs(logprobs, deltas, len(echoes[index]))
+            out.append(CompletionChoice(
+                index=len(out), logprobs=logprobs, finish_reason=final.finish_reason,
+                text=echoes[index] + "".join(d.text for d in deltas),
+                prompt_logprobs=(vllm_prompt_logprobs(self.processor, prompt_entries, prompt)
+                                 if request.prompt_logprobs is not None else None)))
         info = usage.info()
         tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
                        info.completion_tokens)
@@ -54,17 +66,28 @@ class CompletionServing(OpenAIServing):
                       prompts: list[list[int]], response_id: str, created: int,
                       tracker: RequestTracker) -> AsyncIterator[bytes]:
         echoes = self._echoes(request, prompts)
-        frames = CompletionChunkEncoder(response_id, created, self.served_id)
+        running = running_usage(request, prompts)
+        frames = CompletionChunkEncoder(response_id, created, self.served_id,
+                       running.info if running else None)
         usage = UsageTally(request.n)
         offsets = [len(echo) for echo in echoes]
+        # echo with logprobs: the prompt's chunk waits for its logprobs (the first delta's)
+        echo_pending = [bool(echo) and request.echo_logprobs for echo in echoes]
         finish_reasons: list[str | None] = []
         try:
             for index, echo in enumerate(echoes):
-                if echo:
+                if echo and not echo_pending[index]:
                     yield frames.text(index, echo)
             async for index, delta in merge_choices([aiter(c) for c in choices]):
+                if echo_pending[index]:
+                    echo_pending[index] = False
+                    head, _ = echo_logprobs(self.processor, delta.prompt_logprobs,
+                                            prompts[index // request.n])
+                    yield frames.text(index, echoes[index], head)
                 if delta.token_ids:
                     tracker.on_tokens(len(delta.token_ids))
+                    if running is not None:
+                        running.add(len(delta.token_ids))
                 logprobs = None
                 if request.logprobs is not None and delta.logprobs:
                     logprobs = CompletionLogprobs()
@@ -101,3 +124,19 @@ class CompletionServing(OpenAIServing):
     def _top(self, entry: TokenLogprob) -> dict[str, float]:
         top = {self.processor.token_text(token_id): logprob for token_id, logprob in entry.top}
         return top or {self.processor.token_text(entry.token_id): entry.logprob}
+
+
+def best_candidates(candidates: list[list[ChoiceDelta]], per_prompt: int, n: int) -> list[int]:
+    """Indices of the choices to return: per prompt, the n of its `per_prompt` candidates with
+    the highest cumulative logprob (best first, as vLLM's best_of), or all of them in order."""
+    if per_prompt == n:
+        return list(range(len(candidates)))
+    chosen = []
+    for first in range(0, len(candidates), per_prompt):
+        group = range(first, first + per_prompt)
+        chosen += sorted(group, key=lambda i: -_cumulative_logprob(candidates[i]))[:n]
+    return chosen
+
+
+def _cumulative_logprob(deltas: list[ChoiceDelta]) -> float:
+    return sum(entry.logprob for delta in deltas for entry in delta.logprobs or [])

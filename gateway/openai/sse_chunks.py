@@ -6,6 +6,7 @@ the corresponding pydantic chunk (tests/gateway/test_gateway_sse_chunks.py holds
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from json.encoder import encode_basestring  # the C escaper json.dumps(ensure_ascii=False) uses
 
 from pydantic import BaseModel
@@ -31,13 +32,20 @@ class _ChunkEncoder:
 
     object_name = ""
 
-    def __init__(self, response_id: str, created: int, model: str):
+    def __init__(self, response_id: str, created: int, model: str,
+                 usage_so_far: Callable[[], UsageInfo] | None = None):
         head = (f'{{"id":{_json(response_id)},"object":"{self.object_name}",'
                 f'"created":{int(created)},"model":{_json(model)},"choices":[')
         self._head = head
         self._tail = '],"usage":null,"system_fingerprint":null}'
+        # vLLM's continuous_usage_stats: every choice chunk carries the usage at that point
+        self._usage_so_far = usage_so_far
 
     def _frame(self, choice: str) -> bytes:
+        if self._usage_so_far is not None:
+            tail = (f'],"usage":{_json(self._usage_so_far().model_dump())},'
+                    f'"system_fingerprint":null}}')
+            return f"data: {self._head}{choice}{tail}\n\n".encode()
         return f"data: {self._head}{choice}{self._tail}\n\n".encode()
 
     def usage(self, usage: UsageInfo) -> bytes:

@@ -37,6 +37,8 @@ class ChoiceDelta:
     finish_reason: str | None = None
     usage: Usage | None = None
     token_index: int = 0  # index in the output of the first of `token_ids`
+    # prompt token i + 1's logprob at i (SamplingParams.prompt_logprobs), in one delta only
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class ChoiceStream:
                 index = self._sequencer.next_seq - len(accepted.token_ids)
                 final_reason = accepted.final.finish_reason if accepted.final else None
                 delta = self._delta(accepted.token_ids, accepted.logprobs, index, final_reason)
+                delta.prompt_logprobs = accepted.prompt_logprobs
                 if accepted.final is not None:
                     self._finish(delta, accepted.final)
                     yield delta
@@ -135,7 +138,7 @@ class ChoiceStream:
                         delta.usage = await self._usage_after_stop()
                     yield delta
                     return
-                if delta.text or delta.token_ids:
+                if delta.text or delta.token_ids or delta.prompt_logprobs:
                     yield delta
         finally:
             await self.close()
@@ -176,7 +179,8 @@ class ChoiceStream:
             if accepted is None:
                 continue
             if filler:  # logprobs are not checkpointed: a filled delta carries none
-                return NewTokens(filler + accepted.token_ids, None, accepted.final)
+                return NewTokens(filler + accepted.token_ids, None, accepted.final,
+                                 accepted.prompt_logprobs)
             return accepted
 
     async def _fill_gap(self, event: TokenEvent) -> list[int]:

@@ -19,6 +19,7 @@ class NewTokens:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     final: TokenEvent | None = None  # set when this event ends the request
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first output's event carries them
 
 
 class EventSequencer:
@@ -54,4 +55,5 @@ class EventSequencer:
         token_ids = event.token_ids[skip:]
         logprobs = event.logprobs[skip:] if event.logprobs is not None else None
         self.next_seq = max(self.next_seq, event.seq + len(event.token_ids))
-        return NewTokens(token_ids, logprobs, event if event.is_final else None)
+        return NewTokens(token_ids, logprobs, event if event.is_final else None,
+                         event.prompt_logprobs)

@@ -1,6 +1,8 @@
-"""The grammar that forces a tool call (`tool_choice` "required" or a named function): the
-model's own call format around JSON that must match one of the tools' parameter schemas, so the
-arguments always parse and always fit."""
+"""The grammars of tool calls: the model's own call format around JSON that must match one of
+the tools' parameter schemas, so the arguments always parse and always fit. `tool_choice`
+"required" or a named function forces a call; "auto" leaves the model free to answer in text,
+but once it opens a call, the call is constrained (formats whose calls open with a text marker:
+Hermes/Qwen)."""
 
 from __future__ import annotations
 
@@ -41,3 +43,34 @@ def tool_call_constraint(functions: list[tuple[str, dict[str, Any] | None]], fmt
 def _json(schema: dict) -> str:
     """An embedded schema, with the compact separators of every constrained JSON."""
     return "%json" + json.dumps({**schema, "x-guidance": JSON_SEPARATORS}, ensure_ascii=False)
+
+
+def auto_tool_constraint(functions: list[tuple[str, dict[str, Any] | None]], fmt: ToolFormat,
+                         parallel: bool) -> OutputConstraint | None:
+    """Output = free text without the call marker, or text up to the first marker and then
+    calls (one, unless `parallel`) and nothing after them. None for formats whose calls do not
+    open with a text marker (the whole answer would have to be sniffed: left free)."""
+    marker = fmt.start.rstrip()
+    if not marker or fmt.name == "mistral":  # [TOOL_CALLS] is a special token there
+        return None
+    rest = fmt.start[len(marker):]  # after the marker, before the JSON ("\n" for Hermes)
+    calls = [call_schema(name, params, fmt.arguments_key) for name, params in functions]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    call = " ".join(part for part in (lark_literal(rest) if rest else "", _json(one),
+                                      lark_literal(fmt.end) if fmt.end else "") if part)
+    escaped = _regex_escape(marker)
+    # The lexer reads both terminals at once: PLAIN dies when the marker shows, LEAD ends at it.
+    lines = [
+        "start: PLAIN | LEAD calls",
+        f"PLAIN: /(?s:.*)/ & ~/(?s:.*{escaped}.*)/",
+        f"LEAD: /(?s:.*{escaped})/ & ~/(?s:.*{escaped}.+)/",
+        f"calls: call ({lark_literal(fmt.separator + marker)} call)*" if parallel
+        else "calls: call",
+        f"call: {call}",
+    ]
+    return OutputConstraint("lark", "\n".join(lines))
+
+
+def _regex_escape(text: str) -> str:
+    """`text` as a literal inside a /.../ regex of a Lark grammar."""
+    return "".join("\\" + c if c in r"\.^$|?*+()[]{}/-" else c for c in text)

@@ -29,6 +29,10 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; N = also return the top-N alternatives
+    # Log-probabilities of the prompt's tokens (from the prefill's logits): None = off; N = also
+    # the top-N alternatives at each position. Such a request neither reads nor fills the prefix
+    # cache (every prompt position must be computed by this request).
+    prompt_logprobs: int | None = None
     skip_prefix_cache: bool = False
     # Output tokens must follow this grammar (structured outputs, constrained tool calls).
     constraint: OutputConstraint | None = None
@@ -40,6 +44,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        return not self.skip_prefix_cache and self.prompt_logprobs is None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,11 +95,18 @@ class GenerationRequest:
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of one generated token and of the top alternatives at its position."""
+    """Log-probability of one generated (or prompt) token and of the top alternatives at its
+    position; `rank` (1 = the most likely token) is set for prompt tokens only."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenLogprob:
+        return cls(data["token_id"], data["logprob"], [tuple(t) for t in data["top"]],
+                   data.get("rank"))
 
 
 @dataclass
@@ -103,7 +118,10 @@ class Usage:
 
 @dataclass
 class TokenEvent:
-    """One message on `tok:{id}`. `seq` is the index of the first token of `token_ids` in the output."""
+    """One message on `tok:{id}`. `seq` is the index of the first token of `token_ids` in the
+    output. `prompt_logprobs` (requests with `SamplingParams.prompt_logprobs`) comes once, in the
+    event with the first output token (or the final one, with `max_tokens` 0): entry i is prompt
+    token i + 1's (the first prompt token has none)."""
 
     seq: int
     attempt: int
@@ -112,6 +130,7 @@ class TokenEvent:
     finish_reason: str | None = None  # stop | length | abort | error
     usage: Usage | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def is_final(self) -> bool:
@@ -124,11 +143,9 @@ class TokenEvent:
     @classmethod
     def unpack(cls, raw: bytes) -> TokenEvent:
         data = unpack(raw)
-        if data.get("logprobs") is not None:
-            data["logprobs"] = [
-                TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]])
-                for lp in data["logprobs"]
-            ]
+        for name in ("logprobs", "prompt_logprobs"):
+            if data.get(name) is not None:
+                data[name] = [TokenLogprob.from_dict(lp) for lp in data[name]]
         if data.get("usage") is not None:
             data["usage"] = Usage(**data["usage"])
         return cls(**data)

@@ -90,3 +90,28 @@ def test_errors_reach_the_client_as_openai_errors(sync_client):
         sync_client.chat.completions.create(model="nope", messages=QUESTION)
     with pytest.raises(openai.BadRequestError, match="context"):
         sync_client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=100_000)
+
+
+def test_echo_logprobs_score_a_prompt_like_a_transformers_forward(sync_client):
+    """`echo` + `logprobs` + `max_tokens: 0` (prompt scoring, e.g. lm-eval's loglikelihood):
+    the prompt tokens' logprobs are those of log_softmax over a transformers forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shared.models import load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(DEFAULT_MODEL)
+    prompt_ids = load_tokenizer(path).encode("The capital of France is Paris.")
+    reply = sync_client.completions.create(model=DEFAULT_MODEL, prompt=prompt_ids, echo=True,
+                                           logprobs=2, max_tokens=0)
+    [choice] = reply.choices
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) and logprobs.token_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0, :-1].float(), -1)
+    expected = want.gather(1, torch.tensor(prompt_ids[1:]).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]), expected,
+                               atol=1e-3, rtol=1e-3)
+    assert all(len(top) >= 2 for top in logprobs.top_logprobs[1:])

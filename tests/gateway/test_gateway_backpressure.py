@@ -60,12 +60,12 @@ async def gateway(redis_url, tokenizer, model_info):
     return make
 
 
-async def post(app, prompt: str = "Hi") -> httpx.Response:
+async def post(app, prompt: str = "Hi", n: int = 1) -> httpx.Response:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
             return await http.post("/v1/completions", json={
-                "model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": True})
+                "model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": True, "n": n})
 
 
 async def test_long_expected_wait_is_a_429_with_retry_after(gateway, redis):
@@ -78,7 +78,35 @@ async def test_long_expected_wait_is_a_429_with_retry_after(gateway, redis):
     assert response.status_code == 429
     assert response.json()["error"]["code"] == "queue_wait_too_long"
     assert response.json()["error"]["type"] == "rate_limit_error"
-    assert int(response.headers["Retry-After"]) == 43  # 21 × 2.5 s - 10 s = 42.5 s, rounded up
+    assert int(response.headers["Retry-After"]) == 40  # 20 ahead × 2.5 s - 10 s
+
+
+async def test_an_idle_fleet_takes_a_request_with_many_choices(gateway, redis):
+    # The defaults: 256 tokens per queued request, a 200 tokens/s floor, 60 s. Counting a
+    # request's own 50 choices as ahead of it would make an idle fleet's wait 64 s: a 429.
+    await heartbeat(redis, "idle", 0)
+    defaults = GatewaySettings()
+    settings = dict(max_queue_wait_s=defaults.max_queue_wait_s,
+                    max_queue_depth=defaults.max_queue_depth,
+                    queue_tokens_per_request=defaults.queue_tokens_per_request,
+                    min_fleet_tokens_per_s=defaults.min_fleet_tokens_per_s)
+    assert 50 * defaults.queue_tokens_per_request / defaults.min_fleet_tokens_per_s > 60
+    response = await post(await gateway(first_event_timeout_s=0.2, **settings), n=50)
+    assert response.status_code == 200
+    assert await redis.xlen(KEYS.queue(MODEL)) == 50
+    # ... and they are ahead of the next request: 50 × 1.28 s > 60 s
+    response = await post(await gateway(**settings))
+    assert response.status_code == 429
+    assert response.json()["error"]["code"] == "queue_wait_too_long"
+
+
+async def test_an_empty_queue_takes_more_choices_than_the_depth_limit(gateway, redis):
+    await heartbeat(redis, "w1", 1000)
+    app = await gateway(max_queue_depth=10, first_event_timeout_s=0.2)
+    assert (await post(app, n=12)).status_code == 200
+    response = await post(await gateway(max_queue_depth=10), n=1)
+    assert response.status_code == 429
+    assert response.json()["error"]["code"] == "queue_full"
 
 
 async def test_short_wait_is_admitted_and_enqueued(gateway, redis):
@@ -132,7 +160,7 @@ async def test_estimate_is_cached_and_counts_what_it_admitted():
                                queue_tokens_per_request=100, queue_estimate_cache_s=0.5,
                                min_fleet_tokens_per_s=10)
     estimator = QueueWaitEstimator(client, MODEL, settings, clock=lambda: now[0])
-    for _ in range(10):  # each takes 1 s of the fleet: the 11th would wait 11 s
+    for _ in range(11):  # each takes 1 s of the fleet: the 11th waits 10 s, the 12th 11 s
         await estimator.check(1)
     with pytest.raises(TooManyRequests):
         await estimator.check(1)

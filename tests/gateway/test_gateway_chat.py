@@ -56,6 +56,28 @@ async def test_stream_chunk_format_with_usage(http, say):
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(http, say, engine):
+    ids = say("Hi there", per_event=1)
+    response = await http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MESSAGES, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert response.status_code == 200, response.text
+    chunks = [json.loads(e) for e in sse_events(response.text)[:-1]]
+    prompt_tokens = len(engine.submitted[0].prompt_token_ids)
+    usages = [c["usage"] for c in chunks]
+    assert all(u["prompt_tokens"] == prompt_tokens for u in usages)
+    assert all(u["total_tokens"] == prompt_tokens + u["completion_tokens"] for u in usages)
+    completions = [u["completion_tokens"] for u in usages]
+    assert completions[0] == 0 and completions == sorted(completions)
+    assert completions[-2] == completions[-1] == len(ids)  # the finish chunk, the usage chunk
+    # without include_usage, vLLM sends no usage at all
+    say("Hi there", per_event=1)
+    response = await http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MESSAGES, "stream": True,
+        "stream_options": {"continuous_usage_stats": True}})
+    assert all(json.loads(e)["usage"] is None for e in sse_events(response.text)[:-1])
+
+
 async def test_stream_without_include_usage_has_no_usage_chunk(http, say):
     say("Hi")
     response = await http.post("/v1/chat/completions", json={

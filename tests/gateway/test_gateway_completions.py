@@ -65,6 +65,18 @@ async def test_echo(http, say):
     assert "".join(c["choices"][0]["text"] for c in chunks) == "Hi there"
 
 
+async def test_continuous_usage_stats_count_every_choice(http, say):
+    say(" a b c", eos=False, per_event=1, finish_reason="length")
+    response = await http.post("/v1/completions", json={
+        "model": MODEL, "prompt": [[5, 6], [7]], "n": 2, "stream": True, "max_tokens": 3,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert response.status_code == 200, response.text
+    usages = [json.loads(e)["usage"] for e in sse_events(response.text)[:-1]]
+    assert all(u["prompt_tokens"] == 3 for u in usages)  # each prompt once
+    completions = [u["completion_tokens"] for u in usages]
+    assert completions == sorted(completions) and completions[-1] == 4 * 3
+
+
 async def test_stream_chunks_and_usage(http, say):
     say(" a b c", per_event=2, finish_reason="length")
     response = await http.post("/v1/completions", json={

@@ -73,9 +73,9 @@ async def test_wrong_types_and_ranges_are_400_naming_the_parameter(http, path, b
 async def test_parameter_combinations_are_400(http):
     response = await http.post(CHAT, json={"model": MODEL, "messages": HI, "top_logprobs": 2})
     assert "logprobs" in assert_error(response, 400)["message"]
-    response = await http.post(COMPLETIONS, json={"model": MODEL, "prompt": "x", "echo": True,
-                                                  "logprobs": 1})
-    assert "echo" in assert_error(response, 400)["message"]
+    response = await http.post(COMPLETIONS, json={"model": MODEL, "prompt": "x", "stream": True,
+                                                  "prompt_logprobs": 1})
+    assert "prompt_logprobs" in assert_error(response, 400)["message"]
 
 
 async def test_too_many_choices_is_400(http, engine):

@@ -109,10 +109,42 @@ async def test_unsupported_values_are_named(http, field, value):
     assert response.status_code == 400 and response.json()["error"]["param"].startswith(field)
 
 
-async def test_best_of_is_refused_on_completions(http, engine):
-    response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
-                                                        "best_of": 3})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"
+async def test_best_of_returns_the_most_likely_candidates(http, engine, tokenizer):
+    """best_of candidates are sampled; the n with the highest cumulative logprob come back, best
+    first, and every candidate's tokens are billed."""
+    from shared.wire import TokenEvent, TokenLogprob, Usage
+
+    scores = {0: -3.0, 1: -0.5, 2: -1.5}  # candidate index -> logprob of each of its tokens
+
+    def responder(request):
+        index = int(request.req_id.rsplit("-", 1)[1])
+        ids = tokenizer.encode(f" candidate {index}")
+        entries = [TokenLogprob(t, scores[index]) for t in ids]
+        return [TokenEvent(seq=0, attempt=0, token_ids=ids, logprobs=entries,
+                           finish_reason="length", usage=Usage(2, len(ids)))]
+    engine.responder = responder
+    response = await http.post("/v1/completions", json={
+        "model": MODEL, "prompt": [5, 6], "best_of": 3, "n": 2, "max_tokens": 3, "seed": 1})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [c["text"] for c in body["choices"]] == [" candidate 1", " candidate 2"]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in body["choices"])  # not asked for
+    assert len(engine.submitted) == 3
+    assert all(r.params.logprobs == 0 for r in engine.submitted)  # for the ranking
+    per_candidate = len(tokenizer.encode(" candidate 0"))
+    assert body["usage"]["completion_tokens"] == 3 * per_candidate
+    assert body["usage"]["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize("body", [{"best_of": 1, "n": 2},
+                                  {"best_of": 3, "stream": True},
+                                  {"best_of": 129}])
+async def test_bad_best_of_is_400(http, engine, body):
+    response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", **body})
+    assert response.status_code == 400, response.text
+    assert "best_of" in response.json()["error"]["message"]
+    assert engine.submitted == []
 
 
 async def test_unknown_fields_are_ignored_with_a_warning(http, engine, say, caplog):

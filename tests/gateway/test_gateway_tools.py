@@ -29,7 +29,9 @@ async def test_tools_are_described_in_a_template_without_tools(http, engine, say
     assert (await chat(http, tools=[WEATHER, TIME])).status_code == 200
     prompt = tokenizer.decode(engine.submitted[0].prompt_token_ids)
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt and "<tool_call>" in prompt
-    assert engine.submitted[0].params.constraint is None  # auto: free text, parsed after
+    # auto: free text, or calls that follow the tools' schemas once the model opens one
+    auto = engine.submitted[0].params.constraint
+    assert auto.kind == "lark" and "PLAIN" in auto.spec and '"const": "get_time"' in auto.spec
     say("Sure.")
     assert (await chat(http, tools=[WEATHER], tool_choice="none")).status_code == 200
     assert "<tools>" not in tokenizer.decode(engine.submitted[1].prompt_token_ids)
@@ -87,6 +89,46 @@ async def test_stream_carries_tool_call_deltas(http, say):
     assert all("id" not in c[0] and c[0]["index"] == 0 for c in calls[1:])
     arguments = "".join(c[0]["function"].get("arguments", "") for c in calls)
     assert json.loads(arguments) == {"city": "Paris"}
+    assert not any(d.get("content") for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 3}, {"ignore_eos": True},
+                                   {"response_format": {"type": "json_object"}}])
+async def test_auto_is_left_free_where_a_grammar_cannot_end_the_answer(http, engine, say, extra):
+    say("Sure.")
+    assert (await chat(http, tools=[WEATHER], **extra)).status_code == 200
+    constraint = engine.submitted[0].params.constraint
+    assert constraint is None or "PLAIN" not in constraint.spec
+
+
+TWO_CALLS = CALL_TEXT + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+async def test_parallel_tool_calls_false_keeps_the_first_call(http, engine, say):
+    say("Checking.\n" + TWO_CALLS + "\ntrailing words")
+    response = await chat(http, tools=[WEATHER, TIME], parallel_tool_calls=False)
+    [choice] = response.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking."
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    # ... and the grammar of the request allows one call only
+    assert "calls: call\n" in engine.submitted[0].params.constraint.spec
+    say(TWO_CALLS)
+    response = await chat(http, tools=[WEATHER, TIME])  # parallel by default: both
+    calls = response.json()["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+
+
+async def test_parallel_tool_calls_false_streams_one_call(http, say):
+    say(TWO_CALLS + "\nmore", per_event=1)
+    response = await chat(http, tools=[WEATHER, TIME], parallel_tool_calls=False, stream=True)
+    chunks = [json.loads(e) for e in sse_events(response.text) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert calls and {c["index"] for c in calls} == {0}
+    assert json.loads("".join(c["function"].get("arguments", "") for c in calls)) == {
+        "city": "Paris"}
     assert not any(d.get("content") for d in deltas)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 

@@ -278,3 +278,29 @@ def test_a_device_failure_exits_the_worker_and_its_request_resumes_elsewhere(red
     run_until(rescuer, lambda: client.final(req_id))
     assert client.final(req_id).finish_reason == "length"
     assert client.text(req_id) == tiny.reference(prompt, 12)
+
+
+def test_prompt_logprobs_travel_in_the_first_event(redis_url, client, tiny):
+    """The worker's prefill logprobs reach the gateway over Redis: once, equal to log_softmax of
+    a transformers forward; with max_tokens 0 the final event carries them and no token."""
+    import torch
+
+    prompt = random_prompt(13, seed=31)
+    with torch.inference_mode():
+        want = torch.log_softmax(tiny.model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    expected = want.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    worker = make_service(redis_url, tiny, "w1")
+    scored = client.send(prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    generated = client.send(prompt, SamplingParams(max_tokens=3, temperature=0,
+                                                   prompt_logprobs=0))
+    run_until(worker, lambda: client.final(scored) and client.final(generated))
+    [final] = client.events[scored]
+    assert final.finish_reason == "length" and final.token_ids == []
+    assert final.usage.completion_tokens == 0
+    carrying = [e for e in client.events[generated] if e.prompt_logprobs is not None]
+    assert len(carrying) == 1 and carrying[0].seq == 0 and carrying[0].token_ids
+    for entries, top_n in ((final.prompt_logprobs, 2), (carrying[0].prompt_logprobs, 0)):
+        assert [e.token_id for e in entries] == prompt[1:]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in entries]), expected,
+                                   atol=1e-4, rtol=1e-4)
+        assert all(len(e.top) == top_n and e.rank >= 1 for e in entries)

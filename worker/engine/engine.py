@@ -18,8 +18,9 @@ from worker.engine.kv_cache import (
     HostBlocks, KVCachePool, KVLayout, format_bytes, plan_budget, resolve_device, resolve_dtype)
 from worker.engine.kv_format import resolve_kv_format
 from worker.engine.memory_profile import profile_step
-from worker.engine.model_runner import ModelRunner
+from worker.engine.model_runner import ModelRunner, StepLogits
 from worker.engine.preemption import PreemptionCostModel, SwapSpace
+from worker.engine.prompt_logprobs import compute_prompt_logprobs
 from worker.engine.sampler import Sampler, SamplerInput
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
 from worker.engine.sequence import Sequence
@@ -42,6 +43,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     finish_reason: str | None  # RequestStatus.finish_reason when finished
     error: str | None = None  # what went wrong, when finish_reason == "error"
+    # prompt token i + 1's logprob at i; in the request's first output only (prompt_logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -197,22 +200,24 @@ class Engine:
             raise ValueError(f"request {req_id!r} is already in the engine")
         if not prompt_token_ids:
             raise ValueError(f"request {req_id!r}: the prompt is empty")
-        if params.max_tokens < 1:
-            raise ValueError(f"request {req_id!r}: max_tokens must be >= 1")
+        if params.max_tokens < 0:
+            raise ValueError(f"request {req_id!r}: max_tokens must be >= 0")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
                 f"request {req_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                 f"({params.max_tokens}) = {total} exceeds the model context of {self.max_model_len}")
-        # the last sampled token's KV is never computed
-        blocks = self.block_manager.blocks_for_tokens(total - 1)
+        # the last sampled token's KV is never computed (max_tokens 0: the prompt's all is)
+        blocks = self.block_manager.blocks_for_tokens(max(total - 1, len(prompt_token_ids)))
         if blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"request {req_id!r}: needs {blocks} KV blocks but the pool has only "
                 f"{self.block_manager.num_blocks}")
         # a resumed request replays its tokens through its grammar: same masks as before the crash
         self.constrained.add(req_id, params.constraint, output_token_ids or [])
-        seq = Sequence(req_id, prompt_token_ids, params, output_token_ids=output_token_ids or [])
+        # resumed past its first output: its prompt logprobs went out with that output
+        seq = Sequence(req_id, prompt_token_ids, params, output_token_ids=output_token_ids or [],
+                       prompt_logprobs_sent=bool(output_token_ids))
         self._seqs[req_id] = seq
         self.scheduler.add(seq)
 
@@ -245,12 +250,13 @@ class Engine:
             return outputs
         start = time.perf_counter()
         try:
-            emitting, logits = self.runner.execute(sched)
+            step = self.runner.execute(sched)
         except Exception as exc:  # the whole batch failed: fail its requests, keep the engine
             _raise_if_sticky(exc)
             log.exception("forward failed for %d requests", len(sched.chunks))
             return outputs + self._fail([(c.seq, exc) for c in sched.chunks])
-        samples, failed = self._sample(emitting, logits)  # waits for the device
+        samples, failed = self._sample(step.emitting, step.logits)  # waits for the device
+        failed += self._record_prompt_logprobs(step)
         prefill_tokens = sum(c.num_tokens for c in sched.chunks if c.num_tokens > 1)
         self.preemption.observe_step(prefill_tokens, sched.num_batched_tokens,
                                      time.perf_counter() - start)
@@ -315,10 +321,30 @@ class Engine:
                 failed.append((chunk.seq, exc))
         return samples, failed
 
+    def _record_prompt_logprobs(self, step: StepLogits) -> list[tuple[Sequence, Exception]]:
+        """Append the step's prompt logprobs to their sequences (positions in order: a chunk
+        recomputed after a preemption adds none twice)."""
+        if not step.prompt_spans:
+            return []
+        try:
+            computed = compute_prompt_logprobs(step.prompt_spans, step.prompt_logits)
+        except Exception as exc:
+            _raise_if_sticky(exc)
+            log.exception("prompt logprobs failed for %d requests", len(step.prompt_spans))
+            return [(span.seq, exc) for span in step.prompt_spans]
+        for span, (seq, entries) in zip(step.prompt_spans, computed):
+            if span.first_position != len(seq.prompt_logprobs):
+                raise AssertionError(f"{seq.req_id}: prompt logprobs from position "
+                                     f"{span.first_position}, {len(seq.prompt_logprobs)} held")
+            seq.prompt_logprobs.extend(entries)
+        return []
+
     def _fail(self, failures: list[tuple[Sequence, Exception]]) -> list[RequestOutput]:
         """Finish each failed request with FINISHED_ERROR; its blocks return at once."""
         outputs = []
         for seq, error in failures:
+            if seq.status.is_finished:  # failed twice in one step (sampling, prompt logprobs)
+                continue
             self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR, error=f"{type(error).__name__}: {error}")
             outputs.append(self._finish_output(seq))
         return outputs
@@ -328,7 +354,12 @@ class Engine:
         if emission.finished:
             self._seqs.pop(seq.req_id, None)
         logprobs = [emission.logprob] if emission.logprob is not None else None
-        return self._output(seq, [emission.token_id], logprobs)
+        output = self._output(seq, [] if emission.token_id is None else [emission.token_id],
+                              logprobs)
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs_sent = True  # once, with the first output
+            output.prompt_logprobs = list(seq.prompt_logprobs)
+        return output
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         self._seqs.pop(seq.req_id, None)

@@ -1,9 +1,9 @@
 """Runs the model: one flattened forward per step over every scheduled token, logits only where a
-token is sampled."""
+token is sampled (and at the prompt positions of requests that asked for prompt logprobs)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,7 +11,34 @@ from worker.engine.attention import (
     CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from worker.engine.sequence import Sequence
 from worker.engine.triton_attention import build_plan, queries_per_tile
+
+
+@dataclass
+class PromptSpan:
+    """Prompt positions `[first_position, first_position + num_rows)` of `seq` whose logits (the
+    distribution of the next prompt token) are rows `[row, row + num_rows)` of the step's
+    prompt logits."""
+
+    seq: Sequence
+    first_position: int
+    num_rows: int
+    row: int
+
+
+@dataclass
+class StepLogits:
+    """What one forward returns: the logits of the emitting chunks, and of prompt spans."""
+
+    emitting: list[ScheduledChunk]  # the K chunks that sample a token, in logits row order
+    logits: torch.Tensor  # [K, vocab]
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None  # [sum of the spans' num_rows, vocab]
+
+    def __iter__(self):
+        """`emitting, logits = runner.execute(...)` for callers that need no prompt logits."""
+        return iter((self.emitting, self.logits))
 
 
 @dataclass
@@ -20,9 +47,11 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64
-    logits_indices: torch.Tensor  # [K] int64: flattened positions whose logits are needed
+    # [K + P] int64: flattened positions whose logits are needed, the emitting chunks' K first
+    logits_indices: torch.Tensor
     emitting: list[ScheduledChunk]  # the K chunks that sample a token, in logits row order
     context: AttentionContext
+    prompt_spans: list[PromptSpan] = field(default_factory=list)  # the P prompt rows after them
 
 
 class ModelRunner:
@@ -48,15 +77,20 @@ class ModelRunner:
         model.eval()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Forward the step; returns the emitting chunks and their logits [K, vocab]."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(sched.chunks):
-            return self.decode_graphs.run(sched.chunks)
+    def execute(self, sched: SchedulerOutput) -> StepLogits:
+        """Forward the step: the emitting chunks' logits [K, vocab], and the prompt logits."""
+        if (self.decode_graphs is not None and self.decode_graphs.can_run(sched.chunks)
+                and not any(c.seq.wants_prompt_logprobs for c in sched.chunks)):
+            return StepLogits(*self.decode_graphs.run(sched.chunks))
         inputs = self.prepare(sched)
         output = self.model(
             input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
             logits_to_keep=inputs.logits_indices, **{CONTEXT_KWARG: inputs.context})
-        return inputs.emitting, output.logits[0]  # [K, vocab]
+        logits = output.logits[0]  # [K + P, vocab]
+        k = len(inputs.emitting)
+        if not inputs.prompt_spans:
+            return StepLogits(inputs.emitting, logits)
+        return StepLogits(inputs.emitting, logits[:k], inputs.prompt_spans, logits[k:])
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Flatten the step: decoding chunks first (sorted by context length, grouped), then
@@ -68,9 +102,12 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         emitting: list[ScheduledChunk] = []
+        prompt_indices: list[int] = []
+        prompt_spans: list[PromptSpan] = []
         bs = self.block_size
         for chunk in decodes + prefills:
             table = chunk.block_table
+            base = len(token_ids)  # flattened index of position chunk.start
             token_ids.extend(chunk.seq.token_ids[chunk.start:chunk.end])
             for pos in range(chunk.start, chunk.end):
                 positions.append(pos)
@@ -78,6 +115,11 @@ class ModelRunner:
             if chunk.emits_token:
                 logits_indices.append(len(token_ids) - 1)
                 emitting.append(chunk)
+            span = _prompt_span(chunk, len(prompt_indices))
+            if span is not None:
+                first = base + span.first_position - chunk.start
+                prompt_indices.extend(range(first, first + span.num_rows))
+                prompt_spans.append(span)
         write_index = (self._head_slot_rows + torch.tensor(slots, dtype=torch.int64)).view(-1)
         write_index = write_index.to(self.device, non_blocking=True)
         if self.attention_backend == "triton":
@@ -91,7 +133,8 @@ class ModelRunner:
         return StepInputs(
             input_ids=self._tensor(token_ids).unsqueeze(0),
             position_ids=self._tensor(positions).unsqueeze(0),
-            logits_indices=self._tensor(logits_indices), emitting=emitting, context=context)
+            logits_indices=self._tensor(logits_indices + prompt_indices), emitting=emitting,
+            context=context, prompt_spans=prompt_spans)
 
     def _kernel_plan(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]):
         """The Triton kernel's metadata: every chunk in flattened order, its blocks so far."""
@@ -149,6 +192,19 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+
+def _prompt_span(chunk: ScheduledChunk, row: int) -> PromptSpan | None:
+    """The chunk's prompt positions whose logits give a prompt token's logprob not yet computed:
+    position p predicts prompt token p + 1, so p < num_prompt_tokens - 1."""
+    seq = chunk.seq
+    if not seq.wants_prompt_logprobs:
+        return None
+    first = max(chunk.start, len(seq.prompt_logprobs))
+    end = min(chunk.end, seq.num_prompt_tokens - 1)
+    if first >= end:
+        return None
+    return PromptSpan(seq, first, end - first, row)
 
 
 def split_sorted(sizes: list[int], group_cost: int) -> list[tuple[int, int]]:

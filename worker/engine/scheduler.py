@@ -43,8 +43,11 @@ class ScheduledChunk:
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int, block_table: list[int]) -> ScheduledChunk:
+        """A chunk emits when it reaches the last known token, unless no token is wanted
+        (`max_tokens` 0: prompt logprobs only; the request ends when its prefill does)."""
         start = seq.num_computed_tokens
-        return cls(seq, start, num_tokens, block_table, start + num_tokens == seq.num_tokens)
+        emits = start + num_tokens == seq.num_tokens and seq.params.max_tokens > 0
+        return cls(seq, start, num_tokens, block_table, emits)
 
 
 @dataclass
@@ -71,7 +74,8 @@ class SchedulerOutput:
 
 @dataclass
 class TokenEmission:
-    """What one sequence produced in a step: a token, and/or the end of the sequence."""
+    """What one sequence produced in a step: a token, and/or the end of the sequence (no token:
+    a `max_tokens` 0 request whose prefill is done)."""
 
     seq: Sequence
     token_id: int | None
@@ -215,7 +219,7 @@ class Scheduler:
                     break
                 budget -= out.chunks[-1].num_tokens
                 continue
-            use_cache = bm.enable_prefix_caching and not seq.params.skip_prefix_cache
+            use_cache = bm.enable_prefix_caching and seq.params.uses_prefix_cache
             cached = bm.find_cached_prefix(seq.req_id, seq.token_ids) if use_cache else []
             num_cached = len(cached) * bm.block_size
             # Admit only if the whole known sequence fits beside the watermark, so a long prompt
@@ -276,6 +280,9 @@ class Scheduler:
                 self.num_prefill_tokens_computed += chunk.num_tokens
             if not chunk.emits_token:
                 self._publish(seq)
+                if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                    self.finish(seq, RequestStatus.FINISHED_LENGTH)
+                    emissions.append(TokenEmission(seq, None, None, True))
                 continue
             token_id, logprob = samples[seq.req_id]
             seq.append_token(token_id, logprob)
@@ -288,5 +295,5 @@ class Scheduler:
         return emissions
 
     def _publish(self, seq: Sequence) -> None:
-        if not seq.params.skip_prefix_cache:
+        if seq.params.uses_prefix_cache:
             self.block_manager.cache_full_blocks(seq.req_id, seq.token_ids, seq.num_computed_tokens)

@@ -28,6 +28,10 @@ class Sequence:
     admitted_once: bool = False
     num_swapped_blocks: int = 0  # > 0 while PREEMPTED with its KV in host memory
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.prompt_logprobs: entry p is prompt token p + 1's, filled as prefill chunks run
+    # (a recomputed chunk does not add them again); sent once, with the first output.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     error: str | None = None
 
     def __post_init__(self) -> None:
@@ -50,6 +54,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute: asked for, and not resumed past the first output
+        (the client got them with it)."""
+        return (self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:
