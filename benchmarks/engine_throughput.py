@@ -1,10 +1,14 @@
-"""Offline throughput of kvfleet's engine against HF `generate` and transformers' continuous batching.
+"""Offline throughput of kvfleet's engine beside vLLM, HF `generate` and transformers' continuous
+batching.
 
 The first N requests of a workload (default: ../shared/workloads/chat-mix.jsonl, 64) all arrive
-at t=0, each with its own max_tokens and ignore_eos, greedy. Same model, dtype and machine for
-every system, in one run. Also: decode throughput at a fixed number of running streams as a
-fraction of the matmul roofline measured in the same run, and bf16 beside fp32 with greedy
-agreement.
+at t=0, each with its own max_tokens and ignore_eos, greedy. Same model and machine for every
+system, in one run: kvfleet and vLLM at each of --dtypes (bf16 and float32 by default; the one
+`--dtype auto` picks on this CPU is marked), HF and transformers CB at --hf-dtype. Also: start-up
+to the first token of both engines, decode throughput at a fixed number of running streams as a
+fraction of the matmul roofline measured in the same run, and greedy agreement between dtypes.
+The CPU's model and ISA head the output. vLLM runs in its own virtualenv
+(benchmarks/vllm_env.sh); without one its rows are skipped with a message.
 
     .venv/bin/python -m benchmarks.engine_throughput                  # the full comparison
     .venv/bin/python -m benchmarks.engine_throughput --num-requests 8 --skip-hf --skip-cb  # quick
@@ -18,7 +22,6 @@ import dataclasses
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,7 +32,10 @@ import torch
 
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from shared.wire import SamplingParams
+from benchmarks.vllm_peer import SETUP_HINT, run_offline, vllm_python
+from shared.cpu_features import cpu_features
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.kv_cache import resolve_dtype
 
 # The team's benchmark trace lies beside the repository (`../shared/workloads/`); --workload picks another.
 WORKLOAD = str(Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat-mix.jsonl")
@@ -186,7 +192,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workload", default=WORKLOAD)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtypes", default="bfloat16,float32",
+                   help="kvfleet and vLLM run at each (auto = what --dtype auto picks here)")
+    p.add_argument("--hf-dtype", default="auto", help="dtype of HF generate and transformers CB")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=1, help="kvfleet runs; the median is reported")
     p.add_argument("--max-batched-tokens", type=int, default=512)
@@ -196,13 +204,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-bs1-requests", type=int, default=16,
                    help="requests for the batch-1 HF run (it is slow); 0 = all")
     p.add_argument("--skip-cb", action="store_true", help="skip transformers continuous batching")
+    p.add_argument("--skip-vllm", action="store_true", help="skip vLLM (benchmarks/vllm_env.sh)")
+    p.add_argument("--vllm-venv", default=None, help="vLLM's virtualenv (default: vllm_env.sh's)")
     p.add_argument("--decode-streams", type=int, default=32)
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--skip-decode", action="store_true")
-    p.add_argument("--skip-bf16", action="store_true")
-    p.add_argument("--bf16-requests", type=int, default=8)
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
+
+
+def resolve_name(name: str) -> str:
+    """'auto' -> the dtype name `--dtype auto` resolves to on this machine's CPU."""
+    return {v: k for k, v in DTYPES.items()}[resolve_dtype(name, torch.device("cpu"))]
 
 
 def main(argv=None) -> int:
@@ -213,75 +226,131 @@ def main(argv=None) -> int:
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path)
     requests = load_requests(args.workload, args.num_requests, tokenizer)
-    dtype = DTYPES[args.dtype]
-    model = load_model(path, dtype)
-    config = EngineConfig(device="cpu", dtype=args.dtype, max_batched_tokens=args.max_batched_tokens,
-                          max_running=args.max_running)
-    print(f"# {platform.machine()} {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-          f"{args.dtype}, {len(requests)} requests, {sum(len(r.prompt) for r in requests)} prompt "
-          f"tokens, {sum(r.max_tokens for r in requests)} output tokens; load average "
+    auto = resolve_name("auto")
+    dtypes = list(dict.fromkeys(resolve_name(d) for d in args.dtypes.split(",")))
+    vllm = None if args.skip_vllm else vllm_python(args.vllm_venv)
+    print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads, torch "
+          f"{torch.__version__}; --dtype auto = {auto}; {len(requests)} requests, "
+          f"{sum(len(r.prompt) for r in requests)} prompt tokens, "
+          f"{sum(r.max_tokens for r in requests)} output tokens; load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
+    if vllm is None and not args.skip_vllm:
+        print(f"# vLLM skipped: no virtualenv with vllm found; {SETUP_HINT}", flush=True)
     results: list[Result] = []
-    runs = []
-    for _ in range(args.repeats):
-        result, outputs, engine = run_kvfleet(model, requests, config)
-        runs.append(result)
-        print(f"  kvfleet run: {result.tokens_per_s:.1f} tok/s ({result.note})", flush=True)
-    ours = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
-    results.append(ours)
-    for line in engine.budget_report():
-        print(f"  budget: {line}")
+    outputs: dict[str, list[list[int]]] = {}
+    startups: dict[str, float] = {}
+    for name in dtypes:
+        label = f"{name}{' = auto' if name == auto else ''}"
+        ours, outputs[f"kvfleet {name}"], startups[f"kvfleet {name}"] = run_kvfleet_repeats(
+            path, requests, engine_config(args, name), args.repeats, label)
+        results.append(ours)
+        if vllm is not None:
+            run = run_offline(vllm, path, [r.prompt for r in requests],
+                              [r.max_tokens for r in requests], name, args.max_running)
+            outputs[f"vLLM {name}"], startups[f"vLLM {name}"] = run.outputs, run.startup_s
+            results.append(Result(f"vLLM {run.version}, {name}", sum(map(len, run.outputs)),
+                                  run.seconds, f"start-up {run.startup_s:.0f} s"))
+            print(f"  {results[-1].name}: {results[-1].tokens_per_s:.1f} tok/s "
+                  f"({results[-1].note})", flush=True)
+    hf_name = resolve_name(args.hf_dtype)
+    model = load_model(path, DTYPES[hf_name])
     if not args.skip_hf:
         for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
             subset = requests[:args.hf_bs1_requests] if bs == 1 and args.hf_bs1_requests else requests
             results.append(run_hf_static(model, subset, bs, tokenizer.pad_token_id or 0))
+            results[-1].name += f", {hf_name}"
             print(f"  {results[-1].name}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
     if not args.skip_cb:
         results.append(run_hf_continuous_batching(copy.deepcopy(model), requests))
+        results[-1].name += f", {hf_name}"
         print(f"  {results[-1].name}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
-    report = {"results": [dict(name=r.name, tokens=r.output_tokens, seconds=r.seconds,
-                               tokens_per_s=r.tokens_per_s, note=r.note) for r in results]}
-    print("\n| system | output tokens | seconds | output tok/s | kvfleet is |")
-    print("|---|---:|---:|---:|---:|")
-    for r in results:
-        ratio = ours.tokens_per_s / r.tokens_per_s
-        print(f"| {r.name} | {r.output_tokens} | {r.seconds:.1f} | {r.tokens_per_s:.1f} | {ratio:.2f}x |")
+    report = {"cpu": cpu_features().describe(), "auto_dtype": auto,
+              "results": [dataclasses.asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+              "startup_s": startups}
+    print_table(results, auto)
+    report["agreement"] = agreement_section(outputs)
+    print("\nstart-up to the first token (engine built from the model directory, one token out): "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in startups.items()))
     if not args.skip_decode:
-        report["decode"] = decode_section(args, model, requests, config, dtype)
-    if not args.skip_bf16 and args.dtype == "float32":
-        report["bf16"] = bf16_section(args, model, requests, config)
+        report["decode"] = decode_section(args, path, requests, auto, vllm)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0
 
 
-def decode_section(args, model, requests, config, dtype) -> dict:
+def engine_config(args, dtype: str) -> EngineConfig:
+    return EngineConfig(device="cpu", dtype=dtype, max_batched_tokens=args.max_batched_tokens,
+                        max_running=args.max_running)
+
+
+def run_kvfleet_repeats(path: str, requests: list[Request], config: EngineConfig, repeats: int,
+                        label: str) -> tuple[Result, list[list[int]], float]:
+    """The median of `repeats` runs; the start-up time of building the engine from the model
+    directory and answering one token (what vLLM's start-up is timed as)."""
+    started = time.perf_counter()
+    engine = Engine.from_pretrained(path, config)
+    engine.generate([requests[0].prompt], greedy(1))
+    startup_s = time.perf_counter() - started
+    runs = []
+    for _ in range(repeats):
+        result, outputs, engine = run_kvfleet(engine.model, requests, config)
+        result.name = f"kvfleet, {label}"
+        runs.append(result)
+        print(f"  {result.name}: {result.tokens_per_s:.1f} tok/s ({result.note})", flush=True)
+    return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2], outputs, startup_s
+
+
+def print_table(results: list[Result], auto: str) -> None:
+    """Each row beside kvfleet's fastest and kvfleet's default (auto)."""
+    ours = [r for r in results if r.name.startswith("kvfleet")]
+    best = max(ours, key=lambda r: r.tokens_per_s)
+    default = next((r for r in ours if r.name.endswith("= auto")), best)
+    print(f"\n| system | output tokens | seconds | output tok/s | kvfleet fastest ({best.name}) is "
+          f"| kvfleet default is |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r.name} | {r.output_tokens} | {r.seconds:.1f} | {r.tokens_per_s:.1f} | "
+              f"{best.tokens_per_s / r.tokens_per_s:.2f}x | {default.tokens_per_s / r.tokens_per_s:.2f}x |")
+
+
+def agreement_section(outputs: dict[str, list[list[int]]]) -> dict:
+    """Greedy agreement of each run with kvfleet float32 (and of vLLM with kvfleet at its dtype)."""
+    pairs = [(k, "kvfleet float32") for k in outputs if k != "kvfleet float32"]
+    pairs += [(k, k.replace("vLLM", "kvfleet")) for k in outputs if k.startswith("vLLM")]
+    report = {}
+    for tested, reference in pairs:
+        if reference in outputs and tested != reference:
+            same, prefix = agreement(outputs[reference], outputs[tested])
+            report[f"{tested} vs {reference}"] = {"identical": same, "agreeing_prefix": prefix}
+            print(f"greedy agreement, {tested} vs {reference}: {same:.0%} of requests identical, "
+                  f"{prefix:.0%} of tokens before the first difference")
+    return report
+
+
+def decode_section(args, path: str, requests: list[Request], dtype: str, vllm) -> dict:
+    model = load_model(path, DTYPES[dtype])
     num_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
-    flops = {rows: matmul_flops_per_s(dtype, rows) for rows in (32, 64, 256)}
+    flops = {rows: matmul_flops_per_s(DTYPES[dtype], rows) for rows in (32, 64, 256)}
+    config = engine_config(args, dtype)
     tps = decode_throughput(model, requests, args.decode_streams, args.decode_steps, config)
     peak = flops[args.decode_streams] if args.decode_streams in flops else max(flops.values())
     roofline = peak / (2 * num_params)
-    print(f"\ndecode at {args.decode_streams} streams: {tps:.1f} tok/s; matmul "
+    print(f"\ndecode at {args.decode_streams} streams, {dtype}: kvfleet {tps:.1f} tok/s; matmul "
           + ", ".join(f"{r} rows {f / 1e9:.1f} GFLOP/s" for r, f in flops.items())
           + f"; roofline 2 x {num_params / 1e6:.1f}M params -> {roofline:.1f} tok/s; "
           f"kvfleet reaches {tps / roofline:.0%} of it")
-    return {"streams": args.decode_streams, "tokens_per_s": tps, "roofline_tokens_per_s": roofline,
-            "matmul_gflops": {r: f / 1e9 for r, f in flops.items()}}
-
-
-def bf16_section(args, model, requests, config) -> dict:
-    subset = requests[:args.bf16_requests]
-    fp32_result, fp32_out, _ = run_kvfleet(model, subset, config)
-    bf16_config = dataclasses.replace(config, dtype="bfloat16")
-    bf16_result, bf16_out, _ = run_kvfleet(model, subset, bf16_config)
-    same, prefix = agreement(fp32_out, bf16_out)
-    print(f"\nbf16 vs fp32 on {len(subset)} requests: fp32 {fp32_result.tokens_per_s:.1f} tok/s, "
-          f"bf16 {bf16_result.tokens_per_s:.1f} tok/s; greedy agreement: {same:.0%} of requests "
-          f"identical, {prefix:.0%} of tokens before the first difference")
-    return {"requests": len(subset), "fp32_tokens_per_s": fp32_result.tokens_per_s,
-            "bf16_tokens_per_s": bf16_result.tokens_per_s, "identical_requests": same,
-            "agreeing_prefix": prefix}
+    report = {"streams": args.decode_streams, "dtype": dtype, "tokens_per_s": tps,
+              "roofline_tokens_per_s": roofline, "matmul_gflops": {r: f / 1e9 for r, f in flops.items()}}
+    if vllm is not None:
+        prompts = [r.prompt for r in requests[:args.decode_streams]]
+        run = run_offline(vllm, path, prompts, [1] * len(prompts), dtype, args.max_running,
+                          decode_streams=args.decode_streams)
+        report["vllm_tokens_per_s"] = run.decode_tokens_per_s
+        print(f"decode at {args.decode_streams} streams, {dtype}: vLLM {run.decode_tokens_per_s:.1f} "
+              f"tok/s ({run.decode_tokens_per_s / roofline:.0%} of the roofline); kvfleet is "
+              f"{tps / run.decode_tokens_per_s:.2f}x")
+    return report
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ class GatewaySettings(BatchApiSettings):
 class WorkerSettings(CommonSettings):
     worker_id: str = ""  # default: host-pid-random
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bf16 on CUDA and native-bf16 CPUs, else float32) | float32 | bfloat16 | float16
     kv_memory: str = "1GiB"  # KV budget on CPU
     # KV pool storage: auto = the model dtype; fp8 (e4m3) / int8 hold ~1.94x the tokens of bf16
     kv_dtype: Literal["auto", "bf16", "fp16", "fp32", "fp8", "int8"] = "auto"

@@ -23,6 +23,7 @@ from kvfleet.bench.report import summary_to_text, sweep_to_text, write_results, 
 from kvfleet.bench.stats import Slo, Summary, summarise
 from kvfleet.bench.sweep import SWEEP_BY_CHOICES, SweepResult, default_loads, sweep
 from kvfleet.bench.trace import TraceError, TraceRequest, load_trace
+from shared.cpu_features import cpu_features
 
 EXIT_ALL_FAILED = 1
 EXIT_USAGE = 2
@@ -191,6 +192,7 @@ def _report_run(args: argparse.Namespace, result: RunResult, summary: Summary,
         paths.append(plot_latency_cdfs(result.records, args.out / "latency_cdf.png"))
         paths.append(plot_throughput(result.records, result.duration_s,
                                      args.out / "throughput.png"))
+    print(f"Client CPU: {info['client_cpu']}")
     print(summary_to_text(summary), end="")
     print("wrote " + ", ".join(str(path) for path in paths))
     return 0 if summary.num_ok else _all_failed(summary)
@@ -220,6 +222,9 @@ def _run_info(args: argparse.Namespace, target: BenchTarget, num_workers: int | 
         "num_workers_source": "--num-workers" if args.num_workers else
         ("GET /health" if num_workers else "assumed 1"),
         "cost_per_hour": args.cost_per_hour, "timeout_s": args.timeout,
+        # the machine the client runs on (the server's too when both share it, as in
+        # benchmarks/http_peers.py): results differ by CPU kind, so every result names it
+        "client_cpu": cpu_features().describe(),
     }
 
 

@@ -153,3 +153,17 @@ def test_a_worker_asked_for_triton_on_a_cpu_exits_before_loading_its_model(tmp_p
     assert result.returncode != 0
     assert "kvfleet worker: attention_backend 'triton' runs on CUDA devices only" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_auto_dtype_follows_the_cpus_bf16_support_and_is_reported(tiny_llama):
+    """--dtype auto on CPU: bf16 where this CPU has native bf16, float32 elsewhere; the start-up
+    report names the CPU, its ISA and what auto picked."""
+    from shared.cpu_features import cpu_features
+
+    features = cpu_features()
+    engine = tiny_llama.engine(dtype="auto")
+    assert engine.dtype is (torch.bfloat16 if features.native_bf16 else torch.float32)
+    assert all(p.dtype == engine.dtype for p in engine.model.parameters())
+    report = engine.device_report()
+    assert features.model in report and features.isa in report
+    assert str(engine.dtype).removeprefix("torch.") in report and "--dtype auto" in report

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.cpu_features import CpuFeatures, cpu_features
 from worker.engine.kv_cache import KVLayout, plan_budget, resolve_device, resolve_dtype
 from worker.engine.kv_format import resolve_kv_format
 
@@ -19,8 +20,18 @@ def test_bytes_per_token_of_the_default_model_shape():
 
 def test_dtype_and_device_resolution():
     cpu = resolve_device("cpu")
-    assert resolve_dtype("auto", cpu) is torch.float32
-    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    avx2_only = CpuFeatures("some AVX2 CPU", frozenset({"avx", "avx2", "fma"}))
+    avx512_bf16 = CpuFeatures("Zen 4", frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    amx = CpuFeatures("Sapphire Rapids", frozenset({"avx512f", "amx_tile", "amx_bf16"}))
+    assert resolve_dtype("auto", cpu, avx2_only) is torch.float32  # bf16 would be emulated
+    assert resolve_dtype("auto", cpu, avx512_bf16) is torch.bfloat16
+    assert resolve_dtype("auto", cpu, amx) is torch.bfloat16
+    assert resolve_dtype("auto", cpu, CpuFeatures("unknown", frozenset())) is torch.float32
+    # without a CpuFeatures: this machine's own verdict
+    assert resolve_dtype("auto", cpu) is (torch.bfloat16 if cpu_features().native_bf16
+                                          else torch.float32)
+    assert resolve_dtype("auto", torch.device("cuda"), avx2_only) is torch.bfloat16
+    assert resolve_dtype("float32", cpu, amx) is torch.float32
     assert resolve_dtype("float16", cpu) is torch.float16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", cpu)

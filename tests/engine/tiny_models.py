@@ -34,6 +34,9 @@ class TinyModel:
 
     def engine(self, tokenizer=None, **config) -> Engine:
         config.setdefault("device", "cpu")
+        # float32, not auto: its greedy output is compared with HF generate token for token, and
+        # auto is bf16 on CPUs with native bf16
+        config.setdefault("dtype", "float32")
         config.setdefault("num_blocks", 256)
         config.setdefault("block_size", 4)
         return Engine(copy.deepcopy(self.model), EngineConfig(**config), tokenizer=tokenizer)

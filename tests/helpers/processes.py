@@ -53,7 +53,10 @@ class ProcessFleet:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_dir = log_dir
-        self.worker_flags = worker_flags or ["--kv-memory", "256MiB", "--num-threads", "1"]
+        # float32 unless a test says otherwise: outputs are compared with HF generate in float32
+        # and across resumes, and --dtype auto is bf16 on CPUs with native bf16
+        flags = worker_flags or ["--kv-memory", "256MiB", "--num-threads", "1"]
+        self.worker_flags = flags if "--dtype" in flags else ["--dtype", "float32", *flags]
         self.gateway: Proc | None = None
         self.workers: dict[str, Proc] = {}  # by worker id
 

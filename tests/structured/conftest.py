@@ -34,6 +34,7 @@ def tiny_bpe_model(tokenizer):
 def make_engine(tiny_bpe_model, tokenizer):
     def build(**config) -> Engine:
         config.setdefault("device", "cpu")
+        config.setdefault("dtype", "float32")  # not auto: bf16 on native-bf16 CPUs
         config.setdefault("num_blocks", 256)
         config.setdefault("block_size", 4)
         return Engine(copy.deepcopy(tiny_bpe_model), EngineConfig(**config), tokenizer=tokenizer)

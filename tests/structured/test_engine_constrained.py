@@ -87,7 +87,8 @@ def test_constraint_without_tokenizer_is_refused(tiny_bpe_model):
     import copy
 
     from worker.engine.engine import Engine, EngineConfig
-    engine = Engine(copy.deepcopy(tiny_bpe_model), EngineConfig(device="cpu", num_blocks=64))
+    engine = Engine(copy.deepcopy(tiny_bpe_model), EngineConfig(device="cpu", dtype="float32",
+                                                                   num_blocks=64))
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request("r", PROMPT, sampled(1, constraint=OutputConstraint("json_object")))
 

@@ -22,7 +22,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # fraction of blocks kept free when admitting new work
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
+    # auto: bf16 on CUDA and on CPUs with native bf16 (AMX, AVX512-BF16), else float32
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     kv_dtype: str = "auto"  # KV pool format: auto (= dtype) | bf16 | fp16 | fp32 | fp8 | int8
     preemption: str = "auto"  # auto | swap | recompute
     swap_space_bytes: int = 4 << 30  # host memory for swapped-out KV blocks

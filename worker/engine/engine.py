@@ -11,6 +11,7 @@ import torch
 from shared.wire import RequestStatus, SamplingParams, TokenLogprob
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
+from shared.cpu_features import cpu_features
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.device import (
     DeviceFailure, is_sticky_device_error, place_model, resolve_attention_backend, select_device)
@@ -152,6 +153,7 @@ class Engine:
                                   decode_graphs=decode_graphs)
         self._seqs: dict[str, Sequence] = {}
         self._swapped: dict[str, HostBlocks] = {}  # host copies of swapped-out streams' KV
+        log.info("engine: %s", self.device_report())
         for line in self.budget_report():
             log.info("KV budget: %s", line)
 
@@ -391,6 +393,13 @@ class Engine:
             grammar_compiles=self.constrained.compiler.misses if self.constrained.compiler else 0,
             grammar_cache_hits=self.constrained.compiler.hits if self.constrained.compiler else 0,
             num_cuda_graph_steps=graphs.num_replays if graphs is not None else 0)
+
+    def device_report(self) -> str:
+        """Device, dtype (and what --dtype said), and on CPU the model and ISA behind `auto`."""
+        line = f"{self.device}, {str(self.dtype).removeprefix('torch.')} (--dtype {self.config.dtype})"
+        if self.device.type == "cpu":
+            line += f"; CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads"
+        return line
 
     def budget_report(self) -> list[str]:
         swap = self.swap_space.capacity_blocks * self.pool.block_bytes

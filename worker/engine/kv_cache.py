@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.cpu_features import CpuFeatures, cpu_features
 from worker.engine.kv_format import SCALE_DTYPE, KVFormat, rotation_matrix
 
 GB = 1e9
@@ -28,10 +29,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on CPUs without AMX)."""
+def resolve_dtype(name: str, device: torch.device, cpu: CpuFeatures | None = None) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512-BF16), else float32
+    (where bf16 is emulated it is slower than float32). `cpu` defaults to this machine's."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        native = (cpu or cpu_features()).native_bf16 if device.type == "cpu" else False
+        return torch.bfloat16 if native else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]

