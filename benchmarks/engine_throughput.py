@@ -239,14 +239,18 @@ def main(argv=None) -> int:
     results: list[Result] = []
     outputs: dict[str, list[list[int]]] = {}
     startups: dict[str, float] = {}
+    vllm_decode: dict[str, float | None] = {}
     for name in dtypes:
         label = f"{name}{' = auto' if name == auto else ''}"
         ours, outputs[f"kvfleet {name}"], startups[f"kvfleet {name}"] = run_kvfleet_repeats(
             path, requests, engine_config(args, name), args.repeats, label)
         results.append(ours)
         if vllm is not None:
+            # the decode measurement at auto's dtype shares this run's start-up
+            streams = args.decode_streams if name == auto and not args.skip_decode else 0
             run = run_offline(vllm, path, [r.prompt for r in requests],
-                              [r.max_tokens for r in requests], name, args.max_running)
+                              [r.max_tokens for r in requests], name, args.max_running, streams)
+            vllm_decode[name] = run.decode_tokens_per_s
             outputs[f"vLLM {name}"], startups[f"vLLM {name}"] = run.outputs, run.startup_s
             results.append(Result(f"vLLM {run.version}, {name}", sum(map(len, run.outputs)),
                                   run.seconds, f"start-up {run.startup_s:.0f} s"))
@@ -272,7 +276,7 @@ def main(argv=None) -> int:
     print("\nstart-up to the first token (engine built from the model directory, one token out): "
           + ", ".join(f"{k} {v:.1f} s" for k, v in startups.items()))
     if not args.skip_decode:
-        report["decode"] = decode_section(args, path, requests, auto, vllm)
+        report["decode"] = decode_section(args, path, requests, auto, vllm_decode.get(auto))
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
@@ -328,7 +332,10 @@ def agreement_section(outputs: dict[str, list[list[int]]]) -> dict:
     return report
 
 
-def decode_section(args, path: str, requests: list[Request], dtype: str, vllm) -> dict:
+def decode_section(args, path: str, requests: list[Request], dtype: str,
+                   vllm_tps: float | None) -> dict:
+    """kvfleet's decode tokens/s at --decode-streams beside the matmul roofline measured now (and
+    vLLM's, measured in its offline run at the same dtype)."""
     model = load_model(path, DTYPES[dtype])
     num_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
     flops = {rows: matmul_flops_per_s(DTYPES[dtype], rows) for rows in (32, 64, 256)}
@@ -342,14 +349,10 @@ def decode_section(args, path: str, requests: list[Request], dtype: str, vllm) -
           f"kvfleet reaches {tps / roofline:.0%} of it")
     report = {"streams": args.decode_streams, "dtype": dtype, "tokens_per_s": tps,
               "roofline_tokens_per_s": roofline, "matmul_gflops": {r: f / 1e9 for r, f in flops.items()}}
-    if vllm is not None:
-        prompts = [r.prompt for r in requests[:args.decode_streams]]
-        run = run_offline(vllm, path, prompts, [1] * len(prompts), dtype, args.max_running,
-                          decode_streams=args.decode_streams)
-        report["vllm_tokens_per_s"] = run.decode_tokens_per_s
-        print(f"decode at {args.decode_streams} streams, {dtype}: vLLM {run.decode_tokens_per_s:.1f} "
-              f"tok/s ({run.decode_tokens_per_s / roofline:.0%} of the roofline); kvfleet is "
-              f"{tps / run.decode_tokens_per_s:.2f}x")
+    if vllm_tps:
+        report["vllm_tokens_per_s"] = vllm_tps
+        print(f"decode at {args.decode_streams} streams, {dtype}: vLLM {vllm_tps:.1f} tok/s "
+              f"({vllm_tps / roofline:.0%} of the roofline); kvfleet is {tps / vllm_tps:.2f}x")
     return report
 
 

@@ -9,6 +9,7 @@ import torch
 
 from worker.engine.attention import (
     CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
+from worker.engine.cpu_linear import PACKED_DTYPES, pack_cpu_linears
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
@@ -68,6 +69,10 @@ class ModelRunner:
         # a decode group costs about as much as gathering this many padded tokens (call overhead)
         self.decode_group_cost_tokens = decode_group_cost_tokens
         self.device = next(model.parameters()).device
+        # bf16 on CPU: linear weights pre-packed for oneDNN (cpu_linear.py); float32 and CUDA
+        # keep F.linear
+        if self.device.type == "cpu" and next(model.parameters()).dtype in PACKED_DTYPES:
+            pack_cpu_linears(model)
         num_kv_heads = pool.layout.num_kv_heads
         self._group_size = model.config.num_attention_heads // num_kv_heads  # query heads per KV head
         # row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...] block view
