@@ -42,3 +42,7 @@ def test_only_untied_bf16_layers_are_packed():
     assert type(half.lm_head) is torch.nn.Linear
     assert half.lm_head.weight.data_ptr() == half.model.embed_tokens.weight.data_ptr()
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+    # a packed model still deep-copies (the engine and the benchmarks copy models)
+    twin = copy.deepcopy(half)
+    x = torch.randint(3, 500, (1, 9))
+    assert torch.equal(twin(x).logits, half(x).logits)

@@ -9,6 +9,8 @@ Zen 4 core (AVX512-BF16) at the default model's shapes, 20 % at 32 rows (decode)
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 PACKED_DTYPES = (torch.bfloat16,)
@@ -31,6 +33,14 @@ class PackedLinear(torch.nn.Module):
                                                                      _BATCH_HINT)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(),
                                                                         requires_grad=False)
+
+    def __deepcopy__(self, memo) -> PackedLinear:
+        """A copy that shares the packed weight: it is never written after packing, and an
+        opaque mkldnn tensor has no storage that copy.deepcopy could clone."""
+        clone = copy.copy(self)
+        clone._parameters = {name: copy.deepcopy(p, memo) for name, p in self._parameters.items()}
+        clone._buffers, clone._modules = dict(self._buffers), {}
+        return clone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
