@@ -321,7 +321,8 @@ def print_table(results: list[Result], auto: str) -> None:
 def agreement_section(outputs: dict[str, list[list[int]]]) -> dict:
     """Greedy agreement of each run with kvfleet float32 (and of vLLM with kvfleet at its dtype)."""
     pairs = [(k, "kvfleet float32") for k in outputs if k != "kvfleet float32"]
-    pairs += [(k, k.replace("vLLM", "kvfleet")) for k in outputs if k.startswith("vLLM")]
+    pairs += [(k, k.replace("vLLM", "kvfleet")) for k in outputs
+              if k.startswith("vLLM") and k != "vLLM float32"]
     report = {}
     for tested, reference in pairs:
         if reference in outputs and tested != reference:
