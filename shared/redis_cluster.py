@@ -92,6 +92,29 @@ class EmbeddedCluster:
 
         _wait(ok, deadline, "the cluster did not recover")
 
+    def wait_replicated(self, timeout_s: float = 30.0) -> None:
+        """Until every primary has `replicas` replicas online (after a killed node rejoined)."""
+        deadline = time.monotonic() + timeout_s
+
+        def replicated() -> bool:
+            primaries = self.primaries()
+            if len(primaries) != self.num_primaries:
+                return False
+            for node in primaries:
+                client = redis.Redis(port=node.port, decode_responses=True)
+                try:
+                    info = client.info("replication")
+                finally:
+                    client.close()
+                online = [v for k, v in info.items()
+                          if k.startswith("slave") and isinstance(v, dict)
+                          and v.get("state") == "online"]
+                if len(online) < self.replicas:
+                    return False
+            return True
+
+        _wait(replicated, deadline, "the replicas did not come back")
+
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()

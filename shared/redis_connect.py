@@ -14,11 +14,19 @@ import redis
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
 
 log = logging.getLogger(__name__)
 
 SyncClient = redis.Redis | RedisCluster
 AsyncClient = redis.asyncio.Redis | AsyncRedisCluster
+
+# What Redis can raise while it is away or failing over, for `except` clauses: redis-py's cluster
+# client raises some errors (no node covers a slot yet, no node answers) outside RedisError.
+REDIS_FAILURES = (redis.RedisError, RedisClusterException)
+# The same, for a worker's loop: worth a backoff and a reconnect, not an exit.
+TRANSIENT_FAILURES = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError,
+                      RedisClusterException)
 
 
 def cluster_enabled(url: str, connect_timeout_s: float = 2.0) -> bool:

@@ -56,6 +56,9 @@ class BatchApiSettings(CommonSettings):
     batch_max_file_bytes: int = Field(100 * 1024**2, ge=1)  # an upload larger than this is a 413
     batch_max_lines: int = Field(50_000, ge=1)  # OpenAI's limit per batch file
     batch_ttl_s: int = Field(7 * 24 * 3600, ge=60)  # files and batch records expire after this
+    # rq's job queue needs a single Redis (rq does not speak cluster): on a Redis Cluster, name a
+    # small separate one here. None: the fleet's --redis-url. Batch records stay on the fleet's.
+    batch_redis_url: str | None = None
 
 
 class GatewaySettings(BatchApiSettings):

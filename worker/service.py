@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import redis
 
+from shared.redis_connect import REDIS_FAILURES, TRANSIENT_FAILURES
 from shared.settings import WorkerSettings
 from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
 from worker.engine.device import DeviceFailure
@@ -69,8 +70,8 @@ class WorkerService:
                     self.connect()
                 self.run_once()
                 backoff_s = 0.1
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("redis unavailable (%s); retrying in %.1f s", exc, backoff_s)
+            except TRANSIENT_FAILURES as exc:  # also a cluster failing over
+                log.warning("redis unavailable (%r); retrying in %.1f s", exc, backoff_s)
                 self._pubsub = None
                 stop.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
@@ -316,8 +317,8 @@ class WorkerService:
         while not stop.is_set():
             try:
                 self._beat()
-            except redis.RedisError as exc:
-                log.warning("heartbeat failed: %s", exc)
+            except REDIS_FAILURES as exc:
+                log.warning("heartbeat failed: %r", exc)
             stop.wait(self.settings.heartbeat_interval_s)
 
 

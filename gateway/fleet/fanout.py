@@ -10,9 +10,10 @@ from collections import deque
 from collections.abc import Coroutine
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.crc import key_slot
 
 from gateway.fleet.client import EngineUnavailable
+from shared.redis_connect import REDIS_FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class TokenFanout:
                 link.ask_subscribe(key)
                 await link.ensure_connection()
                 await confirmed
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (REDIS_FAILURES, OSError, TimeoutError) as exc:
             self.release(channel)
             raise EngineUnavailable(
                 f"cannot subscribe to the fleet's token channel: {exc!r}") from exc
@@ -203,7 +204,7 @@ class TokenFanout:
     async def _refresh_slots(self) -> None:
         try:
             await self._redis.nodes_manager.initialize()
-        except (RedisError, OSError) as exc:
+        except (REDIS_FAILURES, OSError) as exc:
             log.debug("slot map refresh failed: %r", exc)
 
 
@@ -269,11 +270,12 @@ class PubSubLink:
                     continue
                 try:
                     await self.ensure_connection()
-                    if self._sharded:
-                        await self._pubsub.ssubscribe(*keys)
+                    if self._sharded:  # one SSUBSCRIBE names channels of one slot
+                        for group in by_slot(keys):
+                            await self._pubsub.ssubscribe(*group)
                     else:
                         await self._pubsub.subscribe(*keys)
-                except (RedisError, OSError) as exc:
+                except (REDIS_FAILURES, OSError) as exc:
                     for key in keys:
                         self.fanout.confirm(key, exc)
         finally:
@@ -288,10 +290,11 @@ class PubSubLink:
                     continue
                 try:
                     if self._sharded:
-                        await self._pubsub.sunsubscribe(*keys)
+                        for group in by_slot(keys):
+                            await self._pubsub.sunsubscribe(*group)
                     else:
                         await self._pubsub.unsubscribe(*keys)
-                except (RedisError, OSError) as exc:  # the connection is gone: nothing to drop
+                except (REDIS_FAILURES, OSError) as exc:  # connection gone: nothing to drop
                     log.debug("unsubscribe of %d channels failed: %r", len(keys), exc)
         finally:
             self._unsubscriber = None
@@ -310,7 +313,7 @@ class PubSubLink:
                 backoff_s = 0.1
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:
+            except (REDIS_FAILURES, OSError) as exc:
                 log.warning("pub/sub connection %s failed: %r%s", self.name or "to Redis", exc,
                             "" if self._sharded else f"; retrying in {backoff_s:.1f} s")
                 self.fanout.link_failed(self, exc)
@@ -345,6 +348,14 @@ class PubSubLink:
             self.fanout.deliver(message["channel"], message["data"])
         elif message["type"] == self._confirm_type:
             self.fanout.confirm(message["channel"])
+
+
+def by_slot(keys: list[bytes]) -> list[list[bytes]]:
+    """`keys` grouped by cluster slot, in first-seen order."""
+    groups: dict[int, list[bytes]] = {}
+    for key in keys:
+        groups.setdefault(key_slot(key), []).append(key)
+    return list(groups.values())
 
 
 async def stop_task(task: asyncio.Task, attempts: int = 5, wait_s: float = 1.0) -> None:

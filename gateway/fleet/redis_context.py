@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import redis
+
 from shared.redis_connect import AsyncClient, SyncClient, cluster_enabled, connect, connect_async
 from shared.settings import CommonSettings
 from shared.wire import Keys
@@ -18,8 +20,10 @@ class RedisContext:
     503 quickly, never a hang."""
 
     def __init__(self, url: str, keys: Keys, *, connect_timeout_s: float = 2.0,
-                 command_timeout_s: float = 3.0, sync_timeout_s: float = 5.0):
+                 command_timeout_s: float = 3.0, sync_timeout_s: float = 5.0,
+                 batch_queue_url: str | None = None):
         self.url = url
+        self.batch_queue_url = batch_queue_url
         self.keys = keys
         self.command_timeout_s = command_timeout_s
         self._connect_timeout_s = connect_timeout_s
@@ -35,7 +39,8 @@ class RedisContext:
     def from_settings(cls, settings: CommonSettings) -> RedisContext:
         if not settings.redis_url:
             raise ValueError("the gateway needs --redis-url (or KVFLEET_REDIS_URL)")
-        return cls(settings.redis_url, settings.keys())
+        return cls(settings.redis_url, settings.keys(),
+                   batch_queue_url=getattr(settings, "batch_redis_url", None))
 
     def sync(self) -> SyncClient:
         """The blocking client (thread-safe: redis-py pools its connections)."""
@@ -45,6 +50,16 @@ class RedisContext:
                                      socket_connect_timeout=self._connect_timeout_s,
                                      socket_timeout=self._sync_timeout_s)
             return self._sync
+
+    def batch_queue(self) -> redis.Redis:
+        """A blocking client for rq's job queue: rq needs a single Redis, so on a cluster the
+        fleet must name one (`--batch-redis-url`)."""
+        if self.batch_queue_url is None and self.cluster:
+            raise redis.RedisError("the batch API on a Redis Cluster needs --batch-redis-url (a "
+                                   "single Redis for rq's job queue)")
+        return redis.Redis.from_url(self.batch_queue_url or self.url,
+                                    socket_connect_timeout=self._connect_timeout_s,
+                                    socket_timeout=self._sync_timeout_s)
 
     async def aclose(self) -> None:
         await self.redis.aclose()

@@ -114,33 +114,35 @@ class Keys:
         return f"{self.prefix}rl:{{{key_id}}}:{kind}"
 
     # Batch API (gateway/openai/batches.py, batch/): uploaded files, batch records and results.
+    # A batch's keys share the tag `{batch_id}` (its scripts are single-slot), a file's `{file_id}`.
 
     def file(self, file_id: str) -> str:
         """Hash: FileRecord (OpenAI's file object) of an uploaded or generated file."""
-        return f"{self.prefix}file:{file_id}"
+        return f"{self.prefix}file:{{{file_id}}}"
 
     def file_content(self, file_id: str) -> str:
         """String: the file's bytes (JSONL)."""
-        return f"{self.prefix}file:{file_id}:content"
+        return f"{self.prefix}file:{{{file_id}}}:content"
 
     def batch(self, batch_id: str) -> str:
         """Hash: BatchRecord (status, request counts, output file ids)."""
-        return f"{self.prefix}batch:{batch_id}"
+        return f"{self.prefix}batch:{{{batch_id}}}"
 
     def batch_results(self, batch_id: str) -> str:
         """Hash: line index -> that line's output (JSON), each written once (HSETNX)."""
-        return f"{self.prefix}batch:{batch_id}:results"
+        return f"{self.prefix}batch:{{{batch_id}}}:results"
 
     def batch_lease(self, batch_id: str) -> str:
         """String with a TTL: the token of the one job feeding the batch now."""
-        return f"{self.prefix}batch:{batch_id}:lease"
+        return f"{self.prefix}batch:{{{batch_id}}}:lease"
 
     def batches_active(self) -> str:
         """Set of batch ids not yet in a final state (what the batch workers watch over)."""
         return f"{self.prefix}batches:active"
 
     def batch_queue(self) -> str:
-        """Name of the rq queue of batch jobs (rq keeps it under its own `rq:` keys)."""
+        """Name of the rq queue of batch jobs (rq keeps it under its own `rq:` keys, on the
+        batch queue's Redis: `--batch-redis-url`, a single Redis, when the fleet's is a cluster)."""
         return f"{self.prefix}batch"
 
     def batch_reaper(self) -> str:

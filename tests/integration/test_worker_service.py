@@ -14,7 +14,6 @@ from shared.settings import WorkerSettings
 from shared.wire import (
     GenerationRequest,
     Keys,
-    QueueEntry,
     RequestRecord,
     SamplingParams,
     TokenEvent,
