@@ -132,7 +132,7 @@ class TokenFanout:
                 link.ask_subscribe(key)
                 await link.ensure_connection()
                 await confirmed
-        except (REDIS_FAILURES, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             self.release(channel)
             raise EngineUnavailable(
                 f"cannot subscribe to the fleet's token channel: {exc!r}") from exc
@@ -204,7 +204,7 @@ class TokenFanout:
     async def _refresh_slots(self) -> None:
         try:
             await self._redis.nodes_manager.initialize()
-        except (REDIS_FAILURES, OSError) as exc:
+        except (*REDIS_FAILURES, OSError) as exc:
             log.debug("slot map refresh failed: %r", exc)
 
 
@@ -275,7 +275,7 @@ class PubSubLink:
                             await self._pubsub.ssubscribe(*group)
                     else:
                         await self._pubsub.subscribe(*keys)
-                except (REDIS_FAILURES, OSError) as exc:
+                except (*REDIS_FAILURES, OSError) as exc:
                     for key in keys:
                         self.fanout.confirm(key, exc)
         finally:
@@ -294,7 +294,7 @@ class PubSubLink:
                             await self._pubsub.sunsubscribe(*group)
                     else:
                         await self._pubsub.unsubscribe(*keys)
-                except (REDIS_FAILURES, OSError) as exc:  # connection gone: nothing to drop
+                except (*REDIS_FAILURES, OSError) as exc:  # connection gone: nothing to drop
                     log.debug("unsubscribe of %d channels failed: %r", len(keys), exc)
         finally:
             self._unsubscriber = None
@@ -313,7 +313,7 @@ class PubSubLink:
                 backoff_s = 0.1
             except asyncio.CancelledError:
                 raise
-            except (REDIS_FAILURES, OSError) as exc:
+            except (*REDIS_FAILURES, OSError) as exc:
                 log.warning("pub/sub connection %s failed: %r%s", self.name or "to Redis", exc,
                             "" if self._sharded else f"; retrying in {backoff_s:.1f} s")
                 self.fanout.link_failed(self, exc)

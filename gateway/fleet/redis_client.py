@@ -143,13 +143,13 @@ class RedisEngineClient(EngineClient):
             async with asyncio.timeout(self._command_timeout_s * 2):
                 if not await self._enqueue(keys=call.keys, args=call.args):
                     return False
-        except (REDIS_FAILURES, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
                 await self.redis.xadd(stream, fields, maxlen=self._stream_maxlen,
                                       approximate=True)
-        except (REDIS_FAILURES, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             await self._forget(request.req_id)
             raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
         return True
@@ -158,7 +158,7 @@ class RedisEngineClient(EngineClient):
         try:
             async with asyncio.timeout(self._command_timeout_s):
                 await self.redis.delete(self.keys.enqueued(req_id))
-        except (REDIS_FAILURES, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             log.warning("could not remove the enqueue marker of %s: %r", req_id, exc)
 
     async def attach(self, req_id: str) -> tuple[RequestSnapshot, EventStream] | None:
@@ -183,7 +183,7 @@ class RedisEngineClient(EngineClient):
                 pipe.hmget(self.keys.request(req_id), *RequestRecord.SNAPSHOT_FIELDS)
                 pipe.get(self.keys.checkpoint(req_id))
                 fields, ckpt = await pipe.execute()
-        except (REDIS_FAILURES, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"cannot read the request from Redis: {exc!r}") from exc
         record = RequestRecord.decode_snapshot(*fields)
         if record is None:
@@ -195,7 +195,7 @@ class RedisEngineClient(EngineClient):
         try:
             async with asyncio.timeout(self._command_timeout_s):
                 return decode_checkpoint(await self.redis.get(self.keys.checkpoint(req_id)))
-        except (REDIS_FAILURES, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             log.warning("could not read the checkpoint of %s: %r", req_id, exc)
             return []
 
@@ -209,7 +209,7 @@ class RedisEngineClient(EngineClient):
                     depth, _pending = await stream_depth(self.redis, stream, self.keys.group)
                     undelivered += depth
                 beats = await read_heartbeats(self.redis, self.keys)
-        except (REDIS_FAILURES, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             log.warning("could not read the queue load: %r", exc)
             return None
         mine = [beat.tokens_per_s for beat in beats.values() if beat.model == model]
@@ -221,12 +221,12 @@ class RedisEngineClient(EngineClient):
                 await self.redis.spublish(self.keys.cancel(), req_id)
             else:
                 await self.redis.publish(self.keys.cancel(), req_id)
-        except (REDIS_FAILURES, OSError) as exc:
+        except (*REDIS_FAILURES, OSError) as exc:
             log.warning("could not publish the cancellation of %s: %r", req_id, exc)
 
     async def is_ready(self) -> bool:
         try:
             async with asyncio.timeout(self._command_timeout_s):
                 return bool(await self.redis.ping())
-        except (REDIS_FAILURES, OSError, TimeoutError):
+        except (*REDIS_FAILURES, OSError, TimeoutError):
             return False
