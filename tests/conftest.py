@@ -43,8 +43,8 @@ def pytest_plugin_registered(plugin):
     if isinstance(plugin, pytest.Config):
         interpret_unless_a_gpu_run(plugin.known_args_namespace.markexpr)
 
-TOPOLOGIES = ("single", "cluster")
 
+TOPOLOGIES = ("single", "cluster")
 
 
 @pytest.fixture(scope="session")
