@@ -16,7 +16,7 @@ a call of it. Ordering guarantees (DESIGN.md, "The fleet protocol"):
 
 from __future__ import annotations
 
-from shared.wire.checkpoint import encode_checkpoint
+from shared.wire.checkpoint import TOKEN_BYTES, encode_checkpoint
 from shared.wire.keys import Keys
 from shared.wire.lua import LuaScript, ScriptCall
 from shared.wire.messages import GenerationRequest, TokenEvent
@@ -154,7 +154,8 @@ PUBLISH = LuaScript.build(
           "new tokens for the checkpoint (encode_checkpoint; '' for none)",
           "final status ('' while running)",
           "TTL, s: the checkpoint's on every append; hash and checkpoint's once final",
-          "publish command: PUBLISH (single Redis) or SPUBLISH (cluster: the channel's shard)"],
+          "publish command: PUBLISH (single Redis) or SPUBLISH (cluster: the channel's shard)",
+          "checkpoint offset of the first new token, bytes (seq x TOKEN_BYTES)"],
     returns="1 when written and published; 0 when the attempt is stale (nothing written: the "
             "worker must stop the request). The caller XACKs the stream entry of a final event "
             "after this returned 1 (the stream lives in another slot).",
@@ -164,7 +165,14 @@ if tonumber(redis.call('HGET', KEYS[1], '${req_attempt}') or '-1') ~= tonumber(A
   return 0
 end
 if ARGV[3] ~= '' then
-  redis.call('APPEND', KEYS[2], ARGV[3])
+  -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
+  -- it, another did not answer) appends only the bytes the checkpoint does not hold yet
+  local have = redis.call('STRLEN', KEYS[2]) - tonumber(ARGV[7])
+  if have <= 0 then
+    redis.call('APPEND', KEYS[2], ARGV[3])
+  elseif have < string.len(ARGV[3]) then
+    redis.call('APPEND', KEYS[2], string.sub(ARGV[3], have + 1))
+  end
   redis.call('EXPIRE', KEYS[2], ARGV[5])
 end
 redis.call(ARGV[6], KEYS[3], ARGV[2])
@@ -183,7 +191,7 @@ def publish(keys: Keys, req_id: str, attempt: int, event: TokenEvent,
         [keys.request(req_id), keys.checkpoint(req_id), keys.tokens(req_id)],
         [attempt, event.pack(), encode_checkpoint(event.token_ids),
          final_status.value if final_status else "", ttl_s,
-         "SPUBLISH" if sharded else "PUBLISH"])
+         "SPUBLISH" if sharded else "PUBLISH", event.seq * TOKEN_BYTES])
 
 
 RATE_LIMIT = LuaScript.build(

@@ -153,3 +153,22 @@ def test_a_finished_request_is_not_started_again(redis_client):
     redis_client.hset(KEYS.request(req_id), "status", RequestStatus.FINISHED_STOPPED.value)
     assert start(keys=call.keys, args=call.args) == [0, b"", b"finished_stopped"]
     assert redis_client.hget(KEYS.request(req_id), "attempt") == b"1"  # nothing written
+
+
+def test_a_retried_publication_appends_its_tokens_once(redis_client):
+    """A step's pipeline that failed half-way (one node down) is published again whole: tokens
+    already in the checkpoint are not appended twice."""
+    req_id, sharded = "retry", is_cluster(redis_client)
+    redis_client.hset(KEYS.request(req_id), "attempt", 1)
+    publish = scripts.PUBLISH.register(redis_client)
+    first = scripts.publish(KEYS, req_id, 1, TokenEvent(seq=0, attempt=1, token_ids=[1, 2]),
+                            None, ttl_s=30, sharded=sharded)
+    second = scripts.publish(KEYS, req_id, 1, TokenEvent(seq=2, attempt=1, token_ids=[3, 4]),
+                             None, ttl_s=30, sharded=sharded)
+    for call in (first, first, second, second):
+        assert publish(keys=call.keys, args=call.args) == 1
+    assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [1, 2, 3, 4]
+    overlap = scripts.publish(KEYS, req_id, 1, TokenEvent(seq=3, attempt=1, token_ids=[4, 5]),
+                              None, ttl_s=30, sharded=sharded)
+    assert publish(keys=overlap.keys, args=overlap.args) == 1
+    assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [1, 2, 3, 4, 5]
