@@ -28,13 +28,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import httpx
-from redis import Redis
 from rq import Queue
 from rq.job import JobStatus
 
 from batch.store import BatchStore, OutputFile, request_lines
+from shared.redis_connect import connect
 from shared.settings import BatchSettings
-from shared.wire import BatchRecord, BatchStatus, FileRecord, Keys
+from shared.wire import BatchRecord, BatchStatus, FileRecord
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,9 @@ def run_batch(batch_id: str, key_prefix: str) -> str:
     settings = BatchSettings(key_prefix=key_prefix)
     if not settings.redis_url:
         raise RuntimeError("the batch job needs KVFLEET_REDIS_URL")
-    redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=10)
+    redis = connect(settings.redis_url, socket_connect_timeout=5, socket_timeout=10)
     try:
-        store = BatchStore(redis, Keys(key_prefix), settings.batch_ttl_s)
+        store = BatchStore(redis, settings.keys(), settings.batch_ttl_s)
         return BatchRunner(store, settings).run(batch_id)
     finally:
         redis.close()

@@ -20,6 +20,7 @@ from rq import Queue, SimpleWorker
 
 from batch.jobs import requeue_orphans
 from batch.store import BatchStore
+from shared.redis_connect import connect
 from shared.settings import BatchSettings
 from shared.wire import Keys
 
@@ -29,8 +30,9 @@ log = logging.getLogger(__name__)
 def run_batch_worker(settings: BatchSettings, burst: bool = False) -> int:
     if not settings.redis_url:
         raise SystemExit("kvfleet batch-worker: needs --redis-url (or KVFLEET_REDIS_URL)")
-    keys = Keys(settings.key_prefix)
-    rq_redis = Redis.from_url(settings.redis_url)  # rq raises its socket timeout for BLPOP
+    keys = settings.keys()
+    # rq needs a single Redis: --batch-redis-url when the fleet's is a cluster
+    rq_redis = Redis.from_url(settings.batch_redis_url or settings.redis_url)  # rq raises its socket timeout for BLPOP
     queue = Queue(keys.batch_queue(), connection=rq_redis)
     name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     worker = SimpleWorker([queue], connection=rq_redis, name=name)
@@ -53,10 +55,11 @@ class Reaper:
     def __init__(self, settings: BatchSettings, keys: Keys, worker: SimpleWorker):
         self._interval_s = settings.batch_lease_ttl_s / 2
         self._lease_ttl_s = settings.batch_lease_ttl_s
-        self._redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5,
-                                     socket_timeout=10)
+        self._redis = connect(settings.redis_url, socket_connect_timeout=5, socket_timeout=10)
         self._store = BatchStore(self._redis, keys, settings.batch_ttl_s)
-        self._queue = Queue(keys.batch_queue(), connection=self._redis)
+        self._queue = Queue(keys.batch_queue(), connection=Redis.from_url(
+            settings.batch_redis_url or settings.redis_url, socket_connect_timeout=5,
+            socket_timeout=10))
         self._lock_key = keys.batch_reaper()
         self._worker = worker
         self._stop = threading.Event()

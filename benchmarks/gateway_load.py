@@ -313,7 +313,7 @@ async def direct_pubsub(args) -> Recorder:
         if message["type"] != "message":
             continue
         event = TokenEvent.unpack(message["data"])
-        req_id = message["channel"].decode()[prefix:]
+        req_id = message["channel"].decode()[prefix - 1:-1]  # inside the {id} tag
         times = recorder.received.setdefault(req_id, [])
         times.extend([now] * len(event.token_ids))
         if event.is_final:

@@ -104,10 +104,10 @@ client=$!
 req_id=""
 wait_for 120 "the stream to start" bash -c "grep -q '^data: {' '$WORK/killed.sse'"
 req_id=$(sse_field "$WORK/killed.sse" id)
-progress() { echo $(( $(redis strlen "kvf:req:$req_id:ckpt") / 4 )); }
+progress() { echo $(( $(redis strlen "kvf:req:{$req_id}:ckpt") / 4 )); }
 past_20_tokens() { [ "$(progress)" -ge 20 ]; }
 wait_for 300 "20 tokens" past_20_tokens
-owner=$(redis hget "kvf:req:$req_id" worker)  # worker ids start with the container's hostname
+owner=$(redis hget "kvf:req:{$req_id}" worker)  # worker ids start with the container's hostname
 victim=$(docker compose ps -q worker-cpu | while read -r id; do
     case "$owner" in "${id:0:12}"-*) echo "$id" ;; esac; done)
 [ -n "$victim" ] || fail "no container for worker $owner"
@@ -116,8 +116,8 @@ docker kill --signal KILL "$victim" >/dev/null
 log "killed $owner (container ${victim:0:12}) at token $at of $MAX_TOKENS"
 wait "$client" || fail "the client's stream broke"
 resumed=$(sse_field "$WORK/killed.sse" text)
-attempt=$(redis hget "kvf:req:$req_id" attempt)
-rescuer=$(redis hget "kvf:req:$req_id" worker)
+attempt=$(redis hget "kvf:req:{$req_id}" attempt)
+rescuer=$(redis hget "kvf:req:{$req_id}" worker)
 [ "$(sse_field "$WORK/killed.sse" finish_reason)" = length ] || fail "the answer did not finish"
 [ "$attempt" = 2 ] || fail "attempt is $attempt, expected 2 (one takeover)"
 [ "$rescuer" != "$owner" ] || fail "the answer was not resumed by the other worker"

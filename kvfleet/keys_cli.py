@@ -10,6 +10,7 @@ import time
 import redis
 
 from gateway.admission.auth import create_key, list_keys, revoke_key
+from shared.redis_connect import connect
 from shared.settings import GatewaySettings
 from shared.wire import Keys
 
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvfleet keys: needs --redis-url (or KVFLEET_REDIS_URL)", file=sys.stderr)
         return 2
     keys = Keys(args.key_prefix or settings.key_prefix)
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=5)
+    client = connect(redis_url, socket_connect_timeout=5, socket_timeout=5)
     try:
         if args.keys_command == "create":
             record, plaintext = create_key(client, keys, args.name, args.rpm, args.tpm)

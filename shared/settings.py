@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.models import DEFAULT_MODEL, default_cache_dir
+from shared.wire.keys import Keys
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -38,8 +39,15 @@ class CommonSettings(BaseSettings):
     redis_url: str | None = None  # None: `kvfleet up` starts an embedded Redis
     model: str = DEFAULT_MODEL
     key_prefix: str = "kvf:"
+    # Stream shards per model (Keys.queue_shards): 1 on a single Redis; on a cluster about one
+    # per primary. Gateways and workers of one fleet must use the same number.
+    queue_shards: int = Field(1, ge=1)
     cache_dir: Path = default_cache_dir()  # where the default model is converted to safetensors
     log_level: str = "INFO"
+
+    def keys(self) -> Keys:
+        """The fleet's key names (prefix and stream shards)."""
+        return Keys(self.key_prefix, queue_shards=self.queue_shards)
 
 
 class BatchApiSettings(CommonSettings):
@@ -48,6 +56,9 @@ class BatchApiSettings(CommonSettings):
     batch_max_file_bytes: int = Field(100 * 1024**2, ge=1)  # an upload larger than this is a 413
     batch_max_lines: int = Field(50_000, ge=1)  # OpenAI's limit per batch file
     batch_ttl_s: int = Field(7 * 24 * 3600, ge=60)  # files and batch records expire after this
+    # rq's job queue needs a single Redis (rq does not speak cluster): on a Redis Cluster, name a
+    # small separate one here. None: the fleet's --redis-url. Batch records stay on the fleet's.
+    batch_redis_url: str | None = None
 
 
 class GatewaySettings(BatchApiSettings):

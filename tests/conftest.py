@@ -1,13 +1,19 @@
-"""Test fixtures shared by every layer: a private Redis server and an empty database per test."""
+"""Test fixtures shared by every layer: a private Redis server (or Redis Cluster) and an empty
+database per test.
+
+A test module that sets `pytestmark = pytest.mark.topologies` runs each of its tests that use
+`redis_url` twice: on a single Redis and on a local Redis Cluster of 3 primaries + 3 replicas
+(`redis_topology` says which). Every other test runs on a single Redis."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-import redis
 from _pytest.mark.expression import Expression
 
+from shared.redis_cluster import EmbeddedCluster
+from shared.redis_connect import connect
 from shared.redis_server import EmbeddedRedis
 
 
@@ -38,6 +44,9 @@ def pytest_plugin_registered(plugin):
         interpret_unless_a_gpu_run(plugin.known_args_namespace.markexpr)
 
 
+TOPOLOGIES = ("single", "cluster")
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """A redis-server of the test session's own, on a free port: never the one a user runs."""
@@ -45,19 +54,44 @@ def redis_server():
         yield server
 
 
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A Redis Cluster of the test session's own (3 primaries + 3 replicas on free ports)."""
+    with EmbeddedCluster() as cluster:
+        yield cluster
+
+
 @pytest.fixture
-def redis_url(redis_server) -> str:
+def redis_topology(request) -> str:
+    return getattr(request, "param", "single")
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("topologies") is None:
+        return
+    if "redis_url" in metafunc.fixturenames or "redis_topology" in metafunc.fixturenames:
+        metafunc.parametrize("redis_topology", TOPOLOGIES, indirect=True)
+
+
+@pytest.fixture
+def redis_deployment(request, redis_topology):
+    """The running server (EmbeddedRedis) or cluster (EmbeddedCluster) of this test."""
+    return request.getfixturevalue("redis_cluster" if redis_topology == "cluster"
+                                   else "redis_server")
+
+
+@pytest.fixture
+def redis_url(redis_deployment) -> str:
     """URL of an empty database, flushed before and after the test."""
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushdb()
-    yield redis_server.url
-    client.flushdb()
-    client.close()
+    redis_deployment.flush()
+    yield redis_deployment.url
+    redis_deployment.flush()
 
 
 @pytest.fixture
 def redis_client(redis_url):
-    client = redis.Redis.from_url(redis_url)
+    """A blocking client: redis-py's cluster client on a cluster."""
+    client = connect(redis_url)
     yield client
     client.close()
 

@@ -18,6 +18,7 @@ import yaml
 
 from kvfleet.cli import build_parser
 from shared.redis_server import free_port
+from shared.wire import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -338,7 +339,7 @@ def test_the_k8s_examples_parse_and_name_the_pieces():
     assert scaled["spec"]["scaleTargetRef"]["name"] == "kvfleet-worker"
     lag = [t["metadata"] for t in scaled["spec"]["triggers"]
            if t["type"] == "redis-streams" and "lagCount" in t["metadata"]]
-    assert {t["stream"] for t in lag} >= {"kvf:SmolLM2-135M-Instruct:q"}
+    assert {t["stream"] for t in lag} >= {Keys().queue("SmolLM2-135M-Instruct")}
     assert all(t["consumerGroup"] == "workers" and int(t["lagCount"]) > 0 for t in lag)
     (worker,) = [d for d in docs if d["kind"] == "Deployment"
                  and d["metadata"]["name"] == "kvfleet-worker"]

@@ -161,3 +161,17 @@ def test_add_arguments_wires_into_a_subcommand(capsys):
     plan.add_arguments(parser.add_subparsers(dest="command").add_parser("plan"))
     assert plan.run(parser.parse_args(["plan", "--json", "--context", "2000"])) == 0
     assert conversations_by_context(json.loads(capsys.readouterr().out)) == {2000: 40}
+
+
+def test_the_redis_side_follows_the_measured_rates(capsys):
+    redis = run_json(capsys, "--redis-us-per-event", "25", "--redis-headroom", "0.5",
+                     "--gateway-events-per-s", "1000", "--demand", "2000000")["redis"]
+    assert redis["events_per_s"] == 2_000_000
+    assert redis["events_per_s_per_primary"] == 20_000  # 1e6 / 25 µs x 50%
+    assert redis["primaries"] == 100 and redis["replicas"] == 100
+    assert redis["gateways"] == 4000 and redis["gateway_pubsub_connections"] == 400_000
+    coalesced = run_json(capsys, "--redis-us-per-event", "25", "--demand", "2000000",
+                         "--tokens-per-event", "4")["redis"]
+    assert coalesced["events_per_s"] == 500_000 and coalesced["primaries"] == 25
+    small = run_json(capsys, "--demand", "3000")["redis"]
+    assert small["primaries"] == 1 and small["gateway_pubsub_connections"] == small["gateways"]

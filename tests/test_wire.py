@@ -4,8 +4,12 @@ KEYS and ARGV against its documented calling convention."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
+from redis.crc import key_slot
+
+from shared.redis_cluster import slot_range
 
 from shared.wire import (
     DeadLetterEntry,
@@ -93,9 +97,34 @@ def test_every_finish_reason_maps_back_to_its_status():
 
 def test_keys():
     keys = Keys("p:")
-    assert keys.queues("m") == [keys.queue("m"), keys.queue("m", "batch")] == ["p:m:q", "p:m:q:batch"]
+    assert keys.queues("m") == [keys.queue("m"), keys.queue("m", "batch")] == ["p:{m}:q", "p:{m}:q:batch"]
+    assert keys.all_queues("m") == keys.queues("m")
     assert keys.worker_id(keys.worker("gpu-1")) == "gpu-1"
     assert keys.checkpoint("r").startswith(keys.request("r"))
+
+
+def test_a_requests_keys_share_one_cluster_slot():
+    keys = Keys("p:")
+    for req_id in ("r-1", "cmpl-0f3a", "x"):
+        slots = {key_slot(k.encode()) for k in (keys.request(req_id), keys.checkpoint(req_id),
+                                                keys.enqueued(req_id), keys.tokens(req_id))}
+        assert len(slots) == 1
+    assert key_slot(keys.request("a").encode()) != key_slot(keys.request("b").encode())
+
+
+def test_stream_shards_fall_in_equal_slot_ranges_one_per_primary():
+    keys = Keys("p:", queue_shards=3)
+    assert len(keys.all_queues("m")) == 6
+    for shard in range(3):
+        priority_slots = {key_slot(q.encode()) for q in keys.queues("m", shard)}
+        assert len(priority_slots) == 1  # the admission script reads them together
+        low, high = slot_range(shard, 3)
+        assert low <= priority_slots.pop() <= high
+    picked = Counter(keys.shard_of(f"req-{i}") for i in range(3000))
+    assert set(picked) == {0, 1, 2} and min(picked.values()) > 900
+    assert keys.shard_of("req-7") == keys.shard_of("req-7")
+    with pytest.raises(ValueError):
+        Keys(queue_shards=0)
 
 
 def indices(source: str, table: str) -> set[int]:
@@ -136,6 +165,8 @@ def test_a_call_that_does_not_match_the_convention_is_refused():
         scripts.READ_IF_FITS.bind([], ["g", "c", 10])
     with pytest.raises(ValueError, match="args"):
         batch_scripts.TRANSITION.bind(["b"], ["completed", 1])  # no allowed status
-    call = scripts.enqueue(Keys(), make_request(), ttl_s=60, maxlen=10)
-    assert call.keys == [Keys().enqueued("r-1"), Keys().request("r-1"), Keys().queue("m")]
-    assert call.args[-1] == 3  # the prompt length
+    call = scripts.enqueue(Keys(), make_request(), ttl_s=60)
+    assert call.keys == [Keys().enqueued("r-1"), Keys().request("r-1")]
+    stream, fields = scripts.queue_entry(Keys(queue_shards=4), make_request())
+    assert stream == Keys(queue_shards=4).queue("m", "interactive", Keys(queue_shards=4).shard_of("r-1"))
+    assert fields[QueueEntry.PROMPT_LEN] == 3

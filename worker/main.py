@@ -7,12 +7,11 @@ import signal
 import socket
 import threading
 
-import redis
 import torch
 
 from shared.models import resolve_model_path, served_model_id
 from shared.settings import WorkerSettings
-from shared.wire import Keys
+from shared.redis_connect import connect
 from worker.cpu_share import cpu_share
 from worker.engine.device import resolve_attention_backend
 from worker.engine.engine import Engine, EngineConfig
@@ -81,9 +80,9 @@ def run_worker(settings: WorkerSettings, stop: threading.Event | None = None) ->
     worker_id = settings.resolved_worker_id()
     engine = build_engine(settings)
     # Socket timeout above the blocking XREADGROUP's BLOCK, so a quiet stream never times out.
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10,
-                                  socket_connect_timeout=5, health_check_interval=30)
-    protocol = WorkerProtocol(client, Keys(settings.key_prefix), served_model_id(settings.model),
+    client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5,
+                     health_check_interval=30)
+    protocol = WorkerProtocol(client, settings.keys(), served_model_id(settings.model),
                               worker_id, result_ttl_s=settings.result_ttl_s)
     metrics = WorkerMetrics(worker_id, protocol.model, settings.cost_per_hour)
     metrics_url = None

@@ -8,9 +8,14 @@ Ordering guarantees (DESIGN.md, "The fleet protocol"):
   in one atomic script, so the claimer resumes exactly after the last token any earlier attempt
   recorded.
 - `publish` appends new tokens to the checkpoint (renewing its TTL), publishes them and, on the
-  final event, records the status and XACKs — one script per request, all requests of a step in
-  one pipelined round trip. The script does nothing and returns 0 when the attempt is stale: that
-  worker must stop the request.
+  final event, records the status — one script per request, all requests of a step in one
+  pipelined round trip; the final events' stream entries are XACKed after their scripts returned
+  1 (a second round trip, only in steps where something finished: on a cluster the stream lives
+  in another slot). The script does nothing and returns 0 when the attempt is stale: that worker
+  must stop the request.
+- Stream shards (Keys.queue_shards): the worker reads every shard of its model, starting at a
+  shard that rotates from read to read so none waits behind another; priority holds within a
+  shard. On a cluster token events and cancels travel by sharded pub/sub (SPUBLISH/SSUBSCRIBE).
 - `claim_orphan` takes over an entry only when the worker holding it has no heartbeat key; the
   holder keeps its entries' idle time low (`refresh_pending`) from the moment each is delivered.
 """
@@ -34,7 +39,9 @@ from shared.wire import (
     TokenEvent,
     decode_checkpoint,
 )
+from shared.redis_connect import is_cluster
 from shared.wire import scripts
+from shared.wire.lua import run_pipelined
 from shared.wire.records import text
 
 log = logging.getLogger(__name__)
@@ -85,16 +92,26 @@ class WorkerProtocol:
         self.model = model
         self.worker_id = worker_id
         self.result_ttl_s = result_ttl_s
+        self.sharded = is_cluster(client)  # sharded pub/sub
         self._start_attempt = scripts.START_ATTEMPT.register(client)
         self._publish = scripts.PUBLISH.register(client)
         self._read_if_fits = scripts.READ_IF_FITS.register(client)
+        self._next_shard = 0
 
     @property
     def streams(self) -> list[str]:
-        """Request streams in the order they are served: interactive before batch."""
-        return self.keys.queues(self.model)
+        """Every request stream of the model, shard by shard, interactive before batch."""
+        return self.keys.all_queues(self.model)
+
+    def _shard_order(self) -> list[int]:
+        """All shards, starting at the next one in rotation."""
+        n = self.keys.queue_shards
+        first, self._next_shard = self._next_shard, (self._next_shard + 1) % n
+        return [(first + i) % n for i in range(n)]
 
     def ensure_groups(self) -> None:
+        for script in (scripts.START_ATTEMPT, scripts.PUBLISH, scripts.READ_IF_FITS):
+            self.client.script_load(script.source)  # every primary of a cluster
         for stream in self.streams:
             try:
                 # id 0: entries added before any worker existed are delivered too.
@@ -105,17 +122,29 @@ class WorkerProtocol:
 
     def read_if_fits(self, budget_tokens: int) -> Delivery | TooLarge | None:
         """Take the next new request, highest priority first, if its prompt is at most
-        `budget_tokens`; TooLarge when it is not (it stays queued); None when none waits."""
-        call = scripts.read_if_fits(self.streams, self.keys.group, self.worker_id, budget_tokens)
-        reply = self._read_if_fits(keys=call.keys, args=call.args)
-        if not reply:
-            return None
-        stream = self.streams[int(reply[1]) - 1]
-        if not int(reply[0]):
-            return TooLarge(stream, int(reply[2]))
-        entry_id, flat = reply[2], reply[3]
-        fields = dict(zip(flat[::2], flat[1::2]))
-        return Delivery(QueueEntry.decode(fields).request, stream, text(entry_id))
+        `budget_tokens`; TooLarge when it is not (it stays queued); None when none waits. With
+        several shards: the first shard (in rotation) that delivers; TooLarge only when none did
+        and one had a request too large."""
+        too_large = None
+        for shard in self._shard_order():
+            streams = self.keys.queues(self.model, shard)
+            call = scripts.read_if_fits(streams, self.keys.group, self.worker_id, budget_tokens)
+            reply = self._read_if_fits(keys=call.keys, args=call.args)
+            if not reply:
+                continue
+            stream = streams[int(reply[1]) - 1]
+            if not int(reply[0]):
+                too_large = too_large or TooLarge(stream, int(reply[2]))
+                continue
+            entry_id, flat = reply[2], reply[3]
+            fields = dict(zip(flat[::2], flat[1::2]))
+            return Delivery(QueueEntry.decode(fields).request, stream, text(entry_id))
+        return too_large
+
+    def blocking_streams(self) -> list[str]:
+        """The interactive stream of each shard, in rotation: an idle worker blocks on them in
+        turn (a blocking read cannot span slots)."""
+        return [self.keys.queue(self.model, "interactive", shard) for shard in self._shard_order()]
 
     def read_new(self, stream: str, block_ms: int | None) -> Delivery | None:
         """Take one new request from `stream` (XREADGROUP) whatever its size, waiting at most
@@ -179,23 +208,53 @@ class WorkerProtocol:
         """Acknowledge an entry this worker will not serve (a duplicate of one it serves)."""
         self.client.xack(stream, self.keys.group, entry_id)
 
-    def start_attempt(self, req_id: str) -> tuple[int, list[int]]:
-        """Fence a new attempt and read the checkpoint: (attempt, tokens generated so far)."""
+    def start_attempt(self, req_id: str) -> tuple[int, list[int]] | None:
+        """Fence a new attempt and read the checkpoint: (attempt, tokens generated so far); None
+        when the request is already finished (its entry only needs its XACK)."""
         call = scripts.start_attempt(self.keys, req_id, self.worker_id)
-        attempt, raw = self._start_attempt(keys=call.keys, args=call.args)
-        return int(attempt), decode_checkpoint(raw)
+        reply = self._start_attempt(keys=call.keys, args=call.args)
+        if int(reply[0]) == 0:
+            return None
+        return int(reply[0]), decode_checkpoint(reply[1])
 
     def publish(self, items: list[Publication]) -> list[bool]:
-        """Checkpoint + publish every item in one round trip; False where the attempt was stale."""
+        """Checkpoint + publish every item in one round trip, then XACK the entries of the final
+        events that were accepted; False where the attempt was stale."""
         if not items:
             return []
-        pipe = self.client.pipeline(transaction=False)
-        for item in items:
-            call = scripts.publish(self.keys, item.req_id, item.attempt, item.event,
-                                   item.final_status, item.stream, item.entry_id,
-                                   self.result_ttl_s)
-            self._publish(keys=call.keys, args=call.args, client=pipe)
-        return [bool(ok) for ok in pipe.execute()]
+        calls = [scripts.publish(self.keys, item.req_id, item.attempt, item.event,
+                                 item.final_status, self.result_ttl_s, sharded=self.sharded)
+                 for item in items]
+        accepted = [bool(ok) for ok in run_pipelined(self.client, self._publish, calls)]
+        finals = [item for item, ok in zip(items, accepted)
+                  if ok and item.final_status is not None and item.entry_id]
+        if finals:
+            pipe = self.client.pipeline(transaction=False)
+            for item in finals:
+                pipe.xack(item.stream, self.keys.group, item.entry_id)
+            pipe.execute()
+        return accepted
+
+    def subscribe_cancels(self):
+        """A pub/sub subscribed to the cancel channel (sharded on a cluster)."""
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        if self.sharded:
+            pubsub.ssubscribe(self.keys.cancel())
+        else:
+            pubsub.subscribe(self.keys.cancel())
+        return pubsub
+
+    def next_cancel(self, pubsub) -> str | None:
+        """The next cancelled request id waiting on `pubsub`, None when none waits."""
+        while True:
+            if self.sharded:
+                message = pubsub.get_sharded_message(timeout=0)
+            else:
+                message = pubsub.get_message(timeout=0)
+            if message is None:
+                return None
+            if message.get("type") in ("message", "smessage"):
+                return text(message["data"])
 
     def fail(self, delivery: Delivery, attempt: int, seq: int, message: str,
              dead_letter: bool = False) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import redis
 
+from shared.redis_connect import REDIS_FAILURES, TRANSIENT_FAILURES
 from shared.settings import WorkerSettings
 from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
 from worker.engine.device import DeviceFailure
@@ -69,8 +70,8 @@ class WorkerService:
                     self.connect()
                 self.run_once()
                 backoff_s = 0.1
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("redis unavailable (%s); retrying in %.1f s", exc, backoff_s)
+            except TRANSIENT_FAILURES as exc:  # also a cluster failing over
+                log.warning("redis unavailable (%r); retrying in %.1f s", exc, backoff_s)
                 self._pubsub = None
                 stop.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
@@ -92,9 +93,7 @@ class WorkerService:
         self._snapshot_stats()
         self._beat()
         self.protocol.ensure_groups()
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(self.protocol.keys.cancel())
-        self._pubsub = pubsub
+        self._pubsub = self.protocol.subscribe_cancels()
 
     def _shutdown(self) -> None:
         """Leave unfinished work pending: another worker claims it once our heartbeat is gone."""
@@ -123,13 +122,7 @@ class WorkerService:
         self._snapshot_stats()
 
     def _handle_cancels(self) -> None:
-        while True:
-            message = self._pubsub.get_message(timeout=0)
-            if message is None:
-                return
-            if message.get("type") != "message":
-                continue
-            req_id = message["data"].decode()
+        while (req_id := self.protocol.next_cancel(self._pubsub)) is not None:
             if req_id in self.inflight:
                 output = self.engine.abort(req_id)
                 log.info("cancelled %s", req_id)
@@ -168,10 +161,14 @@ class WorkerService:
     def _wait_for_work(self) -> None:
         """Idle: block briefly (below the socket timeout) until a request arrives."""
         delivery = None
-        for stream in self.protocol.streams:
-            # Only the first stream blocks; the wait is short so cancels and orphans stay timely.
-            delivery = self.protocol.read_new(stream, block_ms=self.settings.read_block_ms
-                                              if stream == self.protocol.streams[0] else None)
+        # Each shard's interactive stream blocks for a share of the wait (a blocking read spans
+        # one slot), the batch streams are looked at without waiting; the wait stays short so
+        # cancels and orphans stay timely.
+        blocking = self.protocol.blocking_streams()
+        block_ms = max(1, self.settings.read_block_ms // len(blocking))
+        for stream in blocking + [s for s in self.protocol.streams if s not in blocking]:
+            delivery = self.protocol.read_new(stream, block_ms=block_ms
+                                              if stream in blocking else None)
             if delivery:
                 break
         if delivery is not None:  # the pool is idle: whatever fits at all fits now
@@ -202,7 +199,12 @@ class WorkerService:
                 self.protocol.ack(delivery.stream, delivery.entry_id)
             return
         self._hold(delivery)  # refreshed from now on, whatever the next step costs
-        attempt, checkpoint = self.protocol.start_attempt(req_id)
+        started = self.protocol.start_attempt(req_id)
+        if started is None:  # finished by a worker that died before its XACK
+            self.protocol.ack(delivery.stream, delivery.entry_id)
+            self._release(delivery)
+            return
+        attempt, checkpoint = started
         seq = len(checkpoint)
         if delivery.times_delivered > self.settings.max_deliveries:
             log.error("request %s delivered %d times: dead-lettered", req_id,
@@ -315,8 +317,8 @@ class WorkerService:
         while not stop.is_set():
             try:
                 self._beat()
-            except redis.RedisError as exc:
-                log.warning("heartbeat failed: %s", exc)
+            except REDIS_FAILURES as exc:
+                log.warning("heartbeat failed: %r", exc)
             stop.wait(self.settings.heartbeat_interval_s)
 
 

@@ -47,10 +47,15 @@ async def read_workers(client: Redis, keys: Keys, now: float) -> list[dict[str, 
 
 
 async def read_queue(client: Redis, keys: Keys, model: str) -> dict[str, Any]:
+    """Depth and pending entries by priority, summed over the stream shards (`stream` names the
+    first shard's stream)."""
     by_priority = {}
-    for priority, stream in zip(PRIORITIES, keys.queues(model)):
-        depth, pending = await stream_depth(client, stream, keys.group)
-        by_priority[priority] = {"stream": stream, "depth": depth, "pending": pending}
+    for shard in range(keys.queue_shards):
+        for priority, stream in zip(PRIORITIES, keys.queues(model, shard)):
+            depth, pending = await stream_depth(client, stream, keys.group)
+            row = by_priority.setdefault(priority, {"stream": stream, "depth": 0, "pending": 0})
+            row["depth"] += depth
+            row["pending"] += pending
     return {"depth": sum(p["depth"] for p in by_priority.values()),
             "pending": sum(p["pending"] for p in by_priority.values()),
             "by_priority": by_priority}

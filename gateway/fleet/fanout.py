@@ -1,5 +1,6 @@
-"""One pub/sub connection per gateway process, drained by one reader task that fans messages out to
-per-request queues (DESIGN.md, "The fleet protocol", rule 1)."""
+"""One pub/sub connection per gateway process (per cluster node on a Redis Cluster), each drained by
+one reader task that fans messages out to per-request queues (DESIGN.md, "The fleet protocol",
+rule 1)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from collections import deque
 from collections.abc import Coroutine
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.crc import key_slot
 
 from gateway.fleet.client import EngineUnavailable
+from shared.redis_connect import REDIS_FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -72,48 +74,50 @@ class TokenQueue:
 
 
 class TokenFanout:
-    """Subscribes channels on the process's single pub/sub connection.
+    """Subscribes channels on the process's pub/sub connections: one to a single Redis, or one
+    per cluster primary that owns a subscribed channel's slot (sharded pub/sub: SSUBSCRIBE on
+    that node; an event is published on one node and travels nowhere else).
 
-    Invariants: the reader task is the only one reading the connection, and it never awaits a
+    Invariants: each connection's reader task is the only one reading it, and it never awaits a
     consumer (queues are unbounded; each request's handler drains its own), so a slow client can
-    never make Redis drop this connection for its output buffer. SUBSCRIBEs (and UNSUBSCRIBEs)
-    asked for in the same turn of the event loop go out as one command: under a burst of
-    admissions that is one write to Redis instead of one per request.
+    never make Redis drop a connection for its output buffer. SUBSCRIBEs (and UNSUBSCRIBEs)
+    asked for in the same turn of the event loop go out as one command per connection: under a
+    burst of admissions that is one write per node instead of one per request.
     """
 
-    def __init__(self, redis: Redis, subscribe_timeout_s: float = 5.0, poll_timeout_s: float = 1.0):
+    def __init__(self, redis: Redis, subscribe_timeout_s: float = 5.0, poll_timeout_s: float = 1.0,
+                 sharded: bool = False):
         self._redis = redis
+        self._sharded = sharded
         self._subscribe_timeout_s = subscribe_timeout_s
         self._poll_timeout_s = poll_timeout_s  # < redis-py's 5 s socket timeout
-        self._pubsub = redis.pubsub()
         self._queues: dict[bytes, TokenQueue] = {}
         self._confirmations: dict[bytes, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
-        self._connect_lock = asyncio.Lock()
+        self._links: dict[str, PubSubLink] = {}  # by node name ("" for a single Redis)
+        self._link_of: dict[bytes, PubSubLink] = {}
         self._closing = False
-        self._background: set[asyncio.Task] = set()
-        self._to_subscribe: list[bytes] = []  # waiting for the next SUBSCRIBE
-        self._to_unsubscribe: set[bytes] = set()  # waiting for the next UNSUBSCRIBE
-        self._subscriber: asyncio.Task | None = None  # sends SUBSCRIBEs while some wait
-        self._unsubscriber: asyncio.Task | None = None
-        self.connections_opened = 0  # pub/sub connections made (1 unless Redis restarted)
+        self.connections_opened = 0  # pub/sub connections made (1 per node unless one failed)
 
     async def start(self) -> None:
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read_loop(), name="kvfleet-token-fanout")
+        if self._sharded:
+            await self._redis.initialize()  # the slot map
+        else:
+            self._link("")
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._closing = True
-            await stop_task(self._reader)
-            self._reader = None
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-        await self._pubsub.aclose()
+        self._closing = True
+        for link in list(self._links.values()):
+            await link.close()
+        self._links.clear()
 
     @property
     def num_subscribed(self) -> int:
         return len(self._queues)
+
+    @property
+    def num_connections(self) -> int:
+        """Pub/sub connections open now (one per node with subscribed channels)."""
+        return len(self._links)
 
     async def subscribe(self, channel: str) -> TokenQueue:
         """A queue of the channel's raw messages; returns once Redis confirmed the subscription."""
@@ -122,15 +126,13 @@ class TokenFanout:
         confirmed = asyncio.get_running_loop().create_future()
         self._queues[key] = queue
         self._confirmations[key] = confirmed
-        self._to_unsubscribe.discard(key)  # released and asked for again before it went out
         try:
             async with asyncio.timeout(self._subscribe_timeout_s):
-                await self._ensure_connection()
-                self._to_subscribe.append(key)
-                if self._subscriber is None:
-                    self._subscriber = self._spawn(self._send_subscribes())
+                link = self._link_of[key] = self._link(self._node_name(key))
+                link.ask_subscribe(key)
+                await link.ensure_connection()
                 await confirmed
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             self.release(channel)
             raise EngineUnavailable(
                 f"cannot subscribe to the fleet's token channel: {exc!r}") from exc
@@ -142,12 +144,116 @@ class TokenFanout:
         """Forget the channel's queue now; UNSUBSCRIBE in the background (safe inside a cancelled
         task: nothing here awaits)."""
         key = channel.encode()
-        if self._queues.pop(key, None) is not None:
-            self._to_unsubscribe.add(key)
-            if self._unsubscriber is None:
-                self._unsubscriber = self._spawn(self._send_unsubscribes())
+        link = self._link_of.pop(key, None)
+        if self._queues.pop(key, None) is not None and link is not None:
+            link.ask_unsubscribe(key)
 
-    def _spawn(self, coro: Coroutine) -> asyncio.Task:
+    def _node_name(self, channel: bytes) -> str:
+        if not self._sharded:
+            return ""
+        return self._redis.get_node_from_key(channel).name
+
+    def _link(self, name: str) -> PubSubLink:
+        link = self._links.get(name)
+        if link is None:
+            if self._sharded:
+                host, _, port = name.rpartition(":")
+                options = {k: v for k, v in self._redis.get_connection_kwargs().items()
+                           if k in _NODE_OPTIONS}
+                client, owns = Redis(host=host, port=int(port), **options), True
+            else:
+                client, owns = self._redis, False
+            link = self._links[name] = PubSubLink(self, client, name, sharded=self._sharded,
+                                                  owns_client=owns)
+        return link
+
+    # Called by the links.
+
+    def deliver(self, channel: bytes, data: bytes) -> None:
+        queue = self._queues.get(channel)
+        if queue is not None:
+            queue.put_nowait(data)
+
+    def wanted(self, channel: bytes) -> bool:
+        return channel in self._queues
+
+    def confirm(self, channel: bytes, error: BaseException | None = None) -> None:
+        confirmed = self._confirmations.get(channel)
+        if confirmed is not None and not confirmed.done():
+            if error is None:
+                confirmed.set_result(None)
+            else:
+                confirmed.set_exception(error)
+
+    def link_failed(self, link: PubSubLink, error: BaseException) -> None:
+        """Events published while a connection was down are lost: end every request it carried
+        (and fail their pending subscriptions). A cluster node's link is dropped and the slot map
+        refreshed: the next subscription of those slots goes to whichever node owns them now."""
+        for key, owner in list(self._link_of.items()):
+            if owner is link:
+                self.confirm(key, error)
+                queue = self._queues.get(key)
+                if queue is not None:
+                    queue.put_nowait(ConnectionLost())
+                if self._sharded:
+                    del self._link_of[key]
+        if self._sharded and self._links.get(link.name) is link:
+            del self._links[link.name]
+            link.spawn(self._refresh_slots())
+
+    async def _refresh_slots(self) -> None:
+        try:
+            await self._redis.nodes_manager.initialize()
+        except (*REDIS_FAILURES, OSError) as exc:
+            log.debug("slot map refresh failed: %r", exc)
+
+
+_NODE_OPTIONS = ("username", "password", "socket_connect_timeout", "socket_timeout")
+
+
+class PubSubLink:
+    """One pub/sub connection (to a single Redis, or to one cluster node) and its reader task."""
+
+    def __init__(self, fanout: TokenFanout, client: Redis, name: str, *, sharded: bool,
+                 owns_client: bool):
+        self.fanout = fanout
+        self.name = name
+        self._client = client
+        self._owns_client = owns_client
+        self._sharded = sharded
+        self._pubsub = client.pubsub()
+        self._message_type = b"smessage" if sharded else b"message"
+        self._confirm_type = "ssubscribe" if sharded else "subscribe"
+        self._connect_lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
+        self._to_subscribe: list[bytes] = []  # waiting for the next SUBSCRIBE
+        self._to_unsubscribe: set[bytes] = set()  # waiting for the next UNSUBSCRIBE
+        self._subscriber: asyncio.Task | None = None  # sends SUBSCRIBEs while some wait
+        self._unsubscriber: asyncio.Task | None = None
+        self._closed = False
+        self._reader = asyncio.create_task(self._read_loop(), name=f"kvfleet-fanout-{name}")
+
+    async def close(self) -> None:
+        self._closed = True
+        await stop_task(self._reader)
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._pubsub.aclose()
+        if self._owns_client:
+            await self._client.aclose()
+
+    def ask_subscribe(self, key: bytes) -> None:
+        self._to_unsubscribe.discard(key)  # released and asked for again before it went out
+        self._to_subscribe.append(key)
+        if self._subscriber is None:
+            self._subscriber = self.spawn(self._send_subscribes())
+
+    def ask_unsubscribe(self, key: bytes) -> None:
+        self._to_unsubscribe.add(key)
+        if self._unsubscriber is None:
+            self._unsubscriber = self.spawn(self._send_unsubscribes())
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -158,41 +264,48 @@ class TokenFanout:
         reaches every subscriber of the batch."""
         try:
             while self._to_subscribe:
-                keys = [k for k in self._to_subscribe if k in self._confirmations]
+                keys = [k for k in self._to_subscribe if self.fanout.wanted(k)]
                 self._to_subscribe.clear()
                 if not keys:
                     continue
                 try:
-                    await self._pubsub.subscribe(*keys)
-                except (RedisError, OSError) as exc:
+                    await self.ensure_connection()
+                    if self._sharded:  # one SSUBSCRIBE names channels of one slot
+                        for group in by_slot(keys):
+                            await self._pubsub.ssubscribe(*group)
+                    else:
+                        await self._pubsub.subscribe(*keys)
+                except (*REDIS_FAILURES, OSError) as exc:
                     for key in keys:
-                        confirmed = self._confirmations.get(key)
-                        if confirmed is not None and not confirmed.done():
-                            confirmed.set_exception(exc)
+                        self.fanout.confirm(key, exc)
         finally:
             self._subscriber = None
 
     async def _send_unsubscribes(self) -> None:
         try:
             while self._to_unsubscribe:
-                keys = [k for k in self._to_unsubscribe if k not in self._queues]
+                keys = [k for k in self._to_unsubscribe if not self.fanout.wanted(k)]
                 self._to_unsubscribe.clear()
                 if not keys:
                     continue
                 try:
-                    await self._pubsub.unsubscribe(*keys)
-                except (RedisError, OSError) as exc:  # the connection is gone: nothing to drop
+                    if self._sharded:
+                        for group in by_slot(keys):
+                            await self._pubsub.sunsubscribe(*group)
+                    else:
+                        await self._pubsub.unsubscribe(*keys)
+                except (*REDIS_FAILURES, OSError) as exc:  # connection gone: nothing to drop
                     log.debug("unsubscribe of %d channels failed: %r", len(keys), exc)
         finally:
             self._unsubscriber = None
 
     async def _read_loop(self) -> None:
         backoff_s = 0.1
-        while not self._closing:
+        while not self._closed:
             try:
-                await self._ensure_connection()
-                response = await self._pubsub.parse_response(block=False,
-                                                             timeout=self._poll_timeout_s)
+                await self.ensure_connection()
+                response = await self._pubsub.parse_response(
+                    block=False, timeout=self.fanout._poll_timeout_s)
                 if response is not None and not self._deliver(response):
                     message = await self._pubsub.handle_message(response)
                     if message is not None:
@@ -200,10 +313,14 @@ class TokenFanout:
                 backoff_s = 0.1
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:
-                log.warning("pub/sub connection to Redis failed: %r; retrying in %.1f s", exc,
-                            backoff_s)
-                self._fail_all()
+            except (*REDIS_FAILURES, OSError) as exc:
+                log.warning("pub/sub connection %s failed: %r%s", self.name or "to Redis", exc,
+                            "" if self._sharded else f"; retrying in {backoff_s:.1f} s")
+                self.fanout.link_failed(self, exc)
+                if self._sharded:  # this node may be gone: new subscriptions find its successor
+                    self._closed = True
+                    self.spawn(self._pubsub.aclose())
+                    return
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
 
@@ -211,14 +328,12 @@ class TokenFanout:
         """The fast path for a published message (`[b"message", channel, data]`, nearly every
         response): straight to its queue. Anything else goes through redis-py's handle_message,
         which keeps its own subscription bookkeeping (used to resubscribe after a reconnect)."""
-        if type(response) is list and len(response) == 3 and response[0] == b"message":
-            queue = self._queues.get(response[1])
-            if queue is not None:
-                queue.put_nowait(response[2])
+        if type(response) is list and len(response) == 3 and response[0] == self._message_type:
+            self.fanout.deliver(response[1], response[2])
             return True
         return False
 
-    async def _ensure_connection(self) -> None:
+    async def ensure_connection(self) -> None:
         """Open the pub/sub connection once; the lock keeps the reader and a first subscribe from
         opening one each (redis-py would then read one and subscribe on the other)."""
         if self._pubsub.connection is not None:
@@ -226,23 +341,21 @@ class TokenFanout:
         async with self._connect_lock:
             if self._pubsub.connection is None:
                 await self._pubsub.connect()
-                self.connections_opened += 1
+                self.fanout.connections_opened += 1
 
     def _dispatch(self, message: dict) -> None:
-        channel = message["channel"]
-        if message["type"] == "message":
-            queue = self._queues.get(channel)
-            if queue is not None:
-                queue.put_nowait(message["data"])
-        elif message["type"] == "subscribe":
-            confirmed = self._confirmations.get(channel)
-            if confirmed is not None and not confirmed.done():
-                confirmed.set_result(None)
+        if message["type"] in ("message", "smessage"):
+            self.fanout.deliver(message["channel"], message["data"])
+        elif message["type"] == self._confirm_type:
+            self.fanout.confirm(message["channel"])
 
-    def _fail_all(self) -> None:
-        """Events published while the connection was down are lost: end every open request."""
-        for queue in self._queues.values():
-            queue.put_nowait(ConnectionLost())
+
+def by_slot(keys: list[bytes]) -> list[list[bytes]]:
+    """`keys` grouped by cluster slot, in first-seen order."""
+    groups: dict[int, list[bytes]] = {}
+    for key in keys:
+        groups.setdefault(key_slot(key), []).append(key)
+    return list(groups.values())
 
 
 async def stop_task(task: asyncio.Task, attempts: int = 5, wait_s: float = 1.0) -> None:

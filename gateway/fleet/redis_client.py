@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 
-from redis.exceptions import RedisError
 
 from gateway.fleet.client import (
     EngineClient,
@@ -20,6 +19,7 @@ from gateway.fleet.client import (
 from gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
 from gateway.fleet.load import read_heartbeats, stream_depth
 from gateway.fleet.redis_context import RedisContext
+from shared.redis_connect import REDIS_FAILURES
 from shared.settings import GatewaySettings
 from shared.wire import (
     GenerationRequest,
@@ -95,7 +95,8 @@ class RedisEngineClient(EngineClient):
         self._first_event_timeout_s = first_event_timeout_s
         self._command_timeout_s = context.command_timeout_s
         self._owns_context = owns_context  # close() closes it too
-        self.fanout = TokenFanout(self.redis, subscribe_timeout_s=self._command_timeout_s)
+        self.fanout = TokenFanout(self.redis, subscribe_timeout_s=self._command_timeout_s,
+                                  sharded=context.cluster)
         self._enqueue = scripts.ENQUEUE.register(self.redis)
 
     @classmethod
@@ -132,14 +133,33 @@ class RedisEngineClient(EngineClient):
                                 self._first_event_timeout_s, request.deadline)
 
     async def enqueue(self, request: GenerationRequest) -> bool:
-        """Write the request hash and the stream entry once; False if the id was enqueued before."""
+        """Write the request hash and then the stream entry (on the shard the id picks), once;
+        False if the id was enqueued before. When the entry cannot be written after the hash was,
+        the marker is removed (best effort) so that a retry under the same id can enqueue."""
         ttl_s = int(self._request_timeout_s + RESULT_GRACE_S)
-        call = scripts.enqueue(self.keys, request, ttl_s=ttl_s, maxlen=self._stream_maxlen)
+        call = scripts.enqueue(self.keys, request, ttl_s=ttl_s)
+        stream, fields = scripts.queue_entry(self.keys, request)
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
-                return bool(await self._enqueue(keys=call.keys, args=call.args))
-        except (RedisError, OSError, TimeoutError) as exc:
+                if not await self._enqueue(keys=call.keys, args=call.args):
+                    return False
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
+        try:
+            async with asyncio.timeout(self._command_timeout_s * 2):
+                await self.redis.xadd(stream, fields, maxlen=self._stream_maxlen,
+                                      approximate=True)
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
+            await self._forget(request.req_id)
+            raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
+        return True
+
+    async def _forget(self, req_id: str) -> None:
+        try:
+            async with asyncio.timeout(self._command_timeout_s):
+                await self.redis.delete(self.keys.enqueued(req_id))
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
+            log.warning("could not remove the enqueue marker of %s: %r", req_id, exc)
 
     async def attach(self, req_id: str) -> tuple[RequestSnapshot, EventStream] | None:
         channel = self.keys.tokens(req_id)
@@ -163,7 +183,7 @@ class RedisEngineClient(EngineClient):
                 pipe.hmget(self.keys.request(req_id), *RequestRecord.SNAPSHOT_FIELDS)
                 pipe.get(self.keys.checkpoint(req_id))
                 fields, ckpt = await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"cannot read the request from Redis: {exc!r}") from exc
         record = RequestRecord.decode_snapshot(*fields)
         if record is None:
@@ -175,7 +195,7 @@ class RedisEngineClient(EngineClient):
         try:
             async with asyncio.timeout(self._command_timeout_s):
                 return decode_checkpoint(await self.redis.get(self.keys.checkpoint(req_id)))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             log.warning("could not read the checkpoint of %s: %r", req_id, exc)
             return []
 
@@ -185,11 +205,11 @@ class RedisEngineClient(EngineClient):
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
                 undelivered = 0
-                for stream in self.keys.queues(model):
+                for stream in self.keys.all_queues(model):
                     depth, _pending = await stream_depth(self.redis, stream, self.keys.group)
                     undelivered += depth
                 beats = await read_heartbeats(self.redis, self.keys)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             log.warning("could not read the queue load: %r", exc)
             return None
         mine = [beat.tokens_per_s for beat in beats.values() if beat.model == model]
@@ -197,13 +217,16 @@ class RedisEngineClient(EngineClient):
 
     async def cancel(self, req_id: str) -> None:
         try:
-            await self.redis.publish(self.keys.cancel(), req_id)
-        except (RedisError, OSError) as exc:
+            if self.context.cluster:
+                await self.redis.spublish(self.keys.cancel(), req_id)
+            else:
+                await self.redis.publish(self.keys.cancel(), req_id)
+        except (*REDIS_FAILURES, OSError) as exc:
             log.warning("could not publish the cancellation of %s: %r", req_id, exc)
 
     async def is_ready(self) -> bool:
         try:
             async with asyncio.timeout(self._command_timeout_s):
                 return bool(await self.redis.ping())
-        except (RedisError, OSError, TimeoutError):
+        except (*REDIS_FAILURES, OSError, TimeoutError):
             return False

@@ -7,43 +7,59 @@ from __future__ import annotations
 import threading
 
 import redis
-from redis.asyncio import Redis
 
+from shared.redis_connect import AsyncClient, SyncClient, cluster_enabled, connect, connect_async
 from shared.settings import CommonSettings
 from shared.wire import Keys
 
 
 class RedisContext:
-    """One Redis, two kinds of client: `redis` (asyncio: everything on the event loop) and
-    `sync()` (blocking, made on first use: the batch routes, which run in FastAPI's thread pool,
-    and rq). Short timeouts: Redis unreachable must become a 503 quickly, never a hang."""
+    """One Redis (or one Redis Cluster: `cluster`, probed once here), two kinds of client: `redis`
+    (asyncio: everything on the event loop) and `sync()` (blocking, made on first use: the batch
+    routes, which run in FastAPI's thread pool). Short timeouts: Redis unreachable must become a
+    503 quickly, never a hang."""
 
     def __init__(self, url: str, keys: Keys, *, connect_timeout_s: float = 2.0,
-                 command_timeout_s: float = 3.0, sync_timeout_s: float = 5.0):
+                 command_timeout_s: float = 3.0, sync_timeout_s: float = 5.0,
+                 batch_queue_url: str | None = None):
         self.url = url
+        self.batch_queue_url = batch_queue_url
         self.keys = keys
         self.command_timeout_s = command_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._sync_timeout_s = sync_timeout_s
-        self.redis = Redis.from_url(url, socket_connect_timeout=connect_timeout_s,
-                                    socket_timeout=command_timeout_s)
-        self._sync: redis.Redis | None = None
+        self.cluster = cluster_enabled(url, connect_timeout_s)
+        self.redis: AsyncClient = connect_async(url, cluster=self.cluster,
+                                                socket_connect_timeout=connect_timeout_s,
+                                                socket_timeout=command_timeout_s)
+        self._sync: SyncClient | None = None
         self._sync_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: CommonSettings) -> RedisContext:
         if not settings.redis_url:
             raise ValueError("the gateway needs --redis-url (or KVFLEET_REDIS_URL)")
-        return cls(settings.redis_url, Keys(settings.key_prefix))
+        return cls(settings.redis_url, settings.keys(),
+                   batch_queue_url=getattr(settings, "batch_redis_url", None))
 
-    def sync(self) -> redis.Redis:
+    def sync(self) -> SyncClient:
         """The blocking client (thread-safe: redis-py pools its connections)."""
         with self._sync_lock:
             if self._sync is None:
-                self._sync = redis.Redis.from_url(self.url,
-                                                  socket_connect_timeout=self._connect_timeout_s,
-                                                  socket_timeout=self._sync_timeout_s)
+                self._sync = connect(self.url, cluster=self.cluster,
+                                     socket_connect_timeout=self._connect_timeout_s,
+                                     socket_timeout=self._sync_timeout_s)
             return self._sync
+
+    def batch_queue(self) -> redis.Redis:
+        """A blocking client for rq's job queue: rq needs a single Redis, so on a cluster the
+        fleet must name one (`--batch-redis-url`)."""
+        if self.batch_queue_url is None and self.cluster:
+            raise redis.RedisError("the batch API on a Redis Cluster needs --batch-redis-url (a "
+                                   "single Redis for rq's job queue)")
+        return redis.Redis.from_url(self.batch_queue_url or self.url,
+                                    socket_connect_timeout=self._connect_timeout_s,
+                                    socket_timeout=self._sync_timeout_s)
 
     async def aclose(self) -> None:
         await self.redis.aclose()

@@ -234,7 +234,8 @@ class LazyBatchService:
                 client, keys = self._redis.sync(), self._redis.keys
                 self._service = BatchService(
                     BatchStore(client, keys, self._settings.batch_ttl_s),
-                    Queue(keys.batch_queue(), connection=client), self._settings)
+                    Queue(keys.batch_queue(), connection=self._redis.batch_queue()),
+                    self._settings)
             return self._service
 
 

@@ -20,6 +20,16 @@ from kvfleet.plan.capacity import (
     make_plan,
 )
 from kvfleet.plan.model_shape import ModelShapeError, load_model_shape
+from kvfleet.plan.redis_side import (
+    DEFAULT_GATEWAY_EVENTS_PER_S,
+    DEFAULT_HEADROOM,
+    DEFAULT_REDIS_US_PER_EVENT,
+    DEFAULT_REQUESTS_PER_S,
+    RedisInputs,
+    plan_redis,
+    redis_plan_json,
+    redis_plan_text,
+)
 from kvfleet.plan.report import plan_to_json, plan_to_text
 from kvfleet.units import format_bytes
 
@@ -31,6 +41,7 @@ EXIT_USAGE = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     _add_workload_arguments(parser)
+    _add_redis_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -81,6 +92,25 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens in that shared opening (default: 2000)")
 
 
+def _add_redis_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Redis side (docs/BENCHMARKS.md, Redis Cluster scale)")
+    group.add_argument("--requests-per-s", type=arg_types.positive_count,
+                       default=DEFAULT_REQUESTS_PER_S,
+                       help=f"requests/s the fleet admits (default: {DEFAULT_REQUESTS_PER_S:g})")
+    group.add_argument("--tokens-per-event", type=arg_types.positive_int, default=1,
+                       help="tokens per token event (default: 1, one per request per step)")
+    group.add_argument("--redis-us-per-event", type=arg_types.positive_float,
+                       default=DEFAULT_REDIS_US_PER_EVENT,
+                       help="measured Redis CPU per delivered event, µs (default: "
+                            f"{DEFAULT_REDIS_US_PER_EVENT:g})")
+    group.add_argument("--gateway-events-per-s", type=arg_types.positive_float,
+                       default=DEFAULT_GATEWAY_EVENTS_PER_S,
+                       help="events/s one gateway process delivers (default: "
+                            f"{DEFAULT_GATEWAY_EVENTS_PER_S:g})")
+    group.add_argument("--redis-headroom", type=arg_types.fraction, default=DEFAULT_HEADROOM,
+                       help=f"share of measured capacity to plan for (default: {DEFAULT_HEADROOM})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet plan", description=__doc__)
     add_arguments(parser)
@@ -88,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.redis_headroom <= 0:
+        return _fail("--redis-headroom must be above 0")
     try:
         inputs = plan_inputs(args)
         plan = make_plan(inputs)
@@ -99,10 +131,19 @@ def run(args: argparse.Namespace) -> int:
                      f"{format_bytes(gpu_memory_bytes)} of accelerator memory; use more memory "
                      f"(--gpu-memory), fewer bytes per parameter (--bytes-per-param) or split "
                      f"the model across accelerators")
+    redis_inputs = RedisInputs(inputs.demand_tokens_per_s, args.requests_per_s,
+                               plan.throughput.gpus_needed, args.tokens_per_event,
+                               args.redis_us_per_event, args.gateway_events_per_s,
+                               args.redis_headroom)
+    redis_plan = plan_redis(redis_inputs)
     if args.json:
-        print(json.dumps(plan_to_json(plan, inputs), indent=2))
+        document = plan_to_json(plan, inputs)
+        document["redis"] = redis_plan_json(redis_plan)
+        print(json.dumps(document, indent=2))
     else:
         print(plan_to_text(plan, inputs), end="")
+        print()
+        print(redis_plan_text(redis_plan, redis_inputs), end="")
     return 0
 
 

@@ -1,14 +1,26 @@
 """Every Redis key kvfleet uses, built in one place under one configurable prefix.
 
-Redis Cluster (DESIGN.md, "beyond one Redis"): a script's KEYS must share one slot. The keys one
-script touches together are built side by side here (a request's hash, checkpoint, enqueue marker
-and token channel; a model's streams), so hash tags, stream shards and sharded pub/sub channels
-are a change of this module, not of its callers.
+Redis Cluster (DESIGN.md, "beyond one Redis"): a script's KEYS must share one slot, and a key's
+slot is the CRC16 of its hash tag (the part inside `{...}`). So:
+- a request's hash, checkpoint, enqueue marker and token channel carry the tag `{req_id}`: every
+  per-request script is single-slot, and requests spread over the cluster by id;
+- a model's request streams are split into `queue_shards` shards; the streams of one shard (one
+  per priority) carry one tag, `{model#n}`, chosen so that shard s of S falls in the s-th of S
+  equal slot ranges: with S primaries owning equal ranges (as `redis-cli --cluster create` and
+  shared/redis_cluster.py split them) each primary holds one shard. A request goes to the shard
+  its id hashes to (`shard_of`); every worker reads every shard.
+The same names serve a single Redis, where tags are only part of the name.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+from functools import lru_cache
+
+from redis.crc import key_slot
+
+NUM_SLOTS = 16384
 
 PRIORITIES = ("interactive", "batch")  # served in this order
 
@@ -19,31 +31,43 @@ class Keys:
 
     prefix: str = "kvf:"
     group: str = "workers"  # consumer group on every request stream
+    queue_shards: int = 1  # stream shards per model; gateways and workers must agree
+
+    def __post_init__(self) -> None:
+        if self.queue_shards < 1:
+            raise ValueError("queue_shards must be at least 1")
 
     # A model's request streams.
 
     def _model(self, model: str) -> str:
         return f"{self.prefix}{model}"
 
-    def queue(self, model: str, priority: str = "interactive") -> str:
-        """Stream of requests for `model` (entries: QueueEntry); interactive is the plain
-        `{model}:q`."""
-        if priority == "interactive":
-            return f"{self._model(model)}:q"
-        return f"{self._model(model)}:q:{priority}"
+    def queue(self, model: str, priority: str = "interactive", shard: int = 0) -> str:
+        """Stream of requests for `model` in one shard (entries: QueueEntry)."""
+        name = f"{self.prefix}{{{shard_tag(model, shard, self.queue_shards)}}}:q"
+        return name if priority == "interactive" else f"{name}:{priority}"
 
-    def queues(self, model: str) -> list[str]:
-        """The model's request streams in the order workers serve them (PRIORITIES)."""
-        return [self.queue(model, priority) for priority in PRIORITIES]
+    def queues(self, model: str, shard: int = 0) -> list[str]:
+        """One shard's request streams in the order workers serve them (PRIORITIES): one slot,
+        so the admission script reads them together."""
+        return [self.queue(model, priority, shard) for priority in PRIORITIES]
+
+    def all_queues(self, model: str) -> list[str]:
+        """Every request stream of the model, shard by shard."""
+        return [q for shard in range(self.queue_shards) for q in self.queues(model, shard)]
+
+    def shard_of(self, req_id: str) -> int:
+        """The stream shard a request is enqueued on (by its id: stable across retries)."""
+        return zlib.crc32(req_id.encode()) % self.queue_shards
 
     def dead_letter(self, model: str) -> str:
         """Stream of requests delivered too many times (entries: DeadLetterEntry)."""
         return f"{self._model(model)}:dlq"
 
-    # One request's keys.
+    # One request's keys: one hash tag, one slot.
 
     def _request(self, req_id: str) -> str:
-        return f"{self.prefix}req:{req_id}"
+        return f"{self.prefix}req:{{{req_id}}}"
 
     def request(self, req_id: str) -> str:
         """Hash: RequestRecord (payload, attempt = the fencing token, status, worker)."""
@@ -55,14 +79,16 @@ class Keys:
 
     def enqueued(self, req_id: str) -> str:
         """Marker that makes enqueue idempotent by request id."""
-        return f"{self.prefix}enq:{req_id}"
+        return f"{self.prefix}enq:{{{req_id}}}"
 
     def tokens(self, req_id: str) -> str:
-        """Pub/sub channel of a request's token events (TokenEvent)."""
-        return f"{self.prefix}tok:{req_id}"
+        """Pub/sub channel of a request's token events (TokenEvent); sharded pub/sub on a
+        cluster, in the request's slot."""
+        return f"{self.prefix}tok:{{{req_id}}}"
 
     def cancel(self) -> str:
-        """Pub/sub channel of request ids whose client went away."""
+        """Pub/sub channel of request ids whose client went away (sharded pub/sub on a cluster:
+        one node carries it, every worker subscribes there)."""
         return f"{self.prefix}cancel"
 
     def worker(self, worker_id: str) -> str:
@@ -88,33 +114,35 @@ class Keys:
         return f"{self.prefix}rl:{{{key_id}}}:{kind}"
 
     # Batch API (gateway/openai/batches.py, batch/): uploaded files, batch records and results.
+    # A batch's keys share the tag `{batch_id}` (its scripts are single-slot), a file's `{file_id}`.
 
     def file(self, file_id: str) -> str:
         """Hash: FileRecord (OpenAI's file object) of an uploaded or generated file."""
-        return f"{self.prefix}file:{file_id}"
+        return f"{self.prefix}file:{{{file_id}}}"
 
     def file_content(self, file_id: str) -> str:
         """String: the file's bytes (JSONL)."""
-        return f"{self.prefix}file:{file_id}:content"
+        return f"{self.prefix}file:{{{file_id}}}:content"
 
     def batch(self, batch_id: str) -> str:
         """Hash: BatchRecord (status, request counts, output file ids)."""
-        return f"{self.prefix}batch:{batch_id}"
+        return f"{self.prefix}batch:{{{batch_id}}}"
 
     def batch_results(self, batch_id: str) -> str:
         """Hash: line index -> that line's output (JSON), each written once (HSETNX)."""
-        return f"{self.prefix}batch:{batch_id}:results"
+        return f"{self.prefix}batch:{{{batch_id}}}:results"
 
     def batch_lease(self, batch_id: str) -> str:
         """String with a TTL: the token of the one job feeding the batch now."""
-        return f"{self.prefix}batch:{batch_id}:lease"
+        return f"{self.prefix}batch:{{{batch_id}}}:lease"
 
     def batches_active(self) -> str:
         """Set of batch ids not yet in a final state (what the batch workers watch over)."""
         return f"{self.prefix}batches:active"
 
     def batch_queue(self) -> str:
-        """Name of the rq queue of batch jobs (rq keeps it under its own `rq:` keys)."""
+        """Name of the rq queue of batch jobs (rq keeps it under its own `rq:` keys, on the
+        batch queue's Redis: `--batch-redis-url`, a single Redis, when the fleet's is a cluster)."""
         return f"{self.prefix}batch"
 
     def batch_reaper(self) -> str:
@@ -124,3 +152,18 @@ class Keys:
     def batches_by_time(self) -> str:
         """Sorted set: batch id -> creation time (GET /v1/batches lists it, newest first)."""
         return f"{self.prefix}batches:by-time"
+
+
+@lru_cache(maxsize=4096)
+def shard_tag(model: str, shard: int, num_shards: int) -> str:
+    """The hash tag of one stream shard: the model name alone for a single shard; else
+    `model#n` with the smallest n whose slot lies in the shard's range of slots (the s-th of
+    `num_shards` equal ranges)."""
+    if num_shards == 1:
+        return model
+    low = shard * NUM_SLOTS // num_shards
+    high = (shard + 1) * NUM_SLOTS // num_shards
+    n = 0
+    while not low <= key_slot(f"{model}#{n}".encode()) < high:
+        n += 1
+    return f"{model}#{n}"

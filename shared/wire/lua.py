@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from string import Template
 from typing import Any, NamedTuple
 
+from redis.exceptions import NoScriptError
+
 
 class ScriptCall(NamedTuple):
     """The KEYS and ARGV of one call, in the script's order (`registered(keys=..., args=...)`)."""
@@ -63,3 +65,33 @@ def _fits(given: int, described: int, variadic: bool) -> bool:
     """`given` values for `described` slots, the last of which repeats (once or more) when
     variadic."""
     return given >= described if variadic else given == described
+
+
+def run_pipelined(client, script, calls: Sequence[ScriptCall]) -> list[Any]:
+    """Run a registered `script` once per call in one pipelined round trip (blocking client) and
+    return the replies in order. A node that lacks the script (NOSCRIPT: a replica promoted by a
+    cluster failover starts with an empty script cache) gets it loaded, and only the calls it
+    refused run again: every call runs exactly once."""
+    replies: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        for i in todo:
+            # execute_command: redis-py's cluster pipeline refuses its evalsha() method but
+            # routes an EVALSHA by its keys' slot like any other command
+            pipe.execute_command("EVALSHA", script.sha, len(calls[i].keys), *calls[i].keys,
+                                 *calls[i].args)
+        results = pipe.execute(raise_on_error=False)
+        missing = []
+        for i, result in zip(todo, results):
+            if isinstance(result, NoScriptError) and attempt == 0:
+                missing.append(i)
+            elif isinstance(result, Exception):
+                raise result
+            else:
+                replies[i] = result
+        if not missing:
+            break
+        client.script_load(script.script)
+        todo = missing
+    return replies

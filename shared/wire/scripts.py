@@ -1,19 +1,22 @@
 """The Lua scripts of a request's life, each with its KEYS and ARGV, and the function that builds
 a call of it. Ordering guarantees (DESIGN.md, "The fleet protocol"):
 
-- ENQUEUE writes the request hash and the stream entry once per request id (a retried XADD
-  writes nothing twice).
+- ENQUEUE writes the request hash once per request id; the caller XADDs the stream entry only
+  when it did (a retried enqueue writes nothing twice). Two steps because the stream shard and
+  the request live in different slots of a cluster; the same two steps run on a single Redis.
 - READ_IF_FITS delivers the next undelivered entry only if its prompt fits the worker's budget:
   the entry tested is the entry delivered (one script, no second reader in between).
 - START_ATTEMPT increments `attempt` (the fencing token) and reads the checkpoint atomically, so a
   claimer resumes exactly after the last token any earlier attempt recorded.
 - PUBLISH appends to the checkpoint before it publishes, so a gateway that missed an event finds
-  its tokens in the checkpoint; it writes nothing for a stale attempt.
+  its tokens in the checkpoint; it writes nothing for a stale attempt. The final XACK follows it
+  (same pipeline): a worker killed between the two leaves a finished request pending, which a
+  claimer finds finished (START_ATTEMPT returns the status) and only acks.
 """
 
 from __future__ import annotations
 
-from shared.wire.checkpoint import encode_checkpoint
+from shared.wire.checkpoint import TOKEN_BYTES, encode_checkpoint
 from shared.wire.keys import Keys
 from shared.wire.lua import LuaScript, ScriptCall
 from shared.wire.messages import GenerationRequest, TokenEvent
@@ -29,32 +32,36 @@ NAMES = {
 
 ENQUEUE = LuaScript.build(
     "enqueue",
-    keys=["enqueued marker (Keys.enqueued)", "request hash (Keys.request)",
-          "request stream (Keys.queue of the request's model and priority)"],
+    keys=["enqueued marker (Keys.enqueued)", "request hash (Keys.request)"],
     argv=["TTL of marker and hash, s", "the packed request (GenerationRequest.pack)",
-          "request id", "stream cap (approximate MAXLEN)", "status (queued)",
-          "prompt length, tokens"],
-    returns="1 when written; 0 when this id was enqueued before (nothing written)",
+          "status (queued)"],
+    returns="1 when written: the caller then XADDs the stream entry (`queue_entry`); 0 when this "
+            "id was enqueued before (nothing written)",
     names=NAMES,
     source="""
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
   return 0
 end
 redis.call('HSET', KEYS[2], '${req_payload}', ARGV[2], '${req_attempt}', 0,
-           '${req_status}', ARGV[5])
+           '${req_status}', ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', '${entry_id}', ARGV[3],
-           '${entry_payload}', ARGV[2], '${entry_prompt_len}', ARGV[6])
 return 1
 """)
 
 
-def enqueue(keys: Keys, request: GenerationRequest, *, ttl_s: int, maxlen: int) -> ScriptCall:
+def enqueue(keys: Keys, request: GenerationRequest, *, ttl_s: int) -> ScriptCall:
+    """The request's own keys (one slot). The stream entry is a second command, on the stream's
+    slot (`queue_entry`): written only after this returned 1, so a retry writes it at most once
+    per successful ENQUEUE and a worker never reads an entry whose hash does not exist."""
     req_id = request.req_id
-    return ENQUEUE.bind(
-        [keys.enqueued(req_id), keys.request(req_id), keys.queue(request.model, request.priority)],
-        [ttl_s, request.pack(), req_id, maxlen, RequestStatus.QUEUED.value,
-         len(request.prompt_token_ids)])
+    return ENQUEUE.bind([keys.enqueued(req_id), keys.request(req_id)],
+                        [ttl_s, request.pack(), RequestStatus.QUEUED.value])
+
+
+def queue_entry(keys: Keys, request: GenerationRequest) -> tuple[str, dict]:
+    """(stream, fields) of the request's stream entry: its model's shard chosen by its id."""
+    stream = keys.queue(request.model, request.priority, keys.shard_of(request.req_id))
+    return stream, QueueEntry(request).encode()
 
 
 READ_IF_FITS = LuaScript.build(
@@ -114,60 +121,77 @@ def read_if_fits(streams: list[str], group: str, consumer: str, budget_tokens: i
 START_ATTEMPT = LuaScript.build(
     "start_attempt",
     keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)"],
-    argv=["worker id", "status (running)"],
-    returns="{attempt (the new fencing token), checkpoint bytes ('' when none)}",
+    argv=["worker id", "status (running)", "the finished statuses (one or more)"],
+    variadic_argv=True,
+    returns="{attempt (the new fencing token), checkpoint bytes ('' when none)}; {0, '', "
+            "status} when the request is already finished (nothing written: its final event was "
+            "published, only the stream entry's XACK was missing)",
     names=NAMES,
     source="""
+local status = redis.call('HGET', KEYS[1], '${req_status}')
+for i = 3, #ARGV do
+  if status == ARGV[i] then return {0, '', status} end
+end
 local attempt = redis.call('HINCRBY', KEYS[1], '${req_attempt}', 1)
 redis.call('HSET', KEYS[1], '${req_status}', ARGV[2], '${req_worker}', ARGV[1])
 local ckpt = redis.call('GET', KEYS[2]) or ''
 return {attempt, ckpt}
 """)
 
+FINISHED = [status.value for status in RequestStatus if status.is_finished]
+
 
 def start_attempt(keys: Keys, req_id: str, worker_id: str) -> ScriptCall:
     return START_ATTEMPT.bind([keys.request(req_id), keys.checkpoint(req_id)],
-                              [worker_id, RequestStatus.RUNNING.value])
+                              [worker_id, RequestStatus.RUNNING.value, *FINISHED])
 
 
 PUBLISH = LuaScript.build(
     "publish",
     keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)",
-          "token channel (Keys.tokens)", "request stream the entry came from"],
+          "token channel (Keys.tokens)"],
     argv=["attempt (fencing token)", "the packed event (TokenEvent.pack)",
           "new tokens for the checkpoint (encode_checkpoint; '' for none)",
-          "final status ('' while running)", "stream entry id to XACK when final ('' for none)",
-          "consumer group", "TTL, s: the checkpoint's on every append; hash and checkpoint's "
-          "once final"],
+          "final status ('' while running)",
+          "TTL, s: the checkpoint's on every append; hash and checkpoint's once final",
+          "publish command: PUBLISH (single Redis) or SPUBLISH (cluster: the channel's shard)",
+          "checkpoint offset of the first new token, bytes (seq x TOKEN_BYTES)"],
     returns="1 when written and published; 0 when the attempt is stale (nothing written: the "
-            "worker must stop the request)",
+            "worker must stop the request). The caller XACKs the stream entry of a final event "
+            "after this returned 1 (the stream lives in another slot).",
     names=NAMES,
     source="""
 if tonumber(redis.call('HGET', KEYS[1], '${req_attempt}') or '-1') ~= tonumber(ARGV[1]) then
   return 0
 end
 if ARGV[3] ~= '' then
-  redis.call('APPEND', KEYS[2], ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[7])
+  -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
+  -- it, another did not answer) appends only the bytes the checkpoint does not hold yet
+  local have = redis.call('STRLEN', KEYS[2]) - tonumber(ARGV[7])
+  if have <= 0 then
+    redis.call('APPEND', KEYS[2], ARGV[3])
+  elseif have < string.len(ARGV[3]) then
+    redis.call('APPEND', KEYS[2], string.sub(ARGV[3], have + 1))
+  end
+  redis.call('EXPIRE', KEYS[2], ARGV[5])
 end
-redis.call('PUBLISH', KEYS[3], ARGV[2])
+redis.call(ARGV[6], KEYS[3], ARGV[2])
 if ARGV[4] ~= '' then
   redis.call('HSET', KEYS[1], '${req_status}', ARGV[4])
-  redis.call('EXPIRE', KEYS[1], ARGV[7])
-  redis.call('EXPIRE', KEYS[2], ARGV[7])
-  if ARGV[5] ~= '' then redis.call('XACK', KEYS[4], ARGV[6], ARGV[5]) end
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
+  redis.call('EXPIRE', KEYS[2], ARGV[5])
 end
 return 1
 """)
 
 
 def publish(keys: Keys, req_id: str, attempt: int, event: TokenEvent,
-            final_status: RequestStatus | None, stream: str, entry_id: str,
-            ttl_s: int) -> ScriptCall:
+            final_status: RequestStatus | None, ttl_s: int, *, sharded: bool) -> ScriptCall:
     return PUBLISH.bind(
-        [keys.request(req_id), keys.checkpoint(req_id), keys.tokens(req_id), stream],
+        [keys.request(req_id), keys.checkpoint(req_id), keys.tokens(req_id)],
         [attempt, event.pack(), encode_checkpoint(event.token_ids),
-         final_status.value if final_status else "", entry_id, keys.group, ttl_s])
+         final_status.value if final_status else "", ttl_s,
+         "SPUBLISH" if sharded else "PUBLISH", event.seq * TOKEN_BYTES])
 
 
 RATE_LIMIT = LuaScript.build(

@@ -1,5 +1,6 @@
 """Chaos: SIGKILL the worker serving streamed requests mid-answer; every client's stream continues
-on the other worker with exactly the text an uninterrupted run gives — no gap, no repeat."""
+on the other worker with exactly the text an uninterrupted run gives — no gap, no repeat. On a
+single Redis and on a Redis Cluster (3 primaries + 3 replicas, 3 stream shards)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import time
 
 import httpx
 import pytest
-import redis
 
 from shared.models import DEFAULT_MODEL
-from shared.wire import Keys, RequestRecord
+from shared.redis_connect import connect
+from shared.wire import RequestRecord
 from shared.wire.checkpoint import TOKEN_BYTES
 from tests.helpers.processes import ProcessFleet
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.topologies]
 
 MAX_TOKENS = 150
 TOPICS = ["rivers", "mountains", "bread", "trains", "music", "chess", "the sea", "bees",
@@ -67,18 +68,19 @@ def run_all(url: str, on_started=None) -> list[dict]:
     return records
 
 
-def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_server, tmp_path):
-    fleet = ProcessFleet(redis_server.url, tmp_path,
-                  worker_flags=["--kv-memory", "256MiB", "--num-threads", "1",
-                                "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"])
-    client = redis.Redis.from_url(redis_server.url)
+def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_url, redis_topology, tmp_path):
+    fleet = ProcessFleet(redis_url, tmp_path,
+                         worker_flags=["--kv-memory", "256MiB", "--num-threads", "1",
+                                       "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"],
+                         queue_shards=3 if redis_topology == "cluster" else 1)
+    client = connect(redis_url)
     try:
         fleet.start_gateway()
         victim = fleet.start_worker("victim")
         reference = run_all(fleet.url)  # uninterrupted, all on one worker
         assert all(r["finish_reason"] == "length" for r in reference)
         fleet.start_worker("rescuer")
-        keys = Keys(fleet.prefix)
+        keys = fleet.keys
 
         def kill_when_streaming(records):
             deadline = time.monotonic() + 300

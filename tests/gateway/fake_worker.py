@@ -6,23 +6,26 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from gateway.fleet.fanout import stop_task
+from shared.redis_connect import connect_async, is_cluster
 from shared.wire import GenerationRequest, Keys, QueueEntry, TokenEvent
 
 
 class FakeWorker:
-    """XREADGROUP on one model's stream; for each request, publishes `script(request)` at once
-    (no delay: a gateway that subscribed after its XADD would lose the first events)."""
+    """XREADGROUP on one model's streams of one priority (every shard); for each request,
+    publishes `script(request)` at once (no delay: a gateway that subscribed after its XADD would
+    lose the first events). Sharded pub/sub on a cluster, as a worker."""
 
     def __init__(self, redis_url: str, keys: Keys, model: str,
                  script: Callable[[GenerationRequest], list[TokenEvent]],
                  priority: str = "interactive"):
-        self.redis = Redis.from_url(redis_url)
+        self.redis = connect_async(redis_url)
+        self.sharded = is_cluster(self.redis)
         self.keys = keys
-        self.stream = keys.queue(model, priority)
+        self.streams = [keys.queue(model, priority, shard) for shard in range(keys.queue_shards)]
+        self.stream = self.streams[0]
         self.script = script
         self.received: list[GenerationRequest] = []
         self.entries: list[dict[bytes, bytes]] = []
@@ -30,8 +33,9 @@ class FakeWorker:
         self._stopping = False
 
     async def __aenter__(self) -> FakeWorker:
-        with contextlib.suppress(ResponseError):  # BUSYGROUP: the group exists already
-            await self.redis.xgroup_create(self.stream, self.keys.group, id="0", mkstream=True)
+        for stream in self.streams:
+            with contextlib.suppress(ResponseError):  # BUSYGROUP: the group exists already
+                await self.redis.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
         self._task = asyncio.create_task(self._run())
         return self
 
@@ -42,19 +46,23 @@ class FakeWorker:
         await self.redis.aclose()
 
     async def _run(self) -> None:
+        block_ms = max(1, 100 // len(self.streams))
         while not self._stopping:
-            batches = await self.redis.xreadgroup(self.keys.group, "fake-worker",
-                                                  {self.stream: ">"}, count=16, block=100)
-            for _stream, entries in batches or []:
-                for entry_id, fields in entries:
-                    await self._serve(entry_id, fields)
+            for stream in self.streams:  # a blocking read spans one slot
+                batches = await self.redis.xreadgroup(self.keys.group, "fake-worker",
+                                                      {stream: ">"}, count=16, block=block_ms)
+                for _stream, entries in batches or []:
+                    for entry_id, fields in entries:
+                        await self._serve(stream, entry_id, fields)
 
-    async def _serve(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    async def _serve(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         self.entries.append(fields)
         request = QueueEntry.decode(fields).request
         self.received.append(request)
-        pipe = self.redis.pipeline(transaction=False)
-        for event in self.script(request):
-            pipe.publish(self.keys.tokens(request.req_id), event.pack())
-        pipe.xack(self.stream, self.keys.group, entry_id)
-        await pipe.execute()
+        channel = self.keys.tokens(request.req_id)
+        for event in self.script(request):  # in order, each on the channel's node
+            if self.sharded:
+                await self.redis.spublish(channel, event.pack())
+            else:
+                await self.redis.publish(channel, event.pack())
+        await self.redis.xack(stream, self.keys.group, entry_id)

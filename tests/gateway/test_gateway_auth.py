@@ -8,10 +8,10 @@ from contextlib import AsyncExitStack
 
 import httpx
 import pytest
-import redis as redis_sync
 
 from gateway.app import create_app
 from kvfleet import keys_cli
+from shared.redis_connect import connect
 from shared.settings import GatewaySettings
 from shared.wire import Keys
 from tests.gateway.fake_worker import FakeWorker
@@ -19,6 +19,7 @@ from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL
 
 PREFIX = "kvauth:"
+pytestmark = pytest.mark.topologies
 KEYS = Keys(PREFIX)
 BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
 
@@ -98,7 +99,7 @@ async def test_cli_key_works_until_revoked(replicas, redis_url, capsys):
     assert code == 0
     key = out.strip()
     assert key.startswith("kvf-")
-    raw = redis_sync.Redis.from_url(redis_url).hgetall(KEYS.api_keys())
+    raw = connect(redis_url).hgetall(KEYS.api_keys())
     assert key.encode() not in b"".join(list(raw) + list(raw.values()))  # only its hash is kept
     code, listing = cli(redis_url, capsys, "list")
     [row] = listing.splitlines()[1:]

@@ -1,4 +1,5 @@
-"""The whole gateway (HTTP in, Redis out) against a real Redis and a fake worker."""
+"""The whole gateway (HTTP in, Redis out) against a real Redis (and a real Redis Cluster) and a
+fake worker."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ import time
 import httpx
 import pytest
 import uvicorn
-from redis.asyncio import Redis
 
 from gateway.app import create_app
+from shared.redis_connect import connect
 from shared.redis_server import free_port
 from shared.settings import GatewaySettings
 from shared.wire import Keys, TokenEvent
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL
+from tests.helpers.channels import next_message, subscribe
+
+pytestmark = pytest.mark.topologies
 
 PREFIX = "kvgw:"
 
@@ -77,10 +81,8 @@ async def test_client_disconnect_publishes_cancel(served, redis_url, tokenizer):
     def endless(request) -> list[TokenEvent]:  # a few tokens, then nothing: still generating
         return [TokenEvent(seq=0, attempt=0, token_ids=tokenizer.encode("Once upon"))]
 
-    redis = Redis.from_url(redis_url)
-    cancels = redis.pubsub()
-    await cancels.subscribe(keys.cancel())
-    await cancels.get_message(timeout=1.0)
+    redis = connect(redis_url)
+    cancels = subscribe(redis, keys.cancel())
     async with FakeWorker(redis_url, keys, MODEL, endless) as worker:
         async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
             async with http.stream("POST", "/v1/completions", json={
@@ -89,9 +91,9 @@ async def test_client_disconnect_publishes_cancel(served, redis_url, tokenizer):
                 async for line in response.aiter_lines():
                     if "Once" in line:
                         break  # leave mid-stream: closing the response disconnects
-        message = await cancels.get_message(ignore_subscribe_messages=True, timeout=5.0)
-    await cancels.aclose()
-    await redis.aclose()
+        message = await asyncio.to_thread(next_message, cancels, 5.0)
+    cancels.close()
+    redis.close()
     assert message is not None, "no cancel was published after the client went away"
     assert message["data"].decode() == worker.received[0].req_id
 
@@ -115,11 +117,15 @@ async def test_unreachable_redis_is_503_never_500(tokenizer, model_info):
 
 
 async def test_batch_routes_use_the_gateways_redis_and_its_own_limits(redis_url, tokenizer,
-                                                                      model_info):
+                                                                      model_info, redis_topology,
+                                                                      request):
     """The upload limit comes from the gateway's settings (`--batch-max-file-bytes`), and the
     file lands under the gateway's key prefix, through the app's one Redis context."""
+    # rq's queue needs a single Redis: on a cluster, a separate one (--batch-redis-url)
+    batch_redis_url = (request.getfixturevalue("redis_server").url
+                       if redis_topology == "cluster" else None)
     settings = GatewaySettings(redis_url=redis_url, model=MODEL, key_prefix=PREFIX,
-                               batch_max_file_bytes=300)
+                               batch_max_file_bytes=300, batch_redis_url=batch_redis_url)
     app = create_app(settings, None, tokenizer, model_info=model_info)
     line = ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": '
             '{"model": "%s", "prompt": "hi"}}\n' % MODEL).encode()
@@ -132,8 +138,8 @@ async def test_batch_routes_use_the_gateways_redis_and_its_own_limits(redis_url,
                                       files={"file": ("b.jsonl", line * 3)})
     assert ok.status_code == 200, ok.text
     assert too_big.status_code == 413 and "300 bytes" in too_big.json()["error"]["message"]
-    redis = Redis.from_url(redis_url)
+    redis = connect(redis_url)
     try:
-        assert await redis.exists(Keys(PREFIX).file(ok.json()["id"])) == 1
+        assert redis.exists(Keys(PREFIX).file(ok.json()["id"])) == 1
     finally:
-        await redis.aclose()
+        redis.close()

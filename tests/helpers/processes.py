@@ -45,10 +45,13 @@ class Proc:
 
 
 class ProcessFleet:
-    """Gateway and workers on one Redis, under a key prefix of their own."""
+    """Gateway and workers on one Redis (or one Redis Cluster), under a key prefix of their own;
+    `queue_shards` stream shards per model (KVFLEET_QUEUE_SHARDS)."""
 
-    def __init__(self, redis_url: str, log_dir: Path, worker_flags: list[str] | None = None):
+    def __init__(self, redis_url: str, log_dir: Path, worker_flags: list[str] | None = None,
+                 queue_shards: int = 1):
         self.redis_url = redis_url
+        self.queue_shards = queue_shards
         self.prefix = f"e2e-{uuid.uuid4().hex[:8]}:"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -62,7 +65,12 @@ class ProcessFleet:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"KVFLEET_REDIS_URL": self.redis_url, "KVFLEET_KEY_PREFIX": self.prefix}
+        return {"KVFLEET_REDIS_URL": self.redis_url, "KVFLEET_KEY_PREFIX": self.prefix,
+                "KVFLEET_QUEUE_SHARDS": str(self.queue_shards)}
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix, queue_shards=self.queue_shards)
 
     def start_gateway(self, timeout_s: float = 120) -> Proc:
         self.gateway = Proc(["gateway", "--port", str(self.port)], self.env, self.log_dir, "gateway")
@@ -77,11 +85,11 @@ class ProcessFleet:
                     self.log_dir, worker_id)
         self.workers[worker_id] = proc
         if wait:
-            import redis
+            from shared.redis_connect import connect
 
-            client = redis.Redis.from_url(self.redis_url)
-            self._wait(lambda: client.exists(Keys(self.prefix).worker(worker_id)) == 1,
-                       timeout_s, proc)
+            client = connect(self.redis_url)
+            self._wait(lambda: client.exists(self.keys.worker(worker_id)) == 1, timeout_s, proc)
+            client.close()
         return proc
 
     def _wait(self, ready, timeout_s: float, proc: Proc) -> None:

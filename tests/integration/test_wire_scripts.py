@@ -1,10 +1,13 @@
-"""The wire contract's request scripts against a real Redis: the one-round-trip admission
-(READ_IF_FITS), the enqueue's stream entry, and the checkpoint's TTL on every append."""
+"""The wire contract's request scripts against a real Redis and a real Redis Cluster: the
+one-round-trip admission (READ_IF_FITS), the enqueue's stream entry, the checkpoint's TTL on every
+append, and a finished request that a claimer only acks."""
 
 from __future__ import annotations
 
+import pytest
 import redis
 
+from shared.redis_connect import is_cluster
 from shared.wire import (
     GenerationRequest,
     Keys,
@@ -15,6 +18,8 @@ from shared.wire import (
     decode_checkpoint,
     scripts,
 )
+
+pytestmark = pytest.mark.topologies
 
 MODEL = "m"
 KEYS = Keys("ws:")
@@ -27,8 +32,11 @@ def request(req_id: str, prompt_len: int, priority: str = "interactive") -> Gene
 
 def enqueue(client: redis.Redis, req: GenerationRequest) -> None:
     script = scripts.ENQUEUE.register(client)
-    call = scripts.enqueue(KEYS, req, ttl_s=60, maxlen=1000)
+    call = scripts.enqueue(KEYS, req, ttl_s=60)
     assert script(keys=call.keys, args=call.args) == 1
+    assert script(keys=call.keys, args=call.args) == 0  # once per id
+    stream, fields = scripts.queue_entry(KEYS, req)
+    client.xadd(stream, fields)
 
 
 def groups(client: redis.Redis) -> None:
@@ -101,12 +109,66 @@ def test_the_checkpoint_gets_its_ttl_on_every_append(redis_client):
     for seq, final in ((0, None), (2, RequestStatus.FINISHED_LENGTH)):
         event = TokenEvent(seq=seq, attempt=1, token_ids=[seq, seq + 1],
                            finish_reason="length" if final else None)
-        call = scripts.publish(KEYS, req_id, 1, event, final, KEYS.queue(MODEL), "", ttl_s=30)
+        call = scripts.publish(KEYS, req_id, 1, event, final, ttl_s=30,
+                               sharded=is_cluster(redis_client))
         assert publish(keys=call.keys, args=call.args) == 1
         assert 0 < redis_client.ttl(KEYS.checkpoint(req_id)) <= 30  # before the final event too
     assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [0, 1, 2, 3]
     assert redis_client.hget(KEYS.request(req_id), "status") == b"finished_length"
     stale = scripts.publish(KEYS, req_id, 0, TokenEvent(seq=4, attempt=0, token_ids=[9]), None,
-                            KEYS.queue(MODEL), "", ttl_s=30)
+                            ttl_s=30, sharded=is_cluster(redis_client))
     assert publish(keys=stale.keys, args=stale.args) == 0
     assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [0, 1, 2, 3]
+
+
+def test_publish_reaches_a_subscriber_of_the_requests_channel(redis_client):
+    """PUBLISH on a single Redis, SPUBLISH inside the script on a cluster: either way the event
+    reaches the channel's subscriber."""
+    req_id, sharded = "sub-1", is_cluster(redis_client)
+    redis_client.hset(KEYS.request(req_id), "attempt", 1)
+    pubsub = redis_client.pubsub()
+    if sharded:
+        pubsub.ssubscribe(KEYS.tokens(req_id))
+    else:
+        pubsub.subscribe(KEYS.tokens(req_id))
+    event = TokenEvent(seq=0, attempt=1, token_ids=[7])
+    call = scripts.publish(KEYS, req_id, 1, event, None, ttl_s=30, sharded=sharded)
+    assert scripts.PUBLISH.register(redis_client)(keys=call.keys, args=call.args) == 1
+    received = None
+    for _ in range(50):
+        message = (pubsub.get_sharded_message(timeout=0.1) if sharded
+                   else pubsub.get_message(timeout=0.1))
+        if message and message["type"] in ("message", "smessage"):
+            received = TokenEvent.unpack(message["data"])
+            break
+    pubsub.close()
+    assert received == event
+
+
+def test_a_finished_request_is_not_started_again(redis_client):
+    req_id = "done"
+    start = scripts.START_ATTEMPT.register(redis_client)
+    call = scripts.start_attempt(KEYS, req_id, "w1")
+    assert start(keys=call.keys, args=call.args)[0] == 1
+    redis_client.hset(KEYS.request(req_id), "status", RequestStatus.FINISHED_STOPPED.value)
+    assert start(keys=call.keys, args=call.args) == [0, b"", b"finished_stopped"]
+    assert redis_client.hget(KEYS.request(req_id), "attempt") == b"1"  # nothing written
+
+
+def test_a_retried_publication_appends_its_tokens_once(redis_client):
+    """A step's pipeline that failed half-way (one node down) is published again whole: tokens
+    already in the checkpoint are not appended twice."""
+    req_id, sharded = "retry", is_cluster(redis_client)
+    redis_client.hset(KEYS.request(req_id), "attempt", 1)
+    publish = scripts.PUBLISH.register(redis_client)
+    first = scripts.publish(KEYS, req_id, 1, TokenEvent(seq=0, attempt=1, token_ids=[1, 2]),
+                            None, ttl_s=30, sharded=sharded)
+    second = scripts.publish(KEYS, req_id, 1, TokenEvent(seq=2, attempt=1, token_ids=[3, 4]),
+                             None, ttl_s=30, sharded=sharded)
+    for call in (first, first, second, second):
+        assert publish(keys=call.keys, args=call.args) == 1
+    assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [1, 2, 3, 4]
+    overlap = scripts.publish(KEYS, req_id, 1, TokenEvent(seq=3, attempt=1, token_ids=[4, 5]),
+                              None, ttl_s=30, sharded=sharded)
+    assert publish(keys=overlap.keys, args=overlap.args) == 1
+    assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [1, 2, 3, 4, 5]

@@ -1,9 +1,11 @@
-"""The worker's Redis protocol against a real Redis: fencing, checkpoints, claims, dead letters."""
+"""The worker's Redis protocol against a real Redis and a real Redis Cluster: fencing,
+checkpoints, claims, dead letters, stream shards."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import redis
 
 from shared.wire import (
@@ -18,7 +20,10 @@ from shared.wire import (
     decode_checkpoint,
     encode_checkpoint,
 )
+from tests.helpers.channels import next_message, subscribe
 from worker.protocol import Publication, TooLarge, WorkerProtocol
+
+pytestmark = pytest.mark.topologies
 
 MODEL = "m"
 BEAT = Heartbeat(model=MODEL, ts=0.0)  # what a worker writes; only its existence matters here
@@ -28,12 +33,12 @@ def enqueue(client: redis.Redis, keys: Keys, req_id: str, prompt=(1, 2, 3), prio
     request = GenerationRequest(req_id, MODEL, list(prompt), SamplingParams(max_tokens=4),
                                 priority=priority)
     client.hset(keys.request(req_id), mapping=RequestRecord(request).encode())
-    client.xadd(keys.queue(MODEL, priority), QueueEntry(request).encode())
+    client.xadd(keys.queue(MODEL, priority, keys.shard_of(req_id)), QueueEntry(request).encode())
     return request
 
 
-def make(client, worker_id="w1") -> WorkerProtocol:
-    protocol = WorkerProtocol(client, Keys(), MODEL, worker_id, result_ttl_s=60)
+def make(client, worker_id="w1", keys: Keys | None = None) -> WorkerProtocol:
+    protocol = WorkerProtocol(client, keys or Keys(), MODEL, worker_id, result_ttl_s=60)
     protocol.ensure_groups()
     return protocol
 
@@ -88,13 +93,11 @@ def test_final_event_records_status_acks_and_expires(redis_client):
     enqueue(redis_client, keys, "r")
     delivery = protocol.read_new(keys.queue(MODEL), None)
     attempt, _ = protocol.start_attempt("r")
-    pubsub = redis_client.pubsub()
-    pubsub.subscribe(keys.tokens("r"))
-    pubsub.get_message(timeout=1)
+    pubsub = subscribe(redis_client, keys.tokens("r"))
     event = TokenEvent(0, attempt, [9], finish_reason="length")
     assert protocol.publish([Publication("r", attempt, event, RequestStatus.FINISHED_LENGTH,
                                          delivery.stream, delivery.entry_id)]) == [True]
-    message = pubsub.get_message(timeout=1)
+    message = next_message(pubsub)
     assert TokenEvent.unpack(message["data"]).token_ids == [9]
     assert redis_client.hget(keys.request("r"), "status") == b"finished_length"
     assert redis_client.xpending(keys.queue(MODEL), keys.group)["pending"] == 0
@@ -170,11 +173,9 @@ def test_fail_dead_letters_and_tells_the_client(redis_client):
     enqueue(redis_client, keys, "poison")
     delivery = protocol.read_new(keys.queue(MODEL), None)
     attempt, _ = protocol.start_attempt("poison")
-    pubsub = redis_client.pubsub()
-    pubsub.subscribe(keys.tokens("poison"))
-    pubsub.get_message(timeout=1)
+    pubsub = subscribe(redis_client, keys.tokens("poison"))
     protocol.fail(delivery, attempt, 0, "boom", dead_letter=True)
-    event = TokenEvent.unpack(pubsub.get_message(timeout=1)["data"])
+    event = TokenEvent.unpack(next_message(pubsub)["data"])
     assert event.finish_reason == "error" and event.error == "boom"
     dead = redis_client.xrange(keys.dead_letter(MODEL))
     assert dead[0][1][b"id"] == b"poison"
@@ -189,3 +190,24 @@ def test_heartbeat_expires(redis_client):
     assert (beat.model, beat.blocks_free) == ("m", 3) and abs(beat.ts - time.time()) < 5
     time.sleep(0.35)
     assert not redis_client.exists(key)
+
+
+def test_a_worker_reads_every_stream_shard(redis_client):
+    keys = Keys(queue_shards=3)
+    protocol = make(redis_client, keys=keys)
+    ids = [f"s-{i}" for i in range(12)]
+    for req_id in ids:
+        enqueue(redis_client, keys, req_id)
+    assert {keys.shard_of(req_id) for req_id in ids} == {0, 1, 2}
+    taken = []
+    while (delivery := protocol.read_if_fits(100)) is not None:
+        taken.append(delivery.request.req_id)
+        assert delivery.stream == keys.queue(MODEL, "interactive", keys.shard_of(taken[-1]))
+        attempt, _ = protocol.start_attempt(taken[-1])
+        event = TokenEvent(seq=0, attempt=attempt, token_ids=[1], finish_reason="stop")
+        assert protocol.publish([Publication(taken[-1], attempt, event,
+                                             RequestStatus.FINISHED_STOPPED, delivery.stream,
+                                             delivery.entry_id)]) == [True]
+    assert sorted(taken) == sorted(ids)
+    assert all(redis_client.xpending(stream, keys.group)["pending"] == 0
+               for stream in keys.all_queues(MODEL))

@@ -1,5 +1,6 @@
-"""The worker service loop on a tiny engine and a real Redis: serving, crash-resume with fencing,
-cancellation, deadlines, poison requests and pull-only-when-room."""
+"""The worker service loop on a tiny engine and a real Redis (and a real Redis Cluster, with 3
+stream shards): serving, crash-resume with fencing, cancellation, deadlines, poison requests and
+pull-only-when-room."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ from shared.settings import WorkerSettings
 from shared.wire import (
     GenerationRequest,
     Keys,
-    QueueEntry,
     RequestRecord,
     SamplingParams,
     TokenEvent,
     decode_checkpoint,
+    scripts,
 )
+from shared.redis_connect import connect, is_cluster
+from tests.helpers.channels import cancel, fleet_keys, next_message, request_id_of, subscribe
 from tests.engine.tiny_models import TinyModel, random_prompt
 from worker.protocol import WorkerProtocol
 from worker.service import WorkerService
+
+pytestmark = pytest.mark.topologies
 
 MODEL = "tiny"
 
@@ -37,21 +42,27 @@ class Client:
     def __init__(self, redis_client: redis.Redis, keys: Keys):
         self.redis = redis_client
         self.keys = keys
-        self.pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+        self.pubsub = None
         self.events: dict[str, list[TokenEvent]] = {}
 
     def send(self, prompt, params: SamplingParams, deadline: float | None = None) -> str:
         req_id = f"r-{uuid.uuid4().hex[:8]}"
-        self.pubsub.subscribe(self.keys.tokens(req_id))
+        if self.pubsub is None:
+            self.pubsub = subscribe(self.redis, self.keys.tokens(req_id))
+        elif is_cluster(self.redis):
+            self.pubsub.ssubscribe(self.keys.tokens(req_id))
+        else:
+            self.pubsub.subscribe(self.keys.tokens(req_id))
         request = GenerationRequest(req_id, MODEL, prompt, params, deadline=deadline)
         self.redis.hset(self.keys.request(req_id), mapping=RequestRecord(request).encode())
-        self.redis.xadd(self.keys.queue(MODEL), QueueEntry(request).encode())
+        stream, fields = scripts.queue_entry(self.keys, request)
+        self.redis.xadd(stream, fields)
         self.events[req_id] = []
         return req_id
 
     def drain(self) -> None:
-        while (message := self.pubsub.get_message(timeout=0.01)) is not None:
-            req_id = message["channel"].decode().rsplit(":", 1)[1]
+        while (message := next_message(self.pubsub, 0.01)) is not None:
+            req_id = request_id_of(message["channel"])
             self.events[req_id].append(TokenEvent.unpack(message["data"]))
 
     def final(self, req_id: str) -> TokenEvent | None:
@@ -78,8 +89,8 @@ def make_service(redis_url: str, tiny: TinyModel, worker_id: str, **settings) ->
     settings = WorkerSettings(redis_url=redis_url, model=MODEL, worker_id=worker_id,
                               heartbeat_ttl_s=settings.pop("heartbeat_ttl_s", 0.3),
                               heartbeat_interval_s=0.05, read_block_ms=10, **settings)
-    client = redis.Redis.from_url(redis_url)
-    protocol = WorkerProtocol(client, Keys(), MODEL, worker_id, result_ttl_s=60)
+    client = connect(redis_url)
+    protocol = WorkerProtocol(client, fleet_keys(client), MODEL, worker_id, result_ttl_s=60)
     engine = tiny.engine(num_blocks=64, block_size=4)
     service = WorkerService(settings, engine, client, protocol)
     service.connect()
@@ -96,7 +107,7 @@ def run_until(service: WorkerService, done, max_iterations: int = 2000) -> None:
 
 @pytest.fixture
 def client(redis_client) -> Client:
-    return Client(redis_client, Keys())
+    return Client(redis_client, fleet_keys(redis_client))
 
 
 def test_serves_a_request_token_for_token_like_generate(redis_url, client, tiny):
@@ -107,8 +118,9 @@ def test_serves_a_request_token_for_token_like_generate(redis_url, client, tiny)
     final = client.final(req_id)
     assert final.finish_reason == "length" and final.usage.completion_tokens == 12
     assert client.text(req_id) == tiny.reference(prompt, 12)
-    assert decode_checkpoint(client.redis.get(Keys().checkpoint(req_id))) == tiny.reference(prompt, 12)
-    assert client.redis.xpending(Keys().queue(MODEL), Keys().group)["pending"] == 0
+    assert decode_checkpoint(client.redis.get(client.keys.checkpoint(req_id))) == tiny.reference(prompt, 12)
+    assert all(client.redis.xpending(stream, client.keys.group)["pending"] == 0
+               for stream in client.keys.all_queues(MODEL))
     text = worker.metrics.render().decode()
     assert 'kvfleet_worker_output_tokens_total{model="tiny",worker="w1"} 12.0' in text
     assert 'outcome="length"' in text
@@ -133,7 +145,7 @@ def test_a_dead_workers_request_resumes_elsewhere_without_gap_or_repeat(redis_ur
     run_until(rescuer, lambda: client.final(req_id))
     assert client.text(req_id) == expected
     assert max(e.attempt for e in client.events[req_id]) == 2
-    assert client.redis.hget(Keys().request(req_id), "worker") == b"rescuer"
+    assert client.redis.hget(client.keys.request(req_id), "worker") == b"rescuer"
     assert 'kvfleet_worker_takeovers_total{model="tiny",worker="rescuer"} 1.0' in \
         rescuer.metrics.render().decode()
 
@@ -154,13 +166,13 @@ def test_cancel_aborts_within_a_step_and_frees_blocks(redis_url, client, tiny):
                          SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     run_until(worker, lambda: (client.drain(), len(client.text(req_id)) >= 3)[1])
     assert worker.engine.stats().num_blocks_free < start_free
-    client.redis.publish(Keys().cancel(), req_id)
+    cancel(client.redis, client.keys, req_id)
     time.sleep(0.05)
     worker.run_once()
     final = client.final(req_id)
     assert final is not None and final.finish_reason == "abort"
     assert worker.engine.stats().num_blocks_free == start_free
-    assert client.redis.hget(Keys().request(req_id), "status") == b"finished_aborted"
+    assert client.redis.hget(client.keys.request(req_id), "status") == b"finished_aborted"
 
 
 def test_a_request_past_its_deadline_is_skipped_not_computed(redis_url, client, tiny):
@@ -174,7 +186,7 @@ def test_a_request_past_its_deadline_is_skipped_not_computed(redis_url, client, 
 
 
 def test_a_poison_request_goes_to_the_dead_letter_stream(redis_url, client, tiny):
-    keys = Keys()
+    keys = client.keys
     req_id = client.send(random_prompt(5, seed=5), SamplingParams(max_tokens=50, temperature=0))
     for name in ("crash-1", "crash-2"):  # two workers take it and die without a trace
         crasher = make_service(redis_url, tiny, name, max_deliveries=2)
@@ -195,7 +207,7 @@ def test_a_poison_request_goes_to_the_dead_letter_stream(redis_url, client, tiny
 
 
 def test_work_that_does_not_fit_stays_in_the_stream(redis_url, client, tiny):
-    keys = Keys()
+    keys = client.keys
     worker = make_service(redis_url, tiny, "w1")
     # 64 blocks of 4 tokens: the first request fills most of the pool, the second can't be admitted.
     big = client.send(random_prompt(200, seed=6),
@@ -205,7 +217,7 @@ def test_work_that_does_not_fit_stays_in_the_stream(redis_url, client, tiny):
     other = client.send(random_prompt(120, seed=7), SamplingParams(max_tokens=4, temperature=0))
     worker.run_once()
     assert other not in worker.inflight
-    group = client.redis.xinfo_groups(keys.queue(MODEL))[0]
+    group = client.redis.xinfo_groups(keys.queue(MODEL, "interactive", keys.shard_of(other)))[0]
     assert group["lag"] == 1  # still undelivered: any worker with room may take it
     run_until(worker, lambda: client.final(big))
     run_until(worker, lambda: client.final(other))
@@ -271,7 +283,7 @@ def test_a_device_failure_exits_the_worker_and_its_request_resumes_elsewhere(red
     with pytest.raises(DeviceFailure):
         sick.run(threading.Event())
     assert client.final(req_id) is None  # not failed: still pending for another worker
-    assert not client.redis.exists(Keys().worker("sick"))  # its heartbeat is gone at once
+    assert not client.redis.exists(client.keys.worker("sick"))  # its heartbeat is gone at once
 
     time.sleep(0.4)  # its stream entry goes idle past the heartbeat TTL
     rescuer = make_service(redis_url, tiny, "rescuer")

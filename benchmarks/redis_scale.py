@@ -1,0 +1,211 @@
+"""Redis scale benchmark: the fleet protocol on one Redis vs a 3-primary Redis Cluster, driven by
+synthetic workers (WorkerProtocol, no model) and synthetic gateways (RedisEngineClient: the real
+enqueue, fan-out and event stream) in separate processes, for the same time on each topology.
+
+    .venv/bin/python -m benchmarks.redis_scale --duration-s 20 --workers 2 --gateways 2 \
+        --concurrency 64 --tokens 32 --tokens-per-event 1
+
+Each synthetic worker keeps up to `--running` requests; every step it publishes one event of
+`--tokens-per-event` tokens per running request (PUBLISH script: checkpoint + publish, the
+step's requests in one pipelined round trip) and finishes a request after `--tokens` tokens
+(final event, XACK). Each gateway keeps `--concurrency` requests open and reads each to its final
+event. Reported per topology:
+- token events/s and tokens/s delivered end to end (received by the gateways);
+- Redis CPU per delivered event: the summed `used_cpu_sys + used_cpu_user` (INFO cpu) of every
+  node over the run ÷ events delivered, and the cluster's ratio to the single Redis's;
+- per-primary share of token events (`cmdstat_publish`/`cmdstat_spublish` calls, INFO
+  commandstats: counted inside scripts too) and of requests (`cmdstat_hincrby`: one
+  START_ATTEMPT per request), and of stream entries (`cmdstat_xadd`).
+Both topologies run without replicas (a replica's stream costs its primary CPU on both sides
+alike; the failover benchmark uses replicas). The cluster runs with `--queue-shards` = 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import platform
+import time
+import uuid
+
+import redis
+
+from shared.redis_cluster import EmbeddedCluster
+from shared.redis_connect import connect
+from shared.redis_server import EmbeddedRedis
+from shared.wire import (GenerationRequest, Heartbeat, Keys, RequestStatus, SamplingParams,
+                         TokenEvent)
+from worker.protocol import Publication, WorkerProtocol
+
+MODEL = "bench"
+PREFIX = "bench:"
+
+
+def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, running: int,
+                     tokens: int, per_event: int, out: mp.Queue) -> None:
+    keys = Keys(PREFIX, queue_shards=shards)
+    client = connect(url, socket_timeout=10)
+    protocol = WorkerProtocol(client, keys, MODEL, worker_id, result_ttl_s=60)
+    protocol.heartbeat(Heartbeat(model=MODEL, ts=0.0), 30)
+    protocol.ensure_groups()
+    inflight: dict[str, tuple] = {}  # req_id -> (delivery, attempt, produced)
+    steps = events = 0
+    while time.time() < stop_at:
+        while len(inflight) < running:
+            delivery = protocol.read_if_fits(1_000_000)
+            if delivery is None or not hasattr(delivery, "request"):
+                break
+            started = protocol.start_attempt(delivery.request.req_id)
+            if started is None:
+                protocol.ack(delivery.stream, delivery.entry_id)
+                continue
+            inflight[delivery.request.req_id] = (delivery, started[0], 0)
+        if not inflight:
+            time.sleep(0.001)
+            continue
+        items = []
+        for req_id, (delivery, attempt, produced) in list(inflight.items()):
+            new = list(range(produced, min(produced + per_event, tokens)))
+            final = produced + len(new) >= tokens
+            event = TokenEvent(seq=produced, attempt=attempt, token_ids=new,
+                               finish_reason="length" if final else None)
+            items.append(Publication(req_id, attempt, event,
+                                     RequestStatus.FINISHED_LENGTH if final else None,
+                                     delivery.stream, delivery.entry_id))
+            if final:
+                del inflight[req_id]
+            else:
+                inflight[req_id] = (delivery, attempt, produced + len(new))
+        protocol.publish(items)
+        steps += 1
+        events += len(items)
+    protocol.remove_heartbeat()
+    out.put({"worker": worker_id, "steps": steps, "events": events})
+
+
+def synthetic_gateway(url: str, shards: int, start_at: float, stop_at: float, concurrency: int,
+                      out: mp.Queue) -> None:
+    asyncio.run(_gateway(url, shards, start_at, stop_at, concurrency, out))
+
+
+async def _gateway(url, shards, start_at, stop_at, concurrency, out) -> None:
+    from gateway.fleet.redis_client import RedisEngineClient
+
+    client = RedisEngineClient.from_url(url, Keys(PREFIX, queue_shards=shards),
+                                        command_timeout_s=10, first_event_timeout_s=30)
+    await client.start()
+    counts = {"events": 0, "tokens": 0, "requests": 0, "errors": 0}
+
+    async def one_stream() -> None:
+        while time.time() < stop_at:
+            request = GenerationRequest(f"b-{uuid.uuid4().hex}", MODEL, [1, 2, 3],
+                                        SamplingParams(max_tokens=1_000_000),
+                                        deadline=time.time() + 120, created=time.time())
+            try:
+                events = await client.submit(request)
+                async for event in events:
+                    if start_at <= time.time() < stop_at:
+                        counts["events"] += 1
+                        counts["tokens"] += len(event.token_ids)
+                    if event.is_final:
+                        break
+                await events.aclose()
+                counts["requests"] += 1
+            except Exception:  # noqa: BLE001 - counted, reported
+                counts["errors"] += 1
+                await asyncio.sleep(0.1)
+
+    await asyncio.gather(*(one_stream() for _ in range(concurrency)))
+    await client.close()
+    out.put(counts)
+
+
+def node_stats(ports: list[int]) -> dict[int, dict[str, float]]:
+    stats = {}
+    for port in ports:
+        client = redis.Redis(port=port)
+        cpu = client.info("cpu")
+        commands = client.info("commandstats")
+        calls = {name.removeprefix("cmdstat_"): value["calls"] for name, value in commands.items()}
+        stats[port] = {"cpu_s": cpu["used_cpu_sys"] + cpu["used_cpu_user"],
+                       "publish": calls.get("publish", 0) + calls.get("spublish", 0),
+                       "requests": calls.get("hincrby", 0), "xadd": calls.get("xadd", 0)}
+        client.close()
+    return stats
+
+
+def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    warmup_s = 2.0
+    start_at = time.time() + 3.0 + warmup_s  # processes start (spawn), then warm up
+    stop_at = start_at + args.duration_s
+    procs = [ctx.Process(target=synthetic_worker,
+                         args=(url, shards, f"w{i}", stop_at + 2, args.running, args.tokens,
+                               args.tokens_per_event, out)) for i in range(args.workers)]
+    procs += [ctx.Process(target=synthetic_gateway,
+                          args=(url, shards, start_at, stop_at, args.concurrency, out))
+              for _ in range(args.gateways)]
+    for proc in procs:
+        proc.start()
+    time.sleep(max(start_at - time.time(), 0))
+    before = node_stats(ports)
+    time.sleep(max(stop_at - time.time(), 0))
+    after = node_stats(ports)
+    results = [out.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    gateways = [r for r in results if "tokens" in r]
+    events = sum(g["events"] for g in gateways)
+    delta = {port: {k: after[port][k] - before[port][k] for k in after[port]} for port in ports}
+    total = {k: sum(d[k] for d in delta.values()) for k in ("cpu_s", "publish", "requests", "xadd")}
+
+    def shares(field: str) -> list[float]:
+        return [round(100 * delta[p][field] / max(total[field], 1), 1) for p in ports]
+
+    return {"topology": name, "nodes": len(ports), "queue_shards": shards,
+            "events_per_s": round(events / args.duration_s),
+            "tokens_per_s": round(sum(g["tokens"] for g in gateways) / args.duration_s),
+            "requests_done": sum(g["requests"] for g in gateways),
+            "errors": sum(g["errors"] for g in gateways),
+            "redis_cpu_s": round(total["cpu_s"], 3),
+            "redis_cpu_us_per_event": round(1e6 * total["cpu_s"] / max(events, 1), 2),
+            "event_share_pct": shares("publish"), "request_share_pct": shares("requests"),
+            "stream_entry_share_pct": shares("xadd")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration-s", type=float, default=20)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--gateways", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=64, help="open requests per gateway")
+    parser.add_argument("--running", type=int, default=64, help="requests per worker")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per request")
+    parser.add_argument("--tokens-per-event", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    print(f"# {platform.processor() or platform.machine()}, {mp.cpu_count()} cores, "
+          f"redis-py {redis.__version__}; {vars(args)}", flush=True)
+    rows = []
+    with EmbeddedRedis() as single:
+        rows.append(run_topology("single", single.url, [single.port], 1, args))
+    with EmbeddedCluster(num_primaries=3, replicas=0) as cluster:
+        rows.append(run_topology("cluster", cluster.url, [n.port for n in cluster.nodes], 3,
+                                 args))
+    for row in rows:
+        print(json.dumps(row) if args.json else
+              f"{row['topology']:8} nodes {row['nodes']} shards {row['queue_shards']}: "
+              f"{row['events_per_s']} events/s, {row['tokens_per_s']} tokens/s, "
+              f"{row['requests_done']} requests, {row['errors']} errors; Redis CPU "
+              f"{row['redis_cpu_us_per_event']} us/event; event share {row['event_share_pct']}, "
+              f"request share {row['request_share_pct']}, stream entries "
+              f"{row['stream_entry_share_pct']}")
+    ratio = rows[1]["redis_cpu_us_per_event"] / max(rows[0]["redis_cpu_us_per_event"], 1e-9)
+    print(f"cluster / single Redis CPU per event: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

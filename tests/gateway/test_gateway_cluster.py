@@ -1,0 +1,111 @@
+"""The gateway's fleet client on a real Redis Cluster (3 primaries + 3 replicas) with 3 stream
+shards: requests spread over the shards, token events arrive by sharded pub/sub on one
+connection per node, cancels and queue load work across nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+from redis.crc import key_slot
+
+from gateway.fleet.redis_client import RedisEngineClient
+from shared.redis_cluster import slot_range
+from shared.redis_connect import connect
+from shared.wire import GenerationRequest, Keys, SamplingParams, TokenEvent
+from tests.gateway.fake_worker import FakeWorker
+from tests.gateway.fakes import token_events
+from tests.helpers.channels import next_message, subscribe
+
+MODEL = "tiny-model"
+KEYS = Keys("kvc:", queue_shards=3)
+
+
+def make_request(req_id: str, prompt: list[int]) -> GenerationRequest:
+    return GenerationRequest(req_id=req_id, model=MODEL, prompt_token_ids=prompt,
+                             params=SamplingParams(max_tokens=4, seed=7),
+                             deadline=time.time() + 30, created=time.time())
+
+
+def echo_script(request: GenerationRequest) -> list[TokenEvent]:
+    return token_events(request.prompt_token_ids, prompt_tokens=len(request.prompt_token_ids),
+                        per_event=2)
+
+
+async def read_until_final(events) -> list[int]:
+    tokens = []
+    async for event in events:
+        tokens.extend(event.token_ids)
+        if event.is_final:
+            break
+    await events.aclose()
+    return tokens
+
+
+@pytest.fixture
+def cluster_url(redis_cluster) -> str:
+    redis_cluster.flush()
+    yield redis_cluster.url
+    redis_cluster.flush()
+
+
+@pytest.fixture
+async def client(cluster_url):
+    engine = RedisEngineClient.from_url(cluster_url, KEYS, first_event_timeout_s=5.0)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+async def test_requests_spread_over_shards_and_stream_back_over_one_connection_per_node(
+        client, cluster_url):
+    assert client.context.cluster
+    ids = [f"cmpl-{i}" for i in range(30)]
+    async with FakeWorker(cluster_url, KEYS, MODEL, echo_script) as worker:
+        streams = await asyncio.gather(*(client.submit(make_request(req_id, [i, i + 1, i + 2]))
+                                         for i, req_id in enumerate(ids)))
+        connections = client.fanout.num_connections
+        results = await asyncio.gather(*(read_until_final(s) for s in streams))
+    assert results == [[i, i + 1, i + 2] for i in range(len(ids))]
+    assert connections == 3  # one sharded subscription per primary, not one per request
+    shards = Counter(KEYS.shard_of(r.req_id) for r in worker.received)
+    assert set(shards) == {0, 1, 2}
+    for shard in range(3):  # each shard's streams live on the primary of its slot range
+        low, high = slot_range(shard, 3)
+        assert low <= key_slot(KEYS.queue(MODEL, "interactive", shard).encode()) <= high
+    assert client.fanout.num_subscribed == 0
+
+
+async def test_enqueue_is_idempotent_on_the_cluster(client, cluster_url):
+    request = make_request("cmpl-once", [1, 2])
+    assert await client.enqueue(request) is True
+    assert await client.enqueue(request) is False
+    sync = connect(cluster_url)
+    try:
+        stream = KEYS.queue(MODEL, "interactive", KEYS.shard_of("cmpl-once"))
+        assert sync.xlen(stream) == 1
+        assert sum(sync.xlen(s) for s in KEYS.all_queues(MODEL) if sync.exists(s)) == 1
+        assert sync.hget(KEYS.request("cmpl-once"), "status") == b"queued"
+    finally:
+        sync.close()
+
+
+async def test_cancel_reaches_a_sharded_subscriber(client, cluster_url):
+    sync = connect(cluster_url)
+    pubsub = subscribe(sync, KEYS.cancel())
+    try:
+        await client.cancel("cmpl-gone")
+        message = await asyncio.to_thread(next_message, pubsub, 3.0)
+        assert message is not None and message["data"] == b"cmpl-gone"
+    finally:
+        pubsub.close()
+        sync.close()
+
+
+async def test_queue_load_counts_every_shard(client):
+    for i in range(9):
+        assert await client.enqueue(make_request(f"cmpl-q{i}", [1]))
+    load = await client.queue_load(MODEL)
+    assert load.undelivered == 9
