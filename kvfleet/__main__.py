@@ -2,4 +2,5 @@ import sys
 
 from kvfleet.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # tensor-parallel ranks are spawned: they import this module again
+    sys.exit(main())

@@ -120,6 +120,9 @@ class WorkerSettings(CommonSettings):
     # eager runs their static buffers without capturing (debugging)
     cuda_graphs: Literal["auto", "off", "eager"] = "auto"
     grammar_cache_size: int = 256  # compiled output constraints (structured outputs) kept, LRU
+    # ranks (processes, one device each: cuda:0..N-1, or CPU with gloo) the model is split over;
+    # kv_memory, swap_space and gpu_memory_utilization are per rank
+    tensor_parallel_size: int = Field(default=1, ge=1)
     block_size: int = 16
     max_batched_tokens: int = 512
     max_running: int = 64

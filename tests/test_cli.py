@@ -76,3 +76,16 @@ def test_kv_format_and_preemption_settings_reach_the_engine_config(monkeypatch):
         WorkerSettings()
     with pytest.raises(SystemExit):  # argparse refuses what is not a choice
         build_parser().parse_args(["worker", "--preemption", "sometimes"])
+
+
+def test_tensor_parallel_size_reaches_the_engine_config(monkeypatch):
+    from worker.main import engine_config
+
+    args = build_parser().parse_args(["up", "--workers", "1", "--tensor-parallel-size", "2"])
+    env = given_flags(WorkerSettings, args)
+    assert env["KVFLEET_TENSOR_PARALLEL_SIZE"] == "2"
+    monkeypatch.setenv("KVFLEET_TENSOR_PARALLEL_SIZE", "2")
+    assert engine_config(WorkerSettings()).tensor_parallel_size == 2
+    monkeypatch.setenv("KVFLEET_TENSOR_PARALLEL_SIZE", "0")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        WorkerSettings()

@@ -175,3 +175,32 @@ def test_the_redis_side_follows_the_measured_rates(capsys):
     assert coalesced["events_per_s"] == 500_000 and coalesced["primaries"] == 25
     small = run_json(capsys, "--demand", "3000")["redis"]
     assert small["primaries"] == 1 and small["gateway_pubsub_connections"] == small["gateways"]
+
+
+def test_tensor_parallel_counts_memory_per_rank(capsys):
+    one = run_json(capsys, "--from-model", json.dumps(SMOLLM2_CONFIG), "--gpu-memory", "1GB")
+    two = run_json(capsys, "--from-model", json.dumps(SMOLLM2_CONFIG), "--gpu-memory", "1GB",
+                   "--tensor-parallel-size", "2")
+    params, replicated = one["inputs"]["num_params"], 49152 * 576  # tied: one embedding matrix
+    assert two["inputs"]["replicated_params"] == replicated
+    # layers split over the ranks, the embedding whole on each
+    assert two["memory"]["weights_bytes"] == -(-((params - replicated) / 2 + replicated) * 2 // 1)
+    assert two["memory"]["free_kv_bytes"] == 10**9 - two["memory"]["weights_bytes"]
+    # 3 KV heads over 2 ranks: the larger share holds 2 of them
+    assert two["memory"]["kv_bytes_per_token"] == one["memory"]["kv_bytes_per_token"] * 2 // 3
+    assert two["memory"]["tokens_that_fit"] == \
+        two["memory"]["free_kv_bytes"] // two["memory"]["kv_bytes_per_token"]
+    assert two["memory"]["tokens_that_fit"] > one["memory"]["tokens_that_fit"]
+
+
+def test_tensor_parallel_without_a_model_and_whole_workers(capsys):
+    document = run_json(capsys, "--tensor-parallel-size", "2")
+    assert document["memory"]["weights_gb"] == 20  # nothing known to be replicated
+    assert document["memory"]["kv_bytes_per_token"] == 250_000
+    assert conversations_by_context(document) == {2000: 120, 8000: 30, 16000: 15}
+    assert (document["throughput"]["gpus_needed"], document["throughput"]["workers_needed"]) == \
+        (1448, 724)  # 1,447 accelerators' worth, in whole workers of 2
+    assert plan.main(["--tensor-parallel-size", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "Memory (per rank: a worker is 2 accelerators" in table
+    assert "in 724 workers of 2" in table and "Conversations per worker" in table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import socket
@@ -14,8 +15,9 @@ from shared.settings import WorkerSettings
 from shared.redis_connect import connect
 from worker.cpu_share import cpu_share
 from worker.engine.device import resolve_attention_backend
-from worker.engine.engine import Engine, EngineConfig
+from worker.engine.engine import Engine, EngineConfig, load_pretrained
 from worker.engine.kv_cache import resolve_device
+from worker.engine.tp_rank import launch_engine
 from worker.metrics import WorkerMetrics
 from worker.protocol import WorkerProtocol
 from worker.service import WorkerService
@@ -39,6 +41,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         attention_backend=settings.attention_backend,
         cuda_graphs=settings.cuda_graphs,
         grammar_cache_size=settings.grammar_cache_size,
+        tensor_parallel_size=settings.tensor_parallel_size,
     )
 
 
@@ -59,14 +62,19 @@ def build_engine(settings: WorkerSettings) -> Engine:
 
     # On CPU: the configured threads, else torch's default (physical cores) capped by this
     # process's share of the machine (its cpuset and its cgroup CPU quota, e.g. a container's).
+    # With tensor parallelism the ranks share them (each rank is a process of its own).
     threads = settings.num_threads if settings.num_threads > 0 else \
         min(torch.get_num_threads(), cpu_share())
+    threads = max(1, threads // settings.tensor_parallel_size)
     if threads != torch.get_num_threads():
-        log.info("torch threads: %d", threads)
+        log.info("torch threads: %d%s", threads, " per rank" if settings.tensor_parallel_size > 1
+                 else "")
         torch.set_num_threads(threads)
     path = resolve_model_path(settings.model, settings.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return Engine.from_pretrained(path, config, tokenizer=tokenizer)  # logs its budget
+    # every rank loads its own copy (with one rank: this process)
+    load = functools.partial(load_pretrained, path, config.dtype, config.device)
+    return launch_engine(load, config, tokenizer=tokenizer, num_threads=threads)  # logs its budget
 
 
 def run_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> None:
@@ -79,6 +87,14 @@ def run_worker(settings: WorkerSettings, stop: threading.Event | None = None) ->
             signal.signal(sig, lambda *_: stop.set())
     worker_id = settings.resolved_worker_id()
     engine = build_engine(settings)
+    try:
+        _serve(settings, engine, worker_id, stop)
+    finally:
+        engine.close()  # tensor-parallel ranks stop with rank 0
+
+
+def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
+           stop: threading.Event) -> None:
     # Socket timeout above the blocking XREADGROUP's BLOCK, so a quiet stream never times out.
     client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5,
                      health_check_interval=30)

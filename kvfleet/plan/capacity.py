@@ -45,16 +45,23 @@ class PlanInputs:
     prefix_share: float | None  # fraction of prompt tokens served from a cached opening
     kv_source: str = "--kv-bytes-per-token"  # where kv_bytes_per_token came from
     head_dim: int = DEFAULT_HEAD_DIM  # sizes the 8-bit formats' scale overhead
+    tensor_parallel_size: int = 1  # accelerators per worker (one rank each)
+    replicated_params: int = 0  # whole on every rank (embeddings, LM head)
+    num_kv_heads: int | None = None  # when known: KV heads per rank (else 1/N of the KV)
 
 
 @dataclass(frozen=True)
 class Memory:
+    """One accelerator's memory; with tensor parallelism, one rank's (weights, free KV and KV
+    bytes per token are per rank; tokens that fit are the worker's)."""
+
     gpu_memory_bytes: int
     weights_bytes: int
     free_kv_bytes: int
     kv_bytes_per_token: int
     kv_dtype: str
     tokens_that_fit: int
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,8 @@ class Throughput:
     streams_per_gpu: int
     tokens_per_s_per_stream: float
     demand_tokens_per_s: float
-    gpus_needed: int
+    gpus_needed: int  # with tensor parallelism: whole workers of N accelerators
+    workers_needed: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,13 +134,28 @@ def make_plan(inputs: PlanInputs) -> Plan:
 
 
 def plan_memory(inputs: PlanInputs) -> Memory:
-    weights_bytes = math.ceil(inputs.num_params * inputs.bytes_per_param)
+    n = inputs.tensor_parallel_size
+    replicated = min(inputs.replicated_params, inputs.num_params) if n > 1 else 0
+    weights_bytes = math.ceil(((inputs.num_params - replicated) / n + replicated)
+                              * inputs.bytes_per_param)
     free_kv_bytes = inputs.gpu_memory_bytes - weights_bytes
     if free_kv_bytes <= 0:
         raise WeightsDoNotFit(weights_bytes, inputs.gpu_memory_bytes)
+    kv_bytes_per_token = math.ceil(inputs.kv_bytes_per_token * kv_share_per_rank(inputs))
     return Memory(inputs.gpu_memory_bytes, weights_bytes, free_kv_bytes,
-                  inputs.kv_bytes_per_token, inputs.kv_dtype,
-                  free_kv_bytes // inputs.kv_bytes_per_token)
+                  kv_bytes_per_token, inputs.kv_dtype,
+                  free_kv_bytes // kv_bytes_per_token, n)
+
+
+def kv_share_per_rank(inputs: PlanInputs) -> float:
+    """The largest share of a token's KV one rank holds: whole KV heads split as evenly as
+    possible, one replicated head when there are fewer heads than ranks (as the engine does)."""
+    n, heads = inputs.tensor_parallel_size, inputs.num_kv_heads
+    if n == 1:
+        return 1.0
+    if heads is None:
+        return 1.0 / n
+    return (-(-heads // n) if heads >= n else 1) / heads
 
 
 def fit_context(free_kv_bytes: int, kv_bytes_per_token: int, context_tokens: float,
@@ -150,12 +173,15 @@ def fit_mix(memory: Memory, contexts: tuple[tuple[int, float | None], ...]) -> C
 
 
 def plan_throughput(inputs: PlanInputs) -> Throughput:
+    n = inputs.tensor_parallel_size
+    workers = math.ceil(math.ceil(inputs.demand_tokens_per_s / inputs.gpu_tokens_per_s) / n)
     return Throughput(
         gpu_tokens_per_s=inputs.gpu_tokens_per_s,
         streams_per_gpu=inputs.streams_per_gpu,
         tokens_per_s_per_stream=inputs.gpu_tokens_per_s / inputs.streams_per_gpu,
         demand_tokens_per_s=inputs.demand_tokens_per_s,
-        gpus_needed=math.ceil(inputs.demand_tokens_per_s / inputs.gpu_tokens_per_s),
+        gpus_needed=workers * n,
+        workers_needed=workers,
     )
 
 
@@ -185,7 +211,7 @@ def kv_dtype_what_ifs(inputs: PlanInputs, memory: Memory) -> list[KvDtypeWhatIf]
     smaller = {KV_DTYPE_BYTES[d]: d for d in KV_DTYPE_BYTES if KV_DTYPE_BYTES[d] < KV_DTYPE_BYTES[inputs.kv_dtype]}
     for dtype_bytes in sorted(smaller, reverse=True):
         element = kv_element_bytes(smaller[dtype_bytes], inputs.head_dim)
-        kv_bytes_per_token = max(1, round(inputs.kv_bytes_per_token * element / current))
+        kv_bytes_per_token = max(1, round(memory.kv_bytes_per_token * element / current))
         contexts = [fit_context(memory.free_kv_bytes, kv_bytes_per_token, tokens)
                     for tokens, _ in inputs.contexts]
         what_ifs.append(KvDtypeWhatIf(KV_DTYPE_LABELS[dtype_bytes], kv_bytes_per_token,

@@ -63,6 +63,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES), default="bf16",
                        help="KV cache element type; scales bytes per token (default: bf16). "
                             "fp8/int8 count kvfleet's fp16 scale per token and KV head")
+    group.add_argument("--tensor-parallel-size", type=arg_types.positive_int, default=1,
+                       help="accelerators per worker, the model split over them (default: 1); "
+                            "memory is counted per rank: layers split, embeddings and LM head "
+                            "whole on each (known with --from-model), KV heads split")
     group.add_argument("--head-dim", type=arg_types.positive_int, default=None,
                        help="values per KV head, for the fp8/int8 scale overhead (default: "
                             f"from --from-model, else {DEFAULT_HEAD_DIM})")
@@ -174,7 +178,17 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         prefix_share=args.prefix_share,
         kv_source=kv_source,
         head_dim=_head_dim(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        **_model_split(args),
     )
+
+
+def _model_split(args: argparse.Namespace) -> dict:
+    """What --from-model tells about splitting the model: replicated weights, KV heads."""
+    if not args.from_model:
+        return {}
+    shape = load_model_shape(args.from_model)
+    return {"replicated_params": shape.replicated_params or 0, "num_kv_heads": shape.num_kv_heads}
 
 
 def _head_dim(args: argparse.Namespace) -> int:

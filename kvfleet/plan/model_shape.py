@@ -25,6 +25,8 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     num_params_estimate: int | None  # None when the config lacks the sizes to count them
+    # embeddings + LM head: whole on every tensor-parallel rank (None: unknown)
+    replicated_params: int | None = None
 
     def describe(self) -> str:
         return (f"{self.num_layers} layers × {self.num_kv_heads} KV heads × "
@@ -65,7 +67,15 @@ def shape_from_config(config: dict, source: str = "config") -> ModelShape:
     if not num_kv_heads or not head_dim:
         raise ModelShapeError(f"{source}: config has no KV-head count or head size")
     return ModelShape(source, int(num_layers), int(num_kv_heads), int(head_dim),
-                      estimate_num_params(config))
+                      estimate_num_params(config), replicated_params(config))
+
+
+def replicated_params(config: dict) -> int | None:
+    """Embedding and (untied) LM head parameters: kvfleet keeps them whole on every rank."""
+    hidden, vocab = _first(config, _HIDDEN_KEYS), config.get("vocab_size")
+    if not hidden or not vocab:
+        return None
+    return vocab * hidden * (1 if config.get("tie_word_embeddings", False) else 2)
 
 
 def estimate_num_params(config: dict) -> int | None:

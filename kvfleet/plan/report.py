@@ -30,23 +30,37 @@ def plan_to_text(plan: Plan, inputs: PlanInputs) -> str:
 
 def _memory_lines(plan: Plan, inputs: PlanInputs) -> list[str]:
     memory = plan.memory
+    n = memory.tensor_parallel_size
+    if n == 1:
+        title, weights = "Memory (one accelerator)", (
+            f"{format_number(inputs.num_params, 0)} params × "
+            f"{format_number(inputs.bytes_per_param)} B = {format_bytes(memory.weights_bytes)}")
+    else:
+        shared = min(inputs.replicated_params, inputs.num_params)
+        title = f"Memory (per rank: a worker is {n} accelerators, tensor parallel)"
+        weights = (f"({format_number(inputs.num_params - shared, 0)} split ÷ {n} + "
+                   f"{format_number(shared, 0)} whole) params × "
+                   f"{format_number(inputs.bytes_per_param)} B = {format_bytes(memory.weights_bytes)}")
     return [
-        "Memory (one accelerator)",
-        _row("weights", f"{format_number(inputs.num_params, 0)} params × "
-                        f"{format_number(inputs.bytes_per_param)} B = "
-                        f"{format_bytes(memory.weights_bytes)}"),
+        title,
+        _row("weights", weights),
         _row("accelerator memory", format_bytes(memory.gpu_memory_bytes)),
         _row("free for KV cache", f"{format_bytes(memory.gpu_memory_bytes)} - "
                                   f"{format_bytes(memory.weights_bytes)} = "
                                   f"{format_bytes(memory.free_kv_bytes)}"),
-        _row("KV per token", f"{format_bytes(memory.kv_bytes_per_token)} ({memory.kv_dtype}, "
-                             f"{inputs.kv_source}) -> "
-                             f"{format_number(memory.tokens_that_fit, 0)} tokens fit"),
+        _row("KV per token", f"{format_bytes(memory.kv_bytes_per_token)} "
+                             + (f"per rank of {format_bytes(inputs.kv_bytes_per_token)} "
+                                if n > 1 else "")
+                             + f"({memory.kv_dtype}, {inputs.kv_source}) -> "
+                             f"{format_number(memory.tokens_that_fit, 0)} tokens fit"
+                             + (" per worker" if n > 1 else "")),
     ]
 
 
 def _context_lines(plan: Plan) -> list[str]:
-    lines = ["Conversations per accelerator",
+    per = "accelerator" if plan.memory.tensor_parallel_size == 1 else \
+        f"worker ({plan.memory.tensor_parallel_size} accelerators)"
+    lines = [f"Conversations per {per}",
              f"{_INDENT}{'context tokens':>16}  {'mix':>5}  {'KV/conversation':>16}  "
              f"{'conversations':>13}"]
     for fit in plan.contexts:
@@ -72,7 +86,10 @@ def _throughput_lines(plan: Plan) -> list[str]:
                                     f"{format_number(t.tokens_per_s_per_stream)} tokens/s"),
         _row("demand", f"{format_number(t.demand_tokens_per_s)} output tokens/s"),
         _row("accelerators needed", f"{t.gpus_needed:,} (⌈{format_number(t.demand_tokens_per_s)}"
-                                    f" ÷ {format_number(t.gpu_tokens_per_s)}⌉)"),
+                                    f" ÷ {format_number(t.gpu_tokens_per_s)}⌉)"
+                                    + (f" in {t.workers_needed:,} workers of "
+                                       f"{t.gpus_needed // t.workers_needed}"
+                                       if t.gpus_needed != t.workers_needed else "")),
     ]
 
 

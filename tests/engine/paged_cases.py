@@ -13,7 +13,7 @@ from shared.wire import SamplingParams
 from worker.engine.attention import CONTEXT_KWARG, paged_attention_forward
 from worker.engine.kv_cache import KVCachePool, KVLayout
 from worker.engine.kv_format import resolve_kv_format
-from worker.engine.model_runner import ModelRunner
+from worker.engine.model_runner import ModelRunner, plan_step
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
 
@@ -82,7 +82,7 @@ def run_case(case: PagedCase, device: torch.device) -> tuple[torch.Tensor, torch
     for backend in ("sdpa", "triton"):
         runner = ModelRunner(model, pool, attention_backend=backend)
         runner.device = device
-        context = runner.prepare(sched).context
+        context = runner.prepare(plan_step(sched, pool.block_size)[0]).context
         # writing the step's K/V again stores the same codes, so both runs see one cache
         out, _ = paged_attention_forward(_Layer(), query, key, value, None,
                                          scaling=case.head_dim ** -0.5, **{CONTEXT_KWARG: context})

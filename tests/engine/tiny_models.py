@@ -22,13 +22,23 @@ MODEL_FACTORIES = {
 }
 
 
+def build_model(family: str, **overrides):
+    """The seeded tiny model, `overrides` on its config: every process that builds it gets the
+    same weights (a picklable loader for tensor-parallel ranks: partial(build_model, family))."""
+    torch.manual_seed(1234)
+    if not overrides:
+        return MODEL_FACTORIES[family]()
+    model_cls, config_cls = {"llama": (LlamaForCausalLM, LlamaConfig),
+                             "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[family]
+    return model_cls(config_cls(**{**_COMMON, **overrides}))
+
+
 class TinyModel:
     """A seeded random model; `engine()` wraps a fresh copy, `reference()` runs HF generate."""
 
-    def __init__(self, family: str):
-        torch.manual_seed(1234)
+    def __init__(self, family: str, **overrides):
         self.family = family
-        self.model = MODEL_FACTORIES[family]().eval()
+        self.model = build_model(family, **overrides).eval()
         self.model.set_attn_implementation("eager")
         self._references: dict[tuple, list[int]] = {}
 

@@ -7,6 +7,7 @@ what a real model's long prefill steps look like to the fleet protocol, in a tes
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import threading
@@ -17,8 +18,9 @@ import torch
 
 from shared.settings import WorkerSettings
 from shared.wire import Keys
-from tests.engine.tiny_models import TinyModel
-from worker.engine.engine import Engine
+from tests.engine.tiny_models import build_model
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.tp_rank import launch_engine
 from worker.metrics import WorkerMetrics
 from worker.protocol import WorkerProtocol
 from worker.service import WorkerService
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.1)
     parser.add_argument("--max-running", type=int, default=4)
     parser.add_argument("--metrics-port", type=int, required=True)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
@@ -64,10 +67,17 @@ def main() -> None:
     protocol = WorkerProtocol(client, Keys(), MODEL, args.worker_id, result_ttl_s=600)
     metrics = WorkerMetrics(args.worker_id, MODEL)
     metrics.serve(args.metrics_port, "127.0.0.1")
-    engine = SlowSteps(TinyModel("llama").engine(num_blocks=256, block_size=4), args.step_s)
+    config = EngineConfig(device="cpu", num_blocks=256, block_size=4,
+                          tensor_parallel_size=args.tensor_parallel_size)
+    # every rank builds the seeded model itself (one rank: the same weights in this process)
+    engine = SlowSteps(launch_engine(functools.partial(build_model, "llama"), config, num_threads=1),
+                       args.step_s)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    WorkerService(settings, engine, client, protocol, metrics).run(stop)
+    try:
+        WorkerService(settings, engine, client, protocol, metrics).run(stop)
+    finally:
+        engine.close()
 
 
 if __name__ == "__main__":

@@ -36,16 +36,17 @@ ROOT = Path(__file__).resolve().parents[2]
 class SlowWorker:
     """One `tests.integration.slow_worker` process, its log and its /metrics."""
 
-    def __init__(self, redis_url: str, worker_id: str, log_dir: Path):
+    def __init__(self, redis_url: str, worker_id: str, log_dir: Path, step_s: float = STEP_S,
+                 ttl_s: float = TTL_S, tensor_parallel_size: int = 1):
         self.worker_id = worker_id
         self.metrics_port = free_port()
         self.log_path = log_dir / f"{worker_id}.log"
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "tests.integration.slow_worker", "--redis-url", redis_url,
-                 "--worker-id", worker_id, "--step-s", str(STEP_S), "--heartbeat-ttl-s",
-                 str(TTL_S), "--max-running", str(MAX_RUNNING), "--metrics-port",
-                 str(self.metrics_port)],
+                 "--worker-id", worker_id, "--step-s", str(step_s), "--heartbeat-ttl-s",
+                 str(ttl_s), "--max-running", str(MAX_RUNNING), "--metrics-port",
+                 str(self.metrics_port), "--tensor-parallel-size", str(tensor_parallel_size)],
                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -30,6 +30,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, else sdpa) | sdpa | triton
     cuda_graphs: str = "auto"  # auto (decode graphs with the triton backend on CUDA) | off | eager
     grammar_cache_size: int = 256  # compiled output constraints kept (LRU)
+    # ranks (one process and device each) the model is split over; budgets above are per rank
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -53,5 +55,7 @@ class EngineConfig:
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_MODES)}, "
                              f"got {self.cuda_graphs!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

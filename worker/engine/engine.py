@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,13 +19,15 @@ from worker.engine.kv_cache import (
     HostBlocks, KVCachePool, KVLayout, format_bytes, plan_budget, resolve_device, resolve_dtype)
 from worker.engine.kv_format import resolve_kv_format
 from worker.engine.memory_profile import profile_step
-from worker.engine.model_runner import ModelRunner, StepLogits
+from worker.engine.model_runner import ModelRunner, StepLogits, plan_step
 from worker.engine.preemption import PreemptionCostModel, SwapSpace
 from worker.engine.prompt_logprobs import compute_prompt_logprobs
 from worker.engine.sampler import Sampler, SamplerInput
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StopChecker
+from worker.engine.tp_group import RankFailure, RankGroup
+from worker.engine.tp_shard import shard_model
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.requests import ConstrainedRequests
 
@@ -86,6 +88,14 @@ def max_model_len_of(config) -> int:
     return length
 
 
+def load_pretrained(model_path: str, dtype_name: str, device_name: str):
+    """The model on the CPU in the engine's dtype (module-level: the ranks' picklable loader)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(dtype_name, resolve_device(device_name))
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=None)
+
+
 def _raise_if_sticky(error: Exception) -> None:
     """A device error that poisons every later step is not the requests' fault: leave them
     unfinished and let the worker exit (DeviceFailure), so they resume on another worker."""
@@ -95,29 +105,45 @@ def _raise_if_sticky(error: Exception) -> None:
 
 
 class Engine:
-    """Continuous-batching engine over one model and one KV block pool."""
+    """Continuous-batching engine over one model and one KV block pool.
 
-    def __init__(self, model, config: EngineConfig, tokenizer=None):
+    With tensor parallelism (`ranks`), every rank builds one over its shard of the model and its
+    own pool of its KV heads; rank 0's engine schedules, samples and sends each step to the
+    others (`tp_rank.follow`). `tp_rank.launch_engine` starts the ranks and makes rank 0's.
+    """
+
+    def __init__(self, model, config: EngineConfig, tokenizer=None, ranks: RankGroup | None = None):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.ranks = ranks
+        self.device = ranks.device if ranks is not None else resolve_device(config.device)
         select_device(self.device)  # cuda:N is the current device from here on
         self.dtype = resolve_dtype(config.dtype, self.device)
+        layout = KVLayout.from_model_config(model.config, resolve_kv_format(config.kv_dtype, self.dtype))
+        num_heads = None
+        if ranks is not None:  # keep this rank's shard only, before the model reaches the device
+            shard = shard_model(model, ranks.rank, ranks.world_size, ranks.group, ranks.comm_timer)
+            layout = replace(layout, num_kv_heads=shard.num_kv_heads)
+            num_heads = shard.num_heads
         model = place_model(model, self.device, self.dtype)  # fp32 buffers (RoPE) stay fp32
         self.model = model
         self.max_model_len = max_model_len_of(model.config)
-        self.kv_format = resolve_kv_format(config.kv_dtype, self.dtype)
+        self.kv_format = layout.kv_format
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         graphs_mode = self._graphs_mode()
-        layout = KVLayout.from_model_config(model.config, self.kv_format)
         step_peak_bytes = 0
         if self.device.type == "cuda" and config.num_blocks is None:
             step_peak_bytes = profile_step(
                 model, layout, config.block_size, config.max_batched_tokens, config.max_running,
-                self.device, self.attention_backend).peak_bytes
+                self.device, self.attention_backend, num_heads=num_heads).peak_bytes
         self.budget = plan_budget(
             model, layout, config.block_size, self.max_model_len, self.device, config.num_blocks,
             config.kv_memory_bytes, config.gpu_memory_utilization,
             activation_reserve_bytes=step_peak_bytes)
+        if ranks is not None:  # every rank's pool has the same blocks: the smallest fits all
+            num_blocks = ranks.agree_min(self.budget.num_blocks)
+            self.budget = replace(self.budget, num_blocks=num_blocks,
+                                  kv_bytes=num_blocks * self.budget.bytes_per_token * config.block_size,
+                                  source=self.budget.source + f", smallest of {ranks.world_size} ranks")
         self.pool = KVCachePool(layout, self.budget.num_blocks, config.block_size, self.device)
         # with decode graphs the pool's last block is their padding rows' scratch, never handed out
         num_usable_blocks = self.budget.num_blocks - (graphs_mode is not None)
@@ -150,18 +176,23 @@ class Engine:
                 log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
                          decode_graphs.buckets, time.perf_counter() - started)
         self.runner = ModelRunner(model, self.pool, attention_backend=self.attention_backend,
-                                  decode_graphs=decode_graphs)
+                                  decode_graphs=decode_graphs, num_heads=num_heads)
         self._seqs: dict[str, Sequence] = {}
         self._swapped: dict[str, HostBlocks] = {}  # host copies of swapped-out streams' KV
-        log.info("engine: %s", self.device_report())
-        for line in self.budget_report():
-            log.info("KV budget: %s", line)
+        if ranks is None or ranks.is_driver:
+            log.info("engine: %s", self.device_report())
+            for line in self.budget_report():
+                log.info("KV budget: %s", line)
 
     def _graphs_mode(self) -> str | None:
         """'capture' (CUDA graphs), 'eager' (their static buffers, no capture) or None (off)."""
         mode = self.config.cuda_graphs
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return None
+        if self.ranks is not None:  # a step's collectives are not captured: ranks run eagerly
+            if mode == "auto":
+                return None
+            raise ValueError("cuda_graphs 'eager' is not supported with tensor parallelism")
         if self.attention_backend != "triton":
             if mode == "auto":
                 return None
@@ -170,12 +201,16 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model_path: str, config: EngineConfig, tokenizer=None) -> Engine:
-        from transformers import AutoModelForCausalLM
+        """One rank's engine (several ranks: `tp_rank.launch_engine` with `load_pretrained`)."""
+        if config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1: start the ranks with tp_rank.launch_engine")
+        model = load_pretrained(model_path, config.dtype, config.device)
+        return cls(model.to(resolve_device(config.device)), config, tokenizer=tokenizer)
 
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=None)
-        return cls(model.to(device), config, tokenizer=tokenizer)
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        if self.ranks is not None and self.ranks.is_driver:
+            self.ranks.stop()
 
     def _calibrate_swap_bytes_per_s(self) -> float:
         """Time a round trip of a few blocks through host memory (the cost model's prior)."""
@@ -229,7 +264,8 @@ class Engine:
         if seq is None:
             return None
         self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
-        self._swapped.pop(req_id, None)
+        if self._swapped.pop(req_id, None) is not None and self.ranks is not None:
+            self.ranks.discard_swapped(req_id)
         self.constrained.discard(req_id)
         return self._output(seq, [], None)
 
@@ -247,6 +283,8 @@ class Engine:
         """Schedule, run one forward, sample; outputs of requests that got a token or finished."""
         outputs = [self._finish_output(seq) for seq in self.scheduler.take_finished_at_add()]
         sched = self.scheduler.schedule()
+        if self.ranks is not None:
+            return outputs + self._step_ranks(sched)
         self._swap(sched)
         if sched.is_empty:
             return outputs
@@ -257,12 +295,35 @@ class Engine:
             _raise_if_sticky(exc)
             log.exception("forward failed for %d requests", len(sched.chunks))
             return outputs + self._fail([(c.seq, exc) for c in sched.chunks])
+        return outputs + self._sample_and_update(sched, step, start)
+
+    def _step_ranks(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """One tensor-parallel step: send it to the other ranks, then do our share. A failure
+        here may leave the ranks out of step, so it ends the worker (RankFailure)."""
+        plan, rows = plan_step(sched, self.config.block_size)
+        self.ranks.send_step(plan, sched.swap_out, sched.swap_in)
+        self._swap(sched)
+        if sched.is_empty:
+            return []
+        start = time.perf_counter()
+        try:
+            logits = self.runner.forward(plan, rows.prompt_indices)  # [K + P, vocab]
+        except Exception as exc:
+            log.critical("tensor-parallel forward failed on rank 0: %s", exc)
+            raise RankFailure(f"{type(exc).__name__}: {exc}") from exc
+        k = len(rows.emitting)
+        step = StepLogits(rows.emitting, logits[:k], rows.prompt_spans,
+                          logits[k:] if rows.prompt_spans else None)
+        return self._sample_and_update(sched, step, start)
+
+    def _sample_and_update(self, sched: SchedulerOutput, step: StepLogits,
+                           start: float) -> list[RequestOutput]:
         samples, failed = self._sample(step.emitting, step.logits)  # waits for the device
         failed += self._record_prompt_logprobs(step)
         prefill_tokens = sum(c.num_tokens for c in sched.chunks if c.num_tokens > 1)
         self.preemption.observe_step(prefill_tokens, sched.num_batched_tokens,
                                      time.perf_counter() - start)
-        outputs += self._fail(failed)
+        outputs = self._fail(failed)
         emissions = self.scheduler.update(sched, samples)
         outputs += [self._emission_output(e) for e in emissions]
         return outputs + self._advance_constrained(emissions)
@@ -403,7 +464,13 @@ class Engine:
 
     def budget_report(self) -> list[str]:
         swap = self.swap_space.capacity_blocks * self.pool.block_bytes
-        return self.budget.report() + [
+        lines = self.budget.report()
+        if self.ranks is not None:
+            n = self.ranks.world_size
+            lines.insert(0, f"tensor parallel over {n} ranks: weights, KV cache, bytes per token "
+                            f"and swap space are rank 0's (each rank holds its own share); "
+                            f"blocks and tokens are the worker's")
+        return lines + [
             "tokens that fit by --kv-dtype: " + " · ".join(
                 f"{name} {tokens:,}" for name, tokens in self._tokens_by_kv_dtype().items()),
             f"preemption: {self.preemption.mode}; host swap space {format_bytes(swap)} = "

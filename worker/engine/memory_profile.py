@@ -46,7 +46,8 @@ def blocks_for(step: SchedulerOutput) -> int:
 
 
 def profile_step(model: torch.nn.Module, layout: KVLayout, block_size: int, max_batched_tokens: int,
-                 max_running: int, device: torch.device, attention_backend: str) -> StepProfile:
+                 max_running: int, device: torch.device, attention_backend: str,
+                 num_heads: int | None = None) -> StepProfile:
     """Run the largest step through a throwaway pool, then sample it the most expensive way
     (top-p's full sort, penalties, logprobs); report the peak memory it took."""
     step = largest_step(max_batched_tokens, max_running, block_size)
@@ -57,7 +58,7 @@ def profile_step(model: torch.nn.Module, layout: KVLayout, block_size: int, max_
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if measuring else 0
     pool = KVCachePool(layout, blocks_for(step), block_size, device)
-    runner = ModelRunner(model, pool, attention_backend=attention_backend)
+    runner = ModelRunner(model, pool, attention_backend=attention_backend, num_heads=num_heads)
     emitting, logits = runner.execute(step)
     worst = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50,
                            repetition_penalty=1.1, frequency_penalty=0.1, logprobs=20, seed=0)

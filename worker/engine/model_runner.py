@@ -43,24 +43,76 @@ class StepLogits:
 
 
 @dataclass
+class PlannedChunk:
+    """Positions [start, start + num_tokens) of one sequence, as the forward sees them."""
+
+    start: int
+    num_tokens: int
+    block_table: list[int]  # the blocks covering positions [0, end)
+    emits_token: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class StepPlan:
+    """Everything a forward needs, in plain lists: what rank 0 sends the other tensor-parallel
+    ranks each step. Chunks in forward order: decodes by context length, then prefill chunks."""
+
+    chunks: list[PlannedChunk]
+    token_ids: list[int]  # every chunk's tokens, concatenated in chunk order
+
+
+@dataclass
+class StepRows:
+    """Rank 0's side of a plan: which logits rows belong to whom."""
+
+    emitting: list[ScheduledChunk]  # the K chunks that sample a token, in logits row order
+    prompt_spans: list[PromptSpan]  # the P prompt rows after them
+    prompt_indices: list[int]  # their flattened positions
+
+
+def plan_step(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, StepRows]:
+    """Flatten a step: decoding chunks first (sorted by context length), then prefill chunks."""
+    decodes = sorted((c for c in sched.chunks if c.num_tokens == 1), key=lambda c: c.end)
+    prefills = [c for c in sched.chunks if c.num_tokens > 1]
+    chunks, token_ids = [], []
+    rows = StepRows([], [], [])
+    for c in decodes + prefills:
+        base = len(token_ids)  # flattened index of position c.start
+        chunks.append(PlannedChunk(c.start, c.num_tokens, c.block_table[:-(-c.end // block_size)],
+                                   c.emits_token))
+        token_ids.extend(c.seq.token_ids[c.start:c.end])
+        if c.emits_token:
+            rows.emitting.append(c)
+        span = _prompt_span(c, len(rows.prompt_indices))
+        if span is not None:
+            first = base + span.first_position - c.start
+            rows.prompt_indices.extend(range(first, first + span.num_rows))
+            rows.prompt_spans.append(span)
+    return StepPlan(chunks, token_ids), rows
+
+
+@dataclass
 class StepInputs:
     """The flattened batch of one step (decoding chunks first, then prefill chunks)."""
 
     input_ids: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64
-    # [K + P] int64: flattened positions whose logits are needed, the emitting chunks' K first
-    logits_indices: torch.Tensor
-    emitting: list[ScheduledChunk]  # the K chunks that sample a token, in logits row order
+    logits_indices: torch.Tensor  # [K] int64: flattened positions of the emitting chunks' rows
     context: AttentionContext
-    prompt_spans: list[PromptSpan] = field(default_factory=list)  # the P prompt rows after them
 
 
 class ModelRunner:
     """Owns the model and the KV pool; turns a SchedulerOutput into logits."""
 
     def __init__(self, model: torch.nn.Module, pool: KVCachePool, decode_group_cost_tokens: int = 512,
-                 attention_backend: str = "sdpa", decode_graphs=None):
+                 attention_backend: str = "sdpa", decode_graphs=None, num_heads: int | None = None):
         self.model = model
+        # query heads this runner's attention computes (a tensor-parallel rank's share)
+        self.num_heads = num_heads or model.config.num_attention_heads
         self.attention_backend = attention_backend  # "sdpa" (gather + SDPA) | "triton" (paged kernel)
         # cuda_graphs.DecodeGraphs or None: decode-only steps run from its static buffers
         self.decode_graphs = decode_graphs
@@ -74,7 +126,7 @@ class ModelRunner:
         if self.device.type == "cpu" and next(model.parameters()).dtype in PACKED_DTYPES:
             pack_cpu_linears(model)
         num_kv_heads = pool.layout.num_kv_heads
-        self._group_size = model.config.num_attention_heads // num_kv_heads  # query heads per KV head
+        self._group_size = self.num_heads // num_kv_heads  # query heads per KV head
         # row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...] block view
         self._head_block_rows = (torch.arange(2 * num_kv_heads) * pool.num_blocks).unsqueeze(1)
         self._head_slot_rows = (torch.arange(num_kv_heads) * pool.num_blocks * pool.block_size).unsqueeze(1)
@@ -87,44 +139,45 @@ class ModelRunner:
         if (self.decode_graphs is not None and self.decode_graphs.can_run(sched.chunks)
                 and not any(c.seq.wants_prompt_logprobs for c in sched.chunks)):
             return StepLogits(*self.decode_graphs.run(sched.chunks))
-        inputs = self.prepare(sched)
+        plan, rows = plan_step(sched, self.block_size)
+        logits = self.forward(plan, rows.prompt_indices)  # [K + P, vocab]
+        k = len(rows.emitting)
+        if not rows.prompt_spans:
+            return StepLogits(rows.emitting, logits)
+        return StepLogits(rows.emitting, logits[:k], rows.prompt_spans, logits[k:])
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan, prompt_indices: list[int] = (),
+                keep_logits: bool = True) -> torch.Tensor:
+        """Run the plan; logits [K + P, vocab] of its emitting chunks, then of `prompt_indices`
+        ([0, vocab] without `keep_logits`: a tensor-parallel rank other than 0 skips the LM
+        head's rows)."""
+        inputs = self.prepare(plan)
+        keep = inputs.logits_indices
+        if prompt_indices:
+            keep = torch.cat([keep, self._tensor(list(prompt_indices))])
         output = self.model(
             input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
-            logits_to_keep=inputs.logits_indices, **{CONTEXT_KWARG: inputs.context})
-        logits = output.logits[0]  # [K + P, vocab]
-        k = len(inputs.emitting)
-        if not inputs.prompt_spans:
-            return StepLogits(inputs.emitting, logits)
-        return StepLogits(inputs.emitting, logits[:k], inputs.prompt_spans, logits[k:])
+            logits_to_keep=keep if keep_logits else keep[:0], **{CONTEXT_KWARG: inputs.context})
+        return output.logits[0]
 
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """Flatten the step: decoding chunks first (sorted by context length, grouped), then
-        prefill chunks; build every index and mask the layers share."""
-        decodes = sorted((c for c in sched.chunks if c.num_tokens == 1), key=lambda c: c.end)
-        prefills = [c for c in sched.chunks if c.num_tokens > 1]
-        token_ids: list[int] = []
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        """Build every index and mask the layers share (decodes grouped by context length)."""
+        decodes = [c for c in plan.chunks if c.num_tokens == 1]
+        prefills = [c for c in plan.chunks if c.num_tokens > 1]
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
-        emitting: list[ScheduledChunk] = []
-        prompt_indices: list[int] = []
-        prompt_spans: list[PromptSpan] = []
+        num_tokens = 0
         bs = self.block_size
-        for chunk in decodes + prefills:
+        for chunk in plan.chunks:
             table = chunk.block_table
-            base = len(token_ids)  # flattened index of position chunk.start
-            token_ids.extend(chunk.seq.token_ids[chunk.start:chunk.end])
             for pos in range(chunk.start, chunk.end):
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
+            num_tokens += chunk.num_tokens
             if chunk.emits_token:
-                logits_indices.append(len(token_ids) - 1)
-                emitting.append(chunk)
-            span = _prompt_span(chunk, len(prompt_indices))
-            if span is not None:
-                first = base + span.first_position - chunk.start
-                prompt_indices.extend(range(first, first + span.num_rows))
-                prompt_spans.append(span)
+                logits_indices.append(num_tokens - 1)
         write_index = (self._head_slot_rows + torch.tensor(slots, dtype=torch.int64)).view(-1)
         write_index = write_index.to(self.device, non_blocking=True)
         if self.attention_backend == "triton":
@@ -136,22 +189,20 @@ class ModelRunner:
                 decode_groups=self._decode_groups(decodes),
                 prefills=self._prefill_chunks(prefills, q_start=len(decodes)))
         return StepInputs(
-            input_ids=self._tensor(token_ids).unsqueeze(0),
+            input_ids=self._tensor(plan.token_ids).unsqueeze(0),
             position_ids=self._tensor(positions).unsqueeze(0),
-            logits_indices=self._tensor(logits_indices + prompt_indices), emitting=emitting,
-            context=context, prompt_spans=prompt_spans)
+            logits_indices=self._tensor(logits_indices), context=context)
 
-    def _kernel_plan(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]):
+    def _kernel_plan(self, decodes: list[PlannedChunk], prefills: list[PlannedChunk]):
         """The Triton kernel's metadata: every chunk in flattened order, its blocks so far."""
         chunks = decodes + prefills
         bs = self.block_size
-        config = self.model.config
-        block_q = queries_per_tile(config.num_attention_heads, self.pool.layout.num_kv_heads,
+        block_q = queries_per_tile(self.num_heads, self.pool.layout.num_kv_heads,
                                    has_prefill=bool(prefills))
         return build_plan([c.num_tokens for c in chunks], [c.end for c in chunks],
                           [c.block_table[:-(-c.end // bs)] for c in chunks], block_q, self.device)
 
-    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
+    def _decode_groups(self, decodes: list[PlannedChunk]) -> list[DecodeGroup]:
         """Split the decodes (sorted by length) where that saves more padding than a call costs."""
         bs = self.block_size
         num_blocks = [-(-c.end // bs) for c in decodes]
@@ -173,7 +224,7 @@ class ModelRunner:
             q_start += len(members)
         return groups
 
-    def _prefill_chunks(self, prefills: list[ScheduledChunk], q_start: int) -> list[PrefillChunk]:
+    def _prefill_chunks(self, prefills: list[PlannedChunk], q_start: int) -> list[PrefillChunk]:
         bs = self.block_size
         result = []
         for chunk in prefills:

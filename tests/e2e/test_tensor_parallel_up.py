@@ -1,0 +1,73 @@
+"""`kvfleet up --workers 1 --tensor-parallel-size 2` on the CPU: one worker of two gloo ranks
+serves the default model (9 heads in 3 KV groups: 6 + 3 heads per rank) through the gateway with
+the greedy text transformers' `generate` gives; Ctrl-C (SIGINT) stops every rank."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+import redis
+import torch
+
+from shared.models import DEFAULT_MODEL, resolve_model_path
+from shared.redis_server import free_port
+from shared.wire import Keys
+from tests.helpers.processes import Proc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
+MAX_TOKENS = 24
+
+
+def hf_greedy_text() -> tuple[str, int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), out.shape[1] - ids.shape[1]
+
+
+def test_up_with_two_ranks_serves_the_greedy_text(redis_server, tmp_path):
+    port = free_port()
+    prefix = f"tp-{uuid.uuid4().hex[:8]}:"
+    env = {"KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_KEY_PREFIX": prefix}
+    fleet = Proc(["up", "--workers", "1", "--tensor-parallel-size", "2", "--port", str(port),
+                  "--kv-memory", "128MiB"], env, tmp_path, "up")
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        deadline = time.monotonic() + 240
+        while not client.keys(Keys(prefix).worker("*")):
+            assert fleet.popen.poll() is None, fleet.log_text()[-4000:]
+            assert time.monotonic() < deadline, fleet.log_text()[-4000:]
+            time.sleep(0.5)
+        body = {"model": DEFAULT_MODEL, "messages": MESSAGES, "temperature": 0,
+                "max_tokens": MAX_TOKENS}
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                              timeout=180)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        text, num_tokens = hf_greedy_text()
+        assert answer["choices"][0]["message"]["content"] == text
+        assert answer["usage"]["completion_tokens"] == num_tokens
+        log = fleet.log_text()
+        assert "tensor parallel over 2 ranks" in log
+        rank_pids = [int(p) for p in re.search(r"\(pids ([\d, ]+)\)", log)[1].split(", ")]
+    finally:
+        fleet.kill(signal.SIGINT)  # what Ctrl-C sends
+    assert fleet.popen.returncode == 0, fleet.log_text()[-4000:]
+    assert "rank 1 stopped" in fleet.log_text()
+    for pid in rank_pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
