@@ -31,7 +31,7 @@ CASES = [("llama", dict(num_key_value_heads=4), "swap", 2),
 
 def tp_config(preemption: str, tensor_parallel_size: int = 2) -> EngineConfig:
     # 22 blocks of 4 tokens and 8 tokens a step: chunked prefills, and not every stream fits
-    return EngineConfig(device="cpu", num_blocks=22, block_size=4, max_batched_tokens=8,
+    return EngineConfig(device="cpu", dtype="float32", num_blocks=22, block_size=4, max_batched_tokens=8,
                         preemption=preemption, tensor_parallel_size=tensor_parallel_size)
 
 

@@ -19,7 +19,7 @@ def test_int8_kv_with_two_ranks_gives_the_one_rank_tokens(tiny_llama):
     config = dict(num_blocks=22, block_size=4, max_batched_tokens=8, preemption="swap",
                   kv_dtype="int8")
     engine = launch_engine(functools.partial(build_model, "llama"),
-                           EngineConfig(device="cpu", tensor_parallel_size=2, **config),
+                           EngineConfig(device="cpu", dtype="float32", tensor_parallel_size=2, **config),
                            num_threads=1)
     try:
         assert engine.pool.kv_format.name == "int8" and engine.pool.layout.num_kv_heads == 1

@@ -67,7 +67,7 @@ def main() -> None:
     protocol = WorkerProtocol(client, Keys(), MODEL, args.worker_id, result_ttl_s=600)
     metrics = WorkerMetrics(args.worker_id, MODEL)
     metrics.serve(args.metrics_port, "127.0.0.1")
-    config = EngineConfig(device="cpu", num_blocks=256, block_size=4,
+    config = EngineConfig(device="cpu", dtype="float32", num_blocks=256, block_size=4,
                           tensor_parallel_size=args.tensor_parallel_size)
     # every rank builds the seeded model itself (one rank: the same weights in this process)
     engine = SlowSteps(launch_engine(functools.partial(build_model, "llama"), config, num_threads=1),
