@@ -72,7 +72,7 @@ def run_client(url: str, args, out_dir: Path) -> dict:
     command = [sys.executable, "-m", "kvfleet", "bench", args.workload, "--url", url,
                "--endpoint", "completions", "--rate", "inf", "--num-requests",
                str(args.num_requests), "--no-plots", "--no-progress", "--out", str(out_dir),
-               "--timeout", "3600"]
+               "--timeout", "3600", "--temperature", "0"]
     subprocess.run(command, check=True, cwd=REPO)
     return json.loads((out_dir / "results.json").read_text())["summary"]
 

@@ -40,6 +40,7 @@ class FakeServer:
     def __init__(self) -> None:
         self.behaviour = Behaviour()
         self.inflight = 0
+        self.bodies: list[dict] = []  # every request body received, in order
         self.app = self._make_app()
 
     def _make_app(self) -> FastAPI:
@@ -53,6 +54,7 @@ class FakeServer:
     def _handler(self, endpoint: str):
         async def handle(request: Request):
             body = await request.json()
+            self.bodies.append(body)
             behaviour = self.behaviour
             if behaviour.status_code != 200:
                 return JSONResponse({"error": {"message": "slow down", "type": "rate_limit"}},
@@ -162,6 +164,17 @@ def test_measures_ttft_itl_usage_and_writes_files(fake, tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     table = capsys.readouterr().out
     assert "time to first token" in table and "goodput" in table and "cost per 1M" in table
+
+
+def test_temperature_is_sent_only_when_given(fake, tmp_path):
+    fake.bodies.clear()
+    code, _ = run_bench(fake, tmp_path, "--rate", "inf", "--no-plots", "--temperature", "0")
+    assert code == 0 and len(fake.bodies) == 4
+    assert all(body["temperature"] == 0 and body["ignore_eos"] is True for body in fake.bodies)
+    fake.bodies.clear()
+    code, _ = run_bench(fake, tmp_path, "--rate", "inf", "--no-plots")
+    assert code == 0 and len(fake.bodies) == 4
+    assert not any("temperature" in body for body in fake.bodies)
 
 
 def test_multi_token_chunks_give_per_token_itl(fake, tmp_path):

@@ -26,6 +26,7 @@ class BenchTarget:
     model: str
     endpoint: str = "chat"  # a key of ENDPOINT_PATHS
     timeout_s: float = 300.0  # whole request, send to last byte
+    temperature: float | None = None  # sent when set (0 = greedy); else the server's default
 
 
 @dataclass
@@ -81,6 +82,8 @@ def request_body(target: BenchTarget, request: TraceRequest) -> dict:
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         body["prompt"] = request.prompt
+    if target.temperature is not None:
+        body["temperature"] = target.temperature
     if request.ignore_eos:
         body["ignore_eos"] = True  # a vLLM/kvfleet extension; sent only when the trace asks
     return body

@@ -51,6 +51,9 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bearer token (default: $OPENAI_API_KEY, if set)")
     group.add_argument("--timeout", type=arg_types.positive_float, default=300.0,
                        help="seconds one request may take in all (default: 300)")
+    group.add_argument("--temperature", type=arg_types.non_negative_float, default=None,
+                       help="sent with every request (0 = greedy); default: not sent, the "
+                            "server's default applies")
 
 
 def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 async def _bench(args: argparse.Namespace, requests: list[TraceRequest]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)  # fail before the run, not after it
     async with _client(args, len(requests)) as client:
-        target = BenchTarget(await resolve_model(client, args.model), args.endpoint, args.timeout)
+        target = BenchTarget(await resolve_model(client, args.model), args.endpoint, args.timeout,
+                             args.temperature)
         num_workers = args.num_workers or await count_workers(client)
         info = _run_info(args, target, num_workers)
         num_workers = num_workers or 1
