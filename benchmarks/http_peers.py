@@ -116,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=None)
     p.add_argument("--startup-timeout-s", type=float, default=600)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--log-dir", default=None,
+                   help="keep the servers' logs and the client's results here (default: a "
+                        "temporary directory, removed)")
     return p.parse_args(argv)
 
 
@@ -130,6 +133,9 @@ def main(argv=None) -> int:
         print(f"# vLLM skipped: no virtualenv with vllm found; {SETUP_HINT}", flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="kvfleet-http-peers-") as tmp:
+        if args.log_dir:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            tmp = args.log_dir
         for dtype in filter(None, args.kvfleet_dtypes.split(",")):
             port = free_port()
             started = time.perf_counter()
