@@ -81,7 +81,10 @@ def kvfleet_server(port: int, dtype: str, log_path: Path) -> subprocess.Popen:
     """`kvfleet up` in a session of its own, so that stopping it reaches its children."""
     command = [sys.executable, "-m", "kvfleet", "up", "--port", str(port), "--dtype", dtype,
                "--workers", "1"]
-    env = {**os.environ, "KVFLEET_EMBEDDED_REDIS_PORT": str(free_port())}
+    # every request of the trace is sent at once and must be served, as vLLM serves them: the
+    # gateway's expected-wait admission limit (429 beyond 60 s by default) is off here
+    env = {**os.environ, "KVFLEET_EMBEDDED_REDIS_PORT": str(free_port()),
+           "KVFLEET_MAX_QUEUE_WAIT_S": "0"}
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
