@@ -38,6 +38,11 @@ class LocalFleet:
         extra = {"KVFLEET_WORKER_ID": f"{os.uname().nodename}-w{index}-{os.getpid()}"}
         if "KVFLEET_NUM_THREADS" not in self.env and "KVFLEET_NUM_THREADS" not in os.environ:
             extra["KVFLEET_NUM_THREADS"] = str(threads)
+        # The workers share the host's cores with the gateway, Redis and each other: OpenMP
+        # threads that spin while waiting starve them (over HTTP on 2 cores, the default spin gave
+        # 41 tok/s where PASSIVE gave 175; docs/BENCHMARKS.md). A value the user set is kept.
+        if "OMP_WAIT_POLICY" not in self.env and "OMP_WAIT_POLICY" not in os.environ:
+            extra["OMP_WAIT_POLICY"] = "PASSIVE"
         self.workers[index] = self._spawn("worker", extra)
 
     def start(self) -> None:
