@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from string import Template
 from typing import Any, NamedTuple
 
-from redis.exceptions import NoScriptError
+from redis.cluster import RedisCluster
+from redis.exceptions import (AskError, ClusterDownError, ConnectionError, MovedError,
+                              NoScriptError, RedisClusterException, TimeoutError, TryAgainError)
+
+# What sends a call from a node's plain pipeline back to the cluster client, which refreshes its
+# slot map and follows redirections (a failover or a resharding moved the slot, or the node left).
+_REROUTE = (AskError, MovedError, TryAgainError, ClusterDownError, ConnectionError, TimeoutError,
+            RedisClusterException)
 
 
 class ScriptCall(NamedTuple):
@@ -71,7 +78,81 @@ def run_pipelined(client, script, calls: Sequence[ScriptCall]) -> list[Any]:
     """Run a registered `script` once per call in one pipelined round trip (blocking client) and
     return the replies in order. A node that lacks the script (NOSCRIPT: a replica promoted by a
     cluster failover starts with an empty script cache) gets it loaded, and only the calls it
-    refused run again: every call runs exactly once."""
+    refused run again: every call runs exactly once.
+
+    On a cluster the calls go to each slot's primary through that node's own plain pipeline
+    (`run_by_node`): redis-py's cluster pipeline would send a COMMAND GETKEYS before every
+    EVALSHA. Calls that a node redirects or cannot take fall back to the cluster client's
+    pipeline, which refreshes the slot map and follows the redirection."""
+    if isinstance(client, RedisCluster):
+        return run_by_node(client, script, calls)
+    return _run_cluster_pipeline(client, script, calls)
+
+
+def run_by_node(client: RedisCluster, script, calls: Sequence[ScriptCall]) -> list[Any]:
+    """`run_pipelined` on a cluster: calls grouped by the primary owning their (hash-tagged)
+    slot, one plain pipeline per node. A call whose node answered MOVED/ASK/TRYAGAIN, or whose
+    node failed (connection error, no node for the slot), runs again through the cluster
+    client; the scripts are fenced by attempt and write the checkpoint at a fixed offset, so a
+    call repeated after a lost reply changes nothing twice."""
+    replies: list[Any] = [None] * len(calls)
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    reroute: list[int] = []
+    for i, call in enumerate(calls):
+        try:
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(call.keys[0]))
+        except _REROUTE:
+            reroute.append(i)
+            continue
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    for node, indices in by_node.values():
+        try:
+            results = _run_on_node(client.get_redis_connection(node), script, calls, indices)
+        except _REROUTE:
+            reroute.extend(indices)
+            continue
+        for i, result in zip(indices, results):
+            if isinstance(result, _REROUTE):
+                reroute.append(i)
+            elif isinstance(result, Exception):
+                raise result
+            else:
+                replies[i] = result
+    if reroute:
+        reroute.sort()
+        client.nodes_manager.initialize()  # the slot map is stale or a node is gone
+        again = _run_cluster_pipeline(client, script, [calls[i] for i in reroute])
+        for i, result in zip(reroute, again):
+            replies[i] = result
+    return replies
+
+
+def _run_on_node(node_client, script, calls: Sequence[ScriptCall], indices: list[int]) -> list:
+    """One node's calls through its plain pipeline, replies (or errors) in order; the script is
+    loaded on the node if it lacks it, and only the refused calls run again."""
+    results: list[Any] = [None] * len(indices)
+    todo = list(range(len(indices)))
+    for attempt in range(2):
+        pipe = node_client.pipeline(transaction=False)
+        for j in todo:
+            call = calls[indices[j]]
+            pipe.execute_command("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+        missing = []
+        for j, result in zip(todo, pipe.execute(raise_on_error=False)):
+            if isinstance(result, NoScriptError) and attempt == 0:
+                missing.append(j)
+            else:
+                results[j] = result
+        if not missing:
+            break
+        node_client.script_load(script.script)
+        todo = missing
+    return results
+
+
+def _run_cluster_pipeline(client, script, calls: Sequence[ScriptCall]) -> list[Any]:
+    """`run_pipelined` through the client's own pipeline (a single Redis, or a cluster's
+    fallback)."""
     replies: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for attempt in range(2):

@@ -1,0 +1,94 @@
+"""The worker's per-step script calls on a Redis Cluster go through each node's own plain
+pipeline: no COMMAND GETKEYS (redis-py's cluster pipeline sends one per EVALSHA), and a call that
+reaches the wrong node (a stale slot map) or a node without the script still runs exactly once."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.redis_connect import connect
+from shared.wire import Keys, TokenEvent, decode_checkpoint, scripts
+from shared.wire.lua import run_pipelined
+
+KEYS = Keys("cp:")
+REQS = [f"req-{i}" for i in range(24)]
+
+
+@pytest.fixture
+def cluster_client(redis_cluster):
+    redis_cluster.flush()
+    client = connect(redis_cluster.url)
+    yield client
+    client.close()
+    redis_cluster.flush()
+
+
+def command_calls(client) -> dict[str, int]:
+    """COMMAND (any subcommand) calls so far on each primary."""
+    counts = {}
+    for node in client.get_primaries():
+        stats = client.get_redis_connection(node).info("commandstats")
+        counts[node.name] = sum(v["calls"] for k, v in stats.items()
+                                if k == "cmdstat_command" or k.startswith("cmdstat_command|"))
+    return counts
+
+
+def evalsha_calls(client) -> dict[str, int]:
+    return {node.name: client.get_redis_connection(node).info("commandstats")
+            .get("cmdstat_evalsha", {}).get("calls", 0) for node in client.get_primaries()}
+
+
+def step(client, seq: int) -> list:
+    for req_id in REQS:
+        client.hset(KEYS.request(req_id), "attempt", 1)
+    calls = [scripts.publish(KEYS, req_id, 1, TokenEvent(seq=seq, attempt=1, token_ids=[seq]),
+                             None, ttl_s=30, sharded=True) for req_id in REQS]
+    return run_pipelined(client, scripts.PUBLISH.register(client), calls)
+
+
+def test_a_publish_step_sends_no_command_getkeys_and_spreads_over_the_nodes(cluster_client):
+    step(cluster_client, 0)  # loads the script where needed
+    before_command, before_evalsha = command_calls(cluster_client), evalsha_calls(cluster_client)
+    assert step(cluster_client, 1) == [1] * len(REQS)
+    assert command_calls(cluster_client) == before_command
+    after = evalsha_calls(cluster_client)
+    per_node = [after[name] - before_evalsha[name] for name in after]
+    assert sum(per_node) == len(REQS) and min(per_node) > 0  # each node ran its own calls
+    for req_id in REQS:
+        assert decode_checkpoint(cluster_client.get(KEYS.checkpoint(req_id))) == [0, 1]
+
+
+def test_nodes_without_the_script_get_it_and_run_each_call_once(cluster_client):
+    for node in cluster_client.get_primaries():
+        cluster_client.get_redis_connection(node).script_flush()
+    assert step(cluster_client, 0) == [1] * len(REQS)
+    assert step(cluster_client, 1) == [1] * len(REQS)
+    for req_id in REQS:
+        assert decode_checkpoint(cluster_client.get(KEYS.checkpoint(req_id))) == [0, 1]
+
+
+def test_calls_sent_to_the_wrong_node_fall_back_to_the_cluster_client(cluster_client,
+                                                                      monkeypatch):
+    """A stale slot map (as after a failover): every node answers MOVED for the calls it does
+    not own, and those calls run through the cluster client, once each."""
+    step(cluster_client, 0)
+    first = cluster_client.get_primaries()[0]
+    manager = cluster_client.nodes_manager
+    stale = {"on": True}
+    real = manager.get_node_from_slot
+
+    def wrong_node(slot, *args, **kwargs):
+        return first if stale["on"] else real(slot, *args, **kwargs)
+
+    monkeypatch.setattr(manager, "get_node_from_slot", wrong_node)
+    real_initialize = manager.initialize
+
+    def refresh(*args, **kwargs):
+        stale["on"] = False
+        return real_initialize(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "initialize", refresh)
+    assert step(cluster_client, 1) == [1] * len(REQS)
+    assert not stale["on"]  # the slot map was refreshed
+    for req_id in REQS:
+        assert decode_checkpoint(cluster_client.get(KEYS.checkpoint(req_id))) == [0, 1]
