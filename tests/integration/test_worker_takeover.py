@@ -122,7 +122,10 @@ def test_long_steps_under_overload_take_nothing_over_and_a_kill_does(redis_url, 
         resumed = [r for r in second if int(client.redis.hget(keys.request(r), "attempt")) == 2]
         assert resumed and all(client.redis.hget(keys.request(r), "worker") == b"w-b"
                                for r in resumed)
-        assert survivor.takeovers() == len(resumed)
+        # Every resumed request was taken over. So is an entry w-a had been delivered but not yet
+        # started when it died: its first attempt then runs on w-b (attempt 1), and counts too.
+        on_survivor = [r for r in second if client.redis.hget(keys.request(r), "worker") == b"w-b"]
+        assert len(resumed) <= survivor.takeovers() <= len(on_survivor)
         assert client.redis.xpending(keys.queue(MODEL), keys.group)["pending"] == 0
     finally:
         for worker in workers:
