@@ -128,31 +128,23 @@ def run_by_node(client: RedisCluster, script, calls: Sequence[ScriptCall]) -> li
 
 
 def _run_on_node(node_client, script, calls: Sequence[ScriptCall], indices: list[int]) -> list:
-    """One node's calls through its plain pipeline, replies (or errors) in order; the script is
-    loaded on the node if it lacks it, and only the refused calls run again."""
-    results: list[Any] = [None] * len(indices)
-    todo = list(range(len(indices)))
-    for attempt in range(2):
-        pipe = node_client.pipeline(transaction=False)
-        for j in todo:
-            call = calls[indices[j]]
-            pipe.execute_command("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
-        missing = []
-        for j, result in zip(todo, pipe.execute(raise_on_error=False)):
-            if isinstance(result, NoScriptError) and attempt == 0:
-                missing.append(j)
-            else:
-                results[j] = result
-        if not missing:
-            break
-        node_client.script_load(script.script)
-        todo = missing
-    return results
+    """One node's calls through its plain pipeline, replies (or errors) in order."""
+    return _evalsha_pipelined(node_client, script, [calls[i] for i in indices])
 
 
 def _run_cluster_pipeline(client, script, calls: Sequence[ScriptCall]) -> list[Any]:
     """`run_pipelined` through the client's own pipeline (a single Redis, or a cluster's
     fallback)."""
+    replies = _evalsha_pipelined(client, script, calls)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def _evalsha_pipelined(client, script, calls: Sequence[ScriptCall]) -> list[Any]:
+    """The calls as EVALSHAs in one pipeline of `client`, replies (or errors) in order; the
+    script is loaded if the server lacks it, and only the refused calls run again."""
     replies: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for attempt in range(2):
@@ -162,13 +154,10 @@ def _run_cluster_pipeline(client, script, calls: Sequence[ScriptCall]) -> list[A
             # routes an EVALSHA by its keys' slot like any other command
             pipe.execute_command("EVALSHA", script.sha, len(calls[i].keys), *calls[i].keys,
                                  *calls[i].args)
-        results = pipe.execute(raise_on_error=False)
         missing = []
-        for i, result in zip(todo, results):
+        for i, result in zip(todo, pipe.execute(raise_on_error=False)):
             if isinstance(result, NoScriptError) and attempt == 0:
                 missing.append(i)
-            elif isinstance(result, Exception):
-                raise result
             else:
                 replies[i] = result
         if not missing:
