@@ -115,7 +115,7 @@ class WorkerSettings(CommonSettings):
     swap_space: str = "4GiB"  # host memory for swapped-out KV
     gpu_memory_utilization: float = 0.9  # on CUDA: share of the card's total memory this worker uses
     # attention: auto = the Triton paged kernel on CUDA, gather + SDPA on CPU
-    attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
+    attention_backend: Literal["auto", "sdpa", "cpu", "triton"] = "auto"
     # decode steps from CUDA graphs at batch-size buckets (auto: on CUDA with the triton backend);
     # eager runs their static buffers without capturing (debugging)
     cuda_graphs: Literal["auto", "off", "eager"] = "auto"

@@ -1,5 +1,6 @@
 """One attention step over a random paged cache, run through the gather + SDPA path and through
-the Triton paged kernel, for the kernel's tests (interpreter on CPU, compiled on CUDA)."""
+a paged kernel, for the kernels' tests: Triton's (interpreter on CPU, compiled on CUDA) and the
+CPU's C++ decode kernel."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ class _Layer(torch.nn.Module):
     layer_idx = 0
 
 
-def run_case(case: PagedCase, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gather + SDPA output, Triton output), each [T, H, D] in the model dtype."""
+def run_case(case: PagedCase, device: torch.device,
+             backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather + SDPA output, `backend`'s output), each [T, H, D] in the model dtype."""
     torch.manual_seed(case.seed)
     rng = random.Random(case.seed)
     num_heads = NUM_KV_HEADS * case.group
@@ -79,8 +81,8 @@ def run_case(case: PagedCase, device: torch.device) -> tuple[torch.Tensor, torch
     key = as_stored(pool, torch.randn(1, NUM_KV_HEADS, total, case.head_dim, device=device), dtype)
     value = as_stored(pool, torch.randn(1, NUM_KV_HEADS, total, case.head_dim, device=device), dtype)
     outputs = []
-    for backend in ("sdpa", "triton"):
-        runner = ModelRunner(model, pool, attention_backend=backend)
+    for name in ("sdpa", backend):
+        runner = ModelRunner(model, pool, attention_backend=name)
         runner.device = device
         context = runner.prepare(plan_step(sched, pool.block_size)[0]).context
         # writing the step's K/V again stores the same codes, so both runs see one cache

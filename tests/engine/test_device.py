@@ -63,8 +63,10 @@ def test_bf16_engine_agrees_with_hf_generate_in_bf16(saved_tiny):
     assert agreement >= AGREEMENT_BOUND
 
 
-# measured 100% on AVX-512 Zen4; bf16 rounding differs by CPU kind, so a margin of one stream's
-# early divergence
+# measured on AVX-512 Zen 4/5: 100% with gather + SDPA decode attention, 88% with the C++ decode
+# kernel (one of the six streams parts at its 8th token: this random model has near-ties; on the
+# default model the kernel's teacher-forced agreement is as SDPA's, test_default_model.py); bf16
+# rounding differs by CPU kind, so a margin of one stream's early divergence
 AGREEMENT_BOUND = 0.80
 
 
@@ -109,7 +111,7 @@ def test_an_ordinary_forward_error_fails_only_its_requests(tiny_llama):
 
 def test_attention_backend_and_graph_settings():
     cpu = torch.device("cpu")
-    assert resolve_attention_backend("auto", cpu) == "sdpa"
+    assert resolve_attention_backend("auto", cpu) == "cpu"  # the C++ kernel builds here
     assert resolve_attention_backend("triton", cpu) == "triton"  # under the tests' interpreter
     with pytest.raises(ValueError):
         EngineConfig(attention_backend="flash")
@@ -139,7 +141,7 @@ def test_the_triton_backend_on_a_cpu_is_refused_when_the_engine_is_built(tiny_ll
         resolve_attention_backend("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="CUDA devices only"):
         tiny_llama.engine(attention_backend="triton")
-    assert tiny_llama.engine(attention_backend="auto").attention_backend == "sdpa"
+    assert tiny_llama.engine(attention_backend="auto").attention_backend == "cpu"
 
 
 def test_a_worker_asked_for_triton_on_a_cpu_exits_before_loading_its_model(tmp_path):

@@ -4,7 +4,9 @@ The model runs one flattened forward per step: all scheduled tokens of all seque
 in a batch of 1 (`input_ids` [1, T]). Each layer's attention call
   1. writes the step's new K/V into the pool at their slots, then
   2. attends, for every sequence, over that sequence's blocks:
-     - decoding sequences (1 query each) in a few batched SDPA calls, one per group of similar
+     - decoding sequences (1 query each), on CPUs where the C++ kernel builds, in one call that
+       reads K/V in place through the block tables (cpu_attention.py); elsewhere in a few batched
+       SDPA calls, one per group of similar
        context lengths: the group's blocks are gathered in one index_select to
        [2, kv_heads, B, L, D] (L = longest context of the group, padding masked out) and the
        query heads are packed per KV head, so SDPA sees batch = kv_heads, heads = B,
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from worker.engine.cpu_attention import CpuDecodePlan, paged_decode
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.triton_attention import PagedAttentionPlan, paged_attention
 
@@ -70,6 +73,8 @@ class AttentionContext:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # set on accelerators: one Triton launch covers every query of the step (triton_attention.py)
     kernel_plan: PagedAttentionPlan | None = None
+    # set on CPUs with the C++ kernel: it takes every decode row in place of decode_groups
+    cpu_decode: CpuDecodePlan | None = None
 
 
 def paged_attention_forward(
@@ -94,6 +99,9 @@ def paged_attention_forward(
     if ctx.kernel_plan is not None:
         paged_attention(query[0], pool, layer, ctx.kernel_plan, scaling, out)
         return out.unsqueeze(0), None
+    if ctx.cpu_decode is not None:
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        paged_decode(query[0], pool, layer, ctx.cpu_decode, scale, out)
     for group in ctx.decode_groups:
         _decode_attention(group, query, pool, layer, scaling, out)
     for chunk in ctx.prefills:

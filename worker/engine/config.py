@@ -27,7 +27,7 @@ class EngineConfig:
     kv_dtype: str = "auto"  # KV pool format: auto (= dtype) | bf16 | fp16 | fp32 | fp8 | int8
     preemption: str = "auto"  # auto | swap | recompute
     swap_space_bytes: int = 4 << 30  # host memory for swapped-out KV blocks
-    attention_backend: str = "auto"  # auto (triton on CUDA, else sdpa) | sdpa | triton
+    attention_backend: str = "auto"  # auto (triton on CUDA, the C++ kernel on CPU, else sdpa) | sdpa | cpu | triton
     cuda_graphs: str = "auto"  # auto (decode graphs with the triton backend on CUDA) | off | eager
     grammar_cache_size: int = 256  # compiled output constraints kept (LRU)
     # ranks (one process and device each) the model is split over; budgets above are per rank

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from worker.engine import cpu_attention
 from worker.engine.triton_attention import interpreting, triton_available
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+ATTENTION_BACKENDS = ("auto", "sdpa", "cpu", "triton")
 
 # Messages of errors after which a CUDA context cannot run anything again (older torch raises
 # them as plain RuntimeError; newer ones as torch.AcceleratorError).
@@ -59,7 +60,8 @@ def place_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """'auto' -> the Triton paged kernel on CUDA when triton is importable, else gather + SDPA.
+    """'auto' -> the Triton paged kernel on CUDA when triton is importable; on a CPU the C++
+    decode kernel when it builds here (cpu_attention.py), else gather + SDPA.
 
     'triton' on a device the compiled kernel cannot run on is refused here, at start-up, rather
     than failing every request at its first step; only Triton's interpreter (TRITON_INTERPRET=1,
@@ -69,7 +71,16 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                          f"got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "sdpa"
+        if device.type == "cuda" and triton_available():
+            return "triton"
+        if device.type == "cpu" and cpu_attention.unavailable_reason() is None:
+            return "cpu"
+        return "sdpa"
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on the CPU only, and the device is {device}")
+    if name == "cpu" and (reason := cpu_attention.unavailable_reason()) is not None:
+        raise ValueError(f"attention_backend 'cpu' needs its C++ kernel, which is unavailable: "
+                         f"{reason}")
     if name == "triton" and not triton_available():
         raise ValueError("attention_backend 'triton' needs the `triton` package")
     if name == "triton" and device.type != "cuda" and not interpreting():

@@ -9,6 +9,8 @@ import torch
 
 from worker.engine.attention import (
     CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
+from worker.engine import cpu_attention
+from worker.engine.cpu_attention import CpuDecodePlan
 from worker.engine.cpu_linear import PACKED_DTYPES, pack_cpu_linears
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -113,7 +115,8 @@ class ModelRunner:
         self.model = model
         # query heads this runner's attention computes (a tensor-parallel rank's share)
         self.num_heads = num_heads or model.config.num_attention_heads
-        self.attention_backend = attention_backend  # "sdpa" (gather + SDPA) | "triton" (paged kernel)
+        # "sdpa" (gather + SDPA) | "cpu" (C++ decode kernel, SDPA prefill) | "triton" (paged kernel)
+        self.attention_backend = attention_backend
         # cuda_graphs.DecodeGraphs or None: decode-only steps run from its static buffers
         self.decode_graphs = decode_graphs
         self.pool = pool
@@ -130,6 +133,9 @@ class ModelRunner:
         # row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...] block view
         self._head_block_rows = (torch.arange(2 * num_kv_heads) * pool.num_blocks).unsqueeze(1)
         self._head_slot_rows = (torch.arange(num_kv_heads) * pool.num_blocks * pool.block_size).unsqueeze(1)
+        # the CPU kernel reads plain K/V in the model's dtype; other formats keep gather + SDPA
+        self.cpu_decode_kernel = (attention_backend == "cpu"
+                            and cpu_attention.supports(pool, next(model.parameters()).dtype))
         model.set_attn_implementation(register_paged_attention())
         model.eval()
 
@@ -183,6 +189,10 @@ class ModelRunner:
         if self.attention_backend == "triton":
             context = AttentionContext(self.pool, write_index,
                                        kernel_plan=self._kernel_plan(decodes, prefills))
+        elif self.cpu_decode_kernel:
+            context = AttentionContext(
+                pool=self.pool, write_index=write_index, cpu_decode=self._cpu_decode_plan(decodes),
+                prefills=self._prefill_chunks(prefills, q_start=len(decodes)))
         else:
             context = AttentionContext(
                 pool=self.pool, write_index=write_index,
@@ -201,6 +211,17 @@ class ModelRunner:
                                    has_prefill=bool(prefills))
         return build_plan([c.num_tokens for c in chunks], [c.end for c in chunks],
                           [c.block_table[:-(-c.end // bs)] for c in chunks], block_q, self.device)
+
+    def _cpu_decode_plan(self, decodes: list[PlannedChunk]) -> CpuDecodePlan | None:
+        """Every decode's block table (padded with its first page) and context length."""
+        if not decodes:
+            return None
+        bs = self.block_size
+        width = max(-(-c.end // bs) for c in decodes)
+        tables = [c.block_table[:width] + [c.block_table[0]] * (width - len(c.block_table[:width]))
+                  for c in decodes]
+        return CpuDecodePlan(len(decodes), torch.tensor(tables, dtype=torch.int32),
+                             torch.tensor([c.end for c in decodes], dtype=torch.int32))
 
     def _decode_groups(self, decodes: list[PlannedChunk]) -> list[DecodeGroup]:
         """Split the decodes (sorted by length) where that saves more padding than a call costs."""

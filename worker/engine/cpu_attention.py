@@ -1,0 +1,152 @@
+"""Paged decode attention on the CPU: a small C++ kernel (`cpu_attention.cpp`) built on first use.
+
+Every decoding sequence's query (all query heads of a KV head together) attends over its K/V read
+in place from the pool's blocks through its block table, with fp32 accumulation and an exact
+softmax. Against the SDPA path it saves the dense copy of every group's K/V (`index_select`), the
+padding of length groups and their masks: measured on a Zen 5 core at the default model's shapes
+(32 sequences of 100-900 tokens), one layer's decode attention takes 3.3 ms in bf16 against
+6.6 ms for gather + SDPA, and 4.2 against 29 ms in float32.
+
+The kernel is plain C++ with OpenMP and no torch headers: it compiles in about a second with the
+system's C++ compiler (`$CXX`, default `g++`), for this machine's ISA (`-march=native`), into
+`$KVFLEET_KERNEL_CACHE` (default ~/.cache/kvfleet/kernels) under a name that hashes the source,
+the flags, the compiler and the CPU, and is loaded with ctypes. Its OpenMP calls run on the
+libgomp that torch has already loaded (the loader shares a library by its soname), so the kernel
+uses torch's thread pool and thread count. Without a compiler the worker keeps gather + SDPA
+(`resolve_attention_backend` says why at start-up). Prefill chunks keep SDPA either way: their
+many queries per sequence are a matrix product, which SDPA's kernel already does well.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.engine.kv_cache import KVCachePool
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `dtype` argument
+_ARGTYPES = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+             ctypes.c_float, ctypes.c_int)
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here (no compiler, a failed build)."""
+
+
+@dataclass
+class CpuDecodePlan:
+    """The decoding sequences of a step, rows [0, num_seqs) of the flattened queries."""
+
+    num_seqs: int
+    block_tables: torch.Tensor  # [num_seqs, width] int32: the pages of each sequence's keys
+    ctx_lens: torch.Tensor  # [num_seqs] int32: keys [0, ctx_len) including the step's token
+
+
+def kernel_cache_dir() -> Path:
+    return Path(os.environ.get("KVFLEET_KERNEL_CACHE")
+                or Path.home() / ".cache" / "kvfleet" / "kernels")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and flags (first processor of cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    first = text.split("\n\n", 1)[0]
+    keep = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(line for line in first.splitlines() if line.split(":")[0].strip() in keep)
+
+
+def build_kernel(cache_dir: Path | None = None) -> Path:
+    """Compile the kernel (once per source, flags, compiler and CPU) and return the library."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise KernelUnavailable(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"{compiler} --version failed: {exc}") from exc
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:16]
+    cache_dir = cache_dir or kernel_cache_dir()
+    target = cache_dir / f"cpu_attention-{key}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # build beside the target, then rename: workers starting together never load a partial file
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL:
+    """The built kernel library (built on first call; raises KernelUnavailable)."""
+    import torch  # noqa: F401  - torch's libgomp must be loaded first, so the kernel shares it
+    try:
+        lib = ctypes.CDLL(str(build_kernel()))
+    except OSError as exc:
+        raise KernelUnavailable(f"loading the kernel failed: {exc}") from exc
+    lib.kvfleet_paged_decode.argtypes = _ARGTYPES
+    lib.kvfleet_paged_decode.restype = ctypes.c_int
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel builds and loads here, else why not."""
+    try:
+        load_kernel()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def supports(pool: KVCachePool, dtype: torch.dtype) -> bool:
+    """The kernel reads plain float K/V in the model's own dtype (float32 or bfloat16); 8-bit
+    formats and a K/V dtype other than the model's keep gather + SDPA."""
+    fmt = pool.kv_format
+    return (pool.device.type == "cpu" and dtype in _DTYPE_CODES and not fmt.is_quantized
+            and fmt.storage == dtype and pool.rotation(dtype) is None)
+
+
+def paged_decode(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuDecodePlan,
+                 scaling: float, out: torch.Tensor) -> None:
+    """Attention of the step's decode rows: query [H, T, D] (rows [0, num_seqs) are the
+    decodes), written to out[:num_seqs] ([T, H, D], contiguous)."""
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    num_heads, _, head_dim = query.shape
+    kv = pool.layer(layer)  # [2, KVH, NB, bs, D], contiguous
+    status = load_kernel().kvfleet_paged_decode(
+        _DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
+        kv.data_ptr(), out.data_ptr(), plan.block_tables.data_ptr(), plan.block_tables.shape[1],
+        plan.ctx_lens.data_ptr(), plan.num_seqs, num_heads, pool.layout.num_kv_heads, head_dim,
+        pool.num_blocks, pool.block_size, scaling, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"kvfleet_paged_decode failed with status {status}")
