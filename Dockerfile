@@ -34,8 +34,18 @@ resolve_model_path; resolve_model_path(DEFAULT_MODEL, Path('/models'))"
 FROM ${BASE_IMAGE}
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONPATH=/app \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
-    KVFLEET_CACHE_DIR=/home/kvfleet/.cache/kvfleet/models KVFLEET_HOST=0.0.0.0
+    KVFLEET_CACHE_DIR=/home/kvfleet/.cache/kvfleet/models KVFLEET_HOST=0.0.0.0 \
+    KVFLEET_KERNEL_CACHE=/home/kvfleet/.cache/kernels
 RUN useradd --create-home --uid 1000 kvfleet && install -d -o kvfleet -g kvfleet /home/kvfleet/.cache
+# g++ builds the CPU worker's attention kernel at its first start, for the CPU it runs on
+# (worker/engine/cpu_attention.py; a second or so, kept in KVFLEET_KERNEL_CACHE). WITH_CXX=0, or a
+# base image whose package index cannot be reached, leaves it out: CPU workers then log that
+# they use gather + SDPA (slower decode attention), and CUDA workers never need it.
+ARG WITH_CXX=1
+RUN if [ "$WITH_CXX" = 1 ]; then \
+      (apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ >/dev/null \
+       && rm -rf /var/lib/apt/lists/*) || echo "g++ not installed: CPU workers use gather + SDPA"; \
+    fi
 COPY --from=deps /opt/venv /opt/venv
 COPY --from=model --chown=kvfleet:kvfleet /models /home/kvfleet/.cache/kvfleet/models
 COPY deploy/healthcheck.py /usr/local/bin/kvfleet-healthcheck

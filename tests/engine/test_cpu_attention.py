@@ -113,7 +113,9 @@ def test_without_a_compiler_auto_keeps_sdpa_and_cpu_is_refused(no_compiler, tiny
     assert resolve_attention_backend("auto", CPU) == "sdpa"
     with pytest.raises(ValueError, match="needs its C\\+\\+ kernel.*no-such-compiler-kvfleet"):
         resolve_attention_backend("cpu", CPU)
-    assert tiny_llama.engine().attention_backend == "sdpa"
+    engine = tiny_llama.engine()
+    assert engine.attention_backend == "sdpa"
+    assert "no-such-compiler-kvfleet" in engine.device_report()  # the log says why
 
 
 def test_a_failed_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
@@ -123,3 +125,12 @@ def test_a_failed_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
     with pytest.raises(cpu_attention.KernelUnavailable, match="compiling broken.cpp failed"):
         cpu_attention.build_kernel(tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_the_start_up_report_names_the_attention_path(tiny_llama):
+    assert tiny_llama.engine().device_report().endswith("; attention cpu")
+    fp8 = tiny_llama.engine(kv_dtype="fp8")
+    assert not fp8.runner.cpu_decode_kernel
+    assert "attention cpu (gather + SDPA for --kv-dtype fp8" in fp8.device_report()
+    assert "attention sdpa (the C++ decode kernel: not asked for)" in tiny_llama.engine(
+        attention_backend="sdpa").device_report()

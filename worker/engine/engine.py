@@ -21,6 +21,7 @@ from worker.engine.kv_format import resolve_kv_format
 from worker.engine.memory_profile import profile_step
 from worker.engine.model_runner import ModelRunner, StepLogits, plan_step
 from worker.engine.preemption import PreemptionCostModel, SwapSpace
+from worker.engine import cpu_attention
 from worker.engine.prompt_logprobs import compute_prompt_logprobs
 from worker.engine.sampler import Sampler, SamplerInput
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
@@ -460,6 +461,12 @@ class Engine:
         line = f"{self.device}, {str(self.dtype).removeprefix('torch.')} (--dtype {self.config.dtype})"
         if self.device.type == "cpu":
             line += f"; CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads"
+        line += f"; attention {self.attention_backend}"
+        if self.device.type == "cpu" and self.attention_backend == "sdpa":
+            reason = cpu_attention.unavailable_reason()
+            line += f" (the C++ decode kernel: {reason or 'not asked for'})"
+        elif self.attention_backend == "cpu" and not self.runner.cpu_decode_kernel:
+            line += f" (gather + SDPA for --kv-dtype {self.config.kv_dtype}: the kernel reads plain K/V)"
         return line
 
     def budget_report(self) -> list[str]:
