@@ -197,6 +197,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-dtype", default="auto", help="dtype of HF generate and transformers CB")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=1, help="kvfleet runs; the median is reported")
+    p.add_argument("--attention-backends", default="auto",
+                   help="kvfleet runs at each dtype, one per backend (e.g. auto,sdpa: the CPU "
+                        "decode kernel beside gather + SDPA)")
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true", help="skip HF generate (static batches)")
@@ -241,10 +244,14 @@ def main(argv=None) -> int:
     startups: dict[str, float] = {}
     vllm_decode: dict[str, float | None] = {}
     for name in dtypes:
-        label = f"{name}{' = auto' if name == auto else ''}"
-        ours, outputs[f"kvfleet {name}"], startups[f"kvfleet {name}"] = run_kvfleet_repeats(
-            path, requests, engine_config(args, name), args.repeats, label)
-        results.append(ours)
+        for i, backend in enumerate(args.attention_backends.split(",")):
+            label = f"{name}{' = auto' if name == auto else ''}"
+            key = f"kvfleet {name}"
+            if i > 0:  # the first backend's run is the dtype's row; others are named after theirs
+                label, key = f"{name}, attention {backend}", f"kvfleet {name} attention {backend}"
+            ours, outputs[key], startups[key] = run_kvfleet_repeats(
+                path, requests, engine_config(args, name, backend), args.repeats, label)
+            results.append(ours)
         if vllm is not None:
             # the decode measurement at auto's dtype shares this run's start-up
             streams = args.decode_streams if name == auto and not args.skip_decode else 0
@@ -283,9 +290,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def engine_config(args, dtype: str) -> EngineConfig:
+def engine_config(args, dtype: str, attention_backend: str = "auto") -> EngineConfig:
     return EngineConfig(device="cpu", dtype=dtype, max_batched_tokens=args.max_batched_tokens,
-                        max_running=args.max_running)
+                        max_running=args.max_running, attention_backend=attention_backend)
 
 
 def run_kvfleet_repeats(path: str, requests: list[Request], config: EngineConfig, repeats: int,
