@@ -11,7 +11,7 @@ from worker.engine.attention import (
     CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
 from worker.engine import cpu_attention
 from worker.engine.cpu_attention import CpuDecodePlan
-from worker.engine.cpu_linear import PACKED_DTYPES, pack_cpu_linears
+from worker.engine.cpu_linear import PACKED_DTYPES, fuse_sibling_linears, pack_cpu_linears
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
@@ -127,6 +127,7 @@ class ModelRunner:
         # bf16 on CPU: linear weights pre-packed for oneDNN (cpu_linear.py); float32 and CUDA
         # keep F.linear
         if self.device.type == "cpu" and next(model.parameters()).dtype in PACKED_DTYPES:
+            fuse_sibling_linears(model)  # q/k/v and gate/up: one product each
             pack_cpu_linears(model)
         num_kv_heads = pool.layout.num_kv_heads
         self._group_size = self.num_heads // num_kv_heads  # query heads per KV head
