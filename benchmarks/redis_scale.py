@@ -122,18 +122,59 @@ async def _gateway(url, shards, start_at, stop_at, concurrency, out) -> None:
     out.put(counts)
 
 
-def node_stats(ports: list[int]) -> dict[int, dict[str, float]]:
+# INFO stats counters summed over nodes: round trips (reads/writes processed by the event loop)
+# and bytes, beside the commands they carried.
+TRAFFIC = ("total_commands_processed", "total_reads_processed", "total_writes_processed",
+           "total_net_input_bytes", "total_net_output_bytes")
+
+
+def node_stats(ports: list[int]) -> dict[int, dict]:
+    """Per node: CPU seconds, INFO stats traffic counters, and INFO commandstats as
+    {command: (calls, usec)} (commands run inside scripts count too: their usec is also inside
+    the script's EVALSHA usec)."""
     stats = {}
     for port in ports:
         client = redis.Redis(port=port)
         cpu = client.info("cpu")
-        commands = client.info("commandstats")
-        calls = {name.removeprefix("cmdstat_"): value["calls"] for name, value in commands.items()}
+        traffic = client.info("stats")
+        commands = {name.removeprefix("cmdstat_"): (value["calls"], value["usec"])
+                    for name, value in client.info("commandstats").items()}
         stats[port] = {"cpu_s": cpu["used_cpu_sys"] + cpu["used_cpu_user"],
-                       "publish": calls.get("publish", 0) + calls.get("spublish", 0),
-                       "requests": calls.get("hincrby", 0), "xadd": calls.get("xadd", 0)}
+                       "sys_s": cpu["used_cpu_sys"],
+                       "traffic": {k: traffic.get(k, 0) for k in TRAFFIC},
+                       "commands": commands}
         client.close()
     return stats
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """`after - before` of one node's stats."""
+    zero = (0, 0)
+    commands = {name: (calls - before["commands"].get(name, zero)[0],
+                       usec - before["commands"].get(name, zero)[1])
+                for name, (calls, usec) in after["commands"].items()}
+    return {"cpu_s": after["cpu_s"] - before["cpu_s"], "sys_s": after["sys_s"] - before["sys_s"],
+            "traffic": {k: after["traffic"][k] - before["traffic"][k] for k in TRAFFIC},
+            "commands": {name: v for name, v in commands.items() if v[0] > 0}}
+
+
+def breakdown(deltas: list[dict], events: int) -> dict:
+    """Commands summed over nodes: calls, usec, usec per call, calls and usec per delivered
+    event; traffic counters per delivered event."""
+    summed: dict[str, list[int]] = {}
+    for delta in deltas:
+        for name, (calls, usec) in delta["commands"].items():
+            entry = summed.setdefault(name, [0, 0])
+            entry[0] += calls
+            entry[1] += usec
+    per_event = max(events, 1)
+    commands = {name: {"calls": calls, "usec": usec,
+                       "usec_per_call": round(usec / max(calls, 1), 2),
+                       "calls_per_event": round(calls / per_event, 3),
+                       "usec_per_event": round(usec / per_event, 3)}
+                for name, (calls, usec) in sorted(summed.items(), key=lambda kv: -kv[1][1])}
+    traffic = {k: round(sum(d["traffic"][k] for d in deltas) / per_event, 3) for k in TRAFFIC}
+    return {"commands": commands, "traffic_per_event": traffic}
 
 
 def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> dict:
@@ -159,21 +200,53 @@ def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> di
         proc.join(timeout=30)
     gateways = [r for r in results if "tokens" in r]
     events = sum(g["events"] for g in gateways)
-    delta = {port: {k: after[port][k] - before[port][k] for k in after[port]} for port in ports}
-    total = {k: sum(d[k] for d in delta.values()) for k in ("cpu_s", "publish", "requests", "xadd")}
+    delta = {port: stats_delta(before[port], after[port]) for port in ports}
+    cpu_s = sum(d["cpu_s"] for d in delta.values())
 
-    def shares(field: str) -> list[float]:
-        return [round(100 * delta[p][field] / max(total[field], 1), 1) for p in ports]
+    def calls(port: int, *names: str) -> int:
+        return sum(delta[port]["commands"].get(name, (0, 0))[0] for name in names)
+
+    def shares(*names: str) -> list[float]:
+        total = sum(calls(p, *names) for p in ports)
+        return [round(100 * calls(p, *names) / max(total, 1), 1) for p in ports]
 
     return {"topology": name, "nodes": len(ports), "queue_shards": shards,
             "events_per_s": round(events / args.duration_s),
             "tokens_per_s": round(sum(g["tokens"] for g in gateways) / args.duration_s),
             "requests_done": sum(g["requests"] for g in gateways),
             "errors": sum(g["errors"] for g in gateways),
-            "redis_cpu_s": round(total["cpu_s"], 3),
-            "redis_cpu_us_per_event": round(1e6 * total["cpu_s"] / max(events, 1), 2),
-            "event_share_pct": shares("publish"), "request_share_pct": shares("requests"),
-            "stream_entry_share_pct": shares("xadd")}
+            "worker_steps": sum(r.get("steps", 0) for r in results),
+            "redis_cpu_s": round(cpu_s, 3),
+            "redis_cpu_us_per_event": round(1e6 * cpu_s / max(events, 1), 2),
+            "redis_sys_us_per_event": round(1e6 * sum(d["sys_s"] for d in delta.values())
+                                            / max(events, 1), 2),
+            "event_share_pct": shares("publish", "spublish"),
+            "request_share_pct": shares("hincrby"),  # one START_ATTEMPT per request
+            "stream_entry_share_pct": shares("xadd"),
+            "breakdown": breakdown(list(delta.values()), events)}
+
+
+def print_breakdown(rows: list[dict]) -> None:
+    """Per command, per delivered event: calls and usec on each topology (summed over nodes)."""
+    names = []
+    for row in rows:
+        names += [n for n in row["breakdown"]["commands"] if n not in names]
+    head = "".join(f" | {row['topology']}: calls/ev  us/ev  us/call" for row in rows)
+    print(f"{'command':28}{head}")
+    for name in names:
+        line = f"{name:28}"
+        for row in rows:
+            c = row["breakdown"]["commands"].get(name)
+            line += (f" | {c['calls_per_event']:16.3f} {c['usec_per_event']:6.3f} "
+                     f"{c['usec_per_call']:8.2f}" if c else f" | {'-':>16} {'-':>6} {'-':>8}")
+        print(line)
+    for key in TRAFFIC:
+        print(f"{key + ' /ev':28}" + "".join(
+            f" | {row['breakdown']['traffic_per_event'][key]:16.3f} {'':6} {'':8}"
+            for row in rows))
+    for key, label in (("redis_cpu_us_per_event", "Redis CPU us/ev"),
+                       ("redis_sys_us_per_event", "  of which sys us/ev")):
+        print(f"{label:28}" + "".join(f" | {'':16} {row[key]:6.2f} {'':8}" for row in rows))
 
 
 def main() -> None:
@@ -185,6 +258,9 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=64, help="requests per worker")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--tokens-per-event", type=int, default=1)
+    parser.add_argument("--one-primary", action="store_true",
+                        help="also run a 1-primary cluster (cluster mode without the split over "
+                             "3 processes), `--queue-shards` 3")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     print(f"# {platform.processor() or platform.machine()}, {mp.cpu_count()} cores, "
@@ -195,6 +271,9 @@ def main() -> None:
     with EmbeddedCluster(num_primaries=3, replicas=0) as cluster:
         rows.append(run_topology("cluster", cluster.url, [n.port for n in cluster.nodes], 3,
                                  args))
+    if args.one_primary:
+        with EmbeddedCluster(num_primaries=1, replicas=0) as cluster:
+            rows.append(run_topology("cluster1", cluster.url, [cluster.nodes[0].port], 3, args))
     for row in rows:
         print(json.dumps(row) if args.json else
               f"{row['topology']:8} nodes {row['nodes']} shards {row['queue_shards']}: "
@@ -203,6 +282,8 @@ def main() -> None:
               f"{row['redis_cpu_us_per_event']} us/event; event share {row['event_share_pct']}, "
               f"request share {row['request_share_pct']}, stream entries "
               f"{row['stream_entry_share_pct']}")
+    if not args.json:
+        print_breakdown(rows)
     ratio = rows[1]["redis_cpu_us_per_event"] / max(rows[0]["redis_cpu_us_per_event"], 1e-9)
     print(f"cluster / single Redis CPU per event: {ratio:.3f}")
 
