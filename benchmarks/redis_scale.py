@@ -53,15 +53,15 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
     inflight: dict[str, tuple] = {}  # req_id -> (delivery, attempt, produced)
     steps = events = 0
     while time.time() < stop_at:
-        while len(inflight) < running:
-            delivery = protocol.read_if_fits(1_000_000)
-            if delivery is None or not hasattr(delivery, "request"):
-                break
-            started = protocol.start_attempt(delivery.request.req_id)
-            if started is None:
-                protocol.ack(delivery.stream, delivery.entry_id)
-                continue
-            inflight[delivery.request.req_id] = (delivery, started[0], 0)
+        if len(inflight) < running:  # as the worker service admits: one read, one start
+            deliveries = protocol.read_batch(1_000_000, running - len(inflight)).deliveries
+            if deliveries:
+                starts = protocol.start_attempts([d.request.req_id for d in deliveries])
+                for delivery, started in zip(deliveries, starts):
+                    if started is None:
+                        protocol.ack(delivery.stream, delivery.entry_id)
+                    else:
+                        inflight[delivery.request.req_id] = (delivery, started[0], 0)
         if not inflight:
             time.sleep(0.001)
             continue

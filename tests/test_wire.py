@@ -162,7 +162,7 @@ def test_a_call_that_does_not_match_the_convention_is_refused():
     with pytest.raises(ValueError, match="args"):
         scripts.START_ATTEMPT.bind(["a", "b"], ["w"])
     with pytest.raises(ValueError, match="keys"):
-        scripts.READ_IF_FITS.bind([], ["g", "c", 10])
+        scripts.READ_IF_FITS.bind([], ["g", "c", 10, 1])
     with pytest.raises(ValueError, match="args"):
         batch_scripts.TRANSITION.bind(["b"], ["completed", 1])  # no allowed status
     call = scripts.enqueue(Keys(), make_request(), ttl_s=60)

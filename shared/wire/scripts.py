@@ -4,8 +4,9 @@ a call of it. Ordering guarantees (DESIGN.md, "The fleet protocol"):
 - ENQUEUE writes the request hash once per request id; the caller XADDs the stream entry only
   when it did (a retried enqueue writes nothing twice). Two steps because the stream shard and
   the request live in different slots of a cluster; the same two steps run on a single Redis.
-- READ_IF_FITS delivers the next undelivered entry only if its prompt fits the worker's budget:
-  the entry tested is the entry delivered (one script, no second reader in between).
+- READ_IF_FITS delivers the next undelivered entries (up to a count) only while their prompts fit
+  the worker's budget: the entries tested are the entries delivered (one script, no second reader
+  in between), several in one call so that filling a worker's free room is one call per shard.
 - START_ATTEMPT increments `attempt` (the fencing token) and reads the checkpoint atomically, so a
   claimer resumes exactly after the last token any earlier attempt recorded.
 - PUBLISH appends to the checkpoint before it publishes, so a gateway that missed an event finds
@@ -69,12 +70,14 @@ READ_IF_FITS = LuaScript.build(
     keys=["request streams of one model, highest priority first"],
     variadic_keys=True,
     argv=["consumer group", "consumer (worker id)",
-          "budget: the most prompt tokens the worker can admit now"],
-    returns="{} when no stream has an undelivered entry; {0, stream index (1-based), prompt "
-            "length} when the first undelivered entry (by priority) does not fit: it stays for a "
-            "worker with room; {1, stream index, entry id, {field, value, ...}} once delivered "
-            "(XREADGROUP: pending for this consumer). An entry without a prompt length (an older "
-            "writer) counts as fitting.",
+          "budget: the most prompt tokens the worker can admit now (summed over the entries "
+          "delivered)", "the most entries to deliver"],
+    returns="{too-large stream index (1-based; 0: none), its head's prompt length (0: none), "
+            "then for each entry delivered (XREADGROUP: pending for this consumer), in order: "
+            "stream index, entry id, {field, value, ...}}. Entries are taken in priority order "
+            "while they fit what is left of the budget; the first undelivered entry that does "
+            "not fit ends the read and stays (head of line) for a worker with room. An entry "
+            "without a prompt length (an older writer) counts as fitting.",
     names=NAMES,
     source="""
 local function last_delivered(stream, group)
@@ -89,33 +92,49 @@ local function last_delivered(stream, group)
   return nil
 end
 
+local budget, want = tonumber(ARGV[3]), tonumber(ARGV[4])
+local out = {0, 0}
 for i, stream in ipairs(KEYS) do
+  if want <= 0 then break end
   local last = nil
   if redis.call('EXISTS', stream) == 1 then last = last_delivered(stream, ARGV[1]) end
   if last then
     local start = '-'
     if last ~= '0-0' then start = '(' .. last end
-    local entries = redis.call('XRANGE', stream, start, '+', 'COUNT', 1)
-    if #entries > 0 then
-      local fields, prompt_len = entries[1][2], 0
+    local fit = 0
+    for _, entry in ipairs(redis.call('XRANGE', stream, start, '+', 'COUNT', want)) do
+      local fields, prompt_len = entry[2], 0
       for j = 1, #fields, 2 do
         if fields[j] == '${entry_prompt_len}' then prompt_len = tonumber(fields[j + 1]) or 0 end
       end
-      if prompt_len > tonumber(ARGV[3]) then return {0, i, prompt_len} end
-      local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1,
-                               'STREAMS', stream, '>')
-      local entry = reply[1][2][1]
-      return {1, i, entry[1], entry[2]}
+      if prompt_len > budget then
+        out[1], out[2] = i, prompt_len
+        break
+      end
+      budget = budget - prompt_len
+      fit = fit + 1
     end
+    if fit > 0 then
+      -- the next `fit` undelivered entries are the ones just tested (no reader in between)
+      local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', fit,
+                               'STREAMS', stream, '>')
+      for _, entry in ipairs(reply[1][2]) do
+        out[#out + 1] = i
+        out[#out + 1] = entry[1]
+        out[#out + 1] = entry[2]
+      end
+      want = want - fit
+    end
+    if out[1] ~= 0 then return out end
   end
 end
-return {}
+return out
 """)
 
 
-def read_if_fits(streams: list[str], group: str, consumer: str, budget_tokens: int
-                 ) -> ScriptCall:
-    return READ_IF_FITS.bind(streams, [group, consumer, budget_tokens])
+def read_if_fits(streams: list[str], group: str, consumer: str, budget_tokens: int,
+                 max_entries: int = 1) -> ScriptCall:
+    return READ_IF_FITS.bind(streams, [group, consumer, budget_tokens, max_entries])
 
 
 START_ATTEMPT = LuaScript.build(
