@@ -9,8 +9,8 @@ Ordering guarantees (DESIGN.md, "The fleet protocol"):
   in one atomic script, so the claimer resumes exactly after the last token any earlier attempt
   recorded.
 - `publish` appends new tokens to the checkpoint (renewing its TTL), publishes them and, on the
-  final event, records the status — one script per request, all requests of a step in one
-  pipelined round trip; the final events' stream entries are XACKed after their scripts returned
+  final event, records the status — all requests of a step in one script call (PUBLISH_STEP),
+  one per node on a cluster; the final events' stream entries are XACKed after their scripts returned
   1 (a second round trip, only in steps where something finished: on a cluster the stream lives
   in another slot). The script does nothing and returns 0 when the attempt is stale: that worker
   must stop the request.
@@ -42,7 +42,7 @@ from shared.wire import (
 )
 from shared.redis_connect import is_cluster
 from shared.wire import scripts
-from shared.wire.lua import run_pipelined
+from shared.wire.lua import run_per_node, run_pipelined
 from shared.wire.records import text
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class WorkerProtocol:
         self.sharded = is_cluster(client)  # sharded pub/sub
         self._start_attempt = scripts.START_ATTEMPT.register(client)
         self._publish = scripts.PUBLISH.register(client)
+        self._publish_step = scripts.PUBLISH_STEP.register(client)
         self._read_if_fits = scripts.READ_IF_FITS.register(client)
         self._next_shard = 0
 
@@ -120,8 +121,9 @@ class WorkerProtocol:
         return [(first + i) % n for i in range(n)]
 
     def ensure_groups(self) -> None:
-        for script in (scripts.START_ATTEMPT, scripts.PUBLISH, scripts.READ_IF_FITS):
-            self.client.script_load(script.source)  # every primary of a cluster
+        for script in (self._start_attempt, self._publish, self._publish_step,
+                       self._read_if_fits):
+            self.client.script_load(script.script)  # every primary of a cluster
         for stream in self.streams:
             try:
                 # id 0: entries added before any worker existed are delivered too.
@@ -253,7 +255,8 @@ class WorkerProtocol:
         calls = [scripts.publish(self.keys, item.req_id, item.attempt, item.event,
                                  item.final_status, self.result_ttl_s, sharded=self.sharded)
                  for item in items]
-        accepted = [bool(ok) for ok in run_pipelined(self.client, self._publish, calls)]
+        accepted = [bool(ok) for ok in run_per_node(self.client, self._publish_step,
+                                                    self._publish, calls)]
         finals = [item for item, ok in zip(items, accepted)
                   if ok and item.final_status is not None and item.entry_id]
         if finals:

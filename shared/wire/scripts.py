@@ -9,7 +9,8 @@ a call of it. Ordering guarantees (DESIGN.md, "The fleet protocol"):
   in between), several in one call so that filling a worker's free room is one call per shard.
 - START_ATTEMPT increments `attempt` (the fencing token) and reads the checkpoint atomically, so a
   claimer resumes exactly after the last token any earlier attempt recorded.
-- PUBLISH appends to the checkpoint before it publishes, so a gateway that missed an event finds
+- PUBLISH appends to the checkpoint before it publishes (PUBLISH_STEP: the same for every request
+  of a worker's step that lives on one node, in one call), so a gateway that missed an event finds
   its tokens in the checkpoint; it writes nothing for a stale attempt. The final XACK follows it
   (same pipeline): a worker killed between the two leaves a finished request pending, which a
   claimer finds finished (START_ATTEMPT returns the status) and only acks.
@@ -165,6 +166,30 @@ def start_attempt(keys: Keys, req_id: str, worker_id: str) -> ScriptCall:
                               [worker_id, RequestStatus.RUNNING.value, *FINISHED])
 
 
+# One request's publication once its attempt was checked: append the new tokens to the
+# checkpoint (renewing its TTL), publish the event, and on the final event record the status.
+_PUBLISH_ONE = """
+local function publish_one(hash, ckpt, channel, event, new_tokens, final, ttl, command, offset)
+  if new_tokens ~= '' then
+    -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
+    -- it, another did not answer) appends only the bytes the checkpoint does not hold yet
+    local have = redis.call('STRLEN', ckpt) - tonumber(offset)
+    if have <= 0 then
+      redis.call('APPEND', ckpt, new_tokens)
+    elseif have < string.len(new_tokens) then
+      redis.call('APPEND', ckpt, string.sub(new_tokens, have + 1))
+    end
+    redis.call('EXPIRE', ckpt, ttl)
+  end
+  redis.call(command, channel, event)
+  if final ~= '' then
+    redis.call('HSET', hash, '${req_status}', final)
+    redis.call('EXPIRE', hash, ttl)
+    redis.call('EXPIRE', ckpt, ttl)
+  end
+end
+"""
+
 PUBLISH = LuaScript.build(
     "publish",
     keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)",
@@ -179,28 +204,43 @@ PUBLISH = LuaScript.build(
             "worker must stop the request). The caller XACKs the stream entry of a final event "
             "after this returned 1 (the stream lives in another slot).",
     names=NAMES,
-    source="""
+    source=_PUBLISH_ONE + """
 if tonumber(redis.call('HGET', KEYS[1], '${req_attempt}') or '-1') ~= tonumber(ARGV[1]) then
   return 0
 end
-if ARGV[3] ~= '' then
-  -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
-  -- it, another did not answer) appends only the bytes the checkpoint does not hold yet
-  local have = redis.call('STRLEN', KEYS[2]) - tonumber(ARGV[7])
-  if have <= 0 then
-    redis.call('APPEND', KEYS[2], ARGV[3])
-  elseif have < string.len(ARGV[3]) then
-    redis.call('APPEND', KEYS[2], string.sub(ARGV[3], have + 1))
-  end
-  redis.call('EXPIRE', KEYS[2], ARGV[5])
-end
-redis.call(ARGV[6], KEYS[3], ARGV[2])
-if ARGV[4] ~= '' then
-  redis.call('HSET', KEYS[1], '${req_status}', ARGV[4])
-  redis.call('EXPIRE', KEYS[1], ARGV[5])
-  redis.call('EXPIRE', KEYS[2], ARGV[5])
-end
+publish_one(KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 return 1
+""")
+
+PUBLISH_STEP = LuaScript.build(
+    "publish_step",
+    keys=[],
+    argv=["for each request of the step that lives on this node, in turn: the 3 KEYS and then "
+          "the 7 ARGV of its PUBLISH call"],
+    variadic_argv=True,
+    cross_slot=True,
+    returns="{1 or 0 for each request, in order}: PUBLISH's reply for it. Every attempt is read "
+            "before anything is written, so a key this node does not serve (a stale slot map) "
+            "fails the whole call with nothing written; the caller then runs those requests' "
+            "PUBLISH calls through the cluster client.",
+    names=NAMES,
+    source=_PUBLISH_ONE + """
+local current = {}
+for i = 1, #ARGV, 10 do
+  local attempt = redis.call('HGET', ARGV[i], '${req_attempt}') or '-1'
+  current[i] = tonumber(attempt) == tonumber(ARGV[i + 3])
+end
+local accepted = {}
+for i = 1, #ARGV, 10 do
+  if current[i] then
+    publish_one(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6],
+                ARGV[i + 7], ARGV[i + 8], ARGV[i + 9])
+    accepted[#accepted + 1] = 1
+  else
+    accepted[#accepted + 1] = 0
+  end
+end
+return accepted
 """)
 
 

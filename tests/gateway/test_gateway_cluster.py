@@ -136,19 +136,19 @@ async def test_a_burst_of_subscriptions_to_many_slots_costs_a_node_one_read(clie
     channels = [KEYS.tokens(f"burst-{i}") for i in range(400)]
     channels = [c for c in channels if low <= key_slot(c.encode()) <= high][:30]
     assert len({key_slot(c.encode()) for c in channels}) > 20  # many slots, one node
+    already = sharded_subscribers(node.port)  # other tests' subscribers (a worker's cancels)
     await client.fanout.subscribe(channels[0])  # the node's connection, opened once
     before = reads_processed(node.port)
     await asyncio.gather(*(client.fanout.subscribe(c) for c in channels[1:]))
     reads = reads_processed(node.port) - before - 1  # less the INFO of this read
-    assert sharded_subscribers(node.port) == len(channels)
-    # one read for the burst, plus the node's other traffic (replication acks): one read per
-    # slot (29 and more) when each SSUBSCRIBE was a write of its own
-    assert reads <= 12
-    before = reads_processed(node.port)
+    assert sharded_subscribers(node.port) - already == len(channels)
+    # one read for the burst, plus the node's other traffic (replication acks, other clients):
+    # one read per slot (29 and more) when each SSUBSCRIBE was a write of its own
+    assert reads <= 14
     for channel in channels:
         client.fanout.release(channel)
     deadline = time.monotonic() + 5
-    while sharded_subscribers(node.port) and time.monotonic() < deadline:
+    while sharded_subscribers(node.port) > already and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert sharded_subscribers(node.port) == 0
+    assert sharded_subscribers(node.port) == already
     assert client.fanout.num_subscribed == 0
