@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import platform
 import time
 import uuid
@@ -43,8 +44,15 @@ MODEL = "bench"
 PREFIX = "bench:"
 
 
+def pin_clients(cpus: set[int] | None) -> None:
+    """`--pin`: this client process runs on `cpus` only (None: wherever the OS puts it)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, running: int,
-                     tokens: int, per_event: int, out: mp.Queue) -> None:
+                     tokens: int, per_event: int, out: mp.Queue, pin: set[int] | None) -> None:
+    pin_clients(pin)
     keys = Keys(PREFIX, queue_shards=shards)
     client = connect(url, socket_timeout=10)
     protocol = WorkerProtocol(client, keys, MODEL, worker_id, result_ttl_s=60)
@@ -86,7 +94,8 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
 
 
 def synthetic_gateway(url: str, shards: int, start_at: float, stop_at: float, concurrency: int,
-                      out: mp.Queue) -> None:
+                      out: mp.Queue, pin: set[int] | None) -> None:
+    pin_clients(pin)
     asyncio.run(_gateway(url, shards, start_at, stop_at, concurrency, out))
 
 
@@ -178,6 +187,14 @@ def breakdown(deltas: list[dict], events: int) -> dict:
 
 
 def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> dict:
+    client_cpus = None
+    if args.pin:  # every Redis node on the first CPU, every client process on the others
+        cpus = sorted(os.sched_getaffinity(0))
+        for port in ports:
+            client = redis.Redis(port=port)
+            os.sched_setaffinity(int(client.info("server")["process_id"]), {cpus[0]})
+            client.close()
+        client_cpus = set(cpus[1:])
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     warmup_s = 2.0
@@ -185,9 +202,11 @@ def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> di
     stop_at = start_at + args.duration_s
     procs = [ctx.Process(target=synthetic_worker,
                          args=(url, shards, f"w{i}", stop_at + 2, args.running, args.tokens,
-                               args.tokens_per_event, out)) for i in range(args.workers)]
+                               args.tokens_per_event, out, client_cpus))
+             for i in range(args.workers)]
     procs += [ctx.Process(target=synthetic_gateway,
-                          args=(url, shards, start_at, stop_at, args.concurrency, out))
+                          args=(url, shards, start_at, stop_at, args.concurrency, out,
+                                client_cpus))
               for _ in range(args.gateways)]
     for proc in procs:
         proc.start()
@@ -261,6 +280,8 @@ def main() -> None:
     parser.add_argument("--one-primary", action="store_true",
                         help="also run a 1-primary cluster (cluster mode without the split over "
                              "3 processes), `--queue-shards` 3")
+    parser.add_argument("--pin", action="store_true",
+                        help="Redis nodes on one CPU, the client processes on the others")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     print(f"# {platform.processor() or platform.machine()}, {mp.cpu_count()} cores, "
