@@ -10,9 +10,9 @@ Ordering guarantees (DESIGN.md, "The fleet protocol"):
   recorded.
 - `publish` appends new tokens to the checkpoint (renewing its TTL), publishes them and, on the
   final event, records the status — all requests of a step in one script call (PUBLISH_STEP),
-  one per node on a cluster; the final events' stream entries are XACKed after their scripts returned
-  1 (a second round trip, only in steps where something finished: on a cluster the stream lives
-  in another slot). The script does nothing and returns 0 when the attempt is stale: that worker
+  one per node on a cluster; the final events' stream entries are XACKed after their scripts
+  returned 1 (a second round trip, only in steps where something finished: on a cluster the
+  stream lives in another slot). The script does nothing and returns 0 when the attempt is stale: that worker
   must stop the request.
 - Stream shards (Keys.queue_shards): the worker reads every shard of its model, starting at a
   shard that rotates from read to read so none waits behind another; priority holds within a
