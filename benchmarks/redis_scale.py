@@ -5,17 +5,24 @@ enqueue, fan-out and event stream) in separate processes, for the same time on e
     .venv/bin/python -m benchmarks.redis_scale --duration-s 20 --workers 2 --gateways 2 \
         --concurrency 64 --tokens 32 --tokens-per-event 1
 
-Each synthetic worker keeps up to `--running` requests; every step it publishes one event of
-`--tokens-per-event` tokens per running request (PUBLISH script: checkpoint + publish, the
-step's requests in one pipelined round trip) and finishes a request after `--tokens` tokens
-(final event, XACK). Each gateway keeps `--concurrency` requests open and reads each to its final
+Each synthetic worker keeps up to `--running` requests, admitted as the worker service admits
+them (one READ_IF_FITS call per shard for its free room, their START_ATTEMPTs in one round trip);
+every step it publishes one event of `--tokens-per-event` tokens per running request
+(PUBLISH_STEP: checkpoint + publish, one script call per node for the step's requests) and
+finishes a request after `--tokens` tokens (final event, XACK). Each gateway keeps `--concurrency` requests open and reads each to its final
 event. Reported per topology:
 - token events/s and tokens/s delivered end to end (received by the gateways);
 - Redis CPU per delivered event: the summed `used_cpu_sys + used_cpu_user` (INFO cpu) of every
   node over the run ÷ events delivered, and the cluster's ratio to the single Redis's;
 - per-primary share of token events (`cmdstat_publish`/`cmdstat_spublish` calls, INFO
   commandstats: counted inside scripts too) and of requests (`cmdstat_hincrby`: one
-  START_ATTEMPT per request), and of stream entries (`cmdstat_xadd`).
+  START_ATTEMPT per request), and of stream entries (`cmdstat_xadd`);
+- the breakdown: per command (INFO commandstats summed over nodes) calls and usec per delivered
+  event and usec per call, and per event the INFO stats counters of round trips
+  (`total_reads_processed`), writes and bytes, and Redis's system CPU.
+`--one-primary` adds a diagnostic run of a 1-primary cluster with 3 stream shards (the
+cluster's protocol without the split over 3 processes); `--pin` puts every Redis node on one CPU
+and the client processes on the others.
 Both topologies run without replicas (a replica's stream costs its primary CPU on both sides
 alike; the failover benchmark uses replicas). The cluster runs with `--queue-shards` = 3.
 """
