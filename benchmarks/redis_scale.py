@@ -2,15 +2,15 @@
 synthetic workers (WorkerProtocol, no model) and synthetic gateways (RedisEngineClient: the real
 enqueue, fan-out and event stream) in separate processes, for the same time on each topology.
 
-    .venv/bin/python -m benchmarks.redis_scale --duration-s 20 --workers 2 --gateways 2 \
-        --concurrency 64 --tokens 32 --tokens-per-event 1
+    .venv/bin/python -m benchmarks.redis_scale --duration-s 15 --workers 2 --gateways 2 \
+        --concurrency 64 --running 64 --tokens 32 --tokens-per-event 1 --one-primary
 
 Each synthetic worker keeps up to `--running` requests, admitted as the worker service admits
 them (one READ_IF_FITS call per shard for its free room, their START_ATTEMPTs in one round trip);
 every step it publishes one event of `--tokens-per-event` tokens per running request
 (PUBLISH_STEP: checkpoint + publish, one script call per node for the step's requests) and
-finishes a request after `--tokens` tokens (final event, XACK). Each gateway keeps `--concurrency` requests open and reads each to its final
-event. Reported per topology:
+finishes a request after `--tokens` tokens (final event, XACK). Each gateway keeps
+`--concurrency` requests open and reads each to its final event. Reported per topology:
 - token events/s and tokens/s delivered end to end (received by the gateways);
 - Redis CPU per delivered event: the summed `used_cpu_sys + used_cpu_user` (INFO cpu) of every
   node over the run ÷ events delivered, and the cluster's ratio to the single Redis's;

@@ -12,8 +12,8 @@ Ordering guarantees (DESIGN.md, "The fleet protocol"):
   final event, records the status — all requests of a step in one script call (PUBLISH_STEP),
   one per node on a cluster; the final events' stream entries are XACKed after their scripts
   returned 1 (a second round trip, only in steps where something finished: on a cluster the
-  stream lives in another slot). The script does nothing and returns 0 when the attempt is stale: that worker
-  must stop the request.
+  stream lives in another slot). The script does nothing and returns 0 when the attempt is
+  stale: that worker must stop the request.
 - Stream shards (Keys.queue_shards): the worker reads every shard of its model, starting at a
   shard that rotates from read to read so none waits behind another; priority holds within a
   shard. On a cluster token events and cancels travel by sharded pub/sub (SPUBLISH/SSUBSCRIBE).
