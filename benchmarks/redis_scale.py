@@ -2,20 +2,27 @@
 synthetic workers (WorkerProtocol, no model) and synthetic gateways (RedisEngineClient: the real
 enqueue, fan-out and event stream) in separate processes, for the same time on each topology.
 
-    .venv/bin/python -m benchmarks.redis_scale --duration-s 20 --workers 2 --gateways 2 \
-        --concurrency 64 --tokens 32 --tokens-per-event 1
+    .venv/bin/python -m benchmarks.redis_scale --duration-s 15 --workers 2 --gateways 2 \
+        --concurrency 64 --running 64 --tokens 32 --tokens-per-event 1 --one-primary
 
-Each synthetic worker keeps up to `--running` requests; every step it publishes one event of
-`--tokens-per-event` tokens per running request (PUBLISH script: checkpoint + publish, the
-step's requests in one pipelined round trip) and finishes a request after `--tokens` tokens
-(final event, XACK). Each gateway keeps `--concurrency` requests open and reads each to its final
-event. Reported per topology:
+Each synthetic worker keeps up to `--running` requests, admitted as the worker service admits
+them (one READ_IF_FITS call per shard for its free room, their START_ATTEMPTs in one round trip);
+every step it publishes one event of `--tokens-per-event` tokens per running request
+(PUBLISH_STEP: checkpoint + publish, one script call per node for the step's requests) and
+finishes a request after `--tokens` tokens (final event, XACK). Each gateway keeps
+`--concurrency` requests open and reads each to its final event. Reported per topology:
 - token events/s and tokens/s delivered end to end (received by the gateways);
 - Redis CPU per delivered event: the summed `used_cpu_sys + used_cpu_user` (INFO cpu) of every
   node over the run ÷ events delivered, and the cluster's ratio to the single Redis's;
 - per-primary share of token events (`cmdstat_publish`/`cmdstat_spublish` calls, INFO
   commandstats: counted inside scripts too) and of requests (`cmdstat_hincrby`: one
-  START_ATTEMPT per request), and of stream entries (`cmdstat_xadd`).
+  START_ATTEMPT per request), and of stream entries (`cmdstat_xadd`);
+- the breakdown: per command (INFO commandstats summed over nodes) calls and usec per delivered
+  event and usec per call, and per event the INFO stats counters of round trips
+  (`total_reads_processed`), writes and bytes, and Redis's system CPU.
+`--one-primary` adds a diagnostic run of a 1-primary cluster with 3 stream shards (the
+cluster's protocol without the split over 3 processes); `--pin` puts every Redis node on one CPU
+and the client processes on the others.
 Both topologies run without replicas (a replica's stream costs its primary CPU on both sides
 alike; the failover benchmark uses replicas). The cluster runs with `--queue-shards` = 3.
 """
@@ -26,6 +33,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import platform
 import time
 import uuid
@@ -43,8 +51,15 @@ MODEL = "bench"
 PREFIX = "bench:"
 
 
+def pin_clients(cpus: set[int] | None) -> None:
+    """`--pin`: this client process runs on `cpus` only (None: wherever the OS puts it)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, running: int,
-                     tokens: int, per_event: int, out: mp.Queue) -> None:
+                     tokens: int, per_event: int, out: mp.Queue, pin: set[int] | None) -> None:
+    pin_clients(pin)
     keys = Keys(PREFIX, queue_shards=shards)
     client = connect(url, socket_timeout=10)
     protocol = WorkerProtocol(client, keys, MODEL, worker_id, result_ttl_s=60)
@@ -53,15 +68,15 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
     inflight: dict[str, tuple] = {}  # req_id -> (delivery, attempt, produced)
     steps = events = 0
     while time.time() < stop_at:
-        while len(inflight) < running:
-            delivery = protocol.read_if_fits(1_000_000)
-            if delivery is None or not hasattr(delivery, "request"):
-                break
-            started = protocol.start_attempt(delivery.request.req_id)
-            if started is None:
-                protocol.ack(delivery.stream, delivery.entry_id)
-                continue
-            inflight[delivery.request.req_id] = (delivery, started[0], 0)
+        if len(inflight) < running:  # as the worker service admits: one read, one start
+            deliveries = protocol.read_batch(1_000_000, running - len(inflight)).deliveries
+            if deliveries:
+                starts = protocol.start_attempts([d.request.req_id for d in deliveries])
+                for delivery, started in zip(deliveries, starts):
+                    if started is None:
+                        protocol.ack(delivery.stream, delivery.entry_id)
+                    else:
+                        inflight[delivery.request.req_id] = (delivery, started[0], 0)
         if not inflight:
             time.sleep(0.001)
             continue
@@ -86,7 +101,8 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
 
 
 def synthetic_gateway(url: str, shards: int, start_at: float, stop_at: float, concurrency: int,
-                      out: mp.Queue) -> None:
+                      out: mp.Queue, pin: set[int] | None) -> None:
+    pin_clients(pin)
     asyncio.run(_gateway(url, shards, start_at, stop_at, concurrency, out))
 
 
@@ -122,21 +138,70 @@ async def _gateway(url, shards, start_at, stop_at, concurrency, out) -> None:
     out.put(counts)
 
 
-def node_stats(ports: list[int]) -> dict[int, dict[str, float]]:
+# INFO stats counters summed over nodes: round trips (reads/writes processed by the event loop)
+# and bytes, beside the commands they carried.
+TRAFFIC = ("total_commands_processed", "total_reads_processed", "total_writes_processed",
+           "total_net_input_bytes", "total_net_output_bytes")
+
+
+def node_stats(ports: list[int]) -> dict[int, dict]:
+    """Per node: CPU seconds, INFO stats traffic counters, and INFO commandstats as
+    {command: (calls, usec)} (commands run inside scripts count too: their usec is also inside
+    the script's EVALSHA usec)."""
     stats = {}
     for port in ports:
         client = redis.Redis(port=port)
         cpu = client.info("cpu")
-        commands = client.info("commandstats")
-        calls = {name.removeprefix("cmdstat_"): value["calls"] for name, value in commands.items()}
+        traffic = client.info("stats")
+        commands = {name.removeprefix("cmdstat_"): (value["calls"], value["usec"])
+                    for name, value in client.info("commandstats").items()}
         stats[port] = {"cpu_s": cpu["used_cpu_sys"] + cpu["used_cpu_user"],
-                       "publish": calls.get("publish", 0) + calls.get("spublish", 0),
-                       "requests": calls.get("hincrby", 0), "xadd": calls.get("xadd", 0)}
+                       "sys_s": cpu["used_cpu_sys"],
+                       "traffic": {k: traffic.get(k, 0) for k in TRAFFIC},
+                       "commands": commands}
         client.close()
     return stats
 
 
+def stats_delta(before: dict, after: dict) -> dict:
+    """`after - before` of one node's stats."""
+    zero = (0, 0)
+    commands = {name: (calls - before["commands"].get(name, zero)[0],
+                       usec - before["commands"].get(name, zero)[1])
+                for name, (calls, usec) in after["commands"].items()}
+    return {"cpu_s": after["cpu_s"] - before["cpu_s"], "sys_s": after["sys_s"] - before["sys_s"],
+            "traffic": {k: after["traffic"][k] - before["traffic"][k] for k in TRAFFIC},
+            "commands": {name: v for name, v in commands.items() if v[0] > 0}}
+
+
+def breakdown(deltas: list[dict], events: int) -> dict:
+    """Commands summed over nodes: calls, usec, usec per call, calls and usec per delivered
+    event; traffic counters per delivered event."""
+    summed: dict[str, list[int]] = {}
+    for delta in deltas:
+        for name, (calls, usec) in delta["commands"].items():
+            entry = summed.setdefault(name, [0, 0])
+            entry[0] += calls
+            entry[1] += usec
+    per_event = max(events, 1)
+    commands = {name: {"calls": calls, "usec": usec,
+                       "usec_per_call": round(usec / max(calls, 1), 2),
+                       "calls_per_event": round(calls / per_event, 3),
+                       "usec_per_event": round(usec / per_event, 3)}
+                for name, (calls, usec) in sorted(summed.items(), key=lambda kv: -kv[1][1])}
+    traffic = {k: round(sum(d["traffic"][k] for d in deltas) / per_event, 3) for k in TRAFFIC}
+    return {"commands": commands, "traffic_per_event": traffic}
+
+
 def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> dict:
+    client_cpus = None
+    if args.pin:  # every Redis node on the first CPU, every client process on the others
+        cpus = sorted(os.sched_getaffinity(0))
+        for port in ports:
+            client = redis.Redis(port=port)
+            os.sched_setaffinity(int(client.info("server")["process_id"]), {cpus[0]})
+            client.close()
+        client_cpus = set(cpus[1:])
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     warmup_s = 2.0
@@ -144,9 +209,11 @@ def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> di
     stop_at = start_at + args.duration_s
     procs = [ctx.Process(target=synthetic_worker,
                          args=(url, shards, f"w{i}", stop_at + 2, args.running, args.tokens,
-                               args.tokens_per_event, out)) for i in range(args.workers)]
+                               args.tokens_per_event, out, client_cpus))
+             for i in range(args.workers)]
     procs += [ctx.Process(target=synthetic_gateway,
-                          args=(url, shards, start_at, stop_at, args.concurrency, out))
+                          args=(url, shards, start_at, stop_at, args.concurrency, out,
+                                client_cpus))
               for _ in range(args.gateways)]
     for proc in procs:
         proc.start()
@@ -159,21 +226,53 @@ def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> di
         proc.join(timeout=30)
     gateways = [r for r in results if "tokens" in r]
     events = sum(g["events"] for g in gateways)
-    delta = {port: {k: after[port][k] - before[port][k] for k in after[port]} for port in ports}
-    total = {k: sum(d[k] for d in delta.values()) for k in ("cpu_s", "publish", "requests", "xadd")}
+    delta = {port: stats_delta(before[port], after[port]) for port in ports}
+    cpu_s = sum(d["cpu_s"] for d in delta.values())
 
-    def shares(field: str) -> list[float]:
-        return [round(100 * delta[p][field] / max(total[field], 1), 1) for p in ports]
+    def calls(port: int, *names: str) -> int:
+        return sum(delta[port]["commands"].get(name, (0, 0))[0] for name in names)
+
+    def shares(*names: str) -> list[float]:
+        total = sum(calls(p, *names) for p in ports)
+        return [round(100 * calls(p, *names) / max(total, 1), 1) for p in ports]
 
     return {"topology": name, "nodes": len(ports), "queue_shards": shards,
             "events_per_s": round(events / args.duration_s),
             "tokens_per_s": round(sum(g["tokens"] for g in gateways) / args.duration_s),
             "requests_done": sum(g["requests"] for g in gateways),
             "errors": sum(g["errors"] for g in gateways),
-            "redis_cpu_s": round(total["cpu_s"], 3),
-            "redis_cpu_us_per_event": round(1e6 * total["cpu_s"] / max(events, 1), 2),
-            "event_share_pct": shares("publish"), "request_share_pct": shares("requests"),
-            "stream_entry_share_pct": shares("xadd")}
+            "worker_steps": sum(r.get("steps", 0) for r in results),
+            "redis_cpu_s": round(cpu_s, 3),
+            "redis_cpu_us_per_event": round(1e6 * cpu_s / max(events, 1), 2),
+            "redis_sys_us_per_event": round(1e6 * sum(d["sys_s"] for d in delta.values())
+                                            / max(events, 1), 2),
+            "event_share_pct": shares("publish", "spublish"),
+            "request_share_pct": shares("hincrby"),  # one START_ATTEMPT per request
+            "stream_entry_share_pct": shares("xadd"),
+            "breakdown": breakdown(list(delta.values()), events)}
+
+
+def print_breakdown(rows: list[dict]) -> None:
+    """Per command, per delivered event: calls and usec on each topology (summed over nodes)."""
+    names = []
+    for row in rows:
+        names += [n for n in row["breakdown"]["commands"] if n not in names]
+    head = "".join(f" | {row['topology']}: calls/ev  us/ev  us/call" for row in rows)
+    print(f"{'command':28}{head}")
+    for name in names:
+        line = f"{name:28}"
+        for row in rows:
+            c = row["breakdown"]["commands"].get(name)
+            line += (f" | {c['calls_per_event']:16.3f} {c['usec_per_event']:6.3f} "
+                     f"{c['usec_per_call']:8.2f}" if c else f" | {'-':>16} {'-':>6} {'-':>8}")
+        print(line)
+    for key in TRAFFIC:
+        print(f"{key + ' /ev':28}" + "".join(
+            f" | {row['breakdown']['traffic_per_event'][key]:16.3f} {'':6} {'':8}"
+            for row in rows))
+    for key, label in (("redis_cpu_us_per_event", "Redis CPU us/ev"),
+                       ("redis_sys_us_per_event", "  of which sys us/ev")):
+        print(f"{label:28}" + "".join(f" | {'':16} {row[key]:6.2f} {'':8}" for row in rows))
 
 
 def main() -> None:
@@ -185,6 +284,11 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=64, help="requests per worker")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--tokens-per-event", type=int, default=1)
+    parser.add_argument("--one-primary", action="store_true",
+                        help="also run a 1-primary cluster (cluster mode without the split over "
+                             "3 processes), `--queue-shards` 3")
+    parser.add_argument("--pin", action="store_true",
+                        help="Redis nodes on one CPU, the client processes on the others")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     print(f"# {platform.processor() or platform.machine()}, {mp.cpu_count()} cores, "
@@ -195,6 +299,9 @@ def main() -> None:
     with EmbeddedCluster(num_primaries=3, replicas=0) as cluster:
         rows.append(run_topology("cluster", cluster.url, [n.port for n in cluster.nodes], 3,
                                  args))
+    if args.one_primary:
+        with EmbeddedCluster(num_primaries=1, replicas=0) as cluster:
+            rows.append(run_topology("cluster1", cluster.url, [cluster.nodes[0].port], 3, args))
     for row in rows:
         print(json.dumps(row) if args.json else
               f"{row['topology']:8} nodes {row['nodes']} shards {row['queue_shards']}: "
@@ -203,6 +310,8 @@ def main() -> None:
               f"{row['redis_cpu_us_per_event']} us/event; event share {row['event_share_pct']}, "
               f"request share {row['request_share_pct']}, stream entries "
               f"{row['stream_entry_share_pct']}")
+    if not args.json:
+        print_breakdown(rows)
     ratio = rows[1]["redis_cpu_us_per_event"] / max(rows[0]["redis_cpu_us_per_event"], 1e-9)
     print(f"cluster / single Redis CPU per event: {ratio:.3f}")
 

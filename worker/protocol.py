@@ -2,17 +2,18 @@
 the scripts and records of the wire contract (shared/wire/).
 
 Ordering guarantees (DESIGN.md, "The fleet protocol"):
-- `read_if_fits` delivers the next request (by priority) only when its prompt fits this worker's
-  budget, in one round trip (READ_IF_FITS): the entry tested is the entry delivered.
+- `read_batch` delivers the next requests (by priority, up to a count) only while their prompts
+  fit this worker's budget, in one round trip per shard (READ_IF_FITS): the entries tested are
+  the entries delivered.
 - `start_attempt` increments the request's `attempt` (the fencing token) and reads its checkpoint
   in one atomic script, so the claimer resumes exactly after the last token any earlier attempt
   recorded.
 - `publish` appends new tokens to the checkpoint (renewing its TTL), publishes them and, on the
-  final event, records the status — one script per request, all requests of a step in one
-  pipelined round trip; the final events' stream entries are XACKed after their scripts returned
-  1 (a second round trip, only in steps where something finished: on a cluster the stream lives
-  in another slot). The script does nothing and returns 0 when the attempt is stale: that worker
-  must stop the request.
+  final event, records the status — all requests of a step in one script call (PUBLISH_STEP),
+  one per node on a cluster; the final events' stream entries are XACKed after their scripts
+  returned 1 (a second round trip, only in steps where something finished: on a cluster the
+  stream lives in another slot). The script does nothing and returns 0 when the attempt is
+  stale: that worker must stop the request.
 - Stream shards (Keys.queue_shards): the worker reads every shard of its model, starting at a
   shard that rotates from read to read so none waits behind another; priority holds within a
   shard. On a cluster token events and cancels travel by sharded pub/sub (SPUBLISH/SSUBSCRIBE).
@@ -41,7 +42,7 @@ from shared.wire import (
 )
 from shared.redis_connect import is_cluster
 from shared.wire import scripts
-from shared.wire.lua import run_pipelined
+from shared.wire.lua import run_per_node, run_pipelined
 from shared.wire.records import text
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,15 @@ class TooLarge:
 
 
 @dataclass
+class Admission:
+    """What one `read_batch` took: the requests delivered, in order; when none, TooLarge if the
+    next request (by priority) of some shard did not fit."""
+
+    deliveries: list[Delivery]
+    too_large: TooLarge | None = None
+
+
+@dataclass
 class Publication:
     """What one step produced for one request, to be checkpointed and published."""
 
@@ -95,6 +105,7 @@ class WorkerProtocol:
         self.sharded = is_cluster(client)  # sharded pub/sub
         self._start_attempt = scripts.START_ATTEMPT.register(client)
         self._publish = scripts.PUBLISH.register(client)
+        self._publish_step = scripts.PUBLISH_STEP.register(client)
         self._read_if_fits = scripts.READ_IF_FITS.register(client)
         self._next_shard = 0
 
@@ -110,8 +121,9 @@ class WorkerProtocol:
         return [(first + i) % n for i in range(n)]
 
     def ensure_groups(self) -> None:
-        for script in (scripts.START_ATTEMPT, scripts.PUBLISH, scripts.READ_IF_FITS):
-            self.client.script_load(script.source)  # every primary of a cluster
+        for script in (self._start_attempt, self._publish, self._publish_step,
+                       self._read_if_fits):
+            self.client.script_load(script.script)  # every primary of a cluster
         for stream in self.streams:
             try:
                 # id 0: entries added before any worker existed are delivered too.
@@ -122,24 +134,35 @@ class WorkerProtocol:
 
     def read_if_fits(self, budget_tokens: int) -> Delivery | TooLarge | None:
         """Take the next new request, highest priority first, if its prompt is at most
-        `budget_tokens`; TooLarge when it is not (it stays queued); None when none waits. With
-        several shards: the first shard (in rotation) that delivers; TooLarge only when none did
-        and one had a request too large."""
+        `budget_tokens`; TooLarge when it is not (it stays queued); None when none waits."""
+        admission = self.read_batch(budget_tokens, 1)
+        return admission.deliveries[0] if admission.deliveries else admission.too_large
+
+    def read_batch(self, budget_tokens: int, max_requests: int) -> Admission:
+        """Take up to `max_requests` new requests whose prompts together fit `budget_tokens`,
+        highest priority first, with one READ_IF_FITS call per shard visited: shards in
+        rotation, until `max_requests` are taken. A shard stops at its first request that does
+        not fit what is left of the budget (it stays queued, head of line); `too_large` names the
+        first such request when nothing at all was taken."""
+        deliveries: list[Delivery] = []
         too_large = None
         for shard in self._shard_order():
+            want = max_requests - len(deliveries)
+            if want <= 0:
+                break
             streams = self.keys.queues(self.model, shard)
-            call = scripts.read_if_fits(streams, self.keys.group, self.worker_id, budget_tokens)
+            call = scripts.read_if_fits(streams, self.keys.group, self.worker_id, budget_tokens,
+                                        want)
             reply = self._read_if_fits(keys=call.keys, args=call.args)
-            if not reply:
-                continue
-            stream = streams[int(reply[1]) - 1]
-            if not int(reply[0]):
-                too_large = too_large or TooLarge(stream, int(reply[2]))
-                continue
-            entry_id, flat = reply[2], reply[3]
-            fields = dict(zip(flat[::2], flat[1::2]))
-            return Delivery(QueueEntry.decode(fields).request, stream, text(entry_id))
-        return too_large
+            for i in range(2, len(reply), 3):
+                flat = reply[i + 2]
+                request = QueueEntry.decode(dict(zip(flat[::2], flat[1::2]))).request
+                deliveries.append(Delivery(request, streams[int(reply[i]) - 1],
+                                           text(reply[i + 1])))
+                budget_tokens -= len(request.prompt_token_ids)
+            if int(reply[0]) and too_large is None:
+                too_large = TooLarge(streams[int(reply[0]) - 1], int(reply[1]))
+        return Admission(deliveries, None if deliveries else too_large)
 
     def blocking_streams(self) -> list[str]:
         """The interactive stream of each shard, in rotation: an idle worker blocks on them in
@@ -217,6 +240,13 @@ class WorkerProtocol:
             return None
         return int(reply[0]), decode_checkpoint(reply[1])
 
+    def start_attempts(self, req_ids: list[str]) -> list[tuple[int, list[int]] | None]:
+        """`start_attempt` for several requests in one pipelined round trip (one per node on a
+        cluster), results in order."""
+        calls = [scripts.start_attempt(self.keys, req_id, self.worker_id) for req_id in req_ids]
+        return [None if int(reply[0]) == 0 else (int(reply[0]), decode_checkpoint(reply[1]))
+                for reply in run_pipelined(self.client, self._start_attempt, calls)]
+
     def publish(self, items: list[Publication]) -> list[bool]:
         """Checkpoint + publish every item in one round trip, then XACK the entries of the final
         events that were accepted; False where the attempt was stale."""
@@ -225,7 +255,8 @@ class WorkerProtocol:
         calls = [scripts.publish(self.keys, item.req_id, item.attempt, item.event,
                                  item.final_status, self.result_ttl_s, sharded=self.sharded)
                  for item in items]
-        accepted = [bool(ok) for ok in run_pipelined(self.client, self._publish, calls)]
+        accepted = [bool(ok) for ok in run_per_node(self.client, self._publish_step,
+                                                    self._publish, calls)]
         finals = [item for item, ok in zip(items, accepted)
                   if ok and item.final_status is not None and item.entry_id]
         if finals:

@@ -21,7 +21,7 @@ from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
 from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
 from worker.metrics import WorkerMetrics
-from worker.protocol import Delivery, Publication, TooLarge, WorkerProtocol
+from worker.protocol import Delivery, Publication, WorkerProtocol
 
 log = logging.getLogger(__name__)
 
@@ -146,17 +146,15 @@ class WorkerService:
         budget_tokens = admissible_tokens(self.engine)
         # No read-ahead beyond the running group: a request this worker can't run yet is better
         # left in the stream, where another worker may take it sooner.
-        while len(self.inflight) < self.settings.max_running:
-            delivery = self.protocol.read_if_fits(budget_tokens)
-            if delivery is None:
-                if block and not self.inflight:
-                    self._wait_for_work()
-                return
-            if isinstance(delivery, TooLarge):
-                return  # left in the stream for a worker with room
-            budget_tokens -= len(delivery.request.prompt_token_ids)
-            self._start(delivery)
-            block = False
+        want = self.settings.max_running - len(self.inflight)
+        if want <= 0:
+            return
+        admission = self.protocol.read_batch(budget_tokens, want)
+        if admission.deliveries:
+            self._start_many(admission.deliveries)
+        elif admission.too_large is None and block and not self.inflight:
+            self._wait_for_work()
+        # else: the next request is left in its stream for a worker with room
 
     def _wait_for_work(self) -> None:
         """Idle: block briefly (below the socket timeout) until a request arrives."""
@@ -192,14 +190,37 @@ class WorkerService:
         return self.engine.config.block_size
 
     def _start(self, delivery: Delivery) -> None:
+        self._start_many([delivery])
+
+    def _start_many(self, deliveries: list[Delivery]) -> None:
+        """Fence a new attempt of each delivered request (one round trip for all) and add it to
+        the engine; a second entry of a request already served here is only acknowledged."""
+        fresh: dict[str, Delivery] = {}
+        for delivery in deliveries:
+            req_id = delivery.request.req_id
+            known = self.inflight[req_id].delivery if req_id in self.inflight else fresh.get(req_id)
+            if known is not None:
+                if known.entry_id != delivery.entry_id:
+                    self.protocol.ack(delivery.stream, delivery.entry_id)
+                continue
+            fresh[req_id] = delivery
+            self._hold(delivery)  # refreshed from now on, whatever the next step costs
+        if not fresh:
+            return
+        try:
+            started = self.protocol.start_attempts(list(fresh))
+        except BaseException:
+            # not started here: no longer held, so once idle this worker claims them back
+            # (`claim_orphan`: its own entries that it does not hold)
+            for delivery in fresh.values():
+                self._release(delivery)
+            raise
+        for delivery, attempt in zip(fresh.values(), started):
+            self._begin(delivery, attempt)
+
+    def _begin(self, delivery: Delivery, started: tuple[int, list[int]] | None) -> None:
         request = delivery.request
         req_id = request.req_id
-        if req_id in self.inflight:  # a second entry of a request we serve: nothing more to do
-            if self.inflight[req_id].delivery.entry_id != delivery.entry_id:
-                self.protocol.ack(delivery.stream, delivery.entry_id)
-            return
-        self._hold(delivery)  # refreshed from now on, whatever the next step costs
-        started = self.protocol.start_attempt(req_id)
         if started is None:  # finished by a worker that died before its XACK
             self.protocol.ack(delivery.stream, delivery.entry_id)
             self._release(delivery)

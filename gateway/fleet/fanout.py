@@ -271,8 +271,7 @@ class PubSubLink:
                 try:
                     await self.ensure_connection()
                     if self._sharded:  # one SSUBSCRIBE names channels of one slot
-                        for group in by_slot(keys):
-                            await self._pubsub.ssubscribe(*group)
+                        await self._send_sharded("SSUBSCRIBE", keys)
                     else:
                         await self._pubsub.subscribe(*keys)
                 except (*REDIS_FAILURES, OSError) as exc:
@@ -290,14 +289,32 @@ class PubSubLink:
                     continue
                 try:
                     if self._sharded:
-                        for group in by_slot(keys):
-                            await self._pubsub.sunsubscribe(*group)
+                        await self._send_sharded("SUNSUBSCRIBE", keys)
                     else:
                         await self._pubsub.unsubscribe(*keys)
                 except (*REDIS_FAILURES, OSError) as exc:  # connection gone: nothing to drop
                     log.debug("unsubscribe of %d channels failed: %r", len(keys), exc)
         finally:
             self._unsubscriber = None
+
+    async def _send_sharded(self, command: str, keys: list[bytes]) -> None:
+        """SSUBSCRIBE or SUNSUBSCRIBE `keys`: one command per slot (the server refuses a sharded
+        (un)subscription that spans slots), all of them in one write, so a burst costs the node
+        one read however many slots it names. redis-py's own bookkeeping (what to subscribe
+        again after a reconnect, what is being left) is kept as its ssubscribe/sunsubscribe
+        would."""
+        pubsub = self._pubsub
+        connection = pubsub.connection
+        if connection is None:  # never connected or closed: nothing is subscribed there
+            raise ConnectionError(f"pub/sub connection {self.name} is not open")
+        check_health = not pubsub.subscribed
+        if command == "SSUBSCRIBE":
+            pubsub.shard_channels.update(dict.fromkeys(keys))
+            pubsub.pending_unsubscribe_shard_channels.difference_update(keys)
+        else:
+            pubsub.pending_unsubscribe_shard_channels.update(keys)
+        packed = connection.pack_commands([(command, *group) for group in by_slot(keys)])
+        await connection.send_packed_command(packed, check_health=check_health)
 
     async def _read_loop(self) -> None:
         backoff_s = 0.1

@@ -4,19 +4,29 @@ own them, and calls checked against that convention before they reach Redis."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from string import Template
 from typing import Any, NamedTuple
 
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.exceptions import (AskError, ClusterDownError, ConnectionError, MovedError,
-                              NoScriptError, RedisClusterException, TimeoutError, TryAgainError)
+                              NoScriptError, ReadOnlyError, RedisClusterException, ResponseError,
+                              TimeoutError, TryAgainError)
+
+log = logging.getLogger(__name__)
 
 # What sends a call from a node's plain pipeline back to the cluster client, which refreshes its
 # slot map and follows redirections (a failover or a resharding moved the slot, or the node left).
 _REROUTE = (AskError, MovedError, TryAgainError, ClusterDownError, ConnectionError, TimeoutError,
             RedisClusterException)
+
+CROSS_SLOT_FLAG = "#!lua flags=allow-cross-slot-keys\n"
+# How a node refuses a cross-slot script's key it does not serve (the slot moved: failover,
+# resharding) or a write while it is down or a replica; nothing was written by then.
+_CLUSTER_STATE_REFUSAL = "Script attempted to"
 
 
 class ScriptCall(NamedTuple):
@@ -44,15 +54,19 @@ class LuaScript:
     source: str
     variadic_keys: bool = False
     variadic_argv: bool = False
+    # Declares no KEYS and touches keys of several slots, all on the node it is sent to: on a
+    # cluster it carries Redis 7's `allow-cross-slot-keys` flag (`register`).
+    cross_slot: bool = False
 
     @classmethod
     def build(cls, name: str, *, keys: Sequence[str], argv: Sequence[str], returns: str,
-              source: str, names: Mapping[str, str] | None = None,
-              variadic_keys: bool = False, variadic_argv: bool = False) -> LuaScript:
+              source: str, names: Mapping[str, str] | None = None, variadic_keys: bool = False,
+              variadic_argv: bool = False, cross_slot: bool = False) -> LuaScript:
         """`source` may name record fields and status values as `${name}`, filled from `names`
         (a name missing from `names` is an error here, not a bug in Redis)."""
         return cls(name, tuple(keys), tuple(argv), returns,
-                   Template(source).substitute(names or {}), variadic_keys, variadic_argv)
+                   Template(source).substitute(names or {}), variadic_keys, variadic_argv,
+                   cross_slot)
 
     def bind(self, keys: Sequence[str], args: Sequence[Any]) -> ScriptCall:
         """A call of this script; raises ValueError when it does not match the convention."""
@@ -64,7 +78,11 @@ class LuaScript:
 
     def register(self, client):
         """The script registered on a redis-py client (sync or asyncio): call it with
-        `script(keys=call.keys, args=call.args[, client=pipeline])`; it runs by EVALSHA."""
+        `script(keys=call.keys, args=call.args[, client=pipeline])`; it runs by EVALSHA. A
+        `cross_slot` script gets its flag on a cluster only: a single Redis needs none (and
+        Redis 6 knows no flags)."""
+        if self.cross_slot and isinstance(client, (RedisCluster, AsyncRedisCluster)):
+            return client.register_script(CROSS_SLOT_FLAG + self.source)
         return client.register_script(self.source)
 
 
@@ -165,3 +183,58 @@ def _evalsha_pipelined(client, script, calls: Sequence[ScriptCall]) -> list[Any]
         client.script_load(script.script)
         todo = missing
     return replies
+
+
+def run_per_node(client, step_script, one_script, calls: Sequence[ScriptCall]) -> list[Any]:
+    """Run `one_script` once per call, as one call of `step_script` per node: `step_script`
+    (a `cross_slot` script with no KEYS) takes the KEYS and ARGV of each call in turn as its
+    ARGV and replies one value per call, in order. A single Redis gets one call for all. On a
+    cluster the calls are grouped by the primary owning their slot, one call to each through
+    its plain connection; a node that refuses (the slot moved, it is a replica now, it failed)
+    sends its group back through the cluster client, one `one_script` call each (which
+    refreshes the slot map and follows redirections). The step script reads before it writes,
+    so a refused call wrote nothing; one lost with its connection may have: the scripts it
+    batches must be idempotent, as PUBLISH is."""
+    if not isinstance(client, RedisCluster):
+        return _evalsha_step(client, step_script, calls)
+    replies: list[Any] = [None] * len(calls)
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    reroute: list[int] = []
+    for i, call in enumerate(calls):
+        try:
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(call.keys[0]))
+        except _REROUTE:
+            reroute.append(i)
+            continue
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    for node, indices in by_node.values():
+        try:
+            results = _evalsha_step(client.get_redis_connection(node), step_script,
+                                    [calls[i] for i in indices])
+        except (*_REROUTE, ResponseError) as exc:
+            if (isinstance(exc, ResponseError) and not isinstance(exc, ReadOnlyError)
+                    and _CLUSTER_STATE_REFUSAL not in str(exc)):
+                raise
+            log.debug("node %s refused a step call (%r): rerouted", node.name, exc)
+            reroute.extend(indices)
+            continue
+        for i, result in zip(indices, results):
+            replies[i] = result
+    if reroute:
+        reroute.sort()
+        client.nodes_manager.initialize()  # the slot map is stale or a node is gone
+        again = _run_cluster_pipeline(client, one_script, [calls[i] for i in reroute])
+        for i, result in zip(reroute, again):
+            replies[i] = result
+    return replies
+
+
+def _evalsha_step(client, step_script, calls: Sequence[ScriptCall]) -> list[Any]:
+    """One EVALSHA of `step_script` on `client` (a single Redis or one node) for all `calls`;
+    the script is loaded if the server lacks it (a promoted replica starts with none)."""
+    args = [value for call in calls for value in (*call.keys, *call.args)]
+    try:
+        return client.evalsha(step_script.sha, 0, *args)
+    except NoScriptError:
+        client.script_load(step_script.script)
+        return client.evalsha(step_script.sha, 0, *args)

@@ -4,11 +4,13 @@ a call of it. Ordering guarantees (DESIGN.md, "The fleet protocol"):
 - ENQUEUE writes the request hash once per request id; the caller XADDs the stream entry only
   when it did (a retried enqueue writes nothing twice). Two steps because the stream shard and
   the request live in different slots of a cluster; the same two steps run on a single Redis.
-- READ_IF_FITS delivers the next undelivered entry only if its prompt fits the worker's budget:
-  the entry tested is the entry delivered (one script, no second reader in between).
+- READ_IF_FITS delivers the next undelivered entries (up to a count) only while their prompts fit
+  the worker's budget: the entries tested are the entries delivered (one script, no second reader
+  in between), several in one call so that filling a worker's free room is one call per shard.
 - START_ATTEMPT increments `attempt` (the fencing token) and reads the checkpoint atomically, so a
   claimer resumes exactly after the last token any earlier attempt recorded.
-- PUBLISH appends to the checkpoint before it publishes, so a gateway that missed an event finds
+- PUBLISH appends to the checkpoint before it publishes (PUBLISH_STEP: the same for every request
+  of a worker's step that lives on one node, in one call), so a gateway that missed an event finds
   its tokens in the checkpoint; it writes nothing for a stale attempt. The final XACK follows it
   (same pipeline): a worker killed between the two leaves a finished request pending, which a
   claimer finds finished (START_ATTEMPT returns the status) and only acks.
@@ -69,12 +71,14 @@ READ_IF_FITS = LuaScript.build(
     keys=["request streams of one model, highest priority first"],
     variadic_keys=True,
     argv=["consumer group", "consumer (worker id)",
-          "budget: the most prompt tokens the worker can admit now"],
-    returns="{} when no stream has an undelivered entry; {0, stream index (1-based), prompt "
-            "length} when the first undelivered entry (by priority) does not fit: it stays for a "
-            "worker with room; {1, stream index, entry id, {field, value, ...}} once delivered "
-            "(XREADGROUP: pending for this consumer). An entry without a prompt length (an older "
-            "writer) counts as fitting.",
+          "budget: the most prompt tokens the worker can admit now (summed over the entries "
+          "delivered)", "the most entries to deliver"],
+    returns="{too-large stream index (1-based; 0: none), its head's prompt length (0: none), "
+            "then for each entry delivered (XREADGROUP: pending for this consumer), in order: "
+            "stream index, entry id, {field, value, ...}}. Entries are taken in priority order "
+            "while they fit what is left of the budget; the first undelivered entry that does "
+            "not fit ends the read and stays (head of line) for a worker with room. An entry "
+            "without a prompt length (an older writer) counts as fitting.",
     names=NAMES,
     source="""
 local function last_delivered(stream, group)
@@ -89,33 +93,49 @@ local function last_delivered(stream, group)
   return nil
 end
 
+local budget, want = tonumber(ARGV[3]), tonumber(ARGV[4])
+local out = {0, 0}
 for i, stream in ipairs(KEYS) do
+  if want <= 0 then break end
   local last = nil
   if redis.call('EXISTS', stream) == 1 then last = last_delivered(stream, ARGV[1]) end
   if last then
     local start = '-'
     if last ~= '0-0' then start = '(' .. last end
-    local entries = redis.call('XRANGE', stream, start, '+', 'COUNT', 1)
-    if #entries > 0 then
-      local fields, prompt_len = entries[1][2], 0
+    local fit = 0
+    for _, entry in ipairs(redis.call('XRANGE', stream, start, '+', 'COUNT', want)) do
+      local fields, prompt_len = entry[2], 0
       for j = 1, #fields, 2 do
         if fields[j] == '${entry_prompt_len}' then prompt_len = tonumber(fields[j + 1]) or 0 end
       end
-      if prompt_len > tonumber(ARGV[3]) then return {0, i, prompt_len} end
-      local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1,
-                               'STREAMS', stream, '>')
-      local entry = reply[1][2][1]
-      return {1, i, entry[1], entry[2]}
+      if prompt_len > budget then
+        out[1], out[2] = i, prompt_len
+        break
+      end
+      budget = budget - prompt_len
+      fit = fit + 1
     end
+    if fit > 0 then
+      -- the next `fit` undelivered entries are the ones just tested (no reader in between)
+      local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', fit,
+                               'STREAMS', stream, '>')
+      for _, entry in ipairs(reply[1][2]) do
+        out[#out + 1] = i
+        out[#out + 1] = entry[1]
+        out[#out + 1] = entry[2]
+      end
+      want = want - fit
+    end
+    if out[1] ~= 0 then return out end
   end
 end
-return {}
+return out
 """)
 
 
-def read_if_fits(streams: list[str], group: str, consumer: str, budget_tokens: int
-                 ) -> ScriptCall:
-    return READ_IF_FITS.bind(streams, [group, consumer, budget_tokens])
+def read_if_fits(streams: list[str], group: str, consumer: str, budget_tokens: int,
+                 max_entries: int = 1) -> ScriptCall:
+    return READ_IF_FITS.bind(streams, [group, consumer, budget_tokens, max_entries])
 
 
 START_ATTEMPT = LuaScript.build(
@@ -146,6 +166,30 @@ def start_attempt(keys: Keys, req_id: str, worker_id: str) -> ScriptCall:
                               [worker_id, RequestStatus.RUNNING.value, *FINISHED])
 
 
+# One request's publication once its attempt was checked: append the new tokens to the
+# checkpoint (renewing its TTL), publish the event, and on the final event record the status.
+_PUBLISH_ONE = """
+local function publish_one(hash, ckpt, channel, event, new_tokens, final, ttl, command, offset)
+  if new_tokens ~= '' then
+    -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
+    -- it, another did not answer) appends only the bytes the checkpoint does not hold yet
+    local have = redis.call('STRLEN', ckpt) - tonumber(offset)
+    if have <= 0 then
+      redis.call('APPEND', ckpt, new_tokens)
+    elseif have < string.len(new_tokens) then
+      redis.call('APPEND', ckpt, string.sub(new_tokens, have + 1))
+    end
+    redis.call('EXPIRE', ckpt, ttl)
+  end
+  redis.call(command, channel, event)
+  if final ~= '' then
+    redis.call('HSET', hash, '${req_status}', final)
+    redis.call('EXPIRE', hash, ttl)
+    redis.call('EXPIRE', ckpt, ttl)
+  end
+end
+"""
+
 PUBLISH = LuaScript.build(
     "publish",
     keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)",
@@ -160,28 +204,43 @@ PUBLISH = LuaScript.build(
             "worker must stop the request). The caller XACKs the stream entry of a final event "
             "after this returned 1 (the stream lives in another slot).",
     names=NAMES,
-    source="""
+    source=_PUBLISH_ONE + """
 if tonumber(redis.call('HGET', KEYS[1], '${req_attempt}') or '-1') ~= tonumber(ARGV[1]) then
   return 0
 end
-if ARGV[3] ~= '' then
-  -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
-  -- it, another did not answer) appends only the bytes the checkpoint does not hold yet
-  local have = redis.call('STRLEN', KEYS[2]) - tonumber(ARGV[7])
-  if have <= 0 then
-    redis.call('APPEND', KEYS[2], ARGV[3])
-  elseif have < string.len(ARGV[3]) then
-    redis.call('APPEND', KEYS[2], string.sub(ARGV[3], have + 1))
-  end
-  redis.call('EXPIRE', KEYS[2], ARGV[5])
-end
-redis.call(ARGV[6], KEYS[3], ARGV[2])
-if ARGV[4] ~= '' then
-  redis.call('HSET', KEYS[1], '${req_status}', ARGV[4])
-  redis.call('EXPIRE', KEYS[1], ARGV[5])
-  redis.call('EXPIRE', KEYS[2], ARGV[5])
-end
+publish_one(KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 return 1
+""")
+
+PUBLISH_STEP = LuaScript.build(
+    "publish_step",
+    keys=[],
+    argv=["for each request of the step that lives on this node, in turn: the 3 KEYS and then "
+          "the 7 ARGV of its PUBLISH call"],
+    variadic_argv=True,
+    cross_slot=True,
+    returns="{1 or 0 for each request, in order}: PUBLISH's reply for it. Every attempt is read "
+            "before anything is written, so a key this node does not serve (a stale slot map) "
+            "fails the whole call with nothing written; the caller then runs those requests' "
+            "PUBLISH calls through the cluster client.",
+    names=NAMES,
+    source=_PUBLISH_ONE + """
+local current = {}
+for i = 1, #ARGV, 10 do
+  local attempt = redis.call('HGET', ARGV[i], '${req_attempt}') or '-1'
+  current[i] = tonumber(attempt) == tonumber(ARGV[i + 3])
+end
+local accepted = {}
+for i = 1, #ARGV, 10 do
+  if current[i] then
+    publish_one(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6],
+                ARGV[i + 7], ARGV[i + 8], ARGV[i + 9])
+    accepted[#accepted + 1] = 1
+  else
+    accepted[#accepted + 1] = 0
+  end
+end
+return accepted
 """)
 
 

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import pytest
+import redis
 from redis.crc import key_slot
 
 from gateway.fleet.redis_client import RedisEngineClient
@@ -109,3 +110,45 @@ async def test_queue_load_counts_every_shard(client):
         assert await client.enqueue(make_request(f"cmpl-q{i}", [1]))
     load = await client.queue_load(MODEL)
     assert load.undelivered == 9
+
+
+def reads_processed(port: int) -> int:
+    node = redis.Redis(port=port)
+    try:
+        return node.info("stats")["total_reads_processed"]
+    finally:
+        node.close()
+
+
+def sharded_subscribers(port: int) -> int:
+    node = redis.Redis(port=port)
+    try:
+        return sum(int(c.get("ssub", 0)) for c in node.client_list())
+    finally:
+        node.close()
+
+
+async def test_a_burst_of_subscriptions_to_many_slots_costs_a_node_one_read(client, redis_cluster):
+    """One SSUBSCRIBE per slot (the server refuses one spanning slots), but all of a burst's in
+    one write: the node reads them at once, confirms each, and the same holds for leaving."""
+    node = redis_cluster.nodes[0]
+    low, high = slot_range(0, 3)
+    channels = [KEYS.tokens(f"burst-{i}") for i in range(400)]
+    channels = [c for c in channels if low <= key_slot(c.encode()) <= high][:30]
+    assert len({key_slot(c.encode()) for c in channels}) > 20  # many slots, one node
+    already = sharded_subscribers(node.port)  # other tests' subscribers (a worker's cancels)
+    await client.fanout.subscribe(channels[0])  # the node's connection, opened once
+    before = reads_processed(node.port)
+    await asyncio.gather(*(client.fanout.subscribe(c) for c in channels[1:]))
+    reads = reads_processed(node.port) - before - 1  # less the INFO of this read
+    assert sharded_subscribers(node.port) - already == len(channels)
+    # one read for the burst, plus the node's other traffic (replication acks, other clients):
+    # one read per slot (29 and more) when each SSUBSCRIBE was a write of its own
+    assert reads <= 14
+    for channel in channels:
+        client.fanout.release(channel)
+    deadline = time.monotonic() + 5
+    while sharded_subscribers(node.port) > already and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert sharded_subscribers(node.port) == already
+    assert client.fanout.num_subscribed == 0

@@ -1,5 +1,6 @@
 """The worker's per-step script calls on a Redis Cluster go through each node's own plain
-pipeline: no COMMAND GETKEYS (redis-py's cluster pipeline sends one per EVALSHA), and a call that
+connection: no COMMAND GETKEYS (redis-py's cluster pipeline sends one per EVALSHA); a step's
+publications are one PUBLISH_STEP call per node (one call in all on a single Redis); a call that
 reaches the wrong node (a stale slot map) or a node without the script still runs exactly once."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import pytest
 
 from shared.redis_connect import connect
 from shared.wire import Keys, TokenEvent, decode_checkpoint, scripts
-from shared.wire.lua import run_pipelined
+from shared.wire.lua import run_per_node, run_pipelined
 
 KEYS = Keys("cp:")
 REQS = [f"req-{i}" for i in range(24)]
@@ -18,6 +19,8 @@ REQS = [f"req-{i}" for i in range(24)]
 def cluster_client(redis_cluster):
     redis_cluster.flush()
     client = connect(redis_cluster.url)
+    for req_id in REQS:  # attempt 1 of each request (before a test makes the slot map stale)
+        client.hset(KEYS.request(req_id), "attempt", 1)
     yield client
     client.close()
     redis_cluster.flush()
@@ -39,8 +42,6 @@ def evalsha_calls(client) -> dict[str, int]:
 
 
 def step(client, seq: int) -> list:
-    for req_id in REQS:
-        client.hset(KEYS.request(req_id), "attempt", 1)
     calls = [scripts.publish(KEYS, req_id, 1, TokenEvent(seq=seq, attempt=1, token_ids=[seq]),
                              None, ttl_s=30, sharded=True) for req_id in REQS]
     return run_pipelined(client, scripts.PUBLISH.register(client), calls)
@@ -92,3 +93,89 @@ def test_calls_sent_to_the_wrong_node_fall_back_to_the_cluster_client(cluster_cl
     assert not stale["on"]  # the slot map was refreshed
     for req_id in REQS:
         assert decode_checkpoint(cluster_client.get(KEYS.checkpoint(req_id))) == [0, 1]
+
+
+def spublish_calls(client) -> int:
+    return sum(client.get_redis_connection(node).info("commandstats")
+               .get("cmdstat_spublish", {}).get("calls", 0) for node in client.get_primaries())
+
+
+def step_per_node(client, seq: int, attempts: dict[str, int] | None = None) -> list:
+    calls = [scripts.publish(KEYS, req_id, (attempts or {}).get(req_id, 1),
+                             TokenEvent(seq=seq, attempt=1, token_ids=[seq]), None, ttl_s=30,
+                             sharded=True) for req_id in REQS]
+    return run_per_node(client, scripts.PUBLISH_STEP.register(client),
+                        scripts.PUBLISH.register(client), calls)
+
+
+def test_a_step_is_one_call_per_node_with_each_request_published_once(cluster_client):
+    step_per_node(cluster_client, 0)  # loads the script where needed
+    before = evalsha_calls(cluster_client), command_calls(cluster_client)
+    published = spublish_calls(cluster_client)
+    stale = {REQS[3]: 7}  # an old attempt: refused, nothing written for it
+    replies = step_per_node(cluster_client, 1, stale)
+    assert replies == [0 if req_id in stale else 1 for req_id in REQS]
+    after = evalsha_calls(cluster_client)
+    assert [after[name] - before[0][name] for name in after] == [1, 1, 1]
+    assert command_calls(cluster_client) == before[1]
+    assert spublish_calls(cluster_client) - published == len(REQS) - 1
+    for req_id in REQS:
+        expected = [0] if req_id in stale else [0, 1]
+        assert decode_checkpoint(cluster_client.get(KEYS.checkpoint(req_id))) == expected
+
+
+def test_a_step_call_to_a_node_without_the_script_loads_it(cluster_client):
+    for node in cluster_client.get_primaries():
+        cluster_client.get_redis_connection(node).script_flush()
+    assert step_per_node(cluster_client, 0) == [1] * len(REQS)
+    assert step_per_node(cluster_client, 1) == [1] * len(REQS)
+    for req_id in REQS:
+        assert decode_checkpoint(cluster_client.get(KEYS.checkpoint(req_id))) == [0, 1]
+
+
+def test_a_step_call_to_the_wrong_node_writes_nothing_and_is_rerouted(cluster_client,
+                                                                       monkeypatch):
+    """A stale slot map sends every request to one node: it refuses the keys of the slots it
+    does not serve before writing anything, and those requests go through the cluster client."""
+    step_per_node(cluster_client, 0)
+    first = cluster_client.get_primaries()[0]
+    manager = cluster_client.nodes_manager
+    stale = {"on": True}
+    real = manager.get_node_from_slot
+    monkeypatch.setattr(manager, "get_node_from_slot", lambda slot, *a, **k:
+                        first if stale["on"] else real(slot, *a, **k))
+    real_initialize = manager.initialize
+
+    def refresh(*args, **kwargs):
+        stale["on"] = False
+        return real_initialize(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "initialize", refresh)
+    published = spublish_calls(cluster_client)
+    assert step_per_node(cluster_client, 1) == [1] * len(REQS)
+    assert not stale["on"]  # the slot map was refreshed
+    assert spublish_calls(cluster_client) - published == len(REQS)  # each event once
+    for req_id in REQS:
+        assert decode_checkpoint(cluster_client.get(KEYS.checkpoint(req_id))) == [0, 1]
+
+
+def test_a_step_on_a_single_redis_is_one_call(redis_server):
+    redis_server.flush()
+    client = connect(redis_server.url)
+    try:
+        for req_id in REQS:
+            client.hset(KEYS.request(req_id), "attempt", 1)
+        calls = [scripts.publish(KEYS, req_id, 1, TokenEvent(seq=0, attempt=1, token_ids=[5]),
+                                 None, ttl_s=30, sharded=False) for req_id in REQS]
+        step = scripts.PUBLISH_STEP.register(client)
+        client.script_load(step.script)
+        client.config_resetstat()
+        assert run_per_node(client, step, scripts.PUBLISH.register(client),
+                            calls) == [1] * len(REQS)
+        stats = client.info("commandstats")
+        assert stats["cmdstat_evalsha"]["calls"] == 1
+        assert stats["cmdstat_publish"]["calls"] == len(REQS)
+        assert all(decode_checkpoint(client.get(KEYS.checkpoint(r))) == [5] for r in REQS)
+    finally:
+        client.close()
+        redis_server.flush()

@@ -44,10 +44,17 @@ def groups(client: redis.Redis) -> None:
         client.xgroup_create(stream, KEYS.group, id="0", mkstream=True)
 
 
-def read_if_fits(client: redis.Redis, budget: int, consumer: str = "w1"):
+def read_if_fits(client: redis.Redis, budget: int, consumer: str = "w1", count: int = 1):
     script = scripts.READ_IF_FITS.register(client)
-    call = scripts.read_if_fits(KEYS.queues(MODEL), KEYS.group, consumer, budget)
+    call = scripts.read_if_fits(KEYS.queues(MODEL), KEYS.group, consumer, budget, count)
     return script(keys=call.keys, args=call.args)
+
+
+def delivered(reply) -> list[tuple[int, str]]:
+    """(stream index, request id) of each entry a READ_IF_FITS reply delivered."""
+    return [(int(reply[i]), QueueEntry.decode(dict(zip(reply[i + 2][::2],
+                                                       reply[i + 2][1::2]))).request.req_id)
+            for i in range(2, len(reply), 3)]
 
 
 def pending(client: redis.Redis, stream: str) -> int:
@@ -58,24 +65,39 @@ def test_the_next_entry_is_delivered_only_if_it_fits(redis_client):
     groups(redis_client)
     enqueue(redis_client, request("big", 40))
     enqueue(redis_client, request("small", 5))
-    assert read_if_fits(redis_client, budget=39) == [0, 1, 40]  # head of line: stays, in order
+    assert read_if_fits(redis_client, budget=39) == [1, 40]  # head of line: stays, in order
     assert pending(redis_client, KEYS.queue(MODEL)) == 0
-    ok, index, entry_id, fields = read_if_fits(redis_client, budget=40)
-    assert (ok, index) == (1, 1)
-    assert QueueEntry.decode(dict(zip(fields[::2], fields[1::2]))).request.req_id == "big"
+    reply = read_if_fits(redis_client, budget=40)
+    assert reply[:2] == [0, 0] and delivered(reply) == [(1, "big")]
     owner = redis_client.xpending_range(KEYS.queue(MODEL), KEYS.group, "-", "+", 1)[0]
-    assert (owner["message_id"].decode(), owner["consumer"]) == (entry_id.decode(), b"w1")
-    assert read_if_fits(redis_client, budget=5)[:2] == [1, 1]  # "small" next
-    assert read_if_fits(redis_client, budget=1000) == []
+    assert (owner["message_id"], owner["consumer"]) == (reply[3], b"w1")
+    assert delivered(read_if_fits(redis_client, budget=5)) == [(1, "small")]
+    assert read_if_fits(redis_client, budget=1000) == [0, 0]
+
+
+def test_several_entries_are_delivered_while_their_prompts_fit_the_budget(redis_client):
+    groups(redis_client)
+    for name, size in (("a", 10), ("b", 20), ("c", 30), ("d", 1)):
+        enqueue(redis_client, request(name, size))
+    enqueue(redis_client, request("batch-1", 1, priority="batch"))
+    reply = read_if_fits(redis_client, budget=59, count=10)
+    # a and b fit (30 of 59), c (30 more) does not: it stays and ends the read, d waits behind
+    assert reply[:2] == [1, 30] and delivered(reply) == [(1, "a"), (1, "b")]
+    assert pending(redis_client, KEYS.queue(MODEL)) == 2
+    reply = read_if_fits(redis_client, budget=100, count=2)  # the count ends the read too
+    assert reply[:2] == [0, 0] and delivered(reply) == [(1, "c"), (1, "d")]
+    reply = read_if_fits(redis_client, budget=100, count=5)  # interactive empty: batch next
+    assert reply[:2] == [0, 0] and delivered(reply) == [(2, "batch-1")]
+    assert read_if_fits(redis_client, budget=100, count=5) == [0, 0]
 
 
 def test_interactive_comes_first_and_blocks_batch_when_it_does_not_fit(redis_client):
     groups(redis_client)
     enqueue(redis_client, request("batch-1", 2, priority="batch"))
     enqueue(redis_client, request("chat-1", 50))
-    assert read_if_fits(redis_client, budget=10) == [0, 1, 50]
-    assert read_if_fits(redis_client, budget=50)[:2] == [1, 1]
-    assert read_if_fits(redis_client, budget=10)[:2] == [1, 2]  # now the batch stream
+    assert read_if_fits(redis_client, budget=10, count=5) == [1, 50]
+    assert delivered(read_if_fits(redis_client, budget=50)) == [(1, "chat-1")]
+    assert delivered(read_if_fits(redis_client, budget=10)) == [(2, "batch-1")]
 
 
 def test_an_entry_without_a_prompt_length_counts_as_fitting(redis_client):
@@ -83,13 +105,13 @@ def test_an_entry_without_a_prompt_length_counts_as_fitting(redis_client):
     req = request("old-writer", 30)
     redis_client.xadd(KEYS.queue(MODEL), {QueueEntry.ID: req.req_id,
                                           QueueEntry.PAYLOAD: req.pack()})
-    assert read_if_fits(redis_client, budget=0)[:2] == [1, 1]
+    assert delivered(read_if_fits(redis_client, budget=0)) == [(1, "old-writer")]
 
 
 def test_streams_without_a_group_or_entries_deliver_nothing(redis_client):
-    assert read_if_fits(redis_client, budget=100) == []  # no streams at all
+    assert read_if_fits(redis_client, budget=100) == [0, 0]  # no streams at all
     redis_client.xadd(KEYS.queue(MODEL), QueueEntry(request("r", 1)).encode())
-    assert read_if_fits(redis_client, budget=100) == []  # a stream but no consumer group
+    assert read_if_fits(redis_client, budget=100) == [0, 0]  # a stream but no consumer group
 
 
 def test_entries_read_before_stay_with_their_reader(redis_client):
@@ -98,8 +120,7 @@ def test_entries_read_before_stay_with_their_reader(redis_client):
     enqueue(redis_client, request("a", 1))
     enqueue(redis_client, request("b", 1))
     redis_client.xreadgroup(KEYS.group, "other", {KEYS.queue(MODEL): ">"}, count=1)
-    ok, _, _, fields = read_if_fits(redis_client, budget=10)
-    assert QueueEntry.decode(dict(zip(fields[::2], fields[1::2]))).request.req_id == "b"
+    assert delivered(read_if_fits(redis_client, budget=10, count=5)) == [(1, "b")]
 
 
 def test_the_checkpoint_gets_its_ttl_on_every_append(redis_client):

@@ -211,3 +211,36 @@ def test_a_worker_reads_every_stream_shard(redis_client):
     assert sorted(taken) == sorted(ids)
     assert all(redis_client.xpending(stream, keys.group)["pending"] == 0
                for stream in keys.all_queues(MODEL))
+
+
+def test_one_read_takes_several_requests_from_every_shard_within_count_and_budget(redis_client):
+    keys = Keys(queue_shards=3)
+    protocol = make(redis_client, keys=keys)
+    ids = [f"s-{i}" for i in range(12)]
+    for req_id in ids:
+        enqueue(redis_client, keys, req_id)  # 3 prompt tokens each
+    admission = protocol.read_batch(100, 5)  # the count ends it
+    assert len(admission.deliveries) == 5 and admission.too_large is None
+    admission2 = protocol.read_batch(3 * 4, 100)  # the budget ends it: 4 prompts of 3
+    assert len(admission2.deliveries) == 4
+    rest = protocol.read_batch(100, 100).deliveries
+    taken = [d.request.req_id for d in admission.deliveries + admission2.deliveries + rest]
+    assert sorted(taken) == sorted(ids)  # each exactly once, from every shard
+    for delivery in admission.deliveries + admission2.deliveries + rest:
+        req_id = delivery.request.req_id
+        assert delivery.stream == keys.queue(MODEL, "interactive", keys.shard_of(req_id))
+    assert protocol.read_batch(100, 100).deliveries == []
+    started = protocol.start_attempts(taken)
+    assert started == [(1, [])] * len(taken)
+    assert all(redis_client.hget(keys.request(r), "attempt") == b"1" for r in taken)
+
+
+def test_a_batch_read_leaves_a_request_that_does_not_fit_at_the_head(redis_client):
+    protocol = make(redis_client)
+    enqueue(redis_client, protocol.keys, "a", prompt=range(4))
+    enqueue(redis_client, protocol.keys, "big", prompt=range(10))
+    enqueue(redis_client, protocol.keys, "c", prompt=range(1))
+    admission = protocol.read_batch(8, 10)
+    assert [d.request.req_id for d in admission.deliveries] == ["a"]
+    assert protocol.read_batch(8, 10).too_large == TooLarge(protocol.keys.queue(MODEL), 10)
+    assert [d.request.req_id for d in protocol.read_batch(11, 10).deliveries] == ["big", "c"]
