@@ -72,6 +72,23 @@ inline void prefetch_row(const T* row, int dim) {
         __builtin_prefetch(p + offset);
 }
 
+// visit(t, row) for the rows t = 0 .. ctx-1 of one KV head, page by page through the block table
+// (no division per key), the next page's rows prefetched while this page is read.
+template <typename T, typename Visit>
+inline void for_each_row(const T* head, const int32_t* table, int ctx, int bs, int dim,
+                         Visit&& visit) {
+    for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
+        const T* page = head + static_cast<int64_t>(table[b]) * bs * dim;
+        const int n = std::min(bs, ctx - t0);
+        const int n_next = std::min(bs, ctx - t0 - bs);  // rows of the next page (<= 0: none)
+        const T* next = n_next > 0 ? head + static_cast<int64_t>(table[b + 1]) * bs * dim : page;
+        for (int j = 0; j < n; ++j) {
+            if (j < n_next) prefetch_row(next + j * dim, dim);
+            visit(t0 + j, page + j * dim);
+        }
+    }
+}
+
 struct Shape {
     int num_heads, num_kv_heads, head_dim, block_size;
     int64_t num_blocks, table_width, q_stride_h, q_stride_t;
@@ -94,25 +111,17 @@ void attend(const T* q, const T* k_head, const T* v_head, T* out, const int32_t*
         const T* src = q + r * shape.q_stride_h;
         for (int d = 0; d < dim; ++d) qf[r * dim + d] = load(src[d]);
     }
-    for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {  // block by block: no division per key
-        const T* keys = k_head + static_cast<int64_t>(table[b]) * bs * dim;
-        const int n = std::min(bs, ctx - t0);
-        const int n_next = std::min(bs, ctx - t0 - bs);  // rows of the next page (<= 0: none)
-        const T* next = n_next > 0 ? k_head + static_cast<int64_t>(table[b + 1]) * bs * dim : keys;
-        for (int j = 0; j < n; ++j) {
-            if (j < n_next) prefetch_row(next + j * dim, dim);
-            const T* k = keys + j * dim;
+    for_each_row(k_head, table, ctx, bs, dim, [&](int t, const T* k) {
 #pragma omp simd
-            for (int d = 0; d < dim; ++d) row[d] = load(k[d]);
-            for (int r = 0; r < rep; ++r) {
-                const float* qr = qf + r * dim;
-                float s = 0.f;
+        for (int d = 0; d < dim; ++d) row[d] = load(k[d]);
+        for (int r = 0; r < rep; ++r) {
+            const float* qr = qf + r * dim;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < dim; ++d) s += qr[d] * row[d];
-                scores[r * ctx + t0 + j] = s * scale;  // scaled after the dot, as SDPA
-            }
+            for (int d = 0; d < dim; ++d) s += qr[d] * row[d];
+            scores[r * ctx + t] = s * scale;  // scaled after the dot, as SDPA
         }
-    }
+    });
     for (int r = 0; r < rep; ++r) {
         float* sr = scores + r * ctx;
         float m = -INFINITY;
@@ -127,24 +136,16 @@ void attend(const T* q, const T* k_head, const T* v_head, T* out, const int32_t*
         for (int d = 0; d < dim; ++d) acc[r * dim + d] = 0.f;
         qf[r * dim] = 1.f / sum;  // the query row is no longer needed: keep 1/sum there
     }
-    for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
-        const T* values = v_head + static_cast<int64_t>(table[b]) * bs * dim;
-        const int n = std::min(bs, ctx - t0);
-        const int n_next = std::min(bs, ctx - t0 - bs);
-        const T* next = n_next > 0 ? v_head + static_cast<int64_t>(table[b + 1]) * bs * dim : values;
-        for (int j = 0; j < n; ++j) {
-            if (j < n_next) prefetch_row(next + j * dim, dim);
-            const T* v = values + j * dim;
+    for_each_row(v_head, table, ctx, bs, dim, [&](int t, const T* v) {
 #pragma omp simd
-            for (int d = 0; d < dim; ++d) row[d] = load(v[d]);
-            for (int r = 0; r < rep; ++r) {
-                const float p = scores[r * ctx + t0 + j];
-                float* ar = acc + r * dim;
+        for (int d = 0; d < dim; ++d) row[d] = load(v[d]);
+        for (int r = 0; r < rep; ++r) {
+            const float p = scores[r * ctx + t];
+            float* ar = acc + r * dim;
 #pragma omp simd
-                for (int d = 0; d < dim; ++d) ar[d] += p * row[d];
-            }
+            for (int d = 0; d < dim; ++d) ar[d] += p * row[d];
         }
-    }
+    });
     for (int r = 0; r < rep; ++r) {
         const float inv = qf[r * dim];
         for (int d = 0; d < dim; ++d) store(acc[r * dim + d] * inv, out + r * dim + d);
