@@ -43,8 +43,10 @@ def test_up_with_two_ranks_serves_the_greedy_text(redis_server, tmp_path):
     port = free_port()
     prefix = f"tp-{uuid.uuid4().hex[:8]}:"
     env = {"KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_KEY_PREFIX": prefix}
+    # float32: the text is compared with HF's float32 greedy text, token for token (auto is bf16
+    # on CPUs with native bf16)
     fleet = Proc(["up", "--workers", "1", "--tensor-parallel-size", "2", "--port", str(port),
-                  "--kv-memory", "128MiB"], env, tmp_path, "up")
+                  "--kv-memory", "128MiB", "--dtype", "float32"], env, tmp_path, "up")
     client = redis.Redis.from_url(redis_server.url)
     try:
         deadline = time.monotonic() + 240

@@ -121,7 +121,7 @@ def test_without_a_compiler_auto_keeps_sdpa_and_cpu_is_refused(no_compiler, tiny
 def test_a_failed_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_attention, "SOURCE", broken)
+    monkeypatch.setattr(cpu_attention, "SOURCES", (broken,))
     with pytest.raises(cpu_attention.KernelUnavailable, match="compiling broken.cpp failed"):
         cpu_attention.build_kernel(tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []

@@ -11,57 +11,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "cpu_kernels.h"
 
 namespace {
 
-inline float load(float x) { return x; }
-inline float load(uint16_t x) {  // bf16 -> fp32: the high half of the fp32 bits
-    uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline float round_to(float v, const float*) { return v; }
-inline float round_to(float v, const uint16_t*) {  // to bf16 precision (nearest even), as fp32
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    bits &= 0xFFFF0000u;
-    std::memcpy(&v, &bits, 4);
-    return v;
-}
-
-inline void store(float v, float* out) { *out = v; }
-inline void store(float v, uint16_t* out) {  // fp32 -> bf16, round to nearest even
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    if (std::isnan(v)) { *out = 0x7FC0; return; }
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    *out = static_cast<uint16_t>(bits >> 16);
-}
-
-// exp(x) for x <= 0 (scores minus their maximum) in arithmetic only, so loops over it vectorise:
-// Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial), within ~2 ulp.
-inline float exp_nonpositive(float x) {
-    x = std::max(x, -87.0f);  // below this exp underflows to 0 anyway
-    const float n = std::nearbyint(x * 1.44269504088896341f);
-    x = x - n * 0.693359375f + n * 2.12194440e-4f;
-    const float z = x * x;
-    float y = 1.9875691500e-4f;
-    y = y * x + 1.3981999507e-3f;
-    y = y * x + 8.3334519073e-3f;
-    y = y * x + 4.1665795894e-2f;
-    y = y * x + 1.6666665459e-1f;
-    y = y * x + 5.0000001201e-1f;
-    y = y * z + x + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return y * scale;
-}
+using namespace kvfleet;  // load, store, rounded, exp_approx (cpu_kernels.h)
 
 // Pages sit at random places in the pool, so the hardware prefetcher stalls at each page's start:
 // while one page is read, its successor's row `j` is requested (every cache line of it).
@@ -70,6 +26,23 @@ inline void prefetch_row(const T* row, int dim) {
     const char* p = reinterpret_cast<const char*>(row);
     for (int offset = 0; offset < dim * static_cast<int>(sizeof(T)); offset += 64)
         __builtin_prefetch(p + offset);
+}
+
+// visit(t, row) for the rows t = 0 .. ctx-1 of one KV head, page by page through the block table
+// (no division per key), the next page's rows prefetched while this page is read.
+template <typename T, typename Visit>
+inline void for_each_row(const T* head, const int32_t* table, int ctx, int bs, int dim,
+                         Visit&& visit) {
+    for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
+        const T* page = head + static_cast<int64_t>(table[b]) * bs * dim;
+        const int n = std::min(bs, ctx - t0);
+        const int n_next = std::min(bs, ctx - t0 - bs);  // rows of the next page (<= 0: none)
+        const T* next = n_next > 0 ? head + static_cast<int64_t>(table[b + 1]) * bs * dim : page;
+        for (int j = 0; j < n; ++j) {
+            if (j < n_next) prefetch_row(next + j * dim, dim);
+            visit(t0 + j, page + j * dim);
+        }
+    }
 }
 
 struct Shape {
@@ -94,25 +67,17 @@ void attend(const T* q, const T* k_head, const T* v_head, T* out, const int32_t*
         const T* src = q + r * shape.q_stride_h;
         for (int d = 0; d < dim; ++d) qf[r * dim + d] = load(src[d]);
     }
-    for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {  // block by block: no division per key
-        const T* keys = k_head + static_cast<int64_t>(table[b]) * bs * dim;
-        const int n = std::min(bs, ctx - t0);
-        const int n_next = std::min(bs, ctx - t0 - bs);  // rows of the next page (<= 0: none)
-        const T* next = n_next > 0 ? k_head + static_cast<int64_t>(table[b + 1]) * bs * dim : keys;
-        for (int j = 0; j < n; ++j) {
-            if (j < n_next) prefetch_row(next + j * dim, dim);
-            const T* k = keys + j * dim;
+    for_each_row(k_head, table, ctx, bs, dim, [&](int t, const T* k) {
 #pragma omp simd
-            for (int d = 0; d < dim; ++d) row[d] = load(k[d]);
-            for (int r = 0; r < rep; ++r) {
-                const float* qr = qf + r * dim;
-                float s = 0.f;
+        for (int d = 0; d < dim; ++d) row[d] = load(k[d]);
+        for (int r = 0; r < rep; ++r) {
+            const float* qr = qf + r * dim;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < dim; ++d) s += qr[d] * row[d];
-                scores[r * ctx + t0 + j] = s * scale;  // scaled after the dot, as SDPA
-            }
+            for (int d = 0; d < dim; ++d) s += qr[d] * row[d];
+            scores[r * ctx + t] = s * scale;  // scaled after the dot, as SDPA
         }
-    }
+    });
     for (int r = 0; r < rep; ++r) {
         float* sr = scores + r * ctx;
         float m = -INFINITY;
@@ -120,31 +85,23 @@ void attend(const T* q, const T* k_head, const T* v_head, T* out, const int32_t*
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int t = 0; t < ctx; ++t) {
-            const float p = exp_nonpositive(sr[t] - m);
+            const float p = exp_approx(sr[t] - m);
             sum += p;  // the normaliser from the unrounded probabilities, as SDPA
-            sr[t] = round_to(p, static_cast<const T*>(nullptr));
+            sr[t] = rounded<T>(p);
         }
         for (int d = 0; d < dim; ++d) acc[r * dim + d] = 0.f;
         qf[r * dim] = 1.f / sum;  // the query row is no longer needed: keep 1/sum there
     }
-    for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
-        const T* values = v_head + static_cast<int64_t>(table[b]) * bs * dim;
-        const int n = std::min(bs, ctx - t0);
-        const int n_next = std::min(bs, ctx - t0 - bs);
-        const T* next = n_next > 0 ? v_head + static_cast<int64_t>(table[b + 1]) * bs * dim : values;
-        for (int j = 0; j < n; ++j) {
-            if (j < n_next) prefetch_row(next + j * dim, dim);
-            const T* v = values + j * dim;
+    for_each_row(v_head, table, ctx, bs, dim, [&](int t, const T* v) {
 #pragma omp simd
-            for (int d = 0; d < dim; ++d) row[d] = load(v[d]);
-            for (int r = 0; r < rep; ++r) {
-                const float p = scores[r * ctx + t0 + j];
-                float* ar = acc + r * dim;
+        for (int d = 0; d < dim; ++d) row[d] = load(v[d]);
+        for (int r = 0; r < rep; ++r) {
+            const float p = scores[r * ctx + t];
+            float* ar = acc + r * dim;
 #pragma omp simd
-                for (int d = 0; d < dim; ++d) ar[d] += p * row[d];
-            }
+            for (int d = 0; d < dim; ++d) ar[d] += p * row[d];
         }
-    }
+    });
     for (int r = 0; r < rep; ++r) {
         const float inv = qf[r * dim];
         for (int d = 0; d < dim; ++d) store(acc[r * dim + d] * inv, out + r * dim + d);

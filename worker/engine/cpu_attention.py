@@ -7,7 +7,8 @@ padding of length groups and their masks: measured on a Zen 5 core at the defaul
 (32 sequences of 100-900 tokens), one layer's decode attention takes 3.3 ms in bf16 against
 6.6 ms for gather + SDPA, and 4.2 against 29 ms in float32.
 
-The kernel is plain C++ with OpenMP and no torch headers: it compiles in about a second with the
+The kernel (with the decoder layer's element-wise ops of `cpu_layer_ops.cpp`, cpu_layers.py) is
+plain C++ with OpenMP and no torch headers: it compiles in about a second with the
 system's C++ compiler (`$CXX`, default `g++`), for this machine's ISA (`-march=native`), into
 `$KVFLEET_KERNEL_CACHE` (default ~/.cache/kvfleet/kernels) under a name that hashes the source,
 the flags, the compiler and the CPU, and is loaded with ctypes. Its OpenMP calls run on the
@@ -34,13 +35,23 @@ import torch
 
 from worker.engine.kv_cache import KVCachePool
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+# one library: the decode kernel and the decoder layer's element-wise ops (cpu_layers.py)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `dtype` argument
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `dtype` argument
 _ARGTYPES = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
              ctypes.c_float, ctypes.c_int)
+
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+LAYER_OP_ARGTYPES = {  # cpu_layer_ops.cpp
+    "kvfleet_rms_norm": (_I, _P, _P, _P, _P, _I64, _I, ctypes.c_float, _I),
+    "kvfleet_rope": (_I, _P, _I64, _I, _I64, _I64, _I, _P, _P, _I),
+    "kvfleet_silu_mul": (_I, _P, _P, _I64, _I, _I),
+}
 
 
 class KernelUnavailable(RuntimeError):
@@ -77,7 +88,7 @@ def build_kernel(cache_dir: Path | None = None) -> Path:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise KernelUnavailable(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
@@ -94,10 +105,11 @@ def build_kernel(cache_dir: Path | None = None) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)],
+        result = subprocess.run([compiler, *FLAGS, "-o", partial, *map(str, SOURCES)],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
+            names = " ".join(p.name for p in SOURCES)
+            raise KernelUnavailable(f"compiling {names} failed: {result.stderr.strip()[-2000:]}")
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
@@ -114,7 +126,10 @@ def load_kernel() -> ctypes.CDLL:
     except OSError as exc:
         raise KernelUnavailable(f"loading the kernel failed: {exc}") from exc
     lib.kvfleet_paged_decode.argtypes = _ARGTYPES
-    lib.kvfleet_paged_decode.restype = ctypes.c_int
+    for function, argtypes in LAYER_OP_ARGTYPES.items():
+        getattr(lib, function).argtypes = argtypes
+    for function in ("kvfleet_paged_decode", *LAYER_OP_ARGTYPES):
+        getattr(lib, function).restype = ctypes.c_int
     return lib
 
 
@@ -131,7 +146,7 @@ def supports(pool: KVCachePool, dtype: torch.dtype) -> bool:
     """The kernel reads plain float K/V in the model's own dtype (float32 or bfloat16); 8-bit
     formats and a K/V dtype other than the model's keep gather + SDPA."""
     fmt = pool.kv_format
-    return (pool.device.type == "cpu" and dtype in _DTYPE_CODES and not fmt.is_quantized
+    return (pool.device.type == "cpu" and dtype in DTYPE_CODES and not fmt.is_quantized
             and fmt.storage == dtype and pool.rotation(dtype) is None)
 
 
@@ -145,7 +160,7 @@ def paged_decode(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuDe
     kv = pool.layer(layer)  # [2, KVH, NB, bs, D], contiguous
     with torch.profiler.record_function("attention (cpu kernel)"):  # named in profiles
         status = load_kernel().kvfleet_paged_decode(
-            _DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
+            DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
             kv.data_ptr(), out.data_ptr(), plan.block_tables.data_ptr(), plan.block_tables.shape[1],
             plan.ctx_lens.data_ptr(), plan.num_seqs, num_heads, pool.layout.num_kv_heads,
             head_dim, pool.num_blocks, pool.block_size, scaling, torch.get_num_threads())

@@ -11,6 +11,7 @@ from worker.engine.attention import (
     CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
 from worker.engine import cpu_attention
 from worker.engine.cpu_attention import CpuDecodePlan
+from worker.engine.cpu_layers import fuse_decoder_layers
 from worker.engine.cpu_linear import PACKED_DTYPES, fuse_sibling_linears, pack_cpu_linears
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -124,9 +125,17 @@ class ModelRunner:
         # a decode group costs about as much as gathering this many padded tokens (call overhead)
         self.decode_group_cost_tokens = decode_group_cost_tokens
         self.device = next(model.parameters()).device
-        # bf16 on CPU: linear weights pre-packed for oneDNN (cpu_linear.py); float32 and CUDA
-        # keep F.linear
-        if self.device.type == "cpu" and next(model.parameters()).dtype in PACKED_DTYPES:
+        dtype = next(model.parameters()).dtype
+        # the CPU kernel reads plain K/V in the model's dtype; other formats keep gather + SDPA
+        self.cpu_decode_kernel = (attention_backend == "cpu" and cpu_attention.supports(pool, dtype))
+        # bf16 on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
+        # tensor parallelism, whose ranks hold sharded layers), other layers' q/k/v and gate/up
+        # as one product each, every linear pre-packed for oneDNN (cpu_linear.py); float32 and
+        # CUDA keep HF's layers and F.linear
+        self.num_fused_layers = 0
+        if self.device.type == "cpu" and dtype in PACKED_DTYPES:
+            if self.cpu_decode_kernel and self.num_heads == model.config.num_attention_heads:
+                self.num_fused_layers = fuse_decoder_layers(model)
             fuse_sibling_linears(model)  # q/k/v and gate/up: one product each
             pack_cpu_linears(model)
         num_kv_heads = pool.layout.num_kv_heads
@@ -134,9 +143,6 @@ class ModelRunner:
         # row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...] block view
         self._head_block_rows = (torch.arange(2 * num_kv_heads) * pool.num_blocks).unsqueeze(1)
         self._head_slot_rows = (torch.arange(num_kv_heads) * pool.num_blocks * pool.block_size).unsqueeze(1)
-        # the CPU kernel reads plain K/V in the model's dtype; other formats keep gather + SDPA
-        self.cpu_decode_kernel = (attention_backend == "cpu"
-                            and cpu_attention.supports(pool, next(model.parameters()).dtype))
         model.set_attn_implementation(register_paged_attention())
         model.eval()
 

@@ -1,0 +1,65 @@
+// Scalar helpers shared by the CPU kernels (cpu_attention.cpp, cpu_layer_ops.cpp): bf16 <-> fp32
+// and an exp in plain arithmetic, so that the loops calling them vectorise.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace kvfleet {
+
+inline float load(float x) { return x; }
+inline float load(uint16_t x) {  // bf16 -> fp32: the high half of the fp32 bits
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline void store(float v, float* out) { *out = v; }
+inline void store(float v, uint16_t* out) {  // fp32 -> bf16, round to nearest even
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    const uint32_t rounded_bits = bits + 0x7FFF + ((bits >> 16) & 1);
+    *out = static_cast<uint16_t>((v != v ? 0x7FC00000u : rounded_bits) >> 16);  // NaN stays NaN
+}
+
+// Element-wise passes run on several threads only when they are this large: below it a parallel
+// region costs more than it saves (decode steps have a few dozen rows).
+constexpr int64_t kParallelElements = 1 << 16;
+
+template <typename T>
+inline float rounded(float v) {  // v as an eager op in T would leave it (NaN-free inputs)
+    uint32_t bits;
+    if constexpr (sizeof(T) == 4) {
+        return v;
+    } else {
+        std::memcpy(&bits, &v, 4);
+        bits += 0x7FFF + ((bits >> 16) & 1);
+        bits &= 0xFFFF0000u;
+        std::memcpy(&v, &bits, 4);
+        return v;
+    }
+}
+
+// exp(x), Cephes' expf: range reduction by ln 2 in two parts, degree-6 polynomial, within ~2 ulp;
+// x is clamped to [-87, 88] (beyond that exp under/overflows anyway).
+inline float exp_approx(float x) {
+    x = std::min(std::max(x, -87.0f), 88.0f);
+    const float n = std::nearbyint(x * 1.44269504088896341f);
+    x = x - n * 0.693359375f + n * 2.12194440e-4f;
+    const float z = x * x;
+    float y = 1.9875691500e-4f;
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+}  // namespace kvfleet
