@@ -107,13 +107,10 @@ def run_pipelined(client, script, calls: Sequence[ScriptCall]) -> list[Any]:
     return _run_cluster_pipeline(client, script, calls)
 
 
-def run_by_node(client: RedisCluster, script, calls: Sequence[ScriptCall]) -> list[Any]:
-    """`run_pipelined` on a cluster: calls grouped by the primary owning their (hash-tagged)
-    slot, one plain pipeline per node. A call whose node answered MOVED/ASK/TRYAGAIN, or whose
-    node failed (connection error, no node for the slot), runs again through the cluster
-    client; the scripts are fenced by attempt and write the checkpoint at a fixed offset, so a
-    call repeated after a lost reply changes nothing twice."""
-    replies: list[Any] = [None] * len(calls)
+def _group_by_node(client: RedisCluster, calls: Sequence[ScriptCall]
+                   ) -> tuple[dict[str, tuple[Any, list[int]]], list[int]]:
+    """Indices of `calls` by the primary owning their first key's slot ({name: (node, indices)}),
+    and those whose node the slot map does not know (to go through the cluster client)."""
     by_node: dict[str, tuple[Any, list[int]]] = {}
     reroute: list[int] = []
     for i, call in enumerate(calls):
@@ -123,6 +120,17 @@ def run_by_node(client: RedisCluster, script, calls: Sequence[ScriptCall]) -> li
             reroute.append(i)
             continue
         by_node.setdefault(node.name, (node, []))[1].append(i)
+    return by_node, reroute
+
+
+def run_by_node(client: RedisCluster, script, calls: Sequence[ScriptCall]) -> list[Any]:
+    """`run_pipelined` on a cluster: calls grouped by the primary owning their (hash-tagged)
+    slot, one plain pipeline per node. A call whose node answered MOVED/ASK/TRYAGAIN, or whose
+    node failed (connection error, no node for the slot), runs again through the cluster
+    client; the scripts are fenced by attempt and write the checkpoint at a fixed offset, so a
+    call repeated after a lost reply changes nothing twice."""
+    replies: list[Any] = [None] * len(calls)
+    by_node, reroute = _group_by_node(client, calls)
     for node, indices in by_node.values():
         try:
             results = _run_on_node(client.get_redis_connection(node), script, calls, indices)
@@ -198,15 +206,7 @@ def run_per_node(client, step_script, one_script, calls: Sequence[ScriptCall]) -
     if not isinstance(client, RedisCluster):
         return _evalsha_step(client, step_script, calls)
     replies: list[Any] = [None] * len(calls)
-    by_node: dict[str, tuple[Any, list[int]]] = {}
-    reroute: list[int] = []
-    for i, call in enumerate(calls):
-        try:
-            node = client.nodes_manager.get_node_from_slot(client.keyslot(call.keys[0]))
-        except _REROUTE:
-            reroute.append(i)
-            continue
-        by_node.setdefault(node.name, (node, []))[1].append(i)
+    by_node, reroute = _group_by_node(client, calls)
     for node, indices in by_node.values():
         try:
             results = _evalsha_step(client.get_redis_connection(node), step_script,
