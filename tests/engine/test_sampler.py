@@ -51,6 +51,20 @@ def test_greedy_equals_argmax(sampler, logits, dtype):
     assert tokens(sampler.sample(logits, inputs)) == logits.float().argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("num_random", [0, 1])
+def test_greedy_takes_the_first_of_tied_maxima(sampler, num_random):
+    """As argmax does (HF `generate`'s greedy choice), alone and beside a sampled row; ties are
+    common in bf16 logits."""
+    logits = torch.zeros(3, 4096)
+    logits[0, [7, 3000]] = 5.0
+    logits[1, [4095, 12, 2048]] = 1.0
+    logits[2, [100, 101]] = 2.0
+    inputs = [make_input(temperature=0.0) for _ in range(3)]
+    if num_random:
+        inputs[2] = make_input(temperature=1.0, seed=3)
+    assert tokens(sampler.sample(logits, inputs))[:3 - num_random] == [7, 12, 100][:3 - num_random]
+
+
 def test_greedy_does_not_modify_the_callers_logits(sampler, logits):
     before = logits.clone()
     inputs = [make_input(temperature=0.0, repetition_penalty=3.0, output=[1]) for _ in logits]
