@@ -19,7 +19,9 @@ from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.topologies]
 
-MAX_TOKENS = 150
+# long enough that every stream is mid-answer when the worker dies (killed at >= 10 checkpointed
+# tokens each), short enough for the suite's budget on a 2-core CPU
+MAX_TOKENS = 80
 TOPICS = ["rivers", "mountains", "bread", "trains", "music", "chess", "the sea", "bees",
           "clocks", "libraries", "volcanoes", "bridges"]
 
