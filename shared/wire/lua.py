@@ -144,9 +144,16 @@ def run_by_node(client: RedisCluster, script, calls: Sequence[ScriptCall]) -> li
                 raise result
             else:
                 replies[i] = result
+    return _rerun_through_cluster(client, script, calls, reroute, replies)
+
+
+def _rerun_through_cluster(client: RedisCluster, script, calls: Sequence[ScriptCall],
+                           reroute: list[int], replies: list[Any]) -> list[Any]:
+    """Fill replies[i] for the calls in `reroute` through the cluster client, after refreshing
+    its slot map (it was stale, or a node is gone); returns `replies`."""
     if reroute:
         reroute.sort()
-        client.nodes_manager.initialize()  # the slot map is stale or a node is gone
+        client.nodes_manager.initialize()
         again = _run_cluster_pipeline(client, script, [calls[i] for i in reroute])
         for i, result in zip(reroute, again):
             replies[i] = result
@@ -220,13 +227,7 @@ def run_per_node(client, step_script, one_script, calls: Sequence[ScriptCall]) -
             continue
         for i, result in zip(indices, results):
             replies[i] = result
-    if reroute:
-        reroute.sort()
-        client.nodes_manager.initialize()  # the slot map is stale or a node is gone
-        again = _run_cluster_pipeline(client, one_script, [calls[i] for i in reroute])
-        for i, result in zip(reroute, again):
-            replies[i] = result
-    return replies
+    return _rerun_through_cluster(client, one_script, calls, reroute, replies)
 
 
 def _evalsha_step(client, step_script, calls: Sequence[ScriptCall]) -> list[Any]:
