@@ -74,6 +74,7 @@ def run_case(case: PagedCase, device: torch.device,
         vocab_size=128))
     total = sum(c.num_tokens for c in case.chunks)
     dtype = case.model_dtype
+    model.to(dtype)  # the runner picks its attention path by the model's dtype
     # [1, H, T, D] as transformers hands it over: a transposed view of [1, T, H, D]
     query = torch.randn(1, total, num_heads, case.head_dim, device=device).to(dtype).transpose(1, 2)
     # K/V already as the pool will hold them: the SDPA path attends a chunk that starts at 0 to

@@ -22,7 +22,15 @@ DEFAULT_SHAPE = {
     "bf16-default-shape": PagedCase("bf16", 3, 64, DEFAULT_SHAPE_DECODES, block_size=16,
                                     model_dtype=torch.bfloat16, seed=12),
 }
-ALL_CASES = {**CASES, **DEFAULT_SHAPE}
+# bf16 K/V on a CPU with AVX512-BF16 take the kernel's pair-dot-product path: every group size it
+# specialises (1, 2, 3, 4 and remainders, more than 8 query heads per KV head), both head dims,
+# pages of odd sizes and of fewer than 16 rows
+BF16_SHAPES = {
+    f"bf16-g{group}-d{dim}-bs{bs}": PagedCase("bf16", group, dim, DEFAULT_SHAPE_DECODES,
+                                              block_size=bs, model_dtype=torch.bfloat16, seed=seed)
+    for seed, (group, dim, bs) in enumerate(
+        [(1, 64, 16), (2, 128, 8), (4, 64, 5), (5, 64, 16), (6, 128, 3), (12, 64, 32)], 20)}
+ALL_CASES = {**CASES, **DEFAULT_SHAPE, **BF16_SHAPES}
 
 
 def tolerance(dtype: torch.dtype) -> float:
