@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from shared.cpu_features import CpuFeatures, cpu_features
-from worker.engine.kv_cache import KVLayout, plan_budget, resolve_device, resolve_dtype
+from worker.engine.kv_cache import KVCachePool, KVLayout, plan_budget, resolve_device, resolve_dtype
 from worker.engine.kv_format import resolve_kv_format
 
 FP32 = resolve_kv_format("fp32", torch.float32)
@@ -71,3 +73,17 @@ def test_engine_pool_tensors_match_the_budget(tiny_llama):
     assert engine.pool.num_bytes == 10 * 4 * engine.budget.bytes_per_token
     assert engine.budget_report()[1].startswith("KV cache:")
     assert engine.max_model_len == 512
+
+
+def test_cpu_pool_memory_starts_zeroed_and_belongs_to_its_pool():
+    """The CPU pool lives in its own anonymous (huge-page advised) mapping: zeroed, writable, not
+    shared with another pool, and alive as long as the tensor is."""
+    layout = KVLayout(2, 3, 64, resolve_kv_format("auto", torch.bfloat16))
+    first, second = (KVCachePool(layout, 40, 16, torch.device("cpu")) for _ in range(2))
+    assert first.layer(1).shape == (2, 3, 40, 16, 64) and first.layer(1).dtype == torch.bfloat16
+    assert not first.layer(0).any() and not first.layer(1).any()
+    first.layer(1).fill_(1.5)
+    gc.collect()
+    assert (first.layer(1) == 1.5).all() and not first.layer(0).any()
+    assert not second.layer(1).any()
+    assert first.num_bytes == 2 * 2 * 3 * 40 * 16 * 64 * 2
