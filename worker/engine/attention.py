@@ -26,12 +26,13 @@ keyword arguments, never through a global.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from worker.engine.cpu_attention import CpuDecodePlan, paged_decode
+from worker.engine.cpu_attention import CpuDecodePlan, paged_decode, write_kv
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.triton_attention import PagedAttentionPlan, paged_attention
 
@@ -107,6 +108,28 @@ def paged_attention_forward(
     for chunk in ctx.prefills:
         _prefill_attention(chunk, query, key, value, pool, layer, scaling, out)
     return out.unsqueeze(0), None
+
+
+def fused_layer_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          ctx: AttentionContext, scaling: float) -> torch.Tensor:
+    """What paged_attention_forward computes, for a fused CPU layer (cpu_layers.py) whose q, k, v
+    ([T, H, D], [T, KVH, D] x 2) are views into its q/k/v product: the new K/V go into the pool
+    in one C++ copy, the decodes through the C++ kernel, prefill chunks through SDPA. -> [T, H, D]"""
+    if ctx.decode_groups or ctx.kernel_plan is not None:  # not the CPU kernel's context
+        out, _ = paged_attention_forward(
+            SimpleNamespace(layer_idx=layer), *(x.transpose(0, 1).unsqueeze(0) for x in (query, key, value)),
+            None, scaling=scaling, **{CONTEXT_KWARG: ctx})
+        return out[0]
+    pool = ctx.pool
+    write_kv(pool, layer, key, value, ctx.write_index)
+    out = query.new_empty(query.shape)
+    if ctx.cpu_decode is not None:
+        paged_decode(query.transpose(0, 1), pool, layer, ctx.cpu_decode, scaling, out)
+    if ctx.prefills:
+        q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, T, D]
+        for chunk in ctx.prefills:
+            _prefill_attention(chunk, q4, k4, v4, pool, layer, scaling, out)
+    return out
 
 
 def _decode_attention(group: DecodeGroup, query, pool: KVCachePool, layer: int, scaling, out) -> None:

@@ -55,6 +55,7 @@ LAYER_OP_ARGTYPES = {  # cpu_layer_ops.cpp
     "kvfleet_rms_norm": (_I, _P, _P, _P, _P, _I64, _I, ctypes.c_float, _I),
     "kvfleet_rope": (_I, _P, _I64, _I, _I64, _I64, _I, _P, _P, _I),
     "kvfleet_silu_mul": (_I, _P, _P, _I64, _I, _I),
+    "kvfleet_write_kv": (_I, _P, _P, _I64, _I64, _I, _I, _P, _I64, _P),
 }
 
 
@@ -178,3 +179,19 @@ def paged_decode(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuDe
             head_dim, pool.num_blocks, pool.block_size, scaling, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"kvfleet_paged_decode failed with status {status}")
+
+
+def write_kv(pool: KVCachePool, layer: int, key: torch.Tensor, value: torch.Tensor,
+             rows: torch.Tensor) -> None:
+    """The step's K and V ([T, KVH, D] views of one buffer, same strides, last two dims dense)
+    into the pool at `rows` ([KVH * T] int64: h * slots + slot, AttentionContext.write_index),
+    copied by the kernel library: no intermediate copy, no index_copy_."""
+    assert key.stride() == value.stride() and key.stride(2) == 1 and key.stride(1) == key.shape[2]
+    assert key.dtype == pool.kv_format.storage and rows.dtype == torch.int64 and rows.is_contiguous()
+    kv = pool.layer(layer)  # [2, KVH, NB, bs, D]
+    status = load_kernel().kvfleet_write_kv(
+        DTYPE_CODES[key.dtype], key.data_ptr(), value.data_ptr(), key.stride(0), key.shape[0],
+        key.shape[1], key.shape[2], rows.data_ptr(), kv.shape[1] * kv.shape[2] * kv.shape[3],
+        kv.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"kvfleet_write_kv failed with status {status}")

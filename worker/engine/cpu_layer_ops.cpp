@@ -4,6 +4,7 @@
 // then scales in bf16; RoPE rounds q*cos and rotate_half(q)*sin before their sum; SiLU rounds
 // before the product with up), so results follow HF's own bf16 layers; float32 is plain fp32.
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_kernels.h"
 
@@ -119,5 +120,32 @@ extern "C" int kvfleet_silu_mul(int dtype, const void* gate_up, void* out, int64
                  num_threads);
     else
         return 1;
+    return 0;
+}
+
+// The step's new K and V rows into the pool, straight from the q/k/v product: k and v are
+// [tokens, num_kv_heads, head_dim] with `row_stride` elements between tokens (views into that
+// product); rows[h * tokens + t] is the pool row (h * slots + slot) of token t's head h, as
+// AttentionContext.write_index; pool_layer is one layer [2, num_kv_heads * slots, head_dim]
+// (K then V), slots_per_kv = num_kv_heads * slots. Plain copies: the pool stores the model's dtype.
+extern "C" int kvfleet_write_kv(int dtype, const void* k, const void* v, int64_t row_stride,
+                                int64_t tokens, int num_kv_heads, int head_dim,
+                                const int64_t* rows, int64_t slots_per_kv, void* pool_layer) {
+    const int64_t size = dtype == 0 ? 4 : dtype == 1 ? 2 : 0;
+    if (size == 0) return 1;
+    const int64_t bytes = head_dim * size;
+    const char* ks = static_cast<const char*>(k);
+    const char* vs = static_cast<const char*>(v);
+    char* keys = static_cast<char*>(pool_layer);
+    char* values = keys + slots_per_kv * bytes;
+    for (int h = 0; h < num_kv_heads; ++h) {
+        for (int64_t t = 0; t < tokens; ++t) {
+            const int64_t row = rows[h * tokens + t];
+            if (row < 0 || row >= slots_per_kv) return 2;
+            const int64_t src = (t * row_stride + static_cast<int64_t>(h) * head_dim) * size;
+            std::memcpy(keys + row * bytes, ks + src, bytes);
+            std::memcpy(values + row * bytes, vs + src, bytes);
+        }
+    }
     return 0;
 }

@@ -12,11 +12,9 @@ they are, and so is everything under tensor parallelism (its ranks hold sharded 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-from worker.engine.attention import CONTEXT_KWARG, paged_attention_forward
+from worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
 from worker.engine.cpu_attention import DTYPE_CODES, load_kernel
 from worker.engine.cpu_linear import PackedLinear
 
@@ -90,7 +88,7 @@ class FusedDecoderLayer(torch.nn.Module):
         self.num_heads = attn.q_proj.out_features // self.head_dim
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
-        self.attn_module = SimpleNamespace(layer_idx=attn.layer_idx)  # what attention reads
+        self.layer_idx = attn.layer_idx
         self.qkv = _concat(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o_proj = PackedLinear(attn.o_proj)
         self.gate_up = _concat(mlp.gate_proj, mlp.up_proj)
@@ -105,16 +103,14 @@ class FusedDecoderLayer(torch.nn.Module):
         h = rms_norm(x, self.input_norm.weight, self.input_norm.eps)
         qkv = self.qkv(h)  # [T, (H + 2 KVH) * D]
         q_end, k_end = self.num_heads * dim, (self.num_heads + self.num_kv_heads) * dim
-        q = qkv[:, :q_end].view(num_tokens, self.num_heads, dim)
-        k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, dim)
-        v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, dim)
         cos, sin = (t[0].contiguous() for t in position_embeddings)  # [T, D] each
-        rope_(q, cos, sin)
-        rope_(k, cos, sin)
-        attn, _ = paged_attention_forward(
-            self.attn_module, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0), None, scaling=self.scaling,
-            **{CONTEXT_KWARG: kwargs[CONTEXT_KWARG]})  # [1, T, H, D]
+        # q and k heads side by side in each row: one rotation pass for both
+        rope_(qkv[:, :k_end].view(num_tokens, self.num_heads + self.num_kv_heads, dim), cos, sin)
+        attn = fused_layer_attention(
+            self.layer_idx, qkv[:, :q_end].view(num_tokens, self.num_heads, dim),
+            qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, dim),
+            qkv[:, k_end:].view(num_tokens, self.num_kv_heads, dim), kwargs[CONTEXT_KWARG],
+            self.scaling)  # [T, H, D]
         residual = self.o_proj(attn.view(num_tokens, -1))  # becomes x + attention below
         h = rms_norm(x, self.post_norm.weight, self.post_norm.eps, residual=residual)
         out = residual + self.down_proj(silu_mul(self.gate_up(h)))
