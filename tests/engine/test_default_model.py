@@ -42,12 +42,14 @@ def test_greedy_equals_hf_generate_on_the_default_model():
     assert stats.num_blocks_free == stats.num_blocks_total
 
 
-# Measured on this test's 1,728 positions (AMD EPYC Zen4, torch 2.13.0 CPU), and again with every
+# Measured on 1,728 positions (24 windows x 72; AMD EPYC Zen4, torch 2.13.0 CPU), and again with every
 # weight multiplied by (1 + 1e-6 N(0, 1)) — rounding noise of the size another CPU's matmul kernels
 # add — three variants in all: fp8 agreement 94.85–95.08 %, mean KL 9.2–9.6e-3; int8 agreement
 # 98.96–99.31 %, mean KL 4.5–4.8e-4 (on 2,048 positions of 8 x 256 tokens: fp8 95.0–95.6 %, int8
-# 98.6–98.9 %). The bounds sit ~5 binomial standard deviations below the agreement measured
-# (sd ~0.5 % at fp8's rate over 1,728 positions) and at 2x the KL measured: far outside rounding
+# 98.6–98.9 %). The test now scores 1,152 positions (24 windows x 48: half a minute less on a
+# 2-core Xeon); there, on an Intel Xeon with AMX: fp8 95.92 %, mean KL 7.1e-3; int8 98.61 %,
+# 4.2e-4. The bounds sit 5-7 binomial standard deviations below the agreement measured (sd ~0.6 %
+# at fp8's rate over 1,152 positions) and at 2x or more the KL measured: far outside rounding
 # noise, yet int8 without its Hadamard rotation (KL 3.3x higher, docs/BENCHMARKS.md) fails its bound.
 KV_QUALITY_BOUNDS = {"fp8": (0.92, 2.0e-2), "int8": (0.97, 1.0e-3)}  # (min agreement, max mean KL)
 
@@ -67,14 +69,14 @@ def corpus_windows(tokenizer, windows_per_passage: int = 3, window_len: int = 10
 
 @pytest.mark.slow
 def test_8bit_kv_caches_keep_the_default_models_greedy_choices():
-    """Teacher-forced over 24 windows x 72 positions (1,728 next-token choices of prose): fp8 and
+    """Teacher-forced over 24 windows x 48 positions (1,152 next-token choices of prose): fp8 and
     int8 caches pick the fp32 cache's next token almost everywhere, and their next-token
     distributions stay close (mean KL), within bounds derived from measurement (see above)."""
     from worker.engine.scoring import teacher_forced_logprobs
 
     path = resolve_model_path(DEFAULT_MODEL)
     tokenizer = load_tokenizer(path)
-    texts = corpus_windows(tokenizer)
+    texts = corpus_windows(tokenizer, window_len=80)  # 48 positions after a 32-token context
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     logprobs = {}
     for kv_dtype in ("fp32", "fp8", "int8"):
@@ -84,11 +86,12 @@ def test_8bit_kv_caches_keep_the_default_models_greedy_choices():
         logprobs[kv_dtype] = torch.stack([lp for _, lp in
                                           teacher_forced_logprobs(engine, texts, context_len=32)])
     reference = logprobs["fp32"]  # [positions, windows, vocab]
-    assert reference.shape[:2] == (72, 24)
+    assert reference.shape[:2] == (48, 24)
     for kv_dtype, (min_agreement, max_kl) in KV_QUALITY_BOUNDS.items():
         tested = logprobs[kv_dtype]
         agreement = (tested.argmax(-1) == reference.argmax(-1)).float().mean().item()
         mean_kl = (reference.exp() * (reference - tested)).sum(-1).mean().item()
+        print(f"{kv_dtype} cache: agreement with fp32 {agreement:.2%}, mean KL {mean_kl:.2e}")
         assert agreement >= min_agreement, f"{kv_dtype}: agreement {agreement:.2%}"
         assert mean_kl <= max_kl, f"{kv_dtype}: mean KL {mean_kl:.2e}"
 
