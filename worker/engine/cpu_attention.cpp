@@ -63,6 +63,22 @@ inline void for_each_row(const T* head, const int32_t* table, int ctx, int bs, i
     }
 }
 
+// One query head's softmax over its `ctx` scores: keep(t, p) takes each probability unrounded;
+// returns 1 / the normaliser, summed from the unrounded probabilities as SDPA does.
+template <typename Keep>
+inline float softmax_row(const float* scores, int ctx, Keep&& keep) {
+    float m = -INFINITY;
+    for (int t = 0; t < ctx; ++t) m = std::max(m, scores[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < ctx; ++t) {
+        const float p = exp_approx(scores[t] - m);
+        sum += p;
+        keep(t, p);
+    }
+    return 1.f / sum;
+}
+
 struct Shape {
     int num_heads, num_kv_heads, head_dim, block_size;
     int64_t num_blocks, table_width, q_stride_h, q_stride_t;
@@ -98,17 +114,9 @@ void attend(const T* q, const T* k_head, const T* v_head, T* out, const int32_t*
     });
     for (int r = 0; r < rep; ++r) {
         float* sr = scores + r * ctx;
-        float m = -INFINITY;
-        for (int t = 0; t < ctx; ++t) m = std::max(m, sr[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < ctx; ++t) {
-            const float p = exp_approx(sr[t] - m);
-            sum += p;  // the normaliser from the unrounded probabilities, as SDPA
-            sr[t] = rounded<T>(p);
-        }
+        // the query row is no longer needed: keep 1/sum there
+        qf[r * dim] = softmax_row(sr, ctx, [&](int t, float p) { sr[t] = rounded<T>(p); });
         for (int d = 0; d < dim; ++d) acc[r * dim + d] = 0.f;
-        qf[r * dim] = 1.f / sum;  // the query row is no longer needed: keep 1/sum there
     }
     for_each_row(v_head, table, ctx, bs, dim, [&](int t, const T* v) {
 #pragma omp simd
@@ -274,19 +282,10 @@ void attend_bf16(const uint16_t* q, const uint16_t* k_head, const uint16_t* v_he
         }
     }
     for (int r = 0; r < rep; ++r) {
-        float* sr = scores + r * ctx;
         uint16_t* pr = probs + static_cast<int64_t>(r) * stride;
-        float m = -INFINITY;
-        for (int t = 0; t < ctx; ++t) m = std::max(m, sr[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < ctx; ++t) {
-            const float p = exp_approx(sr[t] - m);
-            sum += p;  // the normaliser from the unrounded probabilities, as SDPA
-            store(p, pr + t);  // P.V takes them rounded to bf16, as SDPA's bf16 kernel
-        }
+        // P.V takes the probabilities rounded to bf16, as SDPA's bf16 kernel
+        inv[r] = softmax_row(scores + r * ctx, ctx, [&](int t, float p) { store(p, pr + t); });
         pr[ctx] = pr[ctx + 1] = 0;
-        inv[r] = 1.f / sum;
     }
     if (rep % 4 == 0 && kChunks <= 2)
         pv_dispatch<kChunks, 4>(v_head, table, ctx, bs, probs, stride, inv, out, rep);
