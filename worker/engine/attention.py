@@ -48,7 +48,7 @@ class DecodeGroup:
     num_seqs: int
     context_len: int  # L: a whole number of blocks >= the longest context in the group
     gather_index: torch.Tensor  # [2 * KVH * B * L / bs]: rows of the pool's block view
-    mask: torch.Tensor  # [1, B, 1, L] bool: True where a key takes part
+    mask: torch.Tensor  # [1, B, 1, L] additive, the model's dtype: 0 where a key takes part, else -inf
 
 
 @dataclass
@@ -59,8 +59,9 @@ class PrefillChunk:
     q_end: int
     context_len: int  # keys are the sequence's positions [0, context_len), context_len = start + n
     gather_index: torch.Tensor | None  # [2 * KVH * num_blocks]; None when the chunk starts at 0
-    # [n_rep * n, context_len] bool causal with offset, the [n, context_len] mask once per query
-    # head of a KV head's group (row r * n + i is query i); None when start == 0
+    # [n_rep * n, context_len] additive (0 / -inf, the model's dtype) causal with offset, the
+    # [n, context_len] mask once per query head of a KV head's group (row r * n + i is query i);
+    # None when start == 0
     mask: torch.Tensor | None
 
 
@@ -174,6 +175,8 @@ def _cached_attention(pool: KVCachePool, q, k, v, mask, scaling):
     rotation = pool.rotation(q.dtype)
     if rotation is not None:
         q = q @ rotation
+    if mask.dtype != q.dtype:  # a model whose attention runs in another dtype than its weights
+        mask = mask.to(q.dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return o if rotation is None else o @ rotation.T
 

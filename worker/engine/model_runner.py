@@ -126,6 +126,7 @@ class ModelRunner:
         self.decode_group_cost_tokens = decode_group_cost_tokens
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
+        self.dtype = dtype  # attention masks are built additive in it (see _additive)
         # the CPU kernel reads plain K/V in the model's dtype; other formats keep gather + SDPA
         self.cpu_decode_kernel = (attention_backend == "cpu" and cpu_attention.supports(pool, dtype))
         # bf16 on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
@@ -248,7 +249,7 @@ class ModelRunner:
             groups.append(DecodeGroup(
                 q_start=q_start, num_seqs=len(members), context_len=length,
                 gather_index=self._gather_index(blocks),
-                mask=mask.view(1, len(members), 1, length).to(self.device, non_blocking=True)))
+                mask=self._additive(mask.view(1, len(members), 1, length))))
             q_start += len(members)
         return groups
 
@@ -265,9 +266,16 @@ class ModelRunner:
                 mask = mask.repeat(self._group_size, 1)  # [n_rep * n, ctx]: per packed head
                 blocks = chunk.block_table[:-(-chunk.end // bs)]
                 result.append(PrefillChunk(q_start, q_end, chunk.end, self._gather_index(blocks),
-                                           mask.to(self.device, non_blocking=True)))
+                                           self._additive(mask)))
             q_start = q_end
         return result
+
+    def _additive(self, keep: torch.Tensor) -> torch.Tensor:
+        """A bool mask (True where a key takes part) as SDPA's additive mask in the model's dtype:
+        0 or -inf. SDPA converts a bool mask to exactly this on every call; built once a step,
+        every layer reuses it."""
+        mask = torch.zeros(keep.shape, dtype=self.dtype).masked_fill_(~keep, float("-inf"))
+        return mask.to(self.device, non_blocking=True)
 
     def _gather_index(self, blocks: list[int]) -> torch.Tensor:
         """Rows of K then V of every KV head for `blocks`: [2 * KVH * len(blocks)]."""
