@@ -14,7 +14,8 @@ from worker.engine.cpu_linear import (
     PackedLinear, SiblingLinear, fuse_sibling_linears, pack_cpu_linears, packing_available)
 from tests.engine.tiny_models import MODEL_FACTORIES
 
-needs_packing = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+needs_packing = pytest.mark.skipif(not packing_available(), reason="oneDNN packs bf16 only on CPUs with native bf16 "
+                                   "(AVX512-BF16, AMX) and in torch builds with oneDNN")
 
 
 @needs_packing

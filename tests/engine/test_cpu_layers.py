@@ -1,7 +1,9 @@
-"""The fused bf16 CPU decoder layer (cpu_layers.py): its C++ element-wise ops against the eager
+"""The fused CPU decoder layer (cpu_layers.py): its C++ element-wise ops against the eager
 torch ops they replace, which layers it takes, and the engine with it against HF."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -9,7 +11,9 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion, tokens_before_divergence
+from worker.engine.config import EngineConfig
 from worker.engine.cpu_layers import FusedDecoderLayer, FusedRMSNorm, rms_norm, rope_, silu_mul
+from worker.engine.engine import Engine
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -64,15 +68,34 @@ def test_silu_times_up(dtype):
     assert_within_rounding(silu_mul(gate_up), F.silu(gate) * up)
 
 
-def test_the_engine_fuses_llama_family_layers_in_bf16_only(tiny):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_engine_fuses_llama_family_layers_with_the_cpu_kernel(tiny, dtype):
     layers = tiny.model.config.num_hidden_layers
-    bf16 = tiny.engine(dtype="bfloat16")
-    assert bf16.runner.num_fused_layers == layers
-    assert all(type(m) is FusedDecoderLayer for m in bf16.model.model.layers)
-    assert type(bf16.model.model.norm) is FusedRMSNorm
-    assert tiny.engine().runner.num_fused_layers == 0  # float32: HF's own layers
-    assert tiny.engine(dtype="bfloat16", kv_dtype="fp8").runner.num_fused_layers == 0
-    assert tiny.engine(dtype="bfloat16", attention_backend="sdpa").runner.num_fused_layers == 0
+    engine = tiny.engine(dtype=dtype)
+    assert engine.runner.num_fused_layers == layers
+    assert all(type(m) is FusedDecoderLayer for m in engine.model.model.layers)
+    assert type(engine.model.model.norm) is FusedRMSNorm
+    # 8-bit K/V and gather + SDPA keep HF's layers
+    assert tiny.engine(dtype=dtype, kv_dtype="fp8").runner.num_fused_layers == 0
+    assert tiny.engine(dtype=dtype, attention_backend="sdpa").runner.num_fused_layers == 0
+
+
+def test_a_model_fused_by_one_engine_runs_under_an_8bit_pool(tiny):
+    """Engines built one after another on the same model object (as a benchmark or a test does):
+    the first fuses its layers in place; a later one with an 8-bit pool, which the C++ kernel
+    does not read, must still write and read its K/V through the generic path."""
+    model = copy.deepcopy(tiny.model)  # the fixture's model stays as it is
+    prompts = [random_prompt(n, seed=90 + i) for i, n in enumerate([5, 23])]
+    produced = {}
+    for kv_dtype in ("fp32", "int8"):
+        engine = Engine(model, EngineConfig(device="cpu", dtype="float32", kv_dtype=kv_dtype,
+                                            num_blocks=32, block_size=8))
+        assert engine.runner.num_fused_layers == (model.config.num_hidden_layers
+                                                  if kv_dtype == "fp32" else 0)
+        produced[kv_dtype] = engine.generate(prompts, greedy(12))
+    assert all(type(m) is FusedDecoderLayer for m in model.model.layers)
+    agreed = sum(tokens_before_divergence(a, b) for a, b in zip(produced["fp32"], produced["int8"]))
+    assert agreed >= 0.75 * 2 * 12, produced
 
 
 def test_fused_layers_decode_what_hf_layers_decode(tiny):

@@ -77,6 +77,9 @@ class AttentionContext:
     kernel_plan: PagedAttentionPlan | None = None
     # set on CPUs with the C++ kernel: it takes every decode row in place of decode_groups
     cpu_decode: CpuDecodePlan | None = None
+    # the step runs on the C++ kernel's pool (plain K/V in the model's dtype): fused layers write
+    # their K/V into it directly; a model fused by an earlier engine may run under another
+    cpu_kernel: bool = False
 
 
 def paged_attention_forward(
@@ -116,7 +119,7 @@ def fused_layer_attention(layer: int, query: torch.Tensor, key: torch.Tensor, va
     """What paged_attention_forward computes, for a fused CPU layer (cpu_layers.py) whose q, k, v
     ([T, H, D], [T, KVH, D] x 2) are views into its q/k/v product: the new K/V go into the pool
     in one C++ copy, the decodes through the C++ kernel, prefill chunks through SDPA. -> [T, H, D]"""
-    if ctx.decode_groups or ctx.kernel_plan is not None:  # not the CPU kernel's context
+    if not ctx.cpu_kernel:  # another pool format or backend: the generic path
         out, _ = paged_attention_forward(
             SimpleNamespace(layer_idx=layer), *(x.transpose(0, 1).unsqueeze(0) for x in (query, key, value)),
             None, scaling=scaling, **{CONTEXT_KWARG: ctx})

@@ -16,9 +16,10 @@ import torch
 
 from worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
 from worker.engine.cpu_attention import DTYPE_CODES, load_kernel
-from worker.engine.cpu_linear import PackedLinear
+from worker.engine.cpu_linear import product
 
 FUSED_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _check(status: int, name: str) -> None:
@@ -56,15 +57,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _concat(*linears: torch.nn.Linear) -> PackedLinear:
-    """One packed product over the linears' stacked weights (outputs side by side)."""
+def _concat(*linears: torch.nn.Linear) -> torch.nn.Module:
+    """One product over the linears' stacked weights (outputs side by side)."""
     fused = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                             bias=linears[0].bias is not None, dtype=linears[0].weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([m.weight for m in linears]))
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([m.bias for m in linears]))
-    return PackedLinear(fused)
+    return product(fused)
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -90,9 +91,9 @@ class FusedDecoderLayer(torch.nn.Module):
         self.scaling = attn.scaling
         self.layer_idx = attn.layer_idx
         self.qkv = _concat(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o_proj = PackedLinear(attn.o_proj)
+        self.o_proj = product(attn.o_proj)
         self.gate_up = _concat(mlp.gate_proj, mlp.up_proj)
-        self.down_proj = PackedLinear(mlp.down_proj)
+        self.down_proj = product(mlp.down_proj)
         self.input_norm = FusedRMSNorm(layer.input_layernorm)
         self.post_norm = FusedRMSNorm(layer.post_attention_layernorm)
 
@@ -124,8 +125,9 @@ def can_fuse(layer: torch.nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
-               and m.weight.device.type == "cpu" for m in linears):
+    dtypes = {getattr(getattr(m, "weight", None), "dtype", None) for m in linears}
+    if not (all(type(m) is torch.nn.Linear and m.weight.device.type == "cpu" for m in linears)
+            and len(dtypes) == 1 and dtypes <= set(FUSED_DTYPES)):
         return False
     config = getattr(attn, "config", None)
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))

@@ -17,8 +17,18 @@ PACKED_DTYPES = (torch.bfloat16,)
 _BATCH_HINT = 64  # rows the packing is tuned for; measured flat from 1 to 512 rows
 
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """oneDNN packs `dtype` weights here: bf16 only where the CPU computes bf16 natively
+    (AVX512-BF16, AMX or AVX-NE-CONVERT); on an AVX2-only CPU its reorder refuses bf16."""
+    return (dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def product(linear: torch.nn.Linear) -> torch.nn.Module:
+    """The module that computes `linear` fastest here: PackedLinear where its dtype packs, else
+    the linear itself (F.linear: MKL's own path for float32, no reorder)."""
+    return PackedLinear(linear) if packing_available(linear.weight.dtype) else linear
 
 
 class PackedLinear(torch.nn.Module):
@@ -52,15 +62,13 @@ def pack_cpu_linears(model: torch.nn.Module) -> int:
     Layers whose weight is shared with another module (a tied LM head and embedding) are left as
     they are: packing would keep a second copy of the shared matrix.
     """
-    if not packing_available():
-        return 0
     counts: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             counts[param.data_ptr()] = counts.get(param.data_ptr(), 0) + 1
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
-               and module.weight.dtype in PACKED_DTYPES and counts[module.weight.data_ptr()] == 1]
+               and packing_available(module.weight.dtype) and counts[module.weight.data_ptr()] == 1]
     for name, module in targets:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
@@ -128,14 +136,12 @@ class SiblingLinear(torch.nn.Module):
 def fuse_sibling_linears(model: torch.nn.Module) -> int:
     """Replace each SIBLING_GROUPS set of bf16 CPU linears (same input size, all biased or none)
     by SiblingLinears over one SiblingProduct; returns how many groups were fused."""
-    if not packing_available():
-        return 0
     fused = 0
     for module in list(model.modules()):
         for names in SIBLING_GROUPS:
             linears = [getattr(module, name, None) for name in names]
             if not all(type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-                       and m.weight.dtype in PACKED_DTYPES for m in linears):
+                       and packing_available(m.weight.dtype) for m in linears):
                 continue
             if (len({m.in_features for m in linears}) != 1
                     or len({m.bias is None for m in linears}) != 1):

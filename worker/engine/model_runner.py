@@ -11,8 +11,8 @@ from worker.engine.attention import (
     CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
 from worker.engine import cpu_attention
 from worker.engine.cpu_attention import CpuDecodePlan
-from worker.engine.cpu_layers import fuse_decoder_layers
-from worker.engine.cpu_linear import PACKED_DTYPES, fuse_sibling_linears, pack_cpu_linears
+from worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
+from worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
@@ -134,10 +134,11 @@ class ModelRunner:
         # as one product each, every linear pre-packed for oneDNN (cpu_linear.py); float32 and
         # CUDA keep HF's layers and F.linear
         self.num_fused_layers = 0
-        if self.device.type == "cpu" and dtype in PACKED_DTYPES:
-            if self.cpu_decode_kernel and self.num_heads == model.config.num_attention_heads:
+        if self.device.type == "cpu":
+            if (dtype in FUSED_DTYPES and self.cpu_decode_kernel
+                    and self.num_heads == model.config.num_attention_heads):
                 self.num_fused_layers = fuse_decoder_layers(model)
-            fuse_sibling_linears(model)  # q/k/v and gate/up: one product each
+            fuse_sibling_linears(model)  # q/k/v and gate/up: one product each, where they pack
             pack_cpu_linears(model)
         num_kv_heads = pool.layout.num_kv_heads
         self._group_size = self.num_heads // num_kv_heads  # query heads per KV head
@@ -200,7 +201,7 @@ class ModelRunner:
         elif self.cpu_decode_kernel:
             context = AttentionContext(
                 pool=self.pool, write_index=write_index, cpu_decode=self._cpu_decode_plan(decodes),
-                prefills=self._prefill_chunks(prefills, q_start=len(decodes)))
+                prefills=self._prefill_chunks(prefills, q_start=len(decodes)), cpu_kernel=True)
         else:
             context = AttentionContext(
                 pool=self.pool, write_index=write_index,
