@@ -1,6 +1,7 @@
-"""The bf16 CPU path: oneDNN-packed linears compute what F.linear computes, only untied bf16 CPU
-layers are packed, and sibling linears (q/k/v, gate/up) fused into one product give each caller
-what its own linear gives, in any call order."""
+"""The CPU linears: oneDNN-packed linears compute what F.linear computes (float32 everywhere, bf16
+where the CPU has native bf16), a tied LM head is packed only when asked, and sibling linears
+(q/k/v, gate/up) fused into one product give each caller what its own linear gives, in any call
+order."""
 
 from __future__ import annotations
 
@@ -16,39 +17,57 @@ from tests.engine.tiny_models import MODEL_FACTORIES
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="oneDNN packs bf16 only on CPUs with native bf16 "
                                    "(AVX512-BF16, AMX) and in torch builds with oneDNN")
+# float32 packs on every CPU with oneDNN; bf16 only with native bf16
+PACKED_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_packing)]
+# relative to the output's scale: one bf16 rounding step; float32 sums taken in another order
+TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}
 
 
-@needs_packing
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_f_linear(rows, bias):
+def test_packed_linear_equals_f_linear(rows, bias, dtype):
     torch.manual_seed(rows)
-    linear = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
-    x = torch.randn(1, rows, 96, dtype=torch.bfloat16)
+    linear = torch.nn.Linear(96, 160, bias=bias).to(dtype)
+    x = torch.randn(1, rows, 96, dtype=dtype)
     expected = F.linear(x, linear.weight, linear.bias).float()
     got = PackedLinear(linear)(x)
-    assert got.shape == (1, rows, 160) and got.dtype == torch.bfloat16
-    # oneDNN computes the same products; allow one bf16 rounding step of the output's scale
-    assert (got.float() - expected).abs().max().item() <= 2 ** -7 * expected.abs().max().item()
+    assert got.shape == (1, rows, 160) and got.dtype == dtype
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype] * expected.abs().max().item()
 
 
-@needs_packing
-def test_only_untied_bf16_layers_are_packed():
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_a_tied_lm_head_is_packed_only_when_asked(dtype):
     torch.manual_seed(0)
-    model = MODEL_FACTORIES["llama"]()
+    model = MODEL_FACTORIES["llama"]().to(dtype).eval()
     model.config.tie_word_embeddings = True
     model.tie_weights()
-    assert pack_cpu_linears(copy.deepcopy(model)) == 0  # float32: left as it is
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    layers = half.config.num_hidden_layers
-    assert pack_cpu_linears(half) == 7 * layers  # q k v o gate up down; not the tied LM head
-    assert type(half.lm_head) is torch.nn.Linear
-    assert half.lm_head.weight.data_ptr() == half.model.embed_tokens.weight.data_ptr()
-    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
-    # a packed model still deep-copies (the engine and the benchmarks copy models)
-    twin = copy.deepcopy(half)
+    layers = model.config.num_hidden_layers
+    untied = copy.deepcopy(model)
+    assert pack_cpu_linears(untied) == 7 * layers  # q k v o gate up down; not the tied LM head
+    assert type(untied.lm_head) is torch.nn.Linear
+    assert untied.lm_head.weight.data_ptr() == untied.model.embed_tokens.weight.data_ptr()
+    assert all(p.dtype == dtype for p in untied.parameters())
+    both = copy.deepcopy(model)
+    assert pack_cpu_linears(both, shared=True) == 7 * layers + 1
+    assert type(both.lm_head) is PackedLinear and type(both.model.embed_tokens) is torch.nn.Embedding
     x = torch.randint(3, 500, (1, 9))
-    assert torch.equal(twin(x).logits, half(x).logits)
+    with torch.inference_mode():
+        expected = model(x).logits.float()
+        for packed in (untied, both):
+            got = packed(x).logits.float()
+            assert (got - expected).abs().max().item() <= 8 * TOLERANCE[dtype] * expected.abs().max().item()
+        # a packed model still deep-copies (the engine and the benchmarks copy models)
+        twin = copy.deepcopy(both)
+        assert torch.equal(twin(x).logits, both(x).logits)
+
+
+@pytest.mark.skipif(packing_available(torch.bfloat16), reason="this CPU has native bf16")
+def test_bf16_is_left_unpacked_without_native_bf16():
+    """oneDNN's reorder refuses bf16 on an AVX2-only CPU: nothing is packed, F.linear stays."""
+    model = MODEL_FACTORIES["llama"]().to(torch.bfloat16)
+    assert pack_cpu_linears(model, shared=True) == 0 and fuse_sibling_linears(model) == 0
+    assert all(type(m) is not PackedLinear for m in model.modules())
 
 
 def close_to(got: torch.Tensor, expected: torch.Tensor) -> bool:

@@ -1,13 +1,14 @@
-"""Decoder layers of Llama-family models (Llama, Qwen2, Mistral) in bf16 on the CPU, fused.
+"""Decoder layers of Llama-family models (Llama, Qwen2, Mistral) on the CPU, fused (bf16, float32).
 
 HF's eager layer runs about 30 small torch ops per layer around 7 matrix products; at decode sizes
 their per-op cost and the Python between them is a third of a step. `FusedDecoderLayer` computes
 the same layer as 4 packed oneDNN products (q/k/v together, o, gate/up together, down), the
 engine's paged attention, and 3 C++ element-wise passes (cpu_layer_ops.cpp: RMSNorm with the
 residual add folded in, RoPE in place on q and k, SiLU(gate) * up), rounding to bf16 where the
-eager bf16 layer rounds. `FusedRMSNorm` takes the final norm. float32 keeps HF's own layers (its
-greedy output must equal HF `generate` token for token); layers of another shape are left as
-they are, and so is everything under tensor parallelism (its ranks hold sharded layers).
+eager bf16 layer rounds (float32 is plain float32: its greedy output still equals HF `generate`
+token for token in the tests). The products are oneDNN-packed where the dtype packs on this CPU
+(cpu_linear.py), else F.linear. `FusedRMSNorm` takes the final norm. Layers of another shape are
+left as they are, and so is everything under tensor parallelism (its ranks hold sharded layers).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class FusedDecoderLayer(torch.nn.Module):
 
 
 def can_fuse(layer: torch.nn.Module) -> bool:
-    """A Llama-family layer with plain (bf16, CPU) linears, RMSNorms, SiLU and full-width RoPE."""
+    """A Llama-family layer with plain CPU linears of one FUSED_DTYPES dtype, RMSNorms, SiLU and
+    full-width RoPE."""
     if type(layer).__name__ not in FUSED_LAYER_TYPES:
         return False
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)

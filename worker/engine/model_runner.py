@@ -129,17 +129,19 @@ class ModelRunner:
         self.dtype = dtype  # attention masks are built additive in it (see _additive)
         # the CPU kernel reads plain K/V in the model's dtype; other formats keep gather + SDPA
         self.cpu_decode_kernel = (attention_backend == "cpu" and cpu_attention.supports(pool, dtype))
-        # bf16 on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
+        # on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
         # tensor parallelism, whose ranks hold sharded layers), other layers' q/k/v and gate/up
-        # as one product each, every linear pre-packed for oneDNN (cpu_linear.py); float32 and
-        # CUDA keep HF's layers and F.linear
+        # as one product each, every linear pre-packed for oneDNN where its dtype packs here
+        # (cpu_linear.py: float32 always, bf16 with native bf16). A tied LM head is packed too:
+        # a second copy of the embedding matrix (vocab x hidden; 113 MB for the default model in
+        # float32) for 2.2-2.8x on the head's product at decode sizes. CUDA keeps HF's layers.
         self.num_fused_layers = 0
         if self.device.type == "cpu":
             if (dtype in FUSED_DTYPES and self.cpu_decode_kernel
                     and self.num_heads == model.config.num_attention_heads):
                 self.num_fused_layers = fuse_decoder_layers(model)
             fuse_sibling_linears(model)  # q/k/v and gate/up: one product each, where they pack
-            pack_cpu_linears(model)
+            pack_cpu_linears(model, shared=True)  # the tied LM head too (a second copy)
         num_kv_heads = pool.layout.num_kv_heads
         self._group_size = self.num_heads // num_kv_heads  # query heads per KV head
         # row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...] block view
