@@ -20,6 +20,7 @@ vLLM is not part of it: the GPU host has no network to install it.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import time
@@ -109,7 +110,9 @@ def decode_weight_bytes(model) -> int:
     only the batch's rows (a table tied to the LM head is read whole there, and counted once)."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
+    # a CPU engine's packed head (cpu_linear.PackedLinear) holds its own copy: not tied
+    head_weight = getattr(head, "weight", None)
+    tied = head_weight is not None and head_weight.data_ptr() == embedding.data_ptr()
     return weight_bytes(model) - (0 if tied else embedding.numel() * embedding.element_size())
 
 
@@ -272,10 +275,13 @@ def bench_model(name: str, model, tokenizer, args, device) -> tuple[list[Row], d
     prompts = torch.randint(3, model.config.vocab_size, (args.batch, args.context),
                             generator=generator).tolist()
     rows, info = [], {}
-    row, info = kvfleet_decode(model, config, prompts, args.steps)
+    # on a CPU the engine fuses and packs the model's layers in place: it gets a copy, so that the
+    # HF runs below see HF's own layers
+    engine_model = (lambda: copy.deepcopy(model)) if device.type == "cpu" else (lambda: model)
+    row, info = kvfleet_decode(engine_model(), config, prompts, args.steps)
     rows.append(row)
     requests = load_trace(Path(args.workload), args.num_requests, tokenizer, model.config.vocab_size)
-    rows.append(kvfleet_trace(model, config, requests))
+    rows.append(kvfleet_trace(engine_model(), config, requests))
     cleanup()
     model.set_attn_implementation("sdpa")  # the engine had installed its paged attention
     rows.append(hf_decode(model, prompts, args.steps, device))
