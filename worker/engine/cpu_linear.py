@@ -10,6 +10,7 @@ model's shapes: 1.2-2.1x at 8-64 rows, the 49,152-row LM head 2.2-2.8x; level at
 at one row), with sums taken in another order (relative differences of ~1e-7, greedy output still
 that of HF `generate` in the tests). bf16 packs only on CPUs with native bf16.
 """
+
 from __future__ import annotations
 
 import copy
