@@ -52,15 +52,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_fleet(args.workers, given_flags(GatewaySettings, args)
                          | given_flags(WorkerSettings, args))
+    # settings are checked before the service's modules load (the worker's pull in torch: seconds),
+    # so a bad flag is reported at once
     if args.command == "gateway":
+        settings = settings_from_args(GatewaySettings, args)
         from gateway.app import serve
 
-        serve(settings_from_args(GatewaySettings, args))
+        serve(settings)
         return 0
     if args.command == "worker":
+        settings = settings_from_args(WorkerSettings, args)
         from worker.main import run_worker
 
-        run_worker(settings_from_args(WorkerSettings, args))
+        run_worker(settings)
         return 0
     from kvfleet import batch_worker, keys_cli
     from kvfleet.bench import command as bench
