@@ -131,6 +131,10 @@ class WorkerSettings(CommonSettings):
     heartbeat_ttl_s: float = 5.0
     max_deliveries: int = 3
     read_block_ms: int = 200  # blocking XREADGROUP stays below redis-py's socket timeout
+    # hold a request's new tokens until this long after its last event, then send them as one
+    # event (fewer Redis events on fast accelerators; first and final events go out at once);
+    # 0 = an event per request per step
+    publish_interval_ms: float = Field(default=0.0, ge=0)
     result_ttl_s: int = 3600  # how long a finished request's hash and checkpoint are kept
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = the CPUs this process may use
     metrics_port: int = 0  # Prometheus /metrics of this worker: 0 = a free port, -1 = off

@@ -149,6 +149,10 @@ class WorkerMetrics:
         self.prompt_tokens = self._counter(
             p + "prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits excluded).")
         self.output_tokens = self._counter(p + "output_tokens", "Output tokens generated.")
+        self.token_events = self._counter(
+            p + "token_events", "Token events published (checkpoint + publish, one Redis event "
+            "each); output_tokens / token_events is the tokens an event carried on average "
+            "(above 1 with --publish-interval-ms).")
         self.preemptions = self._counter(
             p + "preemptions", "Streams preempted because the KV block pool ran out.")
         self.swap_preemptions = self._counter(
@@ -220,6 +224,10 @@ class WorkerMetrics:
     def takeover(self) -> None:
         """A request of a dead worker was claimed to resume here."""
         self.takeovers.inc()
+
+    def events_published(self, count: int) -> None:
+        """`count` token events were checkpointed and published."""
+        self.token_events.inc(count)
 
     def request_finished(self, outcome: str) -> None:
         """A request left the engine (stop, length, abort, error) outside `step_done`."""

@@ -20,6 +20,7 @@ from shared.settings import WorkerSettings
 from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
 from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
+from worker.coalescing import EventCoalescer
 from worker.metrics import WorkerMetrics
 from worker.protocol import Delivery, Publication, WorkerProtocol
 
@@ -47,6 +48,7 @@ class WorkerService:
         self.protocol = protocol
         self.inflight: dict[str, Inflight] = {}
         self._backlog: list[Publication] = []  # produced but not yet published (Redis was down)
+        self.coalescer = EventCoalescer(settings.publish_interval_ms / 1000)
         # The heartbeat the thread writes next (the protocol stamps model and time).
         self._stats_snapshot = Heartbeat(model=protocol.model, ts=0.0)
         # stream -> entry ids delivered to this worker and not yet finished here; the heartbeat
@@ -264,7 +266,7 @@ class WorkerService:
             items.append(self._publication(output, inflight))
             if output.finish_reason is not None:
                 del self.inflight[output.req_id]
-        self._publish_items(items)
+        self._publish_items(self.coalescer.step(items))
 
     def _publication(self, output: RequestOutput, inflight: Inflight) -> Publication:
         final = output.finish_reason is not None
@@ -288,6 +290,7 @@ class WorkerService:
         self._backlog = pending  # kept until Redis has taken them
         accepted = self.protocol.publish(pending)
         self._backlog = []
+        self.metrics.events_published(sum(accepted))
         for item, ok in zip(pending, accepted):
             if item.final_status is not None or not ok:  # acked, or no longer ours
                 self._release_entry(item.stream, item.entry_id)
@@ -295,6 +298,7 @@ class WorkerService:
                 # Fenced: another worker owns a newer attempt; stop generating at once.
                 log.warning("attempt %d of %s is stale; stopping it", item.attempt, item.req_id)
                 self.engine.abort(item.req_id)
+                self.coalescer.forget(item.req_id)
                 del self.inflight[item.req_id]
                 self.metrics.request_finished("abort")
 

@@ -102,7 +102,8 @@ def _add_redis_arguments(parser: argparse.ArgumentParser) -> None:
                        default=DEFAULT_REQUESTS_PER_S,
                        help=f"requests/s the fleet admits (default: {DEFAULT_REQUESTS_PER_S:g})")
     group.add_argument("--tokens-per-event", type=arg_types.positive_int, default=1,
-                       help="tokens per token event (default: 1, one per request per step)")
+                       help="tokens per token event (default: 1, one per request per step; "
+                            "more with the workers' --publish-interval-ms)")
     group.add_argument("--redis-us-per-event", type=arg_types.positive_float,
                        default=DEFAULT_REDIS_US_PER_EVENT,
                        help="measured Redis CPU per delivered event, µs (default: "

@@ -5,8 +5,8 @@ process delivers).
 
 A Redis primary is one core (Redis runs commands on one thread), so one primary carries
 1e6 / (µs of Redis CPU per event) events/s at full load; the plan runs each at `headroom` of that.
-An event carries `tokens_per_event` tokens (one per request per worker step; more when a worker
-coalesces steps).
+An event carries `tokens_per_event` tokens (one per request per worker step; more when workers
+coalesce steps with `--publish-interval-ms`).
 """
 
 from __future__ import annotations

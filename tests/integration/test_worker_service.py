@@ -159,6 +159,42 @@ def test_a_dead_workers_request_resumes_elsewhere_without_gap_or_repeat(redis_ur
     assert client.text(req_id) == expected
 
 
+def test_coalesced_events_carry_the_same_text_and_held_tokens_survive_a_dead_worker(
+        redis_url, client, tiny):
+    """--publish-interval-ms: the first token goes out at once, the rest in fewer events with the
+    same text; a worker that dies holding tokens loses none (the rescuer regenerates them)."""
+    prompt = random_prompt(9, seed=4)
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=11, ignore_eos=True)
+    plain = make_service(redis_url, tiny, "plain")
+    ref_id = client.send(prompt, params)
+    run_until(plain, lambda: client.final(ref_id))
+    expected = client.text(ref_id)
+    assert len(client.events[ref_id]) == 16  # one event a step
+
+    coalescing = make_service(redis_url, tiny, "coalescing", publish_interval_ms=60_000)
+    req_id = client.send(prompt, params)
+    run_until(coalescing, lambda: client.final(req_id))
+    assert client.text(req_id) == expected
+    assert [len(e.token_ids) for e in client.events[req_id]] == [1, 15]  # first, then the rest
+    assert decode_checkpoint(client.redis.get(client.keys.checkpoint(req_id))) == expected
+    text = coalescing.metrics.render().decode()
+    assert 'kvfleet_worker_token_events_total{model="tiny",worker="coalescing"} 2.0' in text
+    assert 'kvfleet_worker_output_tokens_total{model="tiny",worker="coalescing"} 16.0' in text
+
+    dying = make_service(redis_url, tiny, "dying", publish_interval_ms=60_000)
+    req_id = client.send(prompt, params)
+    run_until(dying, lambda: dying.engine.stats().num_generated_tokens >= 8)
+    client.drain()
+    assert client.text(req_id) == expected[:1] and dying.coalescer.num_held == 1
+    assert decode_checkpoint(client.redis.get(client.keys.checkpoint(req_id))) == expected[:1]
+    # `dying` stops holding 7 unpublished tokens; its entry goes idle
+    time.sleep(0.4)
+    rescuer = make_service(redis_url, tiny, "rescuer")
+    run_until(rescuer, lambda: client.final(req_id))
+    assert client.text(req_id) == expected
+    assert max(e.attempt for e in client.events[req_id]) == 2
+
+
 def test_cancel_aborts_within_a_step_and_frees_blocks(redis_url, client, tiny):
     worker = make_service(redis_url, tiny, "w1")
     start_free = worker.engine.stats().num_blocks_free
