@@ -67,10 +67,7 @@ class TinyFleet(ProcessFleet):
 def fleet(redis_server, tmp_path_factory, tiny_model_dir):
     fleet = TinyFleet(redis_server.url, tmp_path_factory.mktemp("batch-logs"), tiny_model_dir)
     try:
-        worker = fleet.start_worker(wait=False)  # loads while the gateway starts
-        fleet.start_gateway()
-        heartbeat = redis.Redis.from_url(fleet.redis_url)
-        fleet._wait(lambda: heartbeat.exists(Keys(fleet.prefix).worker("w0")) == 1, 180, worker)
+        fleet.start("w0")  # the worker loads while the gateway starts
         yield fleet
     finally:
         fleet.stop()

@@ -11,8 +11,7 @@ from tests.helpers.processes import ProcessFleet
 def fleet(redis_server, tmp_path_factory):
     fleet = ProcessFleet(redis_server.url, tmp_path_factory.mktemp("fleet-logs"))
     try:
-        fleet.start_gateway()
-        fleet.start_worker()
+        fleet.start("w0")
         yield fleet
     finally:
         fleet.stop()

@@ -49,8 +49,7 @@ def test_a_killed_gateway_loses_and_repeats_nothing(redis_server, tmp_path):
     fleet = ProcessFleet(redis_server.url, tmp_path,
                          worker_flags=["--kv-memory", "256MiB", "--num-threads", "1"])
     try:
-        fleet.start_gateway()
-        fleet.start_worker()
+        fleet.start("w0")
         with httpx.stream("POST", f"{fleet.url}/v1/chat/completions", json=chat_body(),
                           timeout=300) as response:
             _, reference, reference_tokens, finish = read_chat(response)

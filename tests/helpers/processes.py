@@ -72,11 +72,25 @@ class ProcessFleet:
     def keys(self) -> Keys:
         return Keys(self.prefix, queue_shards=self.queue_shards)
 
-    def start_gateway(self, timeout_s: float = 120) -> Proc:
+    def start(self, *worker_ids: str, timeout_s: float = 180) -> list[Proc]:
+        """The gateway and the named workers, all starting at once (each spends seconds on its
+        imports and a worker more on its model): returns the workers once every one is ready."""
+        self.start_gateway(wait=False)
+        workers = [self.start_worker(worker_id, wait=False) for worker_id in worker_ids]
+        self.wait_gateway(timeout_s)
+        for worker_id in worker_ids:
+            self.wait_worker(worker_id, timeout_s)
+        return workers
+
+    def start_gateway(self, timeout_s: float = 120, wait: bool = True) -> Proc:
         self.gateway = Proc(["gateway", "--port", str(self.port)], self.env, self.log_dir, "gateway")
+        if wait:
+            self.wait_gateway(timeout_s)
+        return self.gateway
+
+    def wait_gateway(self, timeout_s: float = 120) -> None:
         self._wait(lambda: httpx.get(f"{self.url}/health", timeout=1).status_code == 200,
                    timeout_s, self.gateway)
-        return self.gateway
 
     def start_worker(self, worker_id: str | None = None, wait: bool = True,
                      timeout_s: float = 180) -> Proc:
@@ -85,12 +99,19 @@ class ProcessFleet:
                     self.log_dir, worker_id)
         self.workers[worker_id] = proc
         if wait:
-            from shared.redis_connect import connect
-
-            client = connect(self.redis_url)
-            self._wait(lambda: client.exists(self.keys.worker(worker_id)) == 1, timeout_s, proc)
-            client.close()
+            self.wait_worker(worker_id, timeout_s)
         return proc
+
+    def wait_worker(self, worker_id: str, timeout_s: float = 180) -> None:
+        """Until the worker's heartbeat key exists: it has loaded its model and reads the queue."""
+        from shared.redis_connect import connect
+
+        client = connect(self.redis_url)
+        try:
+            self._wait(lambda: client.exists(self.keys.worker(worker_id)) == 1, timeout_s,
+                       self.workers[worker_id])
+        finally:
+            client.close()
 
     def _wait(self, ready, timeout_s: float, proc: Proc) -> None:
         deadline = time.monotonic() + timeout_s
@@ -102,7 +123,7 @@ class ProcessFleet:
                     return
             except (httpx.HTTPError, OSError):
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise RuntimeError(f"not ready after {timeout_s} s:\n{proc.log_text()[-4000:]}")
 
     def stop(self) -> None:
