@@ -77,12 +77,25 @@ def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_url, redis_topology,
                          queue_shards=3 if redis_topology == "cluster" else 1)
     client = connect(redis_url)
     try:
-        fleet.start_gateway()
-        victim = fleet.start_worker("victim")
-        reference = run_all(fleet.url)  # uninterrupted, all on one worker
-        assert all(r["finish_reason"] == "length" for r in reference)
-        fleet.start_worker("rescuer")
+        (victim,) = fleet.start("victim")
         keys = fleet.keys
+
+        def start_rescuer_once_the_victim_holds_all(records):
+            """The rescuer loads its model while the reference streams, started only once the
+            victim has taken every request: the reference runs uninterrupted on one worker."""
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                ids = [r.get("id") for r in records]
+                if all(ids) and all(client.hget(keys.request(i), RequestRecord.WORKER) == b"victim"
+                                    for i in ids):
+                    fleet.start_worker("rescuer", wait=False)
+                    return
+                time.sleep(0.05)
+            raise AssertionError("the victim never took the reference requests")
+
+        reference = run_all(fleet.url, on_started=start_rescuer_once_the_victim_holds_all)
+        assert all(r["finish_reason"] == "length" for r in reference)
+        fleet.wait_worker("rescuer")
 
         def kill_when_streaming(records):
             deadline = time.monotonic() + 300
