@@ -33,8 +33,8 @@ def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys(fleet.prefix)
     try:
-        fleet.start_gateway()
-        victim = fleet.start_worker("victim")
+        # both workers load at once; whichever takes the request is the victim, the other resumes
+        fleet.start("w-a", "w-b")
         reference: dict = {}
         stream_text(fleet.url, BODY, reference)
         assert reference["finish_reason"] == "stop"
@@ -42,15 +42,18 @@ def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
         record: dict = {}
         thread = threading.Thread(target=stream_text, args=(fleet.url, BODY, record))
         thread.start()
+        victim = None
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # kill once the victim has produced some tokens
             req_id = record.get("id")
             if req_id and client.strlen(keys.checkpoint(req_id)) // TOKEN_BYTES >= 10:
+                owner = client.hget(keys.request(req_id), RequestRecord.WORKER).decode()
+                victim = fleet.workers[owner]
                 victim.kill()
                 break
             time.sleep(0.02)
+        assert victim is not None, "the request never streamed"
         assert victim.popen.returncode is not None or victim.popen.wait(10) == -9
-        fleet.start_worker("rescuer")
         thread.join(timeout=600)
         assert record["text"] == reference["text"]
         assert record["finish_reason"] == "stop"
