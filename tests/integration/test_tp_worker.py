@@ -49,7 +49,7 @@ def send(client: Client, n: int, seed: int) -> dict[str, list[int]]:
 
 
 def start_tp_worker(redis_url: str, worker_id: str, log_dir: Path) -> SlowWorker:
-    worker = SlowWorker(redis_url, worker_id, log_dir, step_s=STEP_S, ttl_s=1.0,
+    worker = SlowWorker(redis_url, worker_id, log_dir, step_s=STEP_S, ttl_s=1.0, heartbeat_s=0.1,
                         tensor_parallel_size=2)
     client = redis.Redis.from_url(redis_url)
     wait_for(lambda: client.exists(Keys().worker(worker_id)) and rank_pids(worker), 180,

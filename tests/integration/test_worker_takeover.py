@@ -25,9 +25,10 @@ from tests.integration.test_worker_service import Client
 pytestmark = pytest.mark.e2e
 
 # A TTL 10x the heartbeat interval: a busy CI machine may delay the heartbeat thread a little,
-# never by 0.9 s; every step is still half again as long as the TTL.
-TTL_S = 1.0
-STEP_S = 1.5  # > TTL_S: an entry delivered just before a step would look orphaned after it
+# never by 0.5 s; every step is still half again as long as the TTL.
+TTL_S = 0.6
+HEARTBEAT_S = 0.06
+STEP_S = 0.9  # > TTL_S: an entry delivered just before a step would look orphaned after it
 MAX_RUNNING = 4  # per worker: 8 streams at once in the fleet
 MAX_TOKENS = 4
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,8 @@ class SlowWorker:
     """One `tests.integration.slow_worker` process, its log and its /metrics."""
 
     def __init__(self, redis_url: str, worker_id: str, log_dir: Path, step_s: float = STEP_S,
-                 ttl_s: float = TTL_S, tensor_parallel_size: int = 1):
+                 ttl_s: float = TTL_S, heartbeat_s: float = HEARTBEAT_S,
+                 tensor_parallel_size: int = 1):
         self.worker_id = worker_id
         self.metrics_port = free_port()
         self.log_path = log_dir / f"{worker_id}.log"
@@ -45,8 +47,9 @@ class SlowWorker:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "tests.integration.slow_worker", "--redis-url", redis_url,
                  "--worker-id", worker_id, "--step-s", str(step_s), "--heartbeat-ttl-s",
-                 str(ttl_s), "--max-running", str(MAX_RUNNING), "--metrics-port",
-                 str(self.metrics_port), "--tensor-parallel-size", str(tensor_parallel_size)],
+                 str(ttl_s), "--heartbeat-interval-s", str(heartbeat_s), "--max-running",
+                 str(MAX_RUNNING), "--metrics-port", str(self.metrics_port),
+                 "--tensor-parallel-size", str(tensor_parallel_size)],
                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True)
 
