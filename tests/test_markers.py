@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,15 +42,28 @@ def pytest_run(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
 
 
-def test_the_gpu_tests_are_deselected_unless_selected():
-    plain = pytest_run("--collect-only", "tests/cuda").stdout
-    aimed = pytest_run("--collect-only", "-m", "cuda", "tests/cuda").stdout
+# The pytest runs the tests below look at, by name: started all at once, as each spends seconds
+# importing torch and triton.
+RUNS = {"plain": ("--collect-only", "tests/cuda"),
+        "aimed": ("--collect-only", "-m", "cuda", "tests/cuda"),
+        "kernel": ("tests/engine/test_triton_engine.py::test_triton_backend_equals_hf_generate",)}
+
+
+@pytest.fixture(scope="module")
+def pytest_runs() -> dict[str, Future]:
+    with ThreadPoolExecutor(max_workers=len(RUNS)) as pool:
+        yield {name: pool.submit(pytest_run, *args) for name, args in RUNS.items()}
+
+
+def test_the_gpu_tests_are_deselected_unless_selected(pytest_runs):
+    plain = pytest_runs["plain"].result().stdout
+    aimed = pytest_runs["aimed"].result().stdout
     assert "no tests collected" in plain and "deselected" in plain
     assert "tests/cuda/test_cuda_kernels.py::" in aimed and "deselected" not in aimed
 
 
-def test_kernel_tests_given_by_path_run_interpreted():
+def test_kernel_tests_given_by_path_run_interpreted(pytest_runs):
     """Given a test path, pytest loads tests/engine/conftest.py (which imports the engine, and so
     triton) before `pytest_configure`: the interpreter must be chosen earlier than that."""
-    done = pytest_run("tests/engine/test_triton_engine.py::test_triton_backend_equals_hf_generate")
+    done = pytest_runs["kernel"].result()
     assert done.returncode == 0, done.stdout[-3000:]
