@@ -33,15 +33,19 @@ class Proc:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(sig)
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._log.close()
+        self.wait_exit()
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
+
+    def wait_exit(self, timeout_s: float = 15) -> None:
+        """Until the process has exited (SIGKILLed after `timeout_s`); then close its log."""
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        self._log.close()
 
 
 class ProcessFleet:
@@ -127,6 +131,9 @@ class ProcessFleet:
         raise RuntimeError(f"not ready after {timeout_s} s:\n{proc.log_text()[-4000:]}")
 
     def stop(self) -> None:
-        for proc in [*self.workers.values(), self.gateway]:
-            if proc is not None:
-                proc.stop()
+        procs = [proc for proc in [*self.workers.values(), self.gateway] if proc is not None]
+        for proc in procs:  # all at once: a clean shutdown takes each a second or more
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait_exit()
