@@ -1,4 +1,5 @@
-"""One real fleet (gateway + worker processes on the default model) shared by the e2e tests."""
+"""One real fleet (a gateway and two worker processes on the default model) shared by the e2e
+tests."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tests.helpers.processes import ProcessFleet
 def fleet(redis_server, tmp_path_factory):
     fleet = ProcessFleet(redis_server.url, tmp_path_factory.mktemp("fleet-logs"))
     try:
-        fleet.start("w0")
+        fleet.start("w0", "w-second")  # both load while the gateway starts
         yield fleet
     finally:
         fleet.stop()

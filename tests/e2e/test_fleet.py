@@ -107,7 +107,7 @@ def test_bad_json_and_unknown_model_are_openai_shaped_4xx(fleet):
 
 
 def test_two_workers_share_one_queue(fleet):
-    fleet.start_worker("w-second")
+    assert set(fleet.workers) == {"w0", "w-second"}
     client = redis.Redis.from_url(fleet.redis_url)
     prompts = [[{"role": "user", "content": f"Count from {i} to {i + 20}."}] for i in range(8)]
     results: list = [None] * len(prompts)
