@@ -18,9 +18,9 @@ import redis
 from shared.redis_connect import REDIS_FAILURES, TRANSIENT_FAILURES
 from shared.settings import WorkerSettings
 from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
+from worker.coalescing import EventCoalescer
 from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
-from worker.coalescing import EventCoalescer
 from worker.metrics import WorkerMetrics
 from worker.protocol import Delivery, Publication, WorkerProtocol
 
