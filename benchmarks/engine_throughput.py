@@ -7,10 +7,14 @@ system, in one run: kvfleet and vLLM at each of --dtypes (bf16 and float32 by de
 `--dtype auto` picks on this CPU is marked), HF and transformers CB at --hf-dtype. Also: start-up
 to the first token of both engines, decode throughput at a fixed number of running streams as a
 fraction of the matmul roofline measured in the same run, and greedy agreement between dtypes.
-The CPU's model and ISA head the output. vLLM runs in its own virtualenv
+The CPU's model and ISA head the output, with the OpenMP wait settings every in-process system
+runs under (`kvfleet up` gives its workers OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000; set the
+same here to measure what it serves: OMP_WAIT_POLICY=PASSIVE alone sleeps torch's threads after
+every parallel region and doubles kvfleet's decode steps). vLLM runs in its own virtualenv
 (benchmarks/vllm_env.sh); without one its rows are skipped with a message.
 
-    .venv/bin/python -m benchmarks.engine_throughput                  # the full comparison
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 \\
+      .venv/bin/python -m benchmarks.engine_throughput                # the full comparison
     .venv/bin/python -m benchmarks.engine_throughput --num-requests 8 --skip-hf --skip-cb  # quick
 """
 
@@ -58,6 +62,12 @@ class Result:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+def openmp_wait() -> str:
+    """The libgomp wait settings of this process (read when torch loaded it)."""
+    names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    return " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ) or "libgomp defaults"
 
 
 def load_requests(path: str, num: int, tokenizer) -> list[Request]:
@@ -235,8 +245,8 @@ def main(argv=None) -> int:
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}; --dtype auto = {auto}; {len(requests)} requests, "
           f"{sum(len(r.prompt) for r in requests)} prompt tokens, "
-          f"{sum(r.max_tokens for r in requests)} output tokens; load average "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
+          f"{sum(r.max_tokens for r in requests)} output tokens; OpenMP wait: {openmp_wait()}; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     if vllm is None and not args.skip_vllm:
         print(f"# vLLM skipped: no virtualenv with vllm found; {SETUP_HINT}", flush=True)
     results: list[Result] = []
@@ -275,7 +285,7 @@ def main(argv=None) -> int:
         results.append(run_hf_continuous_batching(copy.deepcopy(model), requests))
         results[-1].name += f", {hf_name}"
         print(f"  {results[-1].name}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
-    report = {"cpu": cpu_features().describe(), "auto_dtype": auto,
+    report = {"cpu": cpu_features().describe(), "auto_dtype": auto, "openmp_wait": openmp_wait(),
               "results": [dataclasses.asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
               "startup_s": startups}
     print_table(results, auto)

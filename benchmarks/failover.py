@@ -3,7 +3,7 @@ text stays identical to an uninterrupted run, and what the kill costs — on an 
 fleet kept at a given fraction of its measured capacity (`--load`).
 
     .venv/bin/python -m benchmarks.failover --trials 5 --requests 8 --max-tokens 120
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.failover --trials 20 --requests 6 \\
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 .venv/bin/python -m benchmarks.failover --trials 20 --requests 6 \\
         --max-tokens 60 --no-calm --load 0.8
 
 Each trial: 2 workers serve N streamed greedy requests; once every request has tokens, the worker

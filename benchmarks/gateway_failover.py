@@ -2,7 +2,7 @@
 the other gateway (`GET /v1/requests/{id}/stream?after=N`, N = tokens it received, counted from one
 logprobs entry per token) and must end with exactly the uninterrupted text.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.gateway_failover --trials 10
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 .venv/bin/python -m benchmarks.gateway_failover --trials 10
 
 Two gateways and two workers on one Redis. Each trial: `--requests` streams through gateway A; once
 each has `--kill-after` tokens, A is SIGKILLed; every client re-attaches through B; A is restarted

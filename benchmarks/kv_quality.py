@@ -18,7 +18,7 @@ reading the cache back), so the quantisation error of every earlier token is in 
 Capacity: KV bytes per token of this model in each format, and the tokens and 2k-token
 conversations a KV budget holds (`--kv-budget`, default 40 GB: the seed's budget), vs bf16.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.kv_quality
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 .venv/bin/python -m benchmarks.kv_quality
     .venv/bin/python -m benchmarks.kv_quality --passages 2 --tokens 32   # quick
 """
 

@@ -9,7 +9,7 @@ between consecutive tokens of one stream, measured where the driver receives the
 paused by preemption shows its whole pause), TTFT p50, preemptions (and how many swapped), and
 whether every policy produced exactly the same tokens (greedy: they must).
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.memory_pressure
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 .venv/bin/python -m benchmarks.memory_pressure
     .venv/bin/python -m benchmarks.memory_pressure --num-requests 8 --rounds 1   # quick
 """
 

@@ -2,7 +2,7 @@
 the heartbeat TTL, fed for `--minutes` by closed-loop clients asking about twice what the fleet
 holds at once. No worker dies, so every takeover would be a false one.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.overload --minutes 10
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 .venv/bin/python -m benchmarks.overload --minutes 10
 
 Workers (the issue's reproduction): `--max-batched-tokens 8192 --heartbeat-ttl-s 2`, 1 torch thread
 and `--kv-memory 512MiB` each (about 11k tokens of the default model in fp32: ~5 of these prompts

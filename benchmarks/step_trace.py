@@ -2,7 +2,7 @@
 requests at t=0 (as benchmarks/engine_throughput.py runs them), each step timed and classed by
 what it computed: steps with prefill work, then pure decode steps by running batch size.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m benchmarks.step_trace --num-requests 64
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 .venv/bin/python -m benchmarks.step_trace --num-requests 64
 
 A decode step's cost barely falls with the batch (every step reads all the weights), so the
 requests that run longest, alone in a small batch at the end, cost many nearly full steps.
