@@ -36,8 +36,9 @@ import torch
 
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from shared.wire import SamplingParams
-from benchmarks.vllm_peer import SETUP_HINT, run_offline, vllm_python
+from benchmarks.vllm_peer import SETUP_HINT, SETUPS, describe_setup, run_offline, vllm_python
 from shared.cpu_features import cpu_features
+from worker.engine.cpu_linear import product
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import resolve_dtype
 
@@ -159,29 +160,48 @@ def run_hf_continuous_batching(model, requests: list[Request]) -> Result:
 
 
 def matmul_flops_per_s(dtype: torch.dtype, rows: int, repeats: int = 50) -> float:
-    """FLOP/s of a [rows, 576] x [576, 1536] matmul (the model's MLP shape)."""
+    """FLOP/s of a [rows, 576] x [576, 1536] product (the model's MLP shape) as the engine runs
+    it: through a pre-packed weight where this CPU packs the dtype (cpu_linear.py); best of 3."""
     x = torch.randn(rows, 576, dtype=dtype)
-    w = torch.randn(1536, 576, dtype=dtype)
-    for _ in range(5):
-        x @ w.T
-    start = time.perf_counter()
-    for _ in range(repeats):
-        x @ w.T
-    return 2 * rows * 576 * 1536 * repeats / (time.perf_counter() - start)
+    linear = product(torch.nn.Linear(576, 1536, bias=False, dtype=dtype))
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(5):
+            linear(x)
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                linear(x)
+            best = min(best, time.perf_counter() - start)
+    return 2 * rows * 576 * 1536 * repeats / best
+
+
+def read_bytes_per_s(num_bytes: int, passes: int = 5) -> float:
+    """Memory read bandwidth over a buffer of `num_bytes` (a sum over it; best of `passes`)."""
+    buffer = torch.ones(max(num_bytes // 4, 1 << 20), dtype=torch.float32)
+    best = float("inf")
+    buffer.sum()
+    for _ in range(passes):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best
 
 
 def decode_throughput(model, requests: list[Request], streams: int, steps: int,
-                      config: EngineConfig) -> float:
-    """Output tokens/s of pure decode steps with `streams` sequences running."""
+                      config: EngineConfig) -> tuple[float, float]:
+    """Output tokens/s of pure decode steps with `streams` sequences running, and their mean
+    context length over those steps."""
     engine = Engine(copy.deepcopy(model), config)
     for i, r in enumerate(requests[:streams]):
         engine.add_request(f"d{i}", r.prompt, greedy(steps + 64))
     while engine.stats().num_waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()
     engine.step()
+    contexts = [s.num_tokens for s in engine.scheduler.running]
     start = time.perf_counter()
     produced = sum(len(o.new_token_ids) for _ in range(steps) for o in engine.step())
-    return produced / (time.perf_counter() - start)
+    return produced / (time.perf_counter() - start), sum(contexts) / len(contexts) + steps / 2
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
@@ -219,6 +239,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-cb", action="store_true", help="skip transformers continuous batching")
     p.add_argument("--skip-vllm", action="store_true", help="skip vLLM (benchmarks/vllm_env.sh)")
     p.add_argument("--vllm-venv", default=None, help="vLLM's virtualenv (default: vllm_env.sh's)")
+    p.add_argument("--vllm-setups", default="tuned",
+                   help="vLLM runs at each dtype, one per setup: tuned (its CPU guide's: every "
+                        "core, tcmalloc + Intel OpenMP; its fastest here) and/or defaults")
     p.add_argument("--decode-streams", type=int, default=32)
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--skip-decode", action="store_true")
@@ -249,6 +272,11 @@ def main(argv=None) -> int:
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     if vllm is None and not args.skip_vllm:
         print(f"# vLLM skipped: no virtualenv with vllm found; {SETUP_HINT}", flush=True)
+    setups = [s for s in args.vllm_setups.split(",") if s]
+    if unknown := set(setups) - set(SETUPS):
+        raise SystemExit(f"--vllm-setups: unknown {sorted(unknown)}; choose from {SETUPS}")
+    for setup in setups if vllm else ():
+        print(f"# vLLM setup {setup}: {describe_setup(vllm, setup)}", flush=True)
     results: list[Result] = []
     outputs: dict[str, list[list[int]]] = {}
     startups: dict[str, float] = {}
@@ -262,14 +290,17 @@ def main(argv=None) -> int:
             ours, outputs[key], startups[key] = run_kvfleet_repeats(
                 path, requests, engine_config(args, name, backend), args.repeats, label)
             results.append(ours)
-        if vllm is not None:
-            # the decode measurement at auto's dtype shares this run's start-up
-            streams = args.decode_streams if name == auto and not args.skip_decode else 0
+        for j, setup in enumerate(setups if vllm is not None else ()):
+            # the decode measurement at auto's dtype shares the first setup's run and start-up
+            streams = args.decode_streams if name == auto and not args.skip_decode and j == 0 else 0
             run = run_offline(vllm, path, [r.prompt for r in requests],
-                              [r.max_tokens for r in requests], name, args.max_running, streams)
-            vllm_decode[name] = run.decode_tokens_per_s
-            outputs[f"vLLM {name}"], startups[f"vLLM {name}"] = run.outputs, run.startup_s
-            results.append(Result(f"vLLM {run.version}, {name}", sum(map(len, run.outputs)),
+                              [r.max_tokens for r in requests], name, args.max_running, streams,
+                              setup=setup)
+            label = name if len(setups) == 1 else f"{name}, {setup}"
+            if j == 0:
+                vllm_decode[name] = run.decode_tokens_per_s
+            outputs[f"vLLM {label}"], startups[f"vLLM {label}"] = run.outputs, run.startup_s
+            results.append(Result(f"vLLM {run.version}, {label}", sum(map(len, run.outputs)),
                                   run.seconds, f"start-up {run.startup_s:.0f} s"))
             print(f"  {results[-1].name}: {results[-1].tokens_per_s:.1f} tok/s "
                   f"({results[-1].note})", flush=True)
@@ -352,20 +383,34 @@ def agreement_section(outputs: dict[str, list[list[int]]]) -> dict:
 
 def decode_section(args, path: str, requests: list[Request], dtype: str,
                    vllm_tps: float | None) -> dict:
-    """kvfleet's decode tokens/s at --decode-streams beside the matmul roofline measured now (and
-    vLLM's, measured in its offline run at the same dtype)."""
+    """kvfleet's decode tokens/s at --decode-streams beside the roofline measured now (and vLLM's,
+    measured in its offline run at the same dtype and streams).
+
+    The roofline is the step's floor: every weight read once and every stream's K/V read once
+    (bytes over the read bandwidth measured on a buffer of that size), or the step's products at
+    the best matmul rate measured (2 FLOPs per parameter per stream), whichever is longer."""
     model = load_model(path, DTYPES[dtype])
     num_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
-    flops = {rows: matmul_flops_per_s(DTYPES[dtype], rows) for rows in (32, 64, 256)}
+    elem = DTYPES[dtype].itemsize
     config = engine_config(args, dtype)
-    tps = decode_throughput(model, requests, args.decode_streams, args.decode_steps, config)
-    peak = flops[args.decode_streams] if args.decode_streams in flops else max(flops.values())
-    roofline = peak / (2 * num_params)
-    print(f"\ndecode at {args.decode_streams} streams, {dtype}: kvfleet {tps:.1f} tok/s; matmul "
-          + ", ".join(f"{r} rows {f / 1e9:.1f} GFLOP/s" for r, f in flops.items())
-          + f"; roofline 2 x {num_params / 1e6:.1f}M params -> {roofline:.1f} tok/s; "
-          f"kvfleet reaches {tps / roofline:.0%} of it")
+    tps, context = decode_throughput(model, requests, args.decode_streams, args.decode_steps, config)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = (args.decode_streams * context * cfg.num_hidden_layers * 2
+                * cfg.num_key_value_heads * head_dim * elem)
+    step_bytes = num_params * elem + kv_bytes
+    bandwidth = read_bytes_per_s(int(step_bytes))
+    flops = {rows: matmul_flops_per_s(DTYPES[dtype], rows) for rows in (32, 64, 256)}
+    peak = max(flops.values())
+    step_floor = max(step_bytes / bandwidth, 2 * num_params * args.decode_streams / peak)
+    roofline = args.decode_streams / step_floor
+    print(f"\ndecode at {args.decode_streams} streams (mean context {context:.0f}), {dtype}: "
+          f"kvfleet {tps:.1f} tok/s; a step reads {step_bytes / 1e6:.0f} MB (weights "
+          f"{num_params * elem / 1e6:.0f}, K/V {kv_bytes / 1e6:.0f}) at {bandwidth / 1e9:.1f} GB/s "
+          f"read; matmul " + ", ".join(f"{r} rows {f / 1e9:.0f} GFLOP/s" for r, f in flops.items())
+          + f"; roofline {roofline:.1f} tok/s; kvfleet reaches {tps / roofline:.0%} of it")
     report = {"streams": args.decode_streams, "dtype": dtype, "tokens_per_s": tps,
+              "mean_context": context, "step_bytes": step_bytes, "read_gb_per_s": bandwidth / 1e9,
               "roofline_tokens_per_s": roofline, "matmul_gflops": {r: f / 1e9 for r, f in flops.items()}}
     if vllm_tps:
         report["vllm_tokens_per_s"] = vllm_tps

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.vllm_peer import REPO, SETUP_HINT, VllmServer, vllm_python
+from benchmarks.vllm_peer import REPO, SETUP_HINT, SETUPS, VllmServer, describe_setup, vllm_python
 from shared.cpu_features import cpu_features
 from shared.models import DEFAULT_MODEL, resolve_model_path
 
@@ -117,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kvfleet-dtypes", default="auto")
     p.add_argument("--vllm-dtypes", default="bfloat16")
     p.add_argument("--vllm-venv", default=None)
+    p.add_argument("--vllm-setups", default="tuned",
+                   help="vLLM servers at each dtype, one per setup: tuned (its CPU guide's: every "
+                        "core, tcmalloc + Intel OpenMP) and/or defaults")
     p.add_argument("--startup-timeout-s", type=float, default=600)
     p.add_argument("--json-out", default=None)
     p.add_argument("--log-dir", default=None,
@@ -149,13 +152,19 @@ def main(argv=None) -> int:
                                        Path(tmp) / f"kvfleet-{dtype}"))
             finally:
                 stop_session(process)
-        for dtype in filter(None, args.vllm_dtypes.split(",")) if vllm else ():
-            server = VllmServer(vllm, model_dir, free_port(), dtype, Path(tmp) / f"vllm-{dtype}.log",
-                                served_name=DEFAULT_MODEL)
+        setups = [s for s in args.vllm_setups.split(",") if s]
+        if unknown := set(setups) - set(SETUPS):
+            raise SystemExit(f"--vllm-setups: unknown {sorted(unknown)}; choose from {SETUPS}")
+        runs = [(d, s) for d in filter(None, args.vllm_dtypes.split(",")) for s in setups]
+        for dtype, setup in runs if vllm else ():
+            print(f"# vLLM setup {setup}: {describe_setup(vllm, setup)}", flush=True)
+            name = f"vllm-{dtype}-{setup}"
+            server = VllmServer(vllm, model_dir, free_port(), dtype, Path(tmp) / f"{name}.log",
+                                served_name=DEFAULT_MODEL, setup=setup)
             try:
-                results.append(measure(f"vLLM, --dtype {dtype}", server.url, DEFAULT_MODEL,
-                                       server.process, server.started, args,
-                                       Path(tmp) / f"vllm-{dtype}"))
+                label = f"vLLM, --dtype {dtype}" + (f", {setup}" if len(setups) > 1 else "")
+                results.append(measure(label, server.url, DEFAULT_MODEL, server.process,
+                                       server.started, args, Path(tmp) / name))
             finally:
                 server.stop()
     print_table(results)

