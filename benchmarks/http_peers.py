@@ -4,7 +4,10 @@ its first answer, then the same `kvfleet bench` client replays the same trace ag
 The first N requests of the trace (default: ../shared/workloads/chat-mix.jsonl, 64) are sent at
 once (`--rate inf`) to /v1/completions with the raw prompts, greedy, each with its own max_tokens
 and ignore_eos. kvfleet runs as `kvfleet up` (embedded Redis, gateway, one worker); vLLM as its
-OpenAI server from its own virtualenv (benchmarks/vllm_env.sh; skipped with a message without it).
+OpenAI server from its own virtualenv (benchmarks/vllm_env.sh; skipped with a message without it),
+"tuned" by default (every core, tcmalloc + Intel OpenMP: benchmarks/vllm_peer.py). Leave
+OMP_WAIT_POLICY and GOMP_SPINCOUNT unset: `kvfleet up` then gives its worker its own OpenMP
+settings, as a user's fleet gets them (a policy set here would be kept instead).
 
     .venv/bin/python -m benchmarks.http_peers                       # kvfleet auto vs vLLM bf16
     .venv/bin/python -m benchmarks.http_peers --kvfleet-dtypes auto,float32 \\
