@@ -66,6 +66,10 @@ class GatewaySettings(BatchApiSettings):
     port: int = 8000
     request_timeout_s: float = 600.0  # deadline carried in the stream entry
     first_event_timeout_s: float = 600.0  # no event at all for this long -> error to the client
+    # A stream whose pub/sub connection broke (Redis restarted, a cluster primary failed over)
+    # subscribes again for this long, then goes on with the missed tokens read from the
+    # checkpoint; past it the client gets a retryable 503 error. 0: that error at once.
+    stream_reconnect_s: float = Field(15.0, ge=0)
     max_body_bytes: int = 1_000_000
     # max_tokens of a request that gives none; None = the rest of the context (as vLLM)
     default_max_tokens: int | None = None

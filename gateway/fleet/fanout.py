@@ -122,9 +122,34 @@ class TokenFanout:
     async def subscribe(self, channel: str) -> TokenQueue:
         """A queue of the channel's raw messages; returns once Redis confirmed the subscription."""
         key = channel.encode()
-        queue = TokenQueue()
+        queue = self._queues[key] = TokenQueue()
+        try:
+            await self._confirmed_subscription(key)
+        except EngineUnavailable:
+            self.release(channel)
+            raise
+        return queue
+
+    async def resubscribe(self, channel: str) -> TokenQueue:
+        """After its connection broke (a ConnectionLost in its queue), subscribe a channel that is
+        still held again: on a cluster, on whichever node owns its slot now. The same queue goes
+        on; events published while it was unsubscribed are not in it (the checkpoint has their
+        tokens). Raises EngineUnavailable when Redis does not confirm in time (retry later) or
+        the channel was released."""
+        key = channel.encode()
+        queue = self._queues.get(key)
+        if queue is None:
+            raise EngineUnavailable(f"the token channel {channel} was released")
+        try:
+            await self._confirmed_subscription(key)
+        except EngineUnavailable:
+            if self._sharded:  # the next try asks the slot map again
+                self._link_of.pop(key, None)
+            raise
+        return queue
+
+    async def _confirmed_subscription(self, key: bytes) -> None:
         confirmed = asyncio.get_running_loop().create_future()
-        self._queues[key] = queue
         self._confirmations[key] = confirmed
         try:
             async with asyncio.timeout(self._subscribe_timeout_s):
@@ -133,12 +158,10 @@ class TokenFanout:
                 await link.ensure_connection()
                 await confirmed
         except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
-            self.release(channel)
             raise EngineUnavailable(
                 f"cannot subscribe to the fleet's token channel: {exc!r}") from exc
         finally:
             self._confirmations.pop(key, None)
-        return queue
 
     def release(self, channel: str) -> None:
         """Forget the channel's queue now; UNSUBSCRIBE in the background (safe inside a cancelled

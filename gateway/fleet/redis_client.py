@@ -33,13 +33,21 @@ from shared.wire import (
 log = logging.getLogger(__name__)
 
 RESULT_GRACE_S = 3600  # the request hash outlives the request's deadline by this much
+RECONNECT_RETRY_S = 0.2  # between attempts to subscribe a channel again
 
 
 class RedisEventStream(EventStream):
-    """Token events of one request, read from its fan-out queue, with the protocol's timeouts."""
+    """Token events of one request, read from its fan-out queue, with the protocol's timeouts.
+
+    When the pub/sub connection carrying its channel breaks (a Redis restart, a cluster primary
+    failing over to its replica), the stream subscribes again for up to `reconnect_s` and goes on:
+    the next event's tokens that it missed come from the checkpoint (ChoiceStream fills the gap),
+    and a request that ended meanwhile ends with an event made from its record. Only a fleet
+    that stays unreachable ends the stream with EngineUnavailable (retryable)."""
 
     def __init__(self, req_id: str, channel: str, queue: TokenQueue, fanout: TokenFanout,
-                 first_event_timeout_s: float, deadline: float | None):
+                 first_event_timeout_s: float, deadline: float | None, *,
+                 client: RedisEngineClient | None = None, reconnect_s: float = 0.0):
         self.req_id = req_id
         self._channel = channel
         self._queue = queue
@@ -47,6 +55,8 @@ class RedisEventStream(EventStream):
         self._first_event_timeout_s = first_event_timeout_s
         self._deadline = deadline  # unix time
         self._received_any = False
+        self._client = client  # reads the request's record after a reconnect
+        self._reconnect_s = reconnect_s if client is not None else 0.0
 
     def _timeout_s(self) -> float:
         left_s = float("inf") if self._deadline is None else self._deadline - time.time()
@@ -55,16 +65,48 @@ class RedisEventStream(EventStream):
         return max(left_s, 0.0)
 
     async def __anext__(self) -> TokenEvent:
-        try:
-            raw = self._queue.get_nowait()  # the common case under load: no timer, no task
-            if self._deadline is not None and time.time() > self._deadline:
-                raise EngineTimeout(f"request {self.req_id} passed its deadline")
-        except asyncio.QueueEmpty:
-            raw = await self._wait()
-        if isinstance(raw, ConnectionLost):
-            raise EngineUnavailable("lost the connection to Redis while waiting for tokens")
-        self._received_any = True
-        return TokenEvent.unpack(raw)
+        while True:
+            try:
+                raw = self._queue.get_nowait()  # the common case under load: no timer, no task
+                if self._deadline is not None and time.time() > self._deadline:
+                    raise EngineTimeout(f"request {self.req_id} passed its deadline")
+            except asyncio.QueueEmpty:
+                raw = await self._wait()
+            if not isinstance(raw, ConnectionLost):
+                self._received_any = True
+                return TokenEvent.unpack(raw)
+            ended = await self._reconnect()
+            if ended is not None:
+                return ended
+
+    async def _reconnect(self) -> TokenEvent | None:
+        """Subscribe the channel again and read the request's record, retrying for reconnect_s;
+        the final event of a request that ended while the channel was down, else None."""
+        give_up = time.monotonic() + self._reconnect_s
+        failure: BaseException | None = None
+        while time.monotonic() < give_up:
+            try:
+                await self._fanout.resubscribe(self._channel)
+                snapshot = await self._client._read_snapshot(self.req_id)
+            except (EngineUnavailable, RuntimeError) as exc:
+                # RuntimeError: redis-py's cluster client, rebuilding its node map after a
+                # failover, was seen to fail a command with one ("... attached to a different
+                # loop", from a removed node's disconnect): a failed attempt like any other
+                log.debug("request %s: subscribing again failed: %r", self.req_id, exc)
+                failure = exc
+                await asyncio.sleep(min(RECONNECT_RETRY_S, max(give_up - time.monotonic(), 0)))
+                continue
+            log.info("request %s: token channel subscribed again after a lost connection",
+                     self.req_id)
+            if snapshot is None:
+                raise EngineUnavailable(f"request {self.req_id} is gone from Redis")
+            if not snapshot.status.is_finished:
+                return None  # the next event shows what was missed; the checkpoint has it
+            self._received_any = True
+            return TokenEvent(seq=len(snapshot.token_ids), attempt=snapshot.attempt,
+                              finish_reason=snapshot.status.finish_reason)
+        detail = f" and could not subscribe again within {self._reconnect_s:g} s" if failure else ""
+        raise EngineUnavailable(f"lost the connection to Redis while waiting for tokens{detail}")
 
     async def _wait(self) -> bytes | ConnectionLost:
         try:
@@ -86,13 +128,14 @@ class RedisEngineClient(EngineClient):
 
     def __init__(self, context: RedisContext, *, stream_maxlen: int = 100_000,
                  request_timeout_s: float = 600.0, first_event_timeout_s: float = 600.0,
-                 owns_context: bool = False):
+                 stream_reconnect_s: float = 15.0, owns_context: bool = False):
         self.context = context
         self.keys = context.keys
         self.redis = context.redis
         self._stream_maxlen = stream_maxlen
         self._request_timeout_s = request_timeout_s
         self._first_event_timeout_s = first_event_timeout_s
+        self._stream_reconnect_s = stream_reconnect_s
         self._command_timeout_s = context.command_timeout_s
         self._owns_context = owns_context  # close() closes it too
         self.fanout = TokenFanout(self.redis, subscribe_timeout_s=self._command_timeout_s,
@@ -103,7 +146,8 @@ class RedisEngineClient(EngineClient):
     def from_settings(cls, settings: GatewaySettings, context: RedisContext) -> RedisEngineClient:
         return cls(context, stream_maxlen=settings.stream_maxlen,
                    request_timeout_s=settings.request_timeout_s,
-                   first_event_timeout_s=settings.first_event_timeout_s)
+                   first_event_timeout_s=settings.first_event_timeout_s,
+                   stream_reconnect_s=settings.stream_reconnect_s)
 
     @classmethod
     def from_url(cls, redis_url: str, keys: Keys, *, connect_timeout_s: float = 2.0,
@@ -130,7 +174,8 @@ class RedisEngineClient(EngineClient):
             self.fanout.release(channel)
             raise
         return RedisEventStream(request.req_id, channel, queue, self.fanout,
-                                self._first_event_timeout_s, request.deadline)
+                                self._first_event_timeout_s, request.deadline, client=self,
+                                reconnect_s=self._stream_reconnect_s)
 
     async def enqueue(self, request: GenerationRequest) -> bool:
         """Write the request hash and then the stream entry (on the shard the id picks), once;
@@ -173,7 +218,8 @@ class RedisEngineClient(EngineClient):
             self.fanout.release(channel)
             return None
         stream = RedisEventStream(req_id, channel, queue, self.fanout,
-                                  self._first_event_timeout_s, snapshot.request.deadline)
+                                  self._first_event_timeout_s, snapshot.request.deadline,
+                                  client=self, reconnect_s=self._stream_reconnect_s)
         return snapshot, stream
 
     async def _read_snapshot(self, req_id: str) -> RequestSnapshot | None:

@@ -152,3 +152,25 @@ async def test_a_burst_of_subscriptions_to_many_slots_costs_a_node_one_read(clie
         await asyncio.sleep(0.05)
     assert sharded_subscribers(node.port) == already
     assert client.fanout.num_subscribed == 0
+
+
+async def test_streams_whose_node_connection_broke_subscribe_again_and_finish(
+        client, cluster_url, redis_cluster):
+    """A node's sharded subscription breaks (as when a primary fails over): the streams on it
+    subscribe again through a fresh slot map and get every token."""
+    prompts = {f"cmpl-re-{i}": [i + 1, i + 2, i + 3] for i in range(6)}
+    streams = {req_id: await client.submit(make_request(req_id, prompt))
+               for req_id, prompt in prompts.items()}
+    for node in redis_cluster.primaries():  # every node's gateway subscription breaks
+        connection = redis.Redis(host="127.0.0.1", port=node.port)
+        connection.client_kill_filter(_type="pubsub")
+        connection.close()
+    firsts = {req_id: asyncio.create_task(anext(events)) for req_id, events in streams.items()}
+    await asyncio.sleep(1.0)  # each stream saw its lost connection and subscribed again
+    assert not any(task.done() for task in firsts.values())
+    async with FakeWorker(cluster_url, KEYS, MODEL, echo_script):
+        for req_id, events in streams.items():
+            first = await asyncio.wait_for(firsts[req_id], 10)
+            rest = await asyncio.wait_for(read_until_final(events), 10)
+            assert first.token_ids + rest == prompts[req_id]
+    assert client.fanout.connections_opened >= 4  # at least one node's link was made anew

@@ -10,7 +10,16 @@ from redis.asyncio import Redis
 
 from gateway.fleet.client import EngineTimeout, EngineUnavailable
 from gateway.fleet.redis_client import RedisEngineClient
-from shared.wire import GenerationRequest, Keys, QueueEntry, SamplingParams, TokenEvent
+from shared.wire import (
+    GenerationRequest,
+    Keys,
+    QueueEntry,
+    RequestRecord,
+    RequestStatus,
+    SamplingParams,
+    TokenEvent,
+    encode_checkpoint,
+)
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 
@@ -139,12 +148,51 @@ async def test_no_first_event_in_time_is_a_timeout(redis_url):
         await engine.close()
 
 
-async def test_lost_pubsub_connection_ends_waiting_requests(client, redis):
-    events = await client.submit(make_request("cmpl-lost"))
+async def test_a_stream_whose_pubsub_connection_broke_subscribes_again(client, redis, redis_url):
+    events = await client.submit(make_request("cmpl-lost", [9, 8, 7]))
     await redis.client_kill_filter(_type="pubsub")
-    with pytest.raises(EngineUnavailable, match="lost the connection"):
-        await asyncio.wait_for(anext(events), 5)
+    first = asyncio.create_task(anext(events))  # sees the lost connection, subscribes again
+    await asyncio.sleep(1.0)
+    assert not first.done()
+    async with FakeWorker(redis_url, KEYS, MODEL, echo_script):
+        received = [await asyncio.wait_for(first, 5)]
+        received += await asyncio.wait_for(read_until_final(events), 5)
+    assert [t for e in received for t in e.token_ids] == [9, 8, 7]
+    assert received[-1].is_final and received[-1].error is None
+
+
+async def test_a_request_that_ended_while_its_channel_was_down_ends_from_its_record(client, redis):
+    events = await client.submit(make_request("cmpl-ended", [4, 5, 6]))
+    # what a worker leaves when it finished while the gateway could not hear it
+    await redis.set(KEYS.checkpoint("cmpl-ended"), encode_checkpoint([4, 5, 6]))
+    await redis.hset(KEYS.request("cmpl-ended"), mapping={
+        RequestRecord.STATUS: RequestStatus.FINISHED_LENGTH.value, RequestRecord.ATTEMPT: 1})
+    await redis.client_kill_filter(_type="pubsub")
+    final = await asyncio.wait_for(anext(events), 5)
     await events.aclose()
+    assert final.is_final and final.finish_reason == "length"
+    assert (final.seq, final.attempt, final.token_ids) == (3, 1, [])  # the checkpoint has 0..2
+
+
+async def test_a_fleet_unreachable_past_the_reconnect_window_ends_the_stream(redis_url):
+    from shared.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    engine = RedisEngineClient.from_url(server.url, KEYS, connect_timeout_s=0.3,
+                                        command_timeout_s=0.3, first_event_timeout_s=30.0,
+                                        stream_reconnect_s=1.5)
+    await engine.start()
+    try:
+        events = await engine.submit(make_request("cmpl-gone"))
+        server.stop()
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable, match="could not subscribe again within 1.5 s"):
+            await asyncio.wait_for(anext(events), 15)
+        assert 1.4 < time.monotonic() - started < 10
+        await events.aclose()
+    finally:
+        await engine.close()
+        server.stop()
 
 
 async def test_unreachable_redis_is_unavailable_quickly():
