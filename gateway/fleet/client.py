@@ -102,7 +102,8 @@ class EngineClient(ABC):
         return None
 
     async def read_checkpoint(self, req_id: str) -> list[int]:
-        """The output tokens checkpointed so far (to fill a gap in the events); [] if unknown."""
+        """The output tokens checkpointed so far (to fill a gap in the events); [] if unknown.
+        Raises EngineUnavailable when the fleet's store cannot be read."""
         del req_id
         return []
 

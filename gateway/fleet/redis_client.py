@@ -33,7 +33,8 @@ from shared.wire import (
 log = logging.getLogger(__name__)
 
 RESULT_GRACE_S = 3600  # the request hash outlives the request's deadline by this much
-RECONNECT_RETRY_S = 0.2  # between attempts to subscribe a channel again
+RECONNECT_RETRY_S = 0.2  # between attempts to subscribe a channel again (or read a checkpoint)
+CHECKPOINT_READS = 3  # attempts to read a checkpoint that fills a gap in a stream's events
 
 
 class RedisEventStream(EventStream):
@@ -238,12 +239,21 @@ class RedisEngineClient(EngineClient):
                                decode_checkpoint(ckpt))
 
     async def read_checkpoint(self, req_id: str) -> list[int]:
-        try:
-            async with asyncio.timeout(self._command_timeout_s):
-                return decode_checkpoint(await self.redis.get(self.keys.checkpoint(req_id)))
-        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
-            log.warning("could not read the checkpoint of %s: %r", req_id, exc)
-            return []
+        """The checkpoint, read up to CHECKPOINT_READS times; EngineUnavailable when Redis does not
+        answer (a gap that cannot be filled ends the stream with a retryable error rather than
+        give the client a text with tokens missing)."""
+        for attempt in range(CHECKPOINT_READS):
+            try:
+                async with asyncio.timeout(self._command_timeout_s):
+                    return decode_checkpoint(await self.redis.get(self.keys.checkpoint(req_id)))
+            except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
+                log.warning("could not read the checkpoint of %s: %r", req_id, exc)
+                if attempt + 1 == CHECKPOINT_READS:
+                    raise EngineUnavailable(
+                        f"cannot read the checkpoint of request {req_id} to fill a gap in its "
+                        f"token events: {exc!r}") from exc
+                await asyncio.sleep(RECONNECT_RETRY_S)
+        return []
 
     async def queue_load(self, model: str) -> QueueLoad | None:
         """Undelivered entries of the model's streams (the group's lag) and the summed tokens/s

@@ -195,6 +195,26 @@ async def test_a_fleet_unreachable_past_the_reconnect_window_ends_the_stream(red
         server.stop()
 
 
+async def test_a_checkpoint_that_cannot_be_read_is_an_error_not_an_empty_filler():
+    from shared.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    engine = RedisEngineClient.from_url(server.url, KEYS, connect_timeout_s=0.3,
+                                        command_timeout_s=0.3)
+    await engine.start()
+    try:
+        redis = Redis.from_url(server.url)
+        await redis.set(KEYS.checkpoint("cmpl-ckpt"), encode_checkpoint([3, 1, 4]))
+        await redis.aclose()
+        assert await engine.read_checkpoint("cmpl-ckpt") == [3, 1, 4]
+        server.stop()
+        with pytest.raises(EngineUnavailable, match="cannot read the checkpoint"):
+            await engine.read_checkpoint("cmpl-ckpt")
+    finally:
+        await engine.close()
+        server.stop()
+
+
 async def test_unreachable_redis_is_unavailable_quickly():
     engine = RedisEngineClient.from_url("redis://127.0.0.1:1/0", KEYS, connect_timeout_s=0.5)
     await engine.start()
