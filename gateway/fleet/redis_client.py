@@ -88,7 +88,7 @@ class RedisEventStream(EventStream):
         while time.monotonic() < give_up:
             try:
                 await self._fanout.resubscribe(self._channel)
-                snapshot = await self._client._read_snapshot(self.req_id)
+                snapshot = await self._client.read_snapshot(self.req_id)
             except (EngineUnavailable, RuntimeError) as exc:
                 # RuntimeError: redis-py's cluster client, rebuilding its node map after a
                 # failover, was seen to fail a command with one ("... attached to a different
@@ -211,7 +211,7 @@ class RedisEngineClient(EngineClient):
         channel = self.keys.tokens(req_id)
         queue = await self.fanout.subscribe(channel)  # before the reads: pub/sub keeps nothing
         try:
-            snapshot = await self._read_snapshot(req_id)
+            snapshot = await self.read_snapshot(req_id)
         except BaseException:
             self.fanout.release(channel)
             raise
@@ -223,7 +223,7 @@ class RedisEngineClient(EngineClient):
                                   client=self, reconnect_s=self._stream_reconnect_s)
         return snapshot, stream
 
-    async def _read_snapshot(self, req_id: str) -> RequestSnapshot | None:
+    async def read_snapshot(self, req_id: str) -> RequestSnapshot | None:
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
                 pipe = self.redis.pipeline(transaction=True)  # hash and checkpoint of one moment

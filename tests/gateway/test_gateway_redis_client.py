@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -174,15 +175,26 @@ async def test_a_request_that_ended_while_its_channel_was_down_ends_from_its_rec
     assert (final.seq, final.attempt, final.token_ids) == (3, 1, [])  # the checkpoint has 0..2
 
 
-async def test_a_fleet_unreachable_past_the_reconnect_window_ends_the_stream(redis_url):
+@contextlib.asynccontextmanager
+async def engine_on_own_redis(**options):
+    """A private Redis server (the test may stop it) and an engine client on it, with short
+    timeouts."""
     from shared.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     engine = RedisEngineClient.from_url(server.url, KEYS, connect_timeout_s=0.3,
-                                        command_timeout_s=0.3, first_event_timeout_s=30.0,
-                                        stream_reconnect_s=1.5)
+                                        command_timeout_s=0.3, **options)
     await engine.start()
     try:
+        yield server, engine
+    finally:
+        await engine.close()
+        server.stop()
+
+
+async def test_a_fleet_unreachable_past_the_reconnect_window_ends_the_stream():
+    async with engine_on_own_redis(first_event_timeout_s=30.0, stream_reconnect_s=1.5) as (
+            server, engine):
         events = await engine.submit(make_request("cmpl-gone"))
         server.stop()
         started = time.monotonic()
@@ -190,19 +202,10 @@ async def test_a_fleet_unreachable_past_the_reconnect_window_ends_the_stream(red
             await asyncio.wait_for(anext(events), 15)
         assert 1.4 < time.monotonic() - started < 10
         await events.aclose()
-    finally:
-        await engine.close()
-        server.stop()
 
 
 async def test_a_checkpoint_that_cannot_be_read_is_an_error_not_an_empty_filler():
-    from shared.redis_server import EmbeddedRedis
-
-    server = EmbeddedRedis().start()
-    engine = RedisEngineClient.from_url(server.url, KEYS, connect_timeout_s=0.3,
-                                        command_timeout_s=0.3)
-    await engine.start()
-    try:
+    async with engine_on_own_redis() as (server, engine):
         redis = Redis.from_url(server.url)
         await redis.set(KEYS.checkpoint("cmpl-ckpt"), encode_checkpoint([3, 1, 4]))
         await redis.aclose()
@@ -210,9 +213,6 @@ async def test_a_checkpoint_that_cannot_be_read_is_an_error_not_an_empty_filler(
         server.stop()
         with pytest.raises(EngineUnavailable, match="cannot read the checkpoint"):
             await engine.read_checkpoint("cmpl-ckpt")
-    finally:
-        await engine.close()
-        server.stop()
 
 
 async def test_unreachable_redis_is_unavailable_quickly():
