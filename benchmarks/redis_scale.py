@@ -6,7 +6,8 @@ enqueue, fan-out and event stream) in separate processes, for the same time on e
         --concurrency 64 --running 64 --tokens 32 --tokens-per-event 1 --one-primary
 
 Each synthetic worker keeps up to `--running` requests, admitted as the worker service admits
-them (one READ_IF_FITS call per shard for its free room, their START_ATTEMPTs in one round trip);
+them (one READ_IF_FITS call per shard for its free room, its home shards first and the others'
+entries once they waited `--steal-after-ms`, their START_ATTEMPTs in one round trip);
 every step it publishes one event of `--tokens-per-event` tokens per running request
 (PUBLISH_STEP: checkpoint + publish, one script call per node for the step's requests) and
 finishes a request after `--tokens` tokens (final event, XACK). Each gateway keeps
@@ -14,6 +15,8 @@ finishes a request after `--tokens` tokens (final event, XACK). Each gateway kee
 - token events/s and tokens/s delivered end to end (received by the gateways);
 - Redis CPU per delivered event: the summed `used_cpu_sys + used_cpu_user` (INFO cpu) of every
   node over the run ÷ events delivered, and the cluster's ratio to the single Redis's;
+- stream shards a worker's step published to, on average (one per primary the step's calls
+  went to), and the share of requests workers took from shards not their home;
 - per-primary share of token events (`cmdstat_publish`/`cmdstat_spublish` calls, INFO
   commandstats: counted inside scripts too) and of requests (`cmdstat_hincrby`: one
   START_ATTEMPT per request), and of stream entries (`cmdstat_xadd`);
@@ -58,18 +61,28 @@ def pin_clients(cpus: set[int] | None) -> None:
 
 
 def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, running: int,
-                     tokens: int, per_event: int, out: mp.Queue, pin: set[int] | None) -> None:
+                     tokens: int, per_event: int, steal_after_ms: int, out: mp.Queue,
+                     pin: set[int] | None) -> None:
     pin_clients(pin)
     keys = Keys(PREFIX, queue_shards=shards)
     client = connect(url, socket_timeout=10)
-    protocol = WorkerProtocol(client, keys, MODEL, worker_id, result_ttl_s=60)
+    protocol = WorkerProtocol(client, keys, MODEL, worker_id, result_ttl_s=60,
+                              steal_after_ms=steal_after_ms)
     protocol.heartbeat(Heartbeat(model=MODEL, ts=0.0), 30)
     protocol.ensure_groups()
     inflight: dict[str, tuple] = {}  # req_id -> (delivery, attempt, produced)
-    steps = events = 0
+    steps = events = stolen = step_shards = 0
+    roster_at = 0.0
     while time.time() < stop_at:
+        if protocol.uses_homes and time.time() >= roster_at:  # as the heartbeat thread does
+            protocol.update_roster(5.0)
+            roster_at = time.time() + 1.0
         if len(inflight) < running:  # as the worker service admits: one read, one start
             deliveries = protocol.read_batch(1_000_000, running - len(inflight)).deliveries
+            if not deliveries and not inflight:  # idle: any entry at once, as the service does
+                deliveries = [d for d in (protocol.read_new(stream, None)
+                                          for stream in protocol.blocking_streams()) if d][:1]
+            stolen += sum(not protocol.from_home(d) for d in deliveries)
             if deliveries:
                 starts = protocol.start_attempts([d.request.req_id for d in deliveries])
                 for delivery, started in zip(deliveries, starts):
@@ -96,8 +109,10 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
         protocol.publish(items)
         steps += 1
         events += len(items)
+        step_shards += len({keys.shard_of(item.req_id) for item in items})
     protocol.remove_heartbeat()
-    out.put({"worker": worker_id, "steps": steps, "events": events})
+    out.put({"worker": worker_id, "steps": steps, "events": events, "stolen": stolen,
+             "step_shards": step_shards})
 
 
 def synthetic_gateway(url: str, shards: int, start_at: float, stop_at: float, concurrency: int,
@@ -112,7 +127,7 @@ async def _gateway(url, shards, start_at, stop_at, concurrency, out) -> None:
     client = RedisEngineClient.from_url(url, Keys(PREFIX, queue_shards=shards),
                                         command_timeout_s=10, first_event_timeout_s=30)
     await client.start()
-    counts = {"events": 0, "tokens": 0, "requests": 0, "errors": 0}
+    counts = {"events": 0, "tokens": 0, "requests": 0, "errors": 0, "error_kinds": []}
 
     async def one_stream() -> None:
         while time.time() < stop_at:
@@ -129,8 +144,10 @@ async def _gateway(url, shards, start_at, stop_at, concurrency, out) -> None:
                         break
                 await events.aclose()
                 counts["requests"] += 1
-            except Exception:  # noqa: BLE001 - counted, reported
+            except Exception as exc:  # noqa: BLE001 - counted, reported
                 counts["errors"] += 1
+                if len(counts["error_kinds"]) < 3:
+                    counts["error_kinds"].append(f"{time.time() - stop_at:+.1f} s: {exc!r}"[:200])
                 await asyncio.sleep(0.1)
 
     await asyncio.gather(*(one_stream() for _ in range(concurrency)))
@@ -209,7 +226,8 @@ def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> di
     stop_at = start_at + args.duration_s
     procs = [ctx.Process(target=synthetic_worker,
                          args=(url, shards, f"w{i}", stop_at + 2, args.running, args.tokens,
-                               args.tokens_per_event, out, client_cpus))
+                               args.tokens_per_event, args.steal_after_ms, out,
+                               client_cpus))
              for i in range(args.workers)]
     procs += [ctx.Process(target=synthetic_gateway,
                           args=(url, shards, start_at, stop_at, args.concurrency, out,
@@ -241,7 +259,13 @@ def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> di
             "tokens_per_s": round(sum(g["tokens"] for g in gateways) / args.duration_s),
             "requests_done": sum(g["requests"] for g in gateways),
             "errors": sum(g["errors"] for g in gateways),
+            "error_kinds": [kind for g in gateways for kind in g["error_kinds"]],
             "worker_steps": sum(r.get("steps", 0) for r in results),
+            # stream shards (= primaries) a worker's step published to, on average
+            "shards_per_step": round(sum(r.get("step_shards", 0) for r in results)
+                                     / max(sum(r.get("steps", 0) for r in results), 1), 2),
+            "stolen_pct": round(100 * sum(r.get("stolen", 0) for r in results)
+                                / max(sum(g["requests"] for g in gateways), 1), 1),
             "redis_cpu_s": round(cpu_s, 3),
             "redis_cpu_us_per_event": round(1e6 * cpu_s / max(events, 1), 2),
             "redis_sys_us_per_event": round(1e6 * sum(d["sys_s"] for d in delta.values())
@@ -284,6 +308,8 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=64, help="requests per worker")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--tokens-per-event", type=int, default=1)
+    parser.add_argument("--steal-after-ms", type=int, default=50,
+                        help="the workers' --steal-after-ms (0: no home shards)")
     parser.add_argument("--one-primary", action="store_true",
                         help="also run a 1-primary cluster (cluster mode without the split over "
                              "3 processes), `--queue-shards` 3")
@@ -309,7 +335,11 @@ def main() -> None:
               f"{row['requests_done']} requests, {row['errors']} errors; Redis CPU "
               f"{row['redis_cpu_us_per_event']} us/event; event share {row['event_share_pct']}, "
               f"request share {row['request_share_pct']}, stream entries "
-              f"{row['stream_entry_share_pct']}")
+              f"{row['stream_entry_share_pct']}; shards per worker step "
+              f"{row['shards_per_step']}, stolen {row['stolen_pct']}% of requests")
+    for row in rows:
+        for kind in row["error_kinds"]:  # when it happened, from the end of the measured time
+            print(f"{row['topology']} error at {kind}")
     if not args.json:
         print_breakdown(rows)
     ratio = rows[1]["redis_cpu_us_per_event"] / max(rows[0]["redis_cpu_us_per_event"], 1e-9)

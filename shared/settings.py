@@ -140,6 +140,9 @@ class WorkerSettings(CommonSettings):
     # 0 = an event per request per step
     publish_interval_ms: float = Field(default=0.0, ge=0)
     result_ttl_s: int = 3600  # how long a finished request's hash and checkpoint are kept
+    # with several stream shards: read the home shards of this worker's place among the live
+    # workers first, the other shards only for entries that waited this long; 0 = every shard alike
+    steal_after_ms: int = Field(default=50, ge=0)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = the CPUs this process may use
     metrics_port: int = 0  # Prometheus /metrics of this worker: 0 = a free port, -1 = off
     metrics_host: str = "0.0.0.0"

@@ -10,7 +10,6 @@ import pytest
 from redis.crc import key_slot
 
 from shared.redis_cluster import slot_range
-
 from shared.wire import (
     DeadLetterEntry,
     GenerationRequest,
@@ -26,6 +25,8 @@ from shared.wire import (
     encode_checkpoint,
     scripts,
 )
+from shared.wire.keys import NUM_SLOTS, shard_of_slot
+from shared.wire.scripts import home_shards
 
 ALL_SCRIPTS = [value for module in (scripts, batch_scripts) for value in vars(module).values()
                if isinstance(value, LuaScript)]
@@ -123,6 +124,15 @@ def test_stream_shards_fall_in_equal_slot_ranges_one_per_primary():
     picked = Counter(keys.shard_of(f"req-{i}") for i in range(3000))
     assert set(picked) == {0, 1, 2} and min(picked.values()) > 900
     assert keys.shard_of("req-7") == keys.shard_of("req-7")
+    for shards in (2, 3, 5):  # every slot maps to the shard whose range holds it
+        for slot in range(NUM_SLOTS):
+            low, high = slot_range(shard_of_slot(slot, shards), shards)
+            assert low <= slot <= high
+    for i in range(300):  # a request's own keys lie in its shard's range (its primary)
+        req_id = f"req-{i}"
+        low, high = slot_range(keys.shard_of(req_id), 3)
+        for key in (keys.request(req_id), keys.checkpoint(req_id), keys.tokens(req_id)):
+            assert low <= key_slot(key.encode()) <= high
     with pytest.raises(ValueError):
         Keys(queue_shards=0)
 
@@ -170,3 +180,14 @@ def test_a_call_that_does_not_match_the_convention_is_refused():
     stream, fields = scripts.queue_entry(Keys(queue_shards=4), make_request())
     assert stream == Keys(queue_shards=4).queue("m", "interactive", Keys(queue_shards=4).shard_of("r-1"))
     assert fields[QueueEntry.PROMPT_LEN] == 3
+
+
+@pytest.mark.parametrize("workers, shards", [(1, 3), (2, 3), (3, 3), (5, 3), (7, 3), (4, 8)])
+def test_home_shards_give_every_shard_a_worker_and_spread_workers_evenly(workers, shards):
+    homes = [home_shards(i, workers, shards) for i in range(workers)]
+    per_shard = Counter(s for h in homes for s in h)
+    assert set(per_shard) == set(range(shards))  # every shard has a home worker
+    assert max(per_shard.values()) - min(per_shard.values()) <= 1
+    assert max(map(len, homes)) - min(map(len, homes)) <= 1
+    assert home_shards(-1, workers, shards) == tuple(range(shards))  # not placed yet: all
+    assert home_shards(0, workers, 1) == (0,)

@@ -99,7 +99,8 @@ def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
     client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5,
                      health_check_interval=30)
     protocol = WorkerProtocol(client, settings.keys(), served_model_id(settings.model),
-                              worker_id, result_ttl_s=settings.result_ttl_s)
+                              worker_id, result_ttl_s=settings.result_ttl_s,
+                              steal_after_ms=settings.steal_after_ms)
     metrics = WorkerMetrics(worker_id, protocol.model, settings.cost_per_hour)
     metrics_url = None
     if settings.metrics_port >= 0:

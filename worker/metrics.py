@@ -146,6 +146,9 @@ class WorkerMetrics:
         self._finished = Counter(p + "requests_finished", "Requests finished, by finish reason "
                                  "(stop, length, abort, error).", LABELS + ("outcome",),
                                  registry=self.registry)
+        self.requests_stolen = self._counter(
+            p + "requests_stolen", "Requests admitted from a stream shard other than this "
+            "worker's home shards (entries that had waited --steal-after-ms).")
         self.prompt_tokens = self._counter(
             p + "prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits excluded).")
         self.output_tokens = self._counter(p + "output_tokens", "Output tokens generated.")
@@ -220,6 +223,10 @@ class WorkerMetrics:
         self.requests_started.inc()
         if queue_wait_s is not None:
             self.queue_wait.observe(max(queue_wait_s, 0.0))
+
+    def stolen(self, count: int) -> None:
+        """`count` requests were admitted from shards that are not this worker's home."""
+        self.requests_stolen.inc(count)
 
     def takeover(self) -> None:
         """A request of a dead worker was claimed to resume here."""

@@ -8,15 +8,19 @@ Ordering guarantees (DESIGN.md, "The fleet protocol"):
 - `start_attempt` increments the request's `attempt` (the fencing token) and reads its checkpoint
   in one atomic script, so the claimer resumes exactly after the last token any earlier attempt
   recorded.
-- `publish` appends new tokens to the checkpoint (renewing its TTL), publishes them and, on the
+- `publish` writes new tokens into the checkpoint (at their offset), publishes them and, on the
   final event, records the status — all requests of a step in one script call (PUBLISH_STEP),
   one per node on a cluster; the final events' stream entries are XACKed after their scripts
   returned 1 (a second round trip, only in steps where something finished: on a cluster the
   stream lives in another slot). The script does nothing and returns 0 when the attempt is
   stale: that worker must stop the request.
-- Stream shards (Keys.queue_shards): the worker reads every shard of its model, starting at a
-  shard that rotates from read to read so none waits behind another; priority holds within a
-  shard. On a cluster token events and cancels travel by sharded pub/sub (SPUBLISH/SSUBSCRIBE).
+- Stream shards (Keys.queue_shards): the worker reads every shard of its model, its home shards
+  first (`update_roster`: from its place among the model's live workers, so every shard has a
+  home worker), the others only for entries that have waited `steal_after_ms` (0: no homes,
+  every shard alike). A request's keys live on its shard's primary (Keys.shard_of), so a worker
+  serving its home shard sends a step's events to one node. Within each group the first shard
+  rotates from read to read so none waits behind another; priority holds within a shard. On a
+  cluster token events and cancels travel by sharded pub/sub (SPUBLISH/SSUBSCRIBE).
 - `claim_orphan` takes over an entry only when the worker holding it has no heartbeat key; the
   holder keeps its entries' idle time low (`refresh_pending`) from the moment each is delivered.
 """
@@ -96,7 +100,7 @@ class WorkerProtocol:
     """Redis operations of one worker, for one model."""
 
     def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str,
-                 result_ttl_s: int = 3600):
+                 result_ttl_s: int = 3600, steal_after_ms: int = 0):
         self.client = client
         self.keys = keys
         self.model = model
@@ -107,18 +111,55 @@ class WorkerProtocol:
         self._publish = scripts.PUBLISH.register(client)
         self._publish_step = scripts.PUBLISH_STEP.register(client)
         self._read_if_fits = scripts.READ_IF_FITS.register(client)
+        self._roster = scripts.ROSTER.register(client)
         self._next_shard = 0
+        # Home shards (read first, entries of any age); the others' entries only once they have
+        # waited steal_after_ms. Every shard is home until update_roster places this worker.
+        self.steal_after_ms = steal_after_ms
+        self.home_shards: tuple[int, ...] = tuple(range(keys.queue_shards))
+        self._roster_ttl_s = 0.0  # the TTL of the last update_roster (0: not on the roster)
+        self._stream_shard = {stream: shard for shard in range(keys.queue_shards)
+                              for stream in keys.queues(model, shard)}
+
+    @property
+    def uses_homes(self) -> bool:
+        """Whether this worker prefers home shards (several shards and a steal delay)."""
+        return self.keys.queue_shards > 1 and self.steal_after_ms > 0
+
+    def update_roster(self, ttl_s: float, join: bool = True) -> tuple[int, ...]:
+        """Stay on (or leave) the model's roster of live workers and take the home shards of this
+        worker's place on it; `ttl_s`: how long an absent worker stays listed."""
+        self._roster_ttl_s = ttl_s
+        call = scripts.roster(self.keys, self.model, self.worker_id, int(ttl_s * 1000), join)
+        index, count = (int(v) for v in self._roster(keys=call.keys, args=call.args))
+        self.home_shards = scripts.home_shards(index, count, self.keys.queue_shards)
+        return self.home_shards
 
     @property
     def streams(self) -> list[str]:
         """Every request stream of the model, shard by shard, interactive before batch."""
         return self.keys.all_queues(self.model)
 
+    def from_home(self, delivery: Delivery) -> bool:
+        """Whether `delivery` came from one of this worker's home shards."""
+        return self._stream_shard.get(delivery.stream) in self.home_shards
+
     def _shard_order(self) -> list[int]:
         """All shards, starting at the next one in rotation."""
         n = self.keys.queue_shards
         first, self._next_shard = self._next_shard, (self._next_shard + 1) % n
         return [(first + i) % n for i in range(n)]
+
+    def _read_order(self) -> list[tuple[int, int]]:
+        """(shard, minimum entry age in ms) in the order a fill reads them: home shards first
+        (any age), then the others (entries that waited steal_after_ms), each group in
+        rotation. Without homes: every shard, any age."""
+        order = self._shard_order()
+        if not self.uses_homes:
+            return [(shard, 0) for shard in order]
+        homes = set(self.home_shards)
+        return ([(shard, 0) for shard in order if shard in homes]
+                + [(shard, self.steal_after_ms) for shard in order if shard not in homes])
 
     def ensure_groups(self) -> None:
         for script in (self._start_attempt, self._publish, self._publish_step,
@@ -140,19 +181,20 @@ class WorkerProtocol:
 
     def read_batch(self, budget_tokens: int, max_requests: int) -> Admission:
         """Take up to `max_requests` new requests whose prompts together fit `budget_tokens`,
-        highest priority first, with one READ_IF_FITS call per shard visited: shards in
-        rotation, until `max_requests` are taken. A shard stops at its first request that does
+        highest priority first, with one READ_IF_FITS call per shard visited: home shards, then
+        the others' entries that waited `steal_after_ms` (`_read_order`), until `max_requests`
+        are taken. A shard stops at its first request that does
         not fit what is left of the budget (it stays queued, head of line); `too_large` names the
         first such request when nothing at all was taken."""
         deliveries: list[Delivery] = []
         too_large = None
-        for shard in self._shard_order():
+        for shard, min_age_ms in self._read_order():
             want = max_requests - len(deliveries)
             if want <= 0:
                 break
             streams = self.keys.queues(self.model, shard)
             call = scripts.read_if_fits(streams, self.keys.group, self.worker_id, budget_tokens,
-                                        want)
+                                        want, min_age_ms)
             reply = self._read_if_fits(keys=call.keys, args=call.args)
             for i in range(2, len(reply), 3):
                 flat = reply[i + 2]
@@ -319,3 +361,5 @@ class WorkerProtocol:
 
     def remove_heartbeat(self) -> None:
         self.client.delete(self.keys.worker(self.worker_id))
+        if self.uses_homes and self._roster_ttl_s:
+            self.update_roster(self._roster_ttl_s, join=False)

@@ -153,6 +153,9 @@ class WorkerService:
             return
         admission = self.protocol.read_batch(budget_tokens, want)
         if admission.deliveries:
+            if self.protocol.uses_homes:
+                self.metrics.stolen(sum(not self.protocol.from_home(d)
+                                        for d in admission.deliveries))
             self._start_many(admission.deliveries)
         elif admission.too_large is None and block and not self.inflight:
             self._wait_for_work()
@@ -172,6 +175,8 @@ class WorkerService:
             if delivery:
                 break
         if delivery is not None:  # the pool is idle: whatever fits at all fits now
+            if self.protocol.uses_homes and not self.protocol.from_home(delivery):
+                self.metrics.stolen(1)
             self._start(delivery)
 
     def _claim_orphans(self) -> None:
@@ -337,6 +342,8 @@ class WorkerService:
             entries = {stream: sorted(ids) for stream, ids in self._held_entries.items() if ids}
         self.protocol.heartbeat(beat, self.settings.heartbeat_ttl_s)
         self.protocol.refresh_pending(entries)
+        if self.protocol.uses_homes:  # this worker's place among the live ones: its home shards
+            self.protocol.update_roster(self.settings.heartbeat_ttl_s)
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -16,7 +16,7 @@ records through their `encode`/`decode` (hash or stream fields) and messages thr
     api_keys.py       ApiKeyRecord
     batch.py          BatchStatus, FileRecord, BatchRecord
     lua.py            LuaScript, ScriptCall
-    scripts.py        ENQUEUE, READ_IF_FITS, START_ATTEMPT, PUBLISH, PUBLISH_STEP, RATE_LIMIT
+    scripts.py        ENQUEUE, READ_IF_FITS, START_ATTEMPT, PUBLISH, PUBLISH_STEP, ROSTER, RATE_LIMIT
     batch_scripts.py  TRANSITION, RECORD_RESULT, BEGIN_FINALIZE, RENEW_LEASE, RELEASE_LEASE
 """
 

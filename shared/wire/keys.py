@@ -8,13 +8,13 @@ slot is the CRC16 of its hash tag (the part inside `{...}`). So:
   per priority) carry one tag, `{model#n}`, chosen so that shard s of S falls in the s-th of S
   equal slot ranges: with S primaries owning equal ranges (as `redis-cli --cluster create` and
   shared/redis_cluster.py split them) each primary holds one shard. A request goes to the shard
-  its id hashes to (`shard_of`); every worker reads every shard.
+  whose range holds its own slot (`shard_of`), so its keys and its stream entry share a primary;
+  every worker reads every shard.
 The same names serve a single Redis, where tags are only part of the name.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -57,8 +57,22 @@ class Keys:
         return [q for shard in range(self.queue_shards) for q in self.queues(model, shard)]
 
     def shard_of(self, req_id: str) -> int:
-        """The stream shard a request is enqueued on (by its id: stable across retries)."""
-        return zlib.crc32(req_id.encode()) % self.queue_shards
+        """The stream shard a request is enqueued on, by its id (stable across retries): the
+        shard whose range of slots holds the request's own slot (`{req_id}`). The request's
+        keys then live on the primary that holds its stream shard, so a worker's admission of
+        one shard's entries (READ_IF_FITS, then their START_ATTEMPTs) talks to one node, and a
+        step's events of those requests go to that node too. Ids are random, so the shards
+        fill evenly."""
+        return shard_of_slot(key_slot(req_id.encode()), self.queue_shards)
+
+    def roster(self, model: str) -> str:
+        """Sorted set: the model's live workers, scored by when they joined (ROSTER): a worker's
+        rank there picks its home stream shards."""
+        return f"{self.prefix}{{{model}}}:roster"
+
+    def roster_seen(self, model: str) -> str:
+        """Sorted set: the same workers scored by when each was last seen (same slot)."""
+        return f"{self.prefix}{{{model}}}:roster:seen"
 
     def dead_letter(self, model: str) -> str:
         """Stream of requests delivered too many times (entries: DeadLetterEntry)."""
@@ -152,6 +166,12 @@ class Keys:
     def batches_by_time(self) -> str:
         """Sorted set: batch id -> creation time (GET /v1/batches lists it, newest first)."""
         return f"{self.prefix}batches:by-time"
+
+
+def shard_of_slot(slot: int, num_shards: int) -> int:
+    """The shard s whose range of slots, [s * NUM_SLOTS // S, (s + 1) * NUM_SLOTS // S), holds
+    `slot`: the ranges `shard_tag` and a cluster of S primaries with equal ranges use."""
+    return ((slot + 1) * num_shards - 1) // NUM_SLOTS
 
 
 @lru_cache(maxsize=4096)

@@ -72,13 +72,16 @@ READ_IF_FITS = LuaScript.build(
     variadic_keys=True,
     argv=["consumer group", "consumer (worker id)",
           "budget: the most prompt tokens the worker can admit now (summed over the entries "
-          "delivered)", "the most entries to deliver"],
+          "delivered)", "the most entries to deliver",
+          "minimum age, ms: only entries added at least this long ago (by this node's clock, "
+          "which stamped their ids) are looked at; 0 = every entry"],
     returns="{too-large stream index (1-based; 0: none), its head's prompt length (0: none), "
             "then for each entry delivered (XREADGROUP: pending for this consumer), in order: "
             "stream index, entry id, {field, value, ...}}. Entries are taken in priority order "
             "while they fit what is left of the budget; the first undelivered entry that does "
             "not fit ends the read and stays (head of line) for a worker with room. An entry "
-            "without a prompt length (an older writer) counts as fitting.",
+            "without a prompt length (an older writer) counts as fitting. Younger entries "
+            "than the minimum age are left as if absent.",
     names=NAMES,
     source="""
 local function last_delivered(stream, group)
@@ -94,6 +97,12 @@ local function last_delivered(stream, group)
 end
 
 local budget, want = tonumber(ARGV[3]), tonumber(ARGV[4])
+local newest = '+'
+if tonumber(ARGV[5]) > 0 then
+  local now = redis.call('TIME')
+  newest = tostring(tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+                    - tonumber(ARGV[5]))
+end
 local out = {0, 0}
 for i, stream in ipairs(KEYS) do
   if want <= 0 then break end
@@ -103,7 +112,7 @@ for i, stream in ipairs(KEYS) do
     local start = '-'
     if last ~= '0-0' then start = '(' .. last end
     local fit = 0
-    for _, entry in ipairs(redis.call('XRANGE', stream, start, '+', 'COUNT', want)) do
+    for _, entry in ipairs(redis.call('XRANGE', stream, start, newest, 'COUNT', want)) do
       local fields, prompt_len = entry[2], 0
       for j = 1, #fields, 2 do
         if fields[j] == '${entry_prompt_len}' then prompt_len = tonumber(fields[j + 1]) or 0 end
@@ -134,8 +143,61 @@ return out
 
 
 def read_if_fits(streams: list[str], group: str, consumer: str, budget_tokens: int,
-                 max_entries: int = 1) -> ScriptCall:
-    return READ_IF_FITS.bind(streams, [group, consumer, budget_tokens, max_entries])
+                 max_entries: int = 1, min_age_ms: int = 0) -> ScriptCall:
+    return READ_IF_FITS.bind(streams, [group, consumer, budget_tokens, max_entries, min_age_ms])
+
+
+ROSTER = LuaScript.build(
+    "roster",
+    keys=["the model's workers by the time they joined (Keys.roster)",
+          "the model's workers by the time they were last seen (Keys.roster_seen)"],
+    argv=["worker id", "how long a worker not seen stays on the roster, ms",
+          "1 to join (or stay), 0 to leave"],
+    returns="{this worker's index among the workers on the roster (0-based, in order of "
+            "joining; -1 after leaving), how many workers are on it}. Workers not seen for the "
+            "given time are dropped first, so an index is a live worker's and a worker keeps its "
+            "index until one that joined before it leaves.",
+    source="""
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ms - tonumber(ARGV[2]))) do
+  redis.call('ZREM', KEYS[1], gone)
+  redis.call('ZREM', KEYS[2], gone)
+end
+if ARGV[3] == '1' then
+  redis.call('ZADD', KEYS[1], 'NX', ms, ARGV[1])
+  redis.call('ZADD', KEYS[2], ms, ARGV[1])
+else
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+end
+local count = redis.call('ZCARD', KEYS[1])
+if count == 0 then
+  redis.call('DEL', KEYS[1], KEYS[2])
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+end
+local index = redis.call('ZRANK', KEYS[1], ARGV[1])
+return {index or -1, count}
+""")
+
+
+def roster(keys: Keys, model: str, worker_id: str, ttl_ms: int, join: bool = True) -> ScriptCall:
+    return ROSTER.bind([keys.roster(model), keys.roster_seen(model)],
+                       [worker_id, ttl_ms, 1 if join else 0])
+
+
+def home_shards(index: int, count: int, shards: int) -> tuple[int, ...]:
+    """The stream shards a worker reads first: with at least as many workers as shards, shard
+    `index % shards` (each shard gets count // shards or one more workers); with fewer, every
+    shard s with `s % count == index` (each worker gets one or more shards, every shard one
+    worker). Every shard while the worker's place is unknown (index < 0)."""
+    if shards <= 1 or index < 0 or count <= 0:
+        return tuple(range(shards))
+    if count >= shards:
+        return (index % shards,)
+    return tuple(s for s in range(shards) if s % count == index % count)
 
 
 START_ATTEMPT = LuaScript.build(
@@ -166,20 +228,18 @@ def start_attempt(keys: Keys, req_id: str, worker_id: str) -> ScriptCall:
                               [worker_id, RequestStatus.RUNNING.value, *FINISHED])
 
 
-# One request's publication once its attempt was checked: append the new tokens to the
-# checkpoint (renewing its TTL), publish the event, and on the final event record the status.
+# One request's publication once its attempt was checked: write the new tokens into the checkpoint
+# at their offset, publish the event, and on the final event record the status. Three commands per
+# event (HGET of the attempt, SETRANGE, PUBLISH): the checkpoint's TTL is set when its first tokens
+# are written (offset 0) and renewed on the final event; in between it cannot end before the
+# request's hash, whose TTL runs from the enqueue and is not renewed either.
 _PUBLISH_ONE = """
 local function publish_one(hash, ckpt, channel, event, new_tokens, final, ttl, command, offset)
   if new_tokens ~= '' then
     -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
-    -- it, another did not answer) appends only the bytes the checkpoint does not hold yet
-    local have = redis.call('STRLEN', ckpt) - tonumber(offset)
-    if have <= 0 then
-      redis.call('APPEND', ckpt, new_tokens)
-    elseif have < string.len(new_tokens) then
-      redis.call('APPEND', ckpt, string.sub(new_tokens, have + 1))
-    end
-    redis.call('EXPIRE', ckpt, ttl)
+    -- it, another did not answer) writes the same bytes at the same offset again
+    redis.call('SETRANGE', ckpt, offset, new_tokens)
+    if tonumber(offset) == 0 then redis.call('EXPIRE', ckpt, ttl) end
   end
   redis.call(command, channel, event)
   if final ~= '' then
@@ -197,7 +257,8 @@ PUBLISH = LuaScript.build(
     argv=["attempt (fencing token)", "the packed event (TokenEvent.pack)",
           "new tokens for the checkpoint (encode_checkpoint; '' for none)",
           "final status ('' while running)",
-          "TTL, s: the checkpoint's on every append; hash and checkpoint's once final",
+          "TTL, s: the checkpoint's when its first tokens are written; hash and checkpoint's "
+          "once final",
           "publish command: PUBLISH (single Redis) or SPUBLISH (cluster: the channel's shard)",
           "checkpoint offset of the first new token, bytes (seq x TOKEN_BYTES)"],
     returns="1 when written and published; 0 when the attempt is stale (nothing written: the "

@@ -1,6 +1,7 @@
 """The worker's per-step script calls on a Redis Cluster go through each node's own plain
 connection: no COMMAND GETKEYS (redis-py's cluster pipeline sends one per EVALSHA); a step's
-publications are one PUBLISH_STEP call per node (one call in all on a single Redis); a call that
+publications are one PUBLISH_STEP call per node (one call in all on a single Redis, three
+commands per event inside it once the first tokens are written); a call that
 reaches the wrong node (a stale slot map) or a node without the script still runs exactly once."""
 
 from __future__ import annotations
@@ -176,6 +177,17 @@ def test_a_step_on_a_single_redis_is_one_call(redis_server):
         assert stats["cmdstat_evalsha"]["calls"] == 1
         assert stats["cmdstat_publish"]["calls"] == len(REQS)
         assert all(decode_checkpoint(client.get(KEYS.checkpoint(r))) == [5] for r in REQS)
+        # a later step: three commands per event (attempt check, checkpoint write, publish)
+        calls = [scripts.publish(KEYS, req_id, 1, TokenEvent(seq=1, attempt=1, token_ids=[6]),
+                                 None, ttl_s=30, sharded=False) for req_id in REQS]
+        client.config_resetstat()
+        assert run_per_node(client, step, scripts.PUBLISH.register(client),
+                            calls) == [1] * len(REQS)
+        inner = {name.removeprefix("cmdstat_"): stat["calls"]
+                 for name, stat in client.info("commandstats").items()
+                 if name not in ("cmdstat_evalsha", "cmdstat_config|resetstat")}
+        assert inner == {"hget": len(REQS), "setrange": len(REQS), "publish": len(REQS)}
+        assert all(decode_checkpoint(client.get(KEYS.checkpoint(r))) == [5, 6] for r in REQS)
     finally:
         client.close()
         redis_server.flush()

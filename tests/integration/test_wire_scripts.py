@@ -1,8 +1,10 @@
 """The wire contract's request scripts against a real Redis and a real Redis Cluster: the
-one-round-trip admission (READ_IF_FITS), the enqueue's stream entry, the checkpoint's TTL on every
-append, and a finished request that a claimer only acks."""
+one-round-trip admission (READ_IF_FITS), the enqueue's stream entry, the checkpoint's TTL from its
+first tokens, and a finished request that a claimer only acks."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import redis
@@ -123,7 +125,7 @@ def test_entries_read_before_stay_with_their_reader(redis_client):
     assert delivered(read_if_fits(redis_client, budget=10, count=5)) == [(1, "b")]
 
 
-def test_the_checkpoint_gets_its_ttl_on_every_append(redis_client):
+def test_the_checkpoint_gets_its_ttl_with_its_first_tokens(redis_client):
     req_id = "r"
     redis_client.hset(KEYS.request(req_id), "attempt", 1)
     publish = scripts.PUBLISH.register(redis_client)
@@ -193,3 +195,16 @@ def test_a_retried_publication_appends_its_tokens_once(redis_client):
                               None, ttl_s=30, sharded=sharded)
     assert publish(keys=overlap.keys, args=overlap.args) == 1
     assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [1, 2, 3, 4, 5]
+
+
+def test_entries_younger_than_the_minimum_age_are_left_for_later(redis_client):
+    groups(redis_client)
+    enqueue(redis_client, request("young", 1))
+    script = scripts.READ_IF_FITS.register(redis_client)
+    aged = scripts.read_if_fits(KEYS.queues(MODEL), KEYS.group, "w1", 10, 5, min_age_ms=300)
+    assert delivered(script(keys=aged.keys, args=aged.args)) == []
+    assert pending(redis_client, KEYS.queue(MODEL)) == 0
+    time.sleep(0.35)
+    assert delivered(script(keys=aged.keys, args=aged.args)) == [(1, "young")]
+    enqueue(redis_client, request("fresh", 1))
+    assert delivered(read_if_fits(redis_client, budget=10, count=5)) == [(1, "fresh")]  # age 0

@@ -244,3 +244,43 @@ def test_a_batch_read_leaves_a_request_that_does_not_fit_at_the_head(redis_clien
     assert [d.request.req_id for d in admission.deliveries] == ["a"]
     assert protocol.read_batch(8, 10).too_large == TooLarge(protocol.keys.queue(MODEL), 10)
     assert [d.request.req_id for d in protocol.read_batch(11, 10).deliveries] == ["big", "c"]
+
+
+def test_workers_read_their_home_shards_first_and_others_only_once_entries_waited(redis_client):
+    keys = Keys(queue_shards=3)
+    workers = [make(redis_client, f"w{i}", keys) for i in range(2)]
+    for worker in workers:
+        worker.steal_after_ms = 400
+    assert [w.update_roster(5) for w in workers] == [(0, 1, 2), (1,)]  # w0 was alone at first
+    assert [w.update_roster(5) for w in workers] == [(0, 2), (1,)]  # fewer workers than shards
+    ids = [f"h-{i}" for i in range(30)]
+    for req_id in ids:
+        enqueue(redis_client, keys, req_id)
+    first = workers[0].read_batch(1000, 100).deliveries
+    assert sorted(d.request.req_id for d in first) == sorted(
+        r for r in ids if keys.shard_of(r) in (0, 2))
+    assert all(workers[0].from_home(d) for d in first)
+    assert workers[1].read_batch(1000, 100).deliveries != []  # its home shard: at once
+    enqueue(redis_client, keys, "late", prompt=(1,))
+    late_shard = keys.shard_of("late")
+    stranger = workers[1] if late_shard in (0, 2) else workers[0]
+    assert stranger.read_batch(1000, 100).deliveries == []  # a young entry of another's shard
+    time.sleep(0.45)
+    taken = stranger.read_batch(1000, 100).deliveries  # it waited: any worker with room takes it
+    assert [d.request.req_id for d in taken] == ["late"] and not stranger.from_home(taken[0])
+
+
+def test_the_roster_places_workers_in_order_of_joining_and_drops_the_silent(redis_client):
+    keys = Keys(queue_shards=3)
+    workers = [make(redis_client, f"r{i}", keys) for i in range(4)]
+    for worker in workers:
+        worker.update_roster(5)
+    homes = [w.update_roster(5) for w in workers]
+    assert homes == [(0,), (1,), (2,), (0,)]  # every shard has a home worker
+    assert workers[0].update_roster(5) == (0,)  # staying keeps the place
+    workers[0].steal_after_ms = 50
+    workers[0].remove_heartbeat()  # a worker that stops leaves the roster
+    assert [w.update_roster(5) for w in workers[1:]] == [(0,), (1,), (2,)]
+    time.sleep(0.3)
+    assert workers[3].update_roster(0.2) == (0, 1, 2)  # the others fell silent: dropped
+    assert redis_client.zcard(keys.roster(MODEL)) == 1

@@ -45,8 +45,9 @@ class Client:
         self.pubsub = None
         self.events: dict[str, list[TokenEvent]] = {}
 
-    def send(self, prompt, params: SamplingParams, deadline: float | None = None) -> str:
-        req_id = f"r-{uuid.uuid4().hex[:8]}"
+    def send(self, prompt, params: SamplingParams, deadline: float | None = None,
+             req_id: str | None = None) -> str:
+        req_id = req_id or f"r-{uuid.uuid4().hex[:8]}"
         if self.pubsub is None:
             self.pubsub = subscribe(self.redis, self.keys.tokens(req_id))
         elif is_cluster(self.redis):
@@ -90,7 +91,8 @@ def make_service(redis_url: str, tiny: TinyModel, worker_id: str, **settings) ->
                               heartbeat_ttl_s=settings.pop("heartbeat_ttl_s", 0.3),
                               heartbeat_interval_s=0.05, read_block_ms=10, **settings)
     client = connect(redis_url)
-    protocol = WorkerProtocol(client, fleet_keys(client), MODEL, worker_id, result_ttl_s=60)
+    protocol = WorkerProtocol(client, fleet_keys(client), MODEL, worker_id, result_ttl_s=60,
+                              steal_after_ms=settings.steal_after_ms)
     engine = tiny.engine(num_blocks=64, block_size=4)
     service = WorkerService(settings, engine, client, protocol)
     service.connect()
@@ -124,6 +126,30 @@ def test_serves_a_request_token_for_token_like_generate(redis_url, client, tiny)
     text = worker.metrics.render().decode()
     assert 'kvfleet_worker_output_tokens_total{model="tiny",worker="w1"} 12.0' in text
     assert 'outcome="length"' in text
+
+
+def test_an_idle_worker_serves_a_request_of_another_workers_home_shard_at_once(redis_url,
+                                                                              client, tiny):
+    """Home shards (several stream shards: the cluster here) only order a busy worker's reads:
+    an idle worker takes a request from any shard without waiting --steal-after-ms."""
+    idle = make_service(redis_url, tiny, "w-idle", steal_after_ms=60_000)
+    other = make_service(redis_url, tiny, "w-other", steal_after_ms=60_000)
+    idle._beat()  # both on the roster: the first to join gets shards 0 and 2, the other 1
+    keys = client.keys
+    foreign = [s for s in range(keys.queue_shards) if s not in idle.protocol.home_shards]
+    assert foreign == ([1] if idle.protocol.uses_homes else [])
+    assert other.protocol.home_shards == ((1,) if idle.protocol.uses_homes else (0,))
+    shard = foreign[0] if foreign else 0
+    req_id = next(r for r in (f"r-{i}" for i in range(1000)) if keys.shard_of(r) == shard)
+    prompt = random_prompt(5, seed=3)
+    client.send(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                req_id=req_id)
+    started = time.monotonic()
+    run_until(idle, lambda: client.final(req_id), max_iterations=50)
+    assert time.monotonic() - started < 30  # not held back the 60 s a busy worker waits
+    assert client.text(req_id) == tiny.reference(prompt, 4)
+    stolen = 'kvfleet_worker_requests_stolen_total{model="tiny",worker="w-idle"} '
+    assert stolen + ("1.0" if foreign else "0.0") in idle.metrics.render().decode()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
