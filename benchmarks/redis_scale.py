@@ -80,8 +80,10 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
         if len(inflight) < running:  # as the worker service admits: one read, one start
             deliveries = protocol.read_batch(1_000_000, running - len(inflight)).deliveries
             if not deliveries and not inflight:  # idle: any entry at once, as the service does
-                deliveries = [d for d in (protocol.read_new(stream, None)
-                                          for stream in protocol.blocking_streams()) if d][:1]
+                for stream in protocol.blocking_streams():
+                    if (delivery := protocol.read_new(stream, None)) is not None:
+                        deliveries = [delivery]
+                        break
             stolen += sum(not protocol.from_home(d) for d in deliveries)
             if deliveries:
                 starts = protocol.start_attempts([d.request.req_id for d in deliveries])
