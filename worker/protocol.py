@@ -118,6 +118,7 @@ class WorkerProtocol:
         self.steal_after_ms = steal_after_ms
         self.home_shards: tuple[int, ...] = tuple(range(keys.queue_shards))
         self._roster_ttl_s = 0.0  # the TTL of the last update_roster (0: not on the roster)
+        self._foreign_read_at: dict[int, float] = {}  # shard -> when a fill last read it
         self._stream_shard = {stream: shard for shard in range(keys.queue_shards)
                               for stream in keys.queues(model, shard)}
 
@@ -152,14 +153,23 @@ class WorkerProtocol:
 
     def _read_order(self) -> list[tuple[int, int]]:
         """(shard, minimum entry age in ms) in the order a fill reads them: home shards first
-        (any age), then the others (entries that waited steal_after_ms), each group in
-        rotation. Without homes: every shard, any age."""
+        (any age), then the others (entries that waited steal_after_ms) that no fill read in
+        the last steal_after_ms / 2, each group in rotation. Without homes: every shard, any
+        age."""
         order = self._shard_order()
         if not self.uses_homes:
             return [(shard, 0) for shard in order]
         homes = set(self.home_shards)
+        # A shard that is not home gives only entries older than steal_after_ms, so reading it
+        # more often than every half of that finds nothing new to take: at most 1.5 x
+        # steal_after_ms of waiting, and a busy worker's fill reads its home shards only.
+        now = time.monotonic()
+        due = [shard for shard in order if shard not in homes
+               and now - self._foreign_read_at.get(shard, -1e9) >= self.steal_after_ms / 2000]
+        for shard in due:
+            self._foreign_read_at[shard] = now
         return ([(shard, 0) for shard in order if shard in homes]
-                + [(shard, self.steal_after_ms) for shard in order if shard not in homes])
+                + [(shard, self.steal_after_ms) for shard in due])
 
     def ensure_groups(self) -> None:
         for script in (self._start_attempt, self._publish, self._publish_step,

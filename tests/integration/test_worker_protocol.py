@@ -284,3 +284,25 @@ def test_the_roster_places_workers_in_order_of_joining_and_drops_the_silent(redi
     time.sleep(0.3)
     assert workers[3].update_roster(0.2) == (0, 1, 2)  # the others fell silent: dropped
     assert redis_client.zcard(keys.roster(MODEL)) == 1
+
+
+def test_a_busy_worker_reads_other_shards_at_most_every_half_steal_delay(redis_server):
+    """Entries of a shard that is not home are taken only once they waited steal_after_ms, so a
+    fill reads such a shard only if no fill did in the last half of that: back-to-back fills
+    read the home shard alone."""
+    redis_server.flush()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        protocol = make(client, keys=Keys(queue_shards=3))
+        protocol.steal_after_ms, protocol.home_shards = 400, (0,)
+        client.config_resetstat()
+        for _ in range(3):
+            assert protocol.read_batch(100, 10).deliveries == []
+        reads = client.info("commandstats")["cmdstat_xinfo|groups"]["calls"]
+        assert reads == 2 * 3 + 2 + 2  # 2 streams a shard: all 3 shards, then home alone twice
+        time.sleep(0.25)
+        protocol.read_batch(100, 10)
+        assert client.info("commandstats")["cmdstat_xinfo|groups"]["calls"] == reads + 2 * 3
+    finally:
+        client.close()
+        redis_server.flush()
