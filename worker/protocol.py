@@ -173,7 +173,7 @@ class WorkerProtocol:
 
     def ensure_groups(self) -> None:
         for script in (self._start_attempt, self._publish, self._publish_step,
-                       self._read_if_fits):
+                       self._read_if_fits, self._roster):
             self.client.script_load(script.script)  # every primary of a cluster
         for stream in self.streams:
             try:
