@@ -294,15 +294,24 @@ def test_a_busy_worker_reads_other_shards_at_most_every_half_steal_delay(redis_s
     client = redis.Redis.from_url(redis_server.url)
     try:
         protocol = make(client, keys=Keys(queue_shards=3))
-        protocol.steal_after_ms, protocol.home_shards = 400, (0,)
-        client.config_resetstat()
+        protocol.steal_after_ms, protocol.home_shards = 1000, (0,)
+        # This protocol's own READ_IF_FITS calls, by the shard read: the server's command
+        # counts would also hold any other client's.
+        script, shards_read = protocol._read_if_fits, []
+
+        def recording(keys, args):
+            shards_read.append(next(shard for shard in range(3)
+                                    if keys[0] in protocol.keys.queues(MODEL, shard)))
+            return script(keys=keys, args=args)
+
+        protocol._read_if_fits = recording
         for _ in range(3):
             assert protocol.read_batch(100, 10).deliveries == []
-        reads = client.info("commandstats")["cmdstat_xinfo|groups"]["calls"]
-        assert reads == 2 * 3 + 2 + 2  # 2 streams a shard: all 3 shards, then home alone twice
-        time.sleep(0.25)
+        assert sorted(shards_read[:3]) == [0, 1, 2] and shards_read[0] == 0
+        assert shards_read[3:] == [0, 0]  # then the home shard alone
+        time.sleep(0.55)
         protocol.read_batch(100, 10)
-        assert client.info("commandstats")["cmdstat_xinfo|groups"]["calls"] == reads + 2 * 3
+        assert shards_read[5] == 0 and sorted(shards_read[5:]) == [0, 1, 2]
     finally:
         client.close()
         redis_server.flush()
