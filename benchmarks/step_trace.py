@@ -29,13 +29,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size,
+                   help="tokens per KV block")
     p.add_argument("--bucket", type=int, default=8, help="decode batch sizes per table row")
     args = p.parse_args(argv)
     path = resolve_model_path(DEFAULT_MODEL)
     requests = load_requests(WORKLOAD, args.num_requests, load_tokenizer(path))
     engine = Engine.from_pretrained(path, EngineConfig(
         device="cpu", dtype=args.dtype, max_batched_tokens=args.max_batched_tokens,
-        max_running=args.max_running))
+        max_running=args.max_running, block_size=args.block_size))
     for i, r in enumerate(requests):
         engine.add_request(f"t{i}", r.prompt, greedy(r.max_tokens))
     prefill_steps, prefill_s = 0, 0.0
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
             decode[bucket][1] += seconds
     total = time.perf_counter() - start
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} threads; dtype "
-          f"{engine.dtype}; attention {engine.attention_backend}; {args.num_requests} requests, "
+          f"{engine.dtype}; attention {engine.attention_backend}; blocks of {args.block_size}; {args.num_requests} requests, "
           f"{sum(r.max_tokens for r in requests)} output tokens in {total:.1f} s")
     print("| steps | count | seconds | share of the run | ms per step |")
     print("|---|---:|---:|---:|---:|")

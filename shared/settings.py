@@ -127,7 +127,7 @@ class WorkerSettings(CommonSettings):
     # ranks (processes, one device each: cuda:0..N-1, or CPU with gloo) the model is split over;
     # kv_memory, swap_space and gpu_memory_utilization are per rank
     tensor_parallel_size: int = Field(default=1, ge=1)
-    block_size: int = 16
+    block_size: int | None = Field(default=None, ge=1)  # None: 64 for bf16 K/V on the CPU kernel, else 16
     max_batched_tokens: int = 512
     max_running: int = 64
     enable_prefix_caching: bool = True

@@ -14,13 +14,16 @@ from worker.engine.kv_cache import KVCachePool, KVLayout
 from worker.engine.kv_format import resolve_kv_format
 
 CPU = torch.device("cpu")
-# the default model's shape: 3 query heads per KV head, head_dim 64, blocks of 16; ragged contexts
-# across several blocks, some ending exactly on a block boundary
-DEFAULT_SHAPE_DECODES = [ChunkSpec(n, 1) for n in (0, 15, 16, 31, 47, 130, 255, 300)]
+# the default model's shape: 3 query heads per KV head, head_dim 64, blocks of 16 (float32) and
+# 64 (bf16's default); ragged contexts across several blocks, some ending exactly on a block
+# boundary
+DEFAULT_SHAPE_DECODES = [ChunkSpec(n, 1) for n in (0, 15, 16, 31, 47, 63, 64, 130, 255, 300)]
 DEFAULT_SHAPE = {
     "fp32-default-shape": PagedCase("fp32", 3, 64, DEFAULT_SHAPE_DECODES, block_size=16, seed=11),
-    "bf16-default-shape": PagedCase("bf16", 3, 64, DEFAULT_SHAPE_DECODES, block_size=16,
+    "bf16-default-shape": PagedCase("bf16", 3, 64, DEFAULT_SHAPE_DECODES, block_size=64,
                                     model_dtype=torch.bfloat16, seed=12),
+    "bf16-default-shape-bs16": PagedCase("bf16", 3, 64, DEFAULT_SHAPE_DECODES, block_size=16,
+                                         model_dtype=torch.bfloat16, seed=13),
 }
 # bf16 K/V on a CPU with AVX512-BF16 take the kernel's pair-dot-product path: every group size it
 # specialises (1, 2, 3, 4 and remainders, more than 8 query heads per KV head), both head dims,

@@ -33,7 +33,9 @@ def test_greedy_equals_hf_generate_on_the_default_model():
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
             expected.append(out[0, len(prompt):].tolist())
-    engine = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype="float32", num_blocks=64),
+    # blocks of 16: the shared system prompt (~30 tokens) fills one, which the later prompts reuse
+    engine = Engine.from_pretrained(path, EngineConfig(device="cpu", dtype="float32", num_blocks=64,
+                                                       block_size=16),
                                     tokenizer=tokenizer)
     # the first alone, then two batched together that find its system-prompt blocks cached
     assert engine.generate(prompts[:1], greedy(20)) + engine.generate(prompts[1:], greedy(20)) == expected

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from worker.engine.device import (
-    DeviceFailure, is_sticky_device_error, place_model, resolve_attention_backend)
+    CPU_BF16_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, DeviceFailure, is_sticky_device_error, place_model,
+    resolve_attention_backend, resolve_block_size)
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVLayout
 from worker.engine.kv_format import resolve_kv_format
@@ -117,6 +118,28 @@ def test_attention_backend_and_graph_settings():
         EngineConfig(attention_backend="flash")
     with pytest.raises(ValueError):
         EngineConfig(cuda_graphs="always")
+
+
+def test_the_block_size_is_64_for_bf16_on_the_cpu_kernel_and_16_elsewhere_unless_set(tiny_llama):
+    bf16, fp32, codes = torch.bfloat16, torch.float32, torch.uint8
+    assert (CPU_BF16_BLOCK_SIZE, DEFAULT_BLOCK_SIZE) == (64, 16)
+    assert resolve_block_size(None, "cpu", bf16, bf16) == 64
+    assert resolve_block_size(None, "cpu", fp32, fp32) == 16
+    assert resolve_block_size(None, "cpu", bf16, codes) == 16  # an 8-bit pool: gather + SDPA
+    assert resolve_block_size(None, "cpu", fp32, bf16) == 16  # K/V not in the model's dtype
+    assert resolve_block_size(None, "sdpa", bf16, bf16) == 16
+    assert resolve_block_size(None, "triton", bf16, bf16) == 16
+    assert resolve_block_size(8, "cpu", bf16, bf16) == 8
+    with pytest.raises(ValueError):
+        EngineConfig(block_size=0)
+    for dtype, backend, size in (("bfloat16", "cpu", 64), ("float32", "cpu", 16),
+                                 ("bfloat16", "sdpa", 16)):
+        engine = tiny_llama.engine(block_size=None, attention_backend=backend, dtype=dtype)
+        assert engine.config.block_size == engine.pool.block_size == size
+        assert engine.block_manager.block_size == size
+        if dtype == "float32":  # greedy equal to HF generate in float32
+            prompt = random_prompt(size + 3, seed=5)  # one full block and a part of the next
+            assert engine.generate([prompt], greedy(4)) == [tiny_llama.reference(prompt, 4)]
 
 
 @pytest.mark.parametrize("max_batched_tokens, max_running", [(96, 8), (16, 64)])

@@ -13,7 +13,9 @@ from worker.engine.preemption import PREEMPTION_MODES
 
 @dataclass
 class EngineConfig:
-    block_size: int = 16  # tokens per KV block
+    # tokens per KV block; None = auto: 64 for a bf16 pool read by the C++ CPU attention kernel,
+    # else 16 (device.resolve_block_size)
+    block_size: int | None = None
     num_blocks: int | None = None  # explicit pool size (tests); else from the memory budget
     kv_memory_bytes: int = 1 << 30  # KV budget on CPU
     gpu_memory_utilization: float = 0.9  # fraction of free device memory (after weights) for KV
@@ -34,7 +36,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")

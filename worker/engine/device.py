@@ -10,6 +10,14 @@ from worker.engine import cpu_attention
 from worker.engine.triton_attention import interpreting, triton_available
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu", "triton")
+# Tokens per KV block by default. The C++ CPU decode kernel reads a bf16 pool page by page, and a
+# page of 16 rows of one KV head (2 KB) is too short for the CPU's prefetchers: once a
+# long-running pool's free blocks are in no order, every page start waits on memory. Pages of 64
+# rows measured 8-13% faster bf16 decode steps at 32-64 streams; its float32 path measured 12%
+# slower with them (docs/BENCHMARKS.md, "KV blocks of 64 tokens for the bf16 CPU kernel").
+# Everywhere else (float32 pools, 8-bit pools, Triton on CUDA, gather + SDPA) 16.
+CPU_BF16_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SIZE = 16
 
 # Messages of errors after which a CUDA context cannot run anything again (older torch raises
 # them as plain RuntimeError; newer ones as torch.AcceleratorError).
@@ -57,6 +65,18 @@ def place_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
         owner = model.get_submodule(owner_name) if owner_name else model
         owner._buffers[attr] = buf.to(device)
     return model
+
+
+def resolve_block_size(block_size: int | None, attention_backend: str, dtype: torch.dtype,
+                       kv_storage: torch.dtype) -> int:
+    """The KV block size: the one configured, else the default for the resolved attention
+    backend, the model's dtype and the pool's element type (`kv_storage`: uint8 for 8-bit
+    formats; the CPU kernel reads a pool of the model's own dtype only)."""
+    if block_size is not None:
+        return block_size
+    if attention_backend == "cpu" and kv_storage == dtype == torch.bfloat16:
+        return CPU_BF16_BLOCK_SIZE
+    return DEFAULT_BLOCK_SIZE
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

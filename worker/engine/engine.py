@@ -14,7 +14,8 @@ from worker.engine.config import EngineConfig
 from shared.cpu_features import cpu_features
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.device import (
-    DeviceFailure, is_sticky_device_error, place_model, resolve_attention_backend, select_device)
+    DeviceFailure, is_sticky_device_error, place_model, resolve_attention_backend,
+    resolve_block_size, select_device)
 from worker.engine.kv_cache import (
     HostBlocks, KVCachePool, KVLayout, format_bytes, plan_budget, resolve_device, resolve_dtype)
 from worker.engine.kv_format import resolve_kv_format
@@ -130,6 +131,9 @@ class Engine:
         self.max_model_len = max_model_len_of(model.config)
         self.kv_format = layout.kv_format
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        config = self.config = replace(
+            config, block_size=resolve_block_size(config.block_size, self.attention_backend,
+                                                  self.dtype, layout.kv_format.storage))
         graphs_mode = self._graphs_mode()
         step_peak_bytes = 0
         if self.device.type == "cuda" and config.num_blocks is None:
