@@ -201,10 +201,10 @@ def test_entries_younger_than_the_minimum_age_are_left_for_later(redis_client):
     groups(redis_client)
     enqueue(redis_client, request("young", 1))
     script = scripts.READ_IF_FITS.register(redis_client)
-    aged = scripts.read_if_fits(KEYS.queues(MODEL), KEYS.group, "w1", 10, 5, min_age_ms=300)
+    aged = scripts.read_if_fits(KEYS.queues(MODEL), KEYS.group, "w1", 10, 5, min_age_ms=1000)
     assert delivered(script(keys=aged.keys, args=aged.args)) == []
     assert pending(redis_client, KEYS.queue(MODEL)) == 0
-    time.sleep(0.35)
+    time.sleep(1.05)
     assert delivered(script(keys=aged.keys, args=aged.args)) == [(1, "young")]
     enqueue(redis_client, request("fresh", 1))
     assert delivered(read_if_fits(redis_client, budget=10, count=5)) == [(1, "fresh")]  # age 0

@@ -250,7 +250,7 @@ def test_workers_read_their_home_shards_first_and_others_only_once_entries_waite
     keys = Keys(queue_shards=3)
     workers = [make(redis_client, f"w{i}", keys) for i in range(2)]
     for worker in workers:
-        worker.steal_after_ms = 400
+        worker.steal_after_ms = 1000  # far above any pause of a slow machine between two calls
     assert [w.update_roster(5) for w in workers] == [(0, 1, 2), (1,)]  # w0 was alone at first
     assert [w.update_roster(5) for w in workers] == [(0, 2), (1,)]  # fewer workers than shards
     ids = [f"h-{i}" for i in range(30)]
@@ -265,7 +265,7 @@ def test_workers_read_their_home_shards_first_and_others_only_once_entries_waite
     late_shard = keys.shard_of("late")
     stranger = workers[1] if late_shard in (0, 2) else workers[0]
     assert stranger.read_batch(1000, 100).deliveries == []  # a young entry of another's shard
-    time.sleep(0.45)
+    time.sleep(1.05)
     taken = stranger.read_batch(1000, 100).deliveries  # it waited: any worker with room takes it
     assert [d.request.req_id for d in taken] == ["late"] and not stranger.from_home(taken[0])
 
