@@ -20,6 +20,9 @@ CPU = torch.device("cpu")
 DEFAULT_SHAPE_DECODES = [ChunkSpec(n, 1) for n in (0, 15, 16, 31, 47, 63, 64, 130, 255, 300)]
 DEFAULT_SHAPE = {
     "fp32-default-shape": PagedCase("fp32", 3, 64, DEFAULT_SHAPE_DECODES, block_size=16, seed=11),
+    # pages this long have the whole next page prefetched at once (kPrefetchWholePageRows)
+    "fp32-default-shape-bs64": PagedCase("fp32", 3, 64, DEFAULT_SHAPE_DECODES, block_size=64,
+                                         seed=14),
     "bf16-default-shape": PagedCase("bf16", 3, 64, DEFAULT_SHAPE_DECODES, block_size=64,
                                     model_dtype=torch.bfloat16, seed=12),
     "bf16-default-shape-bs16": PagedCase("bf16", 3, 64, DEFAULT_SHAPE_DECODES, block_size=16,

@@ -132,9 +132,9 @@ def test_the_block_size_is_64_for_bf16_on_the_cpu_kernel_and_16_elsewhere_unless
     assert resolve_block_size(8, "cpu", bf16, bf16) == 8
     with pytest.raises(ValueError):
         EngineConfig(block_size=0)
-    for dtype, backend, size in (("bfloat16", "cpu", 64), ("float32", "cpu", 16),
-                                 ("bfloat16", "sdpa", 16)):
-        engine = tiny_llama.engine(block_size=None, attention_backend=backend, dtype=dtype)
+    for dtype, backend, given, size in (("bfloat16", "cpu", None, 64), ("float32", "cpu", None, 16),
+                                        ("bfloat16", "sdpa", None, 16), ("float32", "cpu", 64, 64)):
+        engine = tiny_llama.engine(block_size=given, attention_backend=backend, dtype=dtype)
         assert engine.config.block_size == engine.pool.block_size == size
         assert engine.block_manager.block_size == size
         if dtype == "float32":  # greedy equal to HF generate in float32

@@ -46,6 +46,11 @@ inline void prefetch_page(const T* head, const int32_t* table, int ctx, int bs, 
     for (int j = 0; j < rows; ++j) prefetch_row(page + j * dim, dim);
 }
 
+// Pages of at least this many rows have the whole next page requested at once, at the start of
+// each page; shorter ones one row of it per row read (measured on float32 pages: per row was
+// faster with pages of 16 rows, at once with pages of 64).
+constexpr int kPrefetchWholePageRows = 32;
+
 // visit(t, row) for the rows t = 0 .. ctx-1 of one KV head, page by page through the block table
 // (no division per key), the next page's rows prefetched while this page is read.
 template <typename T, typename Visit>
@@ -54,6 +59,11 @@ inline void for_each_row(const T* head, const int32_t* table, int ctx, int bs, i
     for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
         const T* page = head + static_cast<int64_t>(table[b]) * bs * dim;
         const int n = std::min(bs, ctx - t0);
+        if (bs >= kPrefetchWholePageRows) {
+            prefetch_page(head, table, ctx, bs, dim, b + 1);
+            for (int j = 0; j < n; ++j) visit(t0 + j, page + j * dim);
+            continue;
+        }
         const int n_next = std::min(bs, ctx - t0 - bs);  // rows of the next page (<= 0: none)
         const T* next = n_next > 0 ? head + static_cast<int64_t>(table[b + 1]) * bs * dim : page;
         for (int j = 0; j < n; ++j) {

@@ -13,9 +13,10 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "cpu", "triton")
 # Tokens per KV block by default. The C++ CPU decode kernel reads a bf16 pool page by page, and a
 # page of 16 rows of one KV head (2 KB) is too short for the CPU's prefetchers: once a
 # long-running pool's free blocks are in no order, every page start waits on memory. Pages of 64
-# rows measured 8-13% faster bf16 decode steps at 32-64 streams; its float32 path measured 12%
-# slower with them (docs/BENCHMARKS.md, "KV blocks of 64 tokens for the bf16 CPU kernel").
-# Everywhere else (float32 pools, 8-bit pools, Triton on CUDA, gather + SDPA) 16.
+# rows measured 8-13% faster bf16 decode steps at 32-64 streams, float32 only 3% (docs/
+# BENCHMARKS.md, "KV blocks of 64 tokens for the bf16 CPU kernel"): too little for coarser prefix
+# reuse where float32 is the default (AVX2-only CPUs, not measured). Everywhere else (float32
+# pools, 8-bit pools, Triton on CUDA, gather + SDPA) 16.
 CPU_BF16_BLOCK_SIZE = 64
 DEFAULT_BLOCK_SIZE = 16
 
