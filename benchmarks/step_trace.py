@@ -58,7 +58,8 @@ def main(argv=None) -> int:
             decode[bucket][1] += seconds
     total = time.perf_counter() - start
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} threads; dtype "
-          f"{engine.dtype}; attention {engine.attention_backend}; blocks of {args.block_size}; {args.num_requests} requests, "
+          f"{engine.dtype}; attention {engine.attention_backend}; blocks of "
+          f"{engine.config.block_size}; {args.num_requests} requests, "
           f"{sum(r.max_tokens for r in requests)} output tokens in {total:.1f} s")
     print("| steps | count | seconds | share of the run | ms per step |")
     print("|---|---:|---:|---:|---:|")

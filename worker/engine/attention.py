@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from worker.engine.cpu_attention import CpuDecodePlan, paged_decode, write_kv
+from worker.engine.cpu_attention import (CpuDecodePlan, CpuPrefillPlan, paged_decode,
+                                         paged_prefill, write_kv)
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.triton_attention import PagedAttentionPlan, paged_attention
 
@@ -77,6 +78,9 @@ class AttentionContext:
     kernel_plan: PagedAttentionPlan | None = None
     # set on CPUs with the C++ kernel: it takes every decode row in place of decode_groups
     cpu_decode: CpuDecodePlan | None = None
+    # set where the C++ prefill kernel runs (bf16 on AVX512-BF16): every prefill chunk in one
+    # call, in place of `prefills`
+    cpu_prefill: CpuPrefillPlan | None = None
     # the step runs on the C++ kernel's pool (plain K/V in the model's dtype): fused layers write
     # their K/V into it directly; a model fused by an earlier engine may run under another
     cpu_kernel: bool = False
@@ -107,6 +111,9 @@ def paged_attention_forward(
     if ctx.cpu_decode is not None:
         scale = scaling if scaling is not None else head_dim ** -0.5
         paged_decode(query[0], pool, layer, ctx.cpu_decode, scale, out)
+    if ctx.cpu_prefill is not None:
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        paged_prefill(query[0], pool, layer, ctx.cpu_prefill, scale, out)
     for group in ctx.decode_groups:
         _decode_attention(group, query, pool, layer, scaling, out)
     for chunk in ctx.prefills:
@@ -118,7 +125,8 @@ def fused_layer_attention(layer: int, query: torch.Tensor, key: torch.Tensor, va
                           ctx: AttentionContext, scaling: float) -> torch.Tensor:
     """What paged_attention_forward computes, for a fused CPU layer (cpu_layers.py) whose q, k, v
     ([T, H, D], [T, KVH, D] x 2) are views into its q/k/v product: the new K/V go into the pool
-    in one C++ copy, the decodes through the C++ kernel, prefill chunks through SDPA. -> [T, H, D]"""
+    in one C++ copy, the decodes through the C++ kernel, prefill chunks through the C++ prefill
+    kernel where it runs, else SDPA. -> [T, H, D]"""
     if not ctx.cpu_kernel:  # another pool format or backend: the generic path
         out, _ = paged_attention_forward(
             SimpleNamespace(layer_idx=layer), *(x.transpose(0, 1).unsqueeze(0) for x in (query, key, value)),
@@ -129,6 +137,8 @@ def fused_layer_attention(layer: int, query: torch.Tensor, key: torch.Tensor, va
     out = query.new_empty(query.shape)
     if ctx.cpu_decode is not None:
         paged_decode(query.transpose(0, 1), pool, layer, ctx.cpu_decode, scaling, out)
+    if ctx.cpu_prefill is not None:
+        paged_prefill(query.transpose(0, 1), pool, layer, ctx.cpu_prefill, scaling, out)
     if ctx.prefills:
         q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, T, D]
         for chunk in ctx.prefills:

@@ -1,4 +1,5 @@
-"""Paged decode attention on the CPU: a small C++ kernel (`cpu_attention.cpp`) built on first use.
+"""Paged attention on the CPU: small C++ kernels (`cpu_attention.cpp` for decodes, `cpu_prefill.cpp`
+for prefill chunks) built on first use.
 
 Every decoding sequence's query (all query heads of a KV head together) attends over its K/V read
 in place from the pool's blocks through its block table, with fp32 accumulation and an exact
@@ -17,8 +18,16 @@ system's C++ compiler (`$CXX`, default `g++`), for this machine's ISA (`-march=n
 the flags, the compiler and the CPU, and is loaded with ctypes. Its OpenMP calls run on the
 libgomp that torch has already loaded (the loader shares a library by its soname), so the kernel
 uses torch's thread pool and thread count. Without a compiler the worker keeps gather + SDPA
-(`resolve_attention_backend` says why at start-up). Prefill chunks keep SDPA either way: their
-many queries per sequence are a matrix product, which SDPA's kernel already does well.
+(`resolve_attention_backend` says why at start-up).
+
+Prefill chunks in bf16, on CPUs with AVX512-BF16, take the prefill kernel: each chunk attends
+causally over its keys in place, its 16-token query tiles against 8 keys at a time in pair dot
+products. SDPA's CPU flash kernel needs a dense copy of a cached prefix and a mask, and where MKL
+has no bf16 instructions to use (AMD's AVX512-BF16, no AMX) its products run as fp32 sgemm on
+converted copies: measured on a 2-core Zen 5 at the default model's shapes (9 query heads, 3 KV
+heads, head_dim 64), one layer's 512-token causal prefill takes 0.56 ms against 3.5 ms, a
+100-token chunk after 500 cached tokens 0.25 against 0.95 ms. float32 keeps SDPA (its sgemm
+path is the fast one), as does every CPU without AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ import torch
 
 from worker.engine.kv_cache import KVCachePool
 
-# one library: the decode kernel and the decoder layer's element-wise ops (cpu_layers.py)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp"))
+# one library: the decode and prefill kernels and the decoder layer's element-wise ops
+# (cpu_layers.py)
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layer_ops.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `dtype` argument
@@ -51,6 +62,11 @@ _ARGTYPES = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctyp
 
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+PREFILL_ARGTYPES = {  # cpu_prefill.cpp
+    "kvfleet_prefill_supported": (_I, _I),
+    "kvfleet_paged_prefill": (_I, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I,
+                              _I64, _I, ctypes.c_float, _I),
+}
 LAYER_OP_ARGTYPES = {  # cpu_layer_ops.cpp
     "kvfleet_rms_norm": (_I, _P, _P, _P, _P, _I64, _I, ctypes.c_float, _I),
     "kvfleet_rope": (_I, _P, _I64, _I, _I64, _I64, _I, _P, _P, _I),
@@ -70,6 +86,16 @@ class CpuDecodePlan:
     num_seqs: int
     block_tables: torch.Tensor  # [num_seqs, width] int32: the pages of each sequence's keys
     ctx_lens: torch.Tensor  # [num_seqs] int32: keys [0, ctx_len) including the step's token
+
+
+@dataclass
+class CpuPrefillPlan:
+    """The prefill chunks of a step, for the prefill kernel (cpu_prefill.cpp)."""
+
+    block_tables: torch.Tensor  # [num_chunks, width] int32: the pages of each chunk's keys
+    q_starts: torch.Tensor  # [num_chunks] int32: the chunk's first row of the flattened queries
+    q_lens: torch.Tensor  # [num_chunks] int32: its query tokens
+    ctx_ends: torch.Tensor  # [num_chunks] int32: keys [0, ctx_end); queries at the last q_len
 
 
 def kernel_cache_dir() -> Path:
@@ -131,9 +157,9 @@ def load_kernel() -> ctypes.CDLL:
     except OSError as exc:
         raise KernelUnavailable(f"loading the kernel failed: {exc}") from exc
     lib.kvfleet_paged_decode.argtypes = _ARGTYPES
-    for function, argtypes in LAYER_OP_ARGTYPES.items():
+    for function, argtypes in (PREFILL_ARGTYPES | LAYER_OP_ARGTYPES).items():
         getattr(lib, function).argtypes = argtypes
-    for function in ("kvfleet_paged_decode", *LAYER_OP_ARGTYPES):
+    for function in ("kvfleet_paged_decode", *PREFILL_ARGTYPES, *LAYER_OP_ARGTYPES):
         getattr(lib, function).restype = ctypes.c_int
     return lib
 
@@ -153,6 +179,18 @@ def supports(pool: KVCachePool, dtype: torch.dtype) -> bool:
     fmt = pool.kv_format
     return (pool.device.type == "cpu" and dtype in DTYPE_CODES and not fmt.is_quantized
             and fmt.storage == dtype and pool.rotation(dtype) is None)
+
+
+def prefill_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> bool:
+    """The prefill kernel computes this pool's chunks here: bf16 K/V the decode kernel reads
+    (`supports`), head_dim 64 or 128, a build for AVX512-BF16. Elsewhere prefill chunks
+    keep SDPA (float32's sgemm path is as fast; without AVX512-BF16 no bf16 pair products)."""
+    if not supports(pool, dtype) or dtype != torch.bfloat16:
+        return False
+    try:
+        return bool(load_kernel().kvfleet_prefill_supported(DTYPE_CODES[dtype], head_dim))
+    except KernelUnavailable:
+        return False
 
 
 def _named(name: str):
@@ -179,6 +217,27 @@ def paged_decode(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuDe
             head_dim, pool.num_blocks, pool.block_size, scaling, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"kvfleet_paged_decode failed with status {status}")
+
+
+def paged_prefill(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuPrefillPlan,
+                  scaling: float, out: torch.Tensor) -> None:
+    """Causal attention of the step's prefill chunks over their keys in the pool (their own K/V
+    already written): query [H, T, D] (last dim contiguous), out [T, H, D] contiguous; rows
+    outside the chunks are left as they are."""
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    num_heads, _, head_dim = query.shape
+    kv = pool.layer(layer)  # [2, KVH, NB, bs, D], contiguous
+    with _named("attention (cpu prefill kernel)"):
+        status = load_kernel().kvfleet_paged_prefill(
+            DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
+            kv.data_ptr(), out.data_ptr(), plan.block_tables.data_ptr(),
+            plan.block_tables.shape[1], plan.q_starts.data_ptr(), plan.q_lens.data_ptr(),
+            plan.ctx_ends.data_ptr(), plan.q_starts.shape[0], num_heads,
+            pool.layout.num_kv_heads, head_dim, pool.num_blocks, pool.block_size, scaling,
+            torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"kvfleet_paged_prefill failed with status {status}")
 
 
 def write_kv(pool: KVCachePool, layer: int, key: torch.Tensor, value: torch.Tensor,

@@ -471,6 +471,9 @@ class Engine:
             line += f" (the C++ decode kernel: {reason or 'not asked for'})"
         elif self.attention_backend == "cpu" and not self.runner.cpu_decode_kernel:
             line += f" (gather + SDPA for --kv-dtype {self.config.kv_dtype}: the kernel reads plain K/V)"
+        elif self.attention_backend == "cpu":
+            line += (" (decode and prefill kernels)" if self.runner.cpu_prefill_kernel
+                     else " (decode kernel; prefill chunks on SDPA)")
         return line
 
     def budget_report(self) -> list[str]:

@@ -4,13 +4,14 @@ token is sampled (and at the prompt positions of requests that asked for prompt 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
 from worker.engine.attention import (
     CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
 from worker.engine import cpu_attention
-from worker.engine.cpu_attention import CpuDecodePlan
+from worker.engine.cpu_attention import CpuDecodePlan, CpuPrefillPlan
 from worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
 from worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
 from worker.engine.kv_cache import KVCachePool
@@ -129,6 +130,10 @@ class ModelRunner:
         self.dtype = dtype  # attention masks are built additive in it (see _additive)
         # the CPU kernel reads plain K/V in the model's dtype; other formats keep gather + SDPA
         self.cpu_decode_kernel = (attention_backend == "cpu" and cpu_attention.supports(pool, dtype))
+        # and prefill chunks through the C++ prefill kernel where it computes them (bf16 with
+        # AVX512-BF16): SDPA's bf16 products run as converted fp32 sgemm on CPUs without AMX
+        self.cpu_prefill_kernel = (self.cpu_decode_kernel and cpu_attention.prefill_supported(
+            pool, dtype, pool.layout.head_dim))
         # on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
         # tensor parallelism, whose ranks hold sharded layers), other layers' q/k/v and gate/up
         # as one product each, every linear pre-packed for oneDNN where its dtype packs here
@@ -200,6 +205,10 @@ class ModelRunner:
         if self.attention_backend == "triton":
             context = AttentionContext(self.pool, write_index,
                                        kernel_plan=self._kernel_plan(decodes, prefills))
+        elif self.cpu_prefill_kernel:
+            context = AttentionContext(
+                pool=self.pool, write_index=write_index, cpu_decode=self._cpu_decode_plan(decodes),
+                cpu_prefill=self._cpu_prefill_plan(prefills, q_start=len(decodes)), cpu_kernel=True)
         elif self.cpu_decode_kernel:
             context = AttentionContext(
                 pool=self.pool, write_index=write_index, cpu_decode=self._cpu_decode_plan(decodes),
@@ -233,6 +242,21 @@ class ModelRunner:
                   for c in decodes]
         return CpuDecodePlan(len(decodes), torch.tensor(tables, dtype=torch.int32),
                              torch.tensor([c.end for c in decodes], dtype=torch.int32))
+
+    def _cpu_prefill_plan(self, prefills: list[PlannedChunk], q_start: int) -> CpuPrefillPlan | None:
+        """Every prefill chunk's block table (padded with its first page), rows and keys."""
+        if not prefills:
+            return None
+        bs = self.block_size
+        width = max(-(-c.end // bs) for c in prefills)
+        tables = [c.block_table[:width] + [c.block_table[0]] * (width - len(c.block_table[:width]))
+                  for c in prefills]
+        lens = [c.num_tokens for c in prefills]
+        starts = list(accumulate(lens[:-1], initial=q_start))
+        return CpuPrefillPlan(torch.tensor(tables, dtype=torch.int32),
+                              torch.tensor(starts, dtype=torch.int32),
+                              torch.tensor(lens, dtype=torch.int32),
+                              torch.tensor([c.end for c in prefills], dtype=torch.int32))
 
     def _decode_groups(self, decodes: list[PlannedChunk]) -> list[DecodeGroup]:
         """Split the decodes (sorted by length) where that saves more padding than a call costs."""

@@ -1,0 +1,369 @@
+// Paged prefill attention on the CPU for bf16 K/V with AVX512-BF16 (worker/engine/cpu_attention.py
+// builds and calls it; elsewhere prefill chunks keep SDPA).
+//
+// A prefill chunk of n query tokens at positions [start, start + n) attends causally over its
+// sequence's keys [0, start + n), read in place from the pool's blocks through the block table
+// (the chunk's own K/V are written there before). SDPA's CPU flash kernel does this on a dense
+// copy of the keys, and on CPUs without AMX its bf16 products run as fp32 sgemm on converted
+// copies; here every product is a pair dot product (vdpbf16ps: two exact bf16 products summed into
+// an fp32 lane) with no copy of the keys.
+//
+// Work is split into tasks of (chunk, KV head, tile of 16 query tokens); each task's rows are its
+// 16 tokens x the `rep` query heads of that KV head. The rows lie across the lanes of the vectors
+// (one 16-lane vector per query head), so that the softmax over the keys is element-wise between
+// vectors and nothing is summed across lanes:
+//   1. scores S[t][row] = scale * q_row . k_t: each key's dimension pairs broadcast against the
+//      rows' pairs (packed once per task), 8 keys x up to 3 heads of accumulators in registers;
+//   2. keys after a row's position masked; an exact softmax per row in fp32 (the maximum over all
+//      keys first), the normaliser summed from the unrounded probabilities, the probabilities then
+//      rounded to bf16 for P.V, as SDPA's bf16 kernel and the decode kernel do;
+//   3. O[row][d] = sum_t P[t][row] v_t[d]: the V rows of two keys interleaved per dimension (packed
+//      once per task), each pair broadcast against the two keys' probabilities of 16 rows.
+// Each task is computed by one thread alone, so results do not depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVFLEET_PREFILL_KERNEL 1
+#endif
+
+namespace {
+
+using namespace kvfleet;
+
+#if KVFLEET_PREFILL_KERNEL
+constexpr int kTile = 16;  // query tokens per task: one vector lane each
+constexpr int kKeys = 8;   // keys per register block of step 1
+
+struct PrefillShape {
+    int num_heads, num_kv_heads, head_dim, block_size;
+    int64_t num_blocks, table_width, q_stride_h, q_stride_t;
+};
+
+struct Task {
+    int chunk, kv_head, first;  // first: the tile's first query token within the chunk
+    int64_t cost;               // keys x rows, to start the longest tasks first
+};
+
+// Per-thread buffers of one task, reused across tasks.
+struct Buffers {
+    std::vector<uint32_t> qp;   // [dim / 2][rep][16]: query dimension pairs, rows across lanes
+    std::vector<float> s;       // [keys][rep][16]: scores, then probabilities (fp32)
+    std::vector<uint32_t> pp;   // [keys / 2][rep][16]: probabilities of keys 2t, 2t+1 as bf16 pairs
+    std::vector<uint32_t> vp;   // [keys / 2][dim]: v_2t[d], v_2t+1[d] as a bf16 pair
+    std::vector<float> o;       // [rep][dim][16]: P.V sums, rows across lanes
+    std::vector<float> stats;   // [2][rep * 16]: row maxima, then 1 / normalisers
+    std::vector<uint16_t> zero; // [dim]: the K or V row of keys past the end
+    std::vector<uint16_t> kbuf; // [8][dim]: key rows of a block that crosses a page or the end
+};
+
+inline const uint16_t* key_row(const uint16_t* head, const int32_t* table, int t, int bs, int dim) {
+    return head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * dim;
+}
+
+// Keeps a vector in a register: GCC otherwise reloads loop-invariant operands from memory before
+// every vdpbf16ps, which makes both products load-bound.
+template <typename V>
+inline void pin(V& v) { asm("" : "+v"(v)); }
+
+// exp_approx (cpu_kernels.h) on 16 lanes: the same steps, so within the same ~2 ulp.
+inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), x);
+    const __m512 z = _mm512_mul_ps(x, x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);  // 2^n
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// Step 1 for kKeys keys (rows of kDim in `k`, one after another) and G query heads:
+// S[j][h][lanes] (fp32).
+template <int G, int kDim>
+inline void score_block(const uint32_t* qp, int rep, const uint16_t* k, float* s, float scale) {
+    __m512 acc[kKeys][G];
+    for (int j = 0; j < kKeys; ++j)
+        for (int h = 0; h < G; ++h) acc[j][h] = _mm512_setzero_ps();
+    for (int p = 0; p < kDim / 2; ++p) {
+        __m512bh q[G];
+        for (int h = 0; h < G; ++h) {
+            q[h] = (__m512bh)_mm512_loadu_si512(qp + (static_cast<int64_t>(p) * rep + h) * kTile);
+            pin(q[h]);
+        }
+        for (int j = 0; j < kKeys; ++j) {
+            int32_t pair;
+            std::memcpy(&pair, k + j * kDim + 2 * p, 4);
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+            for (int h = 0; h < G; ++h) acc[j][h] = _mm512_dpbf16_ps(acc[j][h], q[h], b);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int j = 0; j < kKeys; ++j)
+        for (int h = 0; h < G; ++h)
+            _mm512_storeu_ps(s + (static_cast<int64_t>(j) * rep + h) * kTile,
+                             _mm512_mul_ps(acc[j][h], sc));  // scaled after the dot, as SDPA
+}
+
+// Step 3 for G query heads and kDims dimensions [d0, d0 + kDims): O over every key pair.
+template <int G, int kDims, int kDim>
+inline void pv_block(const uint32_t* pp, const uint32_t* vp, int rep, int key_pairs, int d0,
+                     float (*o)[kTile] /* [rep * kDim][16]: row (h, d) */) {
+    __m512 acc[kDims][G];
+    for (int j = 0; j < kDims; ++j)
+        for (int h = 0; h < G; ++h) acc[j][h] = _mm512_setzero_ps();
+    for (int t = 0; t < key_pairs; ++t) {
+        __m512bh p[G];
+        for (int h = 0; h < G; ++h) {
+            p[h] = (__m512bh)_mm512_loadu_si512(pp + (static_cast<int64_t>(t) * rep + h) * kTile);
+            pin(p[h]);
+        }
+        const uint32_t* v = vp + static_cast<int64_t>(t) * kDim + d0;
+        for (int j = 0; j < kDims; ++j) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(v[j]));
+            for (int h = 0; h < G; ++h) acc[j][h] = _mm512_dpbf16_ps(acc[j][h], p[h], b);
+        }
+    }
+    for (int j = 0; j < kDims; ++j)
+        for (int h = 0; h < G; ++h) _mm512_storeu_ps(o[h * kDim + d0 + j], acc[j][h]);
+}
+
+// heads [h0, h0 + G) of the task's rows: step 1 in register blocks of 8 keys. Keys of a block
+// that lie in one page are read there (a page's rows lie one after another); others are copied
+// into `kbuf` first, zero past the last key.
+template <int G, int kDim>
+void scores_for_heads(const uint32_t* qp, int rep, const uint16_t* k_head, const int32_t* table,
+                      int keys, int bs, uint16_t* kbuf, float* s, float scale) {
+    for (int t0 = 0; t0 < keys; t0 += kKeys) {
+        const uint16_t* rows;
+        if (t0 + kKeys <= keys && t0 / bs == (t0 + kKeys - 1) / bs) {
+            rows = key_row(k_head, table, t0, bs, kDim);
+        } else {
+            for (int j = 0; j < kKeys; ++j) {
+                if (t0 + j < keys)
+                    std::memcpy(kbuf + j * kDim, key_row(k_head, table, t0 + j, bs, kDim), 2 * kDim);
+                else
+                    std::memset(kbuf + j * kDim, 0, 2 * kDim);
+            }
+            rows = kbuf;
+        }
+        score_block<G, kDim>(qp, rep, rows, s + static_cast<int64_t>(t0) * rep * kTile, scale);
+    }
+}
+
+template <int G, int kDim>
+void pv_for_heads(const uint32_t* pp, const uint32_t* vp, int rep, int key_pairs,
+                  float (*o)[kTile]) {
+    constexpr int kDims = G == 1 ? 16 : 8;
+    for (int d0 = 0; d0 < kDim; d0 += kDims) pv_block<G, kDims, kDim>(pp, vp, rep, key_pairs, d0, o);
+}
+
+// One task: `rows` = 16 tokens x rep heads of KV head `kvh` of one chunk.
+template <int kDim>
+void prefill_task(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* table,
+                  int q_start, int n, int start, int first, int kvh, const PrefillShape& shape,
+                  float scale, Buffers& buf) {
+    constexpr int dim = kDim, pairs = kDim / 2;
+    const int bs = shape.block_size;
+    const int rep = shape.num_heads / shape.num_kv_heads;
+    const int tokens = std::min(kTile, n - first);
+    const int keys = start + first + tokens;  // the tile's last token sees keys [0, keys)
+    const int padded = (keys + kKeys - 1) / kKeys * kKeys;  // a multiple of 8, so even
+    const int key_pairs = padded / 2;
+    const int64_t head_elems = shape.num_blocks * bs * dim;
+    const uint16_t* k_head = kv + kvh * head_elems;
+    const uint16_t* v_head = kv + (shape.num_kv_heads + kvh) * head_elems;
+    const int width = rep * kTile;  // floats per key in S
+
+    // query pairs, rows across lanes (tokens past the chunk's end stay zero)
+    buf.qp.assign(static_cast<size_t>(pairs) * width, 0u);
+    for (int h = 0; h < rep; ++h)
+        for (int i = 0; i < tokens; ++i) {
+            const uint16_t* src = q + (kvh * rep + h) * shape.q_stride_h +
+                                  static_cast<int64_t>(q_start + first + i) * shape.q_stride_t;
+            for (int p = 0; p < pairs; ++p)
+                std::memcpy(&buf.qp[(static_cast<size_t>(p) * rep + h) * kTile + i], src + 2 * p, 4);
+        }
+
+    // 1. scores
+    buf.s.resize(static_cast<size_t>(padded) * width);
+    buf.zero.assign(dim, 0);
+    const uint16_t* zero = buf.zero.data();
+    buf.kbuf.resize(kKeys * dim);
+    float* s = buf.s.data();
+    int h0 = 0;
+    for (; h0 + 3 <= rep; h0 += 3)
+        scores_for_heads<3, kDim>(buf.qp.data() + h0 * kTile, rep, k_head, table, keys, bs,
+                                  buf.kbuf.data(), s + h0 * kTile, scale);
+    for (; h0 + 2 <= rep; h0 += 2)
+        scores_for_heads<2, kDim>(buf.qp.data() + h0 * kTile, rep, k_head, table, keys, bs,
+                                  buf.kbuf.data(), s + h0 * kTile, scale);
+    for (; h0 < rep; ++h0)
+        scores_for_heads<1, kDim>(buf.qp.data() + h0 * kTile, rep, k_head, table, keys, bs,
+                                  buf.kbuf.data(), s + h0 * kTile, scale);
+
+    // 2. causal mask and softmax per row (lane); the probabilities as bf16 pairs of keys
+    buf.stats.resize(width);
+    float* inv = buf.stats.data();  // 1 / each row's normaliser
+    buf.pp.resize(static_cast<size_t>(key_pairs) * width);
+    const int diagonal = start + first;  // keys from here on are hidden from some rows
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    // bf16 of keys 2t (low half) and 2t+1 (high half) in each 32-bit lane
+    const __m512i interleave = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int h = 0; h < rep; ++h) {
+        float* sh = s + h * kTile;
+        // row i (query position diagonal + i) sees key t when t <= diagonal + i, t < keys
+        for (int t = diagonal; t < padded; ++t) {
+            const __mmask16 hidden = t >= keys ? static_cast<__mmask16>(0xFFFF)
+                : _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(diagonal)),
+                                          _mm512_set1_epi32(t));
+            float* st = sh + static_cast<int64_t>(t) * width;
+            _mm512_storeu_ps(st, _mm512_mask_mov_ps(_mm512_loadu_ps(st), hidden,
+                                                    _mm512_set1_ps(-INFINITY)));
+        }
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < keys; ++t)
+            mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + static_cast<int64_t>(t) * width));
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < key_pairs; ++t) {
+            const __m512 se = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t) * width);
+            const __m512 so = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t + 1) * width);
+            const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+            const __m512 pe = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(se, minus_inf),
+                                                  exp512(_mm512_sub_ps(se, mx)));
+            const __m512 po = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(so, minus_inf),
+                                                  exp512(_mm512_sub_ps(so, mx)));
+            sum = _mm512_add_ps(_mm512_add_ps(sum, pe), po);  // in key order, unrounded
+            // cvtne2ps: lanes 0-15 from the second argument, 16-31 from the first (round to even)
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(po, pe);
+            _mm512_storeu_si512(buf.pp.data() + static_cast<int64_t>(t) * width + h * kTile,
+                                _mm512_permutexvar_epi16(interleave, both));
+        }
+        _mm512_storeu_ps(inv + h * kTile, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    }
+
+    // 3. V rows of each key pair interleaved per dimension, then P.V
+    buf.vp.resize(static_cast<size_t>(key_pairs) * dim);
+    const __m512i lo = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_set_epi16(
+        63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+        55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+    for (int t = 0; t < key_pairs; ++t) {
+        const uint16_t* a = 2 * t < keys ? key_row(v_head, table, 2 * t, bs, dim) : zero;
+        const uint16_t* b = 2 * t + 1 < keys ? key_row(v_head, table, 2 * t + 1, bs, dim) : zero;
+        uint32_t* dst = buf.vp.data() + static_cast<int64_t>(t) * dim;
+        for (int d = 0; d < dim; d += 32) {
+            const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+            _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x, lo, y));
+            _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(x, hi, y));
+        }
+    }
+    buf.o.resize(static_cast<size_t>(rep) * dim * kTile);
+    auto o = reinterpret_cast<float (*)[kTile]>(buf.o.data());
+    h0 = 0;
+    for (; h0 + 3 <= rep; h0 += 3)
+        pv_for_heads<3, kDim>(buf.pp.data() + h0 * kTile, buf.vp.data(), rep, key_pairs,
+                                o + h0 * dim);
+    for (; h0 + 2 <= rep; h0 += 2)
+        pv_for_heads<2, kDim>(buf.pp.data() + h0 * kTile, buf.vp.data(), rep, key_pairs,
+                                o + h0 * dim);
+    for (; h0 < rep; ++h0)
+        pv_for_heads<1, kDim>(buf.pp.data() + h0 * kTile, buf.vp.data(), rep, key_pairs,
+                                o + h0 * dim);
+
+    for (int i = 0; i < tokens; ++i) {
+        uint16_t* row = out + (static_cast<int64_t>(q_start + first + i) * shape.num_heads
+                               + kvh * rep) * dim;
+        for (int h = 0; h < rep; ++h)
+            for (int d = 0; d < dim; ++d)
+                store(o[h * dim + d][i] * inv[h * kTile + i], row + h * dim + d);
+    }
+}
+#endif  // KVFLEET_PREFILL_KERNEL
+
+}  // namespace
+
+// 1 where kvfleet_paged_prefill computes this dtype and head_dim on this build, else 0.
+extern "C" int kvfleet_prefill_supported(int dtype, int head_dim) {
+#if KVFLEET_PREFILL_KERNEL
+    return dtype == 1 && (head_dim == 64 || head_dim == 128) ? 1 : 0;
+#else
+    (void)dtype;
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+// q: [num_heads, T, head_dim] with strides (q_stride_h, q_stride_t, 1); out: [T, num_heads,
+// head_dim] contiguous; chunk c's queries are rows [q_starts[c], q_starts[c] + q_lens[c]) at
+// positions [ctx_ends[c] - q_lens[c], ctx_ends[c]), its keys [0, ctx_ends[c]) through
+// tables[c] ([num_chunks, table_width] int32). Pool layer layout as the decode kernel's.
+// Returns 0, or 1 for an unsupported dtype or head_dim (kvfleet_prefill_supported), 2 for a
+// bad shape.
+extern "C" int kvfleet_paged_prefill(
+        int dtype, const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv, void* out,
+        const int32_t* tables, int64_t table_width, const int32_t* q_starts, const int32_t* q_lens,
+        const int32_t* ctx_ends, int num_chunks, int num_heads, int num_kv_heads, int head_dim,
+        int64_t num_blocks, int block_size, float scale, int num_threads) {
+    if (!kvfleet_prefill_supported(dtype, head_dim)) return 1;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return 2;
+#if KVFLEET_PREFILL_KERNEL
+    const PrefillShape shape{num_heads, num_kv_heads, head_dim, block_size,
+                             num_blocks, table_width, q_stride_h, q_stride_t};
+    std::vector<Task> tasks;
+    for (int c = 0; c < num_chunks; ++c) {
+        const int start = ctx_ends[c] - q_lens[c];
+        if (start < 0 || q_lens[c] <= 0) return 2;
+        for (int first = 0; first < q_lens[c]; first += kTile)
+            for (int h = 0; h < num_kv_heads; ++h)
+                tasks.push_back({c, h, first, static_cast<int64_t>(start + first + kTile)});
+    }
+    std::stable_sort(tasks.begin(), tasks.end(),
+                     [](const Task& a, const Task& b) { return a.cost > b.cost; });
+    const int count = static_cast<int>(tasks.size());
+    const auto* qb = static_cast<const uint16_t*>(q);
+    const auto* kvb = static_cast<const uint16_t*>(kv);
+    auto* ob = static_cast<uint16_t*>(out);
+#pragma omp parallel num_threads(num_threads)
+    {
+        Buffers buf;
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < count; ++i) {
+            const Task& task = tasks[i];
+            const int c = task.chunk;
+            const int32_t* table = tables + c * table_width;
+            const int start = ctx_ends[c] - q_lens[c];
+            if (head_dim == 64)
+                prefill_task<64>(qb, kvb, ob, table, q_starts[c], q_lens[c], start, task.first,
+                                 task.kv_head, shape, scale, buf);
+            else
+                prefill_task<128>(qb, kvb, ob, table, q_starts[c], q_lens[c], start, task.first,
+                                  task.kv_head, shape, scale, buf);
+        }
+    }
+    return 0;
+#else
+    return 1;
+#endif
+}
