@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +74,25 @@ def test_engine_pool_tensors_match_the_budget(tiny_llama):
     assert engine.pool.num_bytes == 10 * 4 * engine.budget.bytes_per_token
     assert engine.budget_report()[1].startswith("KV cache:")
     assert engine.max_model_len == 512
+
+
+def _resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_cpu_pool_memory_is_resident_from_the_start():
+    """Every page of the pool is faulted in when the pool is made: no step stops later while the
+    kernel clears a page on its first write, and a pool the machine cannot back fails at
+    start-up."""
+    layout = KVLayout(4, 2, 64, resolve_kv_format("auto", torch.bfloat16))
+    before = _resident_bytes()
+    pool = KVCachePool(layout, 512, 64, torch.device("cpu"))  # 64 MiB
+    assert pool.num_bytes == 64 * 2**20
+    assert _resident_bytes() - before >= 0.9 * pool.num_bytes
+    assert not pool.layer(3).any()
 
 
 def test_cpu_pool_memory_starts_zeroed_and_belongs_to_its_pool():
