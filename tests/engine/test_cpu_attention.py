@@ -42,7 +42,7 @@ BF16_SHAPES = {
                                               block_size=bs, model_dtype=torch.bfloat16, seed=seed)
     for seed, (group, dim, bs) in enumerate(
         [(1, 64, 16), (2, 128, 8), (4, 64, 5), (5, 64, 16), (6, 128, 3), (12, 64, 32)], 20)}
-# bf16 prefill chunks, where the CPU has AVX512-BF16, take the prefill kernel: chunks from position
+# prefill chunks, where the CPU has AVX-512 (bf16: AVX512-BF16), take the prefill kernel: chunks from position
 # 0 and after a cached prefix, of 2 to 150 tokens (tiles of 16 query tokens, full and partial),
 # beside decodes; every group size it blocks by (3, 2, 1 heads and mixes), both head dims, pages
 # of 8 or more rows and of fewer (a block of 8 keys then spans pages)
@@ -50,8 +50,9 @@ PREFILL_CHUNKS = [ChunkSpec(0, 1), ChunkSpec(40, 1), ChunkSpec(0, 2), ChunkSpec(
                   ChunkSpec(37, 11), ChunkSpec(0, 64), ChunkSpec(100, 40), ChunkSpec(5, 150),
                   ChunkSpec(64, 17)]
 PREFILL_SHAPES = {
-    f"bf16-prefill-g{group}-d{dim}-bs{bs}": PagedCase(
-        "bf16", group, dim, PREFILL_CHUNKS, block_size=bs, model_dtype=torch.bfloat16, seed=seed)
+    f"{kv}-prefill-g{group}-d{dim}-bs{bs}": PagedCase(
+        kv, group, dim, PREFILL_CHUNKS, block_size=bs, model_dtype=dtype, seed=seed)
+    for kv, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
     for seed, (group, dim, bs) in enumerate(
         [(3, 64, 64), (1, 64, 16), (2, 128, 8), (4, 64, 5), (5, 64, 16), (6, 128, 3),
          (12, 64, 32)], 40)}
@@ -116,45 +117,49 @@ def test_engine_greedy_equals_hf_generate_on_either_cpu_backend(tiny_llama, back
         assert produced[f"r{i}"] == tiny_llama.reference(prompt, 24), f"r{i}"
 
 
-def test_prefill_chunks_take_the_kernel_where_the_cpu_has_avx512_bf16(tiny_llama):
-    """bf16 pools of head_dim 64 or 128, on a CPU with AVX512-BF16 (where -march=native compiles
-    the pair dot products); float32, other head dims and 8-bit pools keep SDPA."""
+def test_prefill_chunks_take_the_kernel_where_the_cpu_has_avx512(tiny_llama):
+    """Pools of head_dim 64 or 128 in the model's dtype: float32 on a CPU with AVX-512, bf16 on
+    one with AVX512-BF16 (where -march=native compiles the pair dot products); other head dims
+    and 8-bit pools keep SDPA."""
     def pool(kv_dtype, model_dtype, head_dim=64):
         return KVCachePool(KVLayout(1, NUM_KV_HEADS, head_dim,
                                     resolve_kv_format(kv_dtype, model_dtype)), 4, 16, CPU)
 
-    has_bf16_pairs = "avx512_bf16" in cpu_features().flags
-    for head_dim in (64, 128):
-        assert cpu_attention.prefill_supported(pool("auto", torch.bfloat16, head_dim), torch.bfloat16,
-                                               head_dim) is has_bf16_pairs
-    assert not cpu_attention.prefill_supported(pool("auto", torch.bfloat16, 96), torch.bfloat16, 96)
-    assert not cpu_attention.prefill_supported(pool("auto", torch.float32), torch.float32, 64)
+    flags = cpu_features().flags
+    for dtype, flag in ((torch.bfloat16, "avx512_bf16"), (torch.float32, "avx512f")):
+        for head_dim in (64, 128):
+            assert cpu_attention.prefill_supported(pool("auto", dtype, head_dim), dtype,
+                                                   head_dim) is (flag in flags)
+        assert not cpu_attention.prefill_supported(pool("auto", dtype, 96), dtype, 96)
     assert not cpu_attention.prefill_supported(pool("int8", torch.bfloat16), torch.bfloat16, 64)
+    assert not cpu_attention.prefill_supported(pool("bf16", torch.float32), torch.float32, 64)
     for engine in (tiny_llama.engine(), tiny_llama.engine(dtype="bfloat16")):  # head_dim 16
         assert not engine.runner.cpu_prefill_kernel
         assert engine.device_report().endswith("(decode kernel; prefill chunks on SDPA)")
 
 
-def test_bf16_prompt_logprobs_through_the_prefill_kernel_follow_hf_in_bf16():
-    """A bf16 Llama of head_dim 64 (the prefill kernel's shape): prompts of 150, 90 and 40 tokens
+@pytest.mark.parametrize("dtype, flag, bound", [
+    (torch.bfloat16, "avx512_bf16", 0.02), (torch.float32, "avx512f", 1e-4)])
+def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound):
+    """A Llama of head_dim 64 (the prefill kernel's shape): prompts of 150, 90 and 40 tokens
     prefilled in chunks of up to 64 tokens after their cached prefix, beside a decoding request.
-    Each prompt token's logprob is within 0.02 of HF's bf16 forward (measured on a Zen 5: at
-    most 0.004 through the kernel, 0.006 through SDPA); a chunk attending to the wrong keys or
-    rows would be off by whole units."""
+    Each prompt token's logprob is that of HF's forward in the same dtype: within 0.02 in bf16
+    (measured on a Zen 5: at most 0.004 through the kernel, 0.006 through SDPA), 1e-4 in float32;
+    a chunk attending to the wrong keys or rows would be off by whole units."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
         num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=512))
     prompts = [random_prompt(n, seed=60 + i) for i, n in enumerate([150, 90, 40])]
-    hf = copy.deepcopy(model).to(torch.bfloat16).eval()
+    hf = copy.deepcopy(model).to(dtype).eval()
     with torch.inference_mode():
         expected = [torch.log_softmax(hf(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
                     .gather(1, torch.tensor(p[1:]).unsqueeze(1)).squeeze(1) for p in prompts]
-    engine = Engine(model, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64,
-                                        block_size=16, max_batched_tokens=64))
-    has_bf16_pairs = "avx512_bf16" in cpu_features().flags
-    assert engine.runner.cpu_prefill_kernel is has_bf16_pairs
-    assert engine.device_report().endswith("(decode and prefill kernels)" if has_bf16_pairs
+    engine = Engine(model, EngineConfig(device="cpu", dtype=str(dtype).removeprefix("torch."),
+                                        num_blocks=64, block_size=16, max_batched_tokens=64))
+    has_kernel = flag in cpu_features().flags
+    assert engine.runner.cpu_prefill_kernel is has_kernel
+    assert engine.device_report().endswith("(decode and prefill kernels)" if has_kernel
                                            else "(decode kernel; prefill chunks on SDPA)")
     engine.add_request("neighbour", random_prompt(20, seed=1), greedy(40))
     engine.step()
@@ -167,7 +172,7 @@ def test_bf16_prompt_logprobs_through_the_prefill_kernel_follow_hf_in_bf16():
                 got[out.req_id] = torch.tensor([e.logprob for e in out.prompt_logprobs])
     for i, want in enumerate(expected):
         error = (got[f"p{i}"] - want).abs().max().item()
-        assert error < 0.02, f"prompt {i}: max logprob difference {error:.4f}"
+        assert error < bound, f"prompt {i}: max logprob difference {error:.2e}"
 
 
 def test_auto_picks_the_kernel_on_a_cpu_that_builds_it():

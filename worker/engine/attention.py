@@ -78,8 +78,8 @@ class AttentionContext:
     kernel_plan: PagedAttentionPlan | None = None
     # set on CPUs with the C++ kernel: it takes every decode row in place of decode_groups
     cpu_decode: CpuDecodePlan | None = None
-    # set where the C++ prefill kernel runs (bf16 on AVX512-BF16): every prefill chunk in one
-    # call, in place of `prefills`
+    # set where the C++ prefill kernel runs (AVX-512; bf16 with AVX512-BF16): every prefill
+    # chunk in one call, in place of `prefills`
     cpu_prefill: CpuPrefillPlan | None = None
     # the step runs on the C++ kernel's pool (plain K/V in the model's dtype): fused layers write
     # their K/V into it directly; a model fused by an earlier engine may run under another

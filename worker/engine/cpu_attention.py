@@ -20,14 +20,14 @@ libgomp that torch has already loaded (the loader shares a library by its soname
 uses torch's thread pool and thread count. Without a compiler the worker keeps gather + SDPA
 (`resolve_attention_backend` says why at start-up).
 
-Prefill chunks in bf16, on CPUs with AVX512-BF16, take the prefill kernel: each chunk attends
-causally over its keys in place, its 16-token query tiles against 8 keys at a time in pair dot
-products. SDPA's CPU flash kernel needs a dense copy of a cached prefix and a mask, and where MKL
-has no bf16 instructions to use (AMD's AVX512-BF16, no AMX) its products run as fp32 sgemm on
-converted copies: measured on a 2-core Zen 5 at the default model's shapes (9 query heads, 3 KV
-heads, head_dim 64), one layer's 512-token causal prefill takes 0.56 ms against 3.5 ms, a
-100-token chunk after 500 cached tokens 0.25 against 0.95 ms. float32 keeps SDPA (its sgemm
-path is the fast one), as does every CPU without AVX512-BF16.
+Prefill chunks take the prefill kernel on CPUs with AVX-512 (bf16 with AVX512-BF16): each
+chunk attends causally over its keys in place, its 16-token query tiles against 8 keys at a time
+(bf16 in pair dot products). SDPA's CPU flash kernel needs a dense copy of a cached prefix and a
+mask, and where MKL has no bf16 instructions to use (AMD's AVX512-BF16, no AMX) its bf16 products
+run as fp32 sgemm on converted copies: measured on a 2-core Zen 5 at the default model's shapes
+(9 query heads, 3 KV heads, head_dim 64), one layer's 512-token causal prefill takes 0.56 ms
+against 3.5 ms in bf16, a 100-token chunk after 500 cached tokens 0.25 against 0.95 ms. CPUs
+without AVX-512 keep SDPA.
 """
 
 from __future__ import annotations
@@ -182,10 +182,10 @@ def supports(pool: KVCachePool, dtype: torch.dtype) -> bool:
 
 
 def prefill_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> bool:
-    """The prefill kernel computes this pool's chunks here: bf16 K/V the decode kernel reads
-    (`supports`), head_dim 64 or 128, a build for AVX512-BF16. Elsewhere prefill chunks
-    keep SDPA (float32's sgemm path is as fast; without AVX512-BF16 no bf16 pair products)."""
-    if not supports(pool, dtype) or dtype != torch.bfloat16:
+    """The prefill kernel computes this pool's chunks here: K/V the decode kernel reads
+    (`supports`), head_dim 64 or 128, a build for AVX-512 (float32) or AVX512-BF16 (bf16).
+    Elsewhere prefill chunks keep SDPA."""
+    if not supports(pool, dtype):
         return False
     try:
         return bool(load_kernel().kvfleet_prefill_supported(DTYPE_CODES[dtype], head_dim))

@@ -1,29 +1,34 @@
-// Paged prefill attention on the CPU for bf16 K/V with AVX512-BF16 (worker/engine/cpu_attention.py
-// builds and calls it; elsewhere prefill chunks keep SDPA).
+// Paged prefill attention on the CPU with AVX-512 (worker/engine/cpu_attention.py builds and
+// calls it; elsewhere prefill chunks keep SDPA): bf16 K/V where the CPU has AVX512-BF16, float32
+// K/V on any AVX-512 CPU.
 //
 // A prefill chunk of n query tokens at positions [start, start + n) attends causally over its
 // sequence's keys [0, start + n), read in place from the pool's blocks through the block table
 // (the chunk's own K/V are written there before). SDPA's CPU flash kernel does this on a dense
 // copy of the keys, and on CPUs without AMX its bf16 products run as fp32 sgemm on converted
-// copies; here every product is a pair dot product (vdpbf16ps: two exact bf16 products summed into
-// an fp32 lane) with no copy of the keys.
+// copies; here every bf16 product is a pair dot product (vdpbf16ps: two exact bf16 products summed
+// into an fp32 lane), every float32 product an FMA, with no copy of the keys.
 //
 // Work is split into tasks of (chunk, KV head, tile of 16 query tokens); each task's rows are its
 // 16 tokens x the `rep` query heads of that KV head. The rows lie across the lanes of the vectors
 // (one 16-lane vector per query head), so that the softmax over the keys is element-wise between
 // vectors and nothing is summed across lanes:
-//   1. scores S[t][row] = scale * q_row . k_t: each key's dimension pairs broadcast against the
-//      rows' pairs (packed once per task), 8 keys x up to 3 heads of accumulators in registers;
+//   1. scores S[t][row] = scale * q_row . k_t: each key's dimensions (bf16: dimension pairs)
+//      broadcast against the rows' (packed once per task), 8 keys x up to 3 heads of accumulators
+//      in registers;
 //   2. keys after a row's position masked; an exact softmax per row in fp32 (the maximum over all
-//      keys first), the normaliser summed from the unrounded probabilities, the probabilities then
-//      rounded to bf16 for P.V, as SDPA's bf16 kernel and the decode kernel do;
-//   3. O[row][d] = sum_t P[t][row] v_t[d]: the V rows of two keys interleaved per dimension (packed
-//      once per task), each pair broadcast against the two keys' probabilities of 16 rows.
+//      keys first), the normaliser summed from the unrounded probabilities; in bf16 the
+//      probabilities are then rounded to bf16 for P.V, as SDPA's bf16 kernel and the decode
+//      kernel do;
+//   3. O[row][d] = sum_t P[t][row] v_t[d]: each V element broadcast against 16 rows'
+//      probabilities (bf16: the V rows of two keys interleaved per dimension, packed once per
+//      task, against the two keys' probabilities).
 // Each task is computed by one thread alone, so results do not depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -32,15 +37,18 @@
 
 #include "cpu_kernels.h"
 
+#if defined(__AVX512F__)
+#define KVFLEET_PREFILL_F32 1
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-#define KVFLEET_PREFILL_KERNEL 1
+#define KVFLEET_PREFILL_BF16 1
 #endif
 
 namespace {
 
 using namespace kvfleet;
 
-#if KVFLEET_PREFILL_KERNEL
+#if KVFLEET_PREFILL_F32
 constexpr int kTile = 16;  // query tokens per task: one vector lane each
 constexpr int kKeys = 8;   // keys per register block of step 1
 
@@ -51,22 +59,28 @@ struct PrefillShape {
 
 struct Task {
     int chunk, kv_head, first;  // first: the tile's first query token within the chunk
-    int64_t cost;               // keys x rows, to start the longest tasks first
+    int64_t cost;               // keys, to start the longest tasks first
 };
 
 // Per-thread buffers of one task, reused across tasks.
 struct Buffers {
-    std::vector<uint32_t> qp;   // [dim / 2][rep][16]: query dimension pairs, rows across lanes
     std::vector<float> s;       // [keys][rep][16]: scores, then probabilities (fp32)
+    std::vector<float> o;       // [rep][dim][16]: P.V sums, rows across lanes
+    std::vector<float> stats;   // [rep * 16]: 1 / each row's normaliser
+    // bf16
+    std::vector<uint32_t> qp;   // [dim / 2][rep][16]: query dimension pairs, rows across lanes
     std::vector<uint32_t> pp;   // [keys / 2][rep][16]: probabilities of keys 2t, 2t+1 as bf16 pairs
     std::vector<uint32_t> vp;   // [keys / 2][dim]: v_2t[d], v_2t+1[d] as a bf16 pair
-    std::vector<float> o;       // [rep][dim][16]: P.V sums, rows across lanes
-    std::vector<float> stats;   // [2][rep * 16]: row maxima, then 1 / normalisers
-    std::vector<uint16_t> zero; // [dim]: the K or V row of keys past the end
     std::vector<uint16_t> kbuf; // [8][dim]: key rows of a block that crosses a page or the end
+    std::vector<uint16_t> zero; // [dim]: the V row of keys past the end
+    // float32
+    std::vector<float> qf;      // [dim][rep][16]: query dimensions, rows across lanes
+    std::vector<float> kbuf_f;  // [8][dim]
+    std::vector<const float*> vrows;  // [keys]: each key's V row in the pool
 };
 
-inline const uint16_t* key_row(const uint16_t* head, const int32_t* table, int t, int bs, int dim) {
+template <typename T>
+inline const T* key_row(const T* head, const int32_t* table, int t, int bs, int dim) {
     return head + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * dim;
 }
 
@@ -95,6 +109,192 @@ inline __m512 exp512(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
 
+// Step 1 over every key in register blocks of 8 keys: block(rows, s) for each. Keys of a block
+// that lie in one page are read there (a page's rows lie one after another); others are copied
+// into `kbuf` first, zero past the last key.
+template <int kDim, typename T, typename Block>
+void for_key_blocks(const T* k_head, const int32_t* table, int keys, int bs, T* kbuf, float* s,
+                    int width, Block&& block) {
+    for (int t0 = 0; t0 < keys; t0 += kKeys) {
+        const T* rows;
+        if (t0 + kKeys <= keys && t0 / bs == (t0 + kKeys - 1) / bs) {
+            rows = key_row(k_head, table, t0, bs, kDim);
+        } else {
+            for (int j = 0; j < kKeys; ++j) {
+                if (t0 + j < keys)
+                    std::memcpy(kbuf + j * kDim, key_row(k_head, table, t0 + j, bs, kDim),
+                                sizeof(T) * kDim);
+                else
+                    std::memset(kbuf + j * kDim, 0, sizeof(T) * kDim);
+            }
+            rows = kbuf;
+        }
+        block(rows, s + static_cast<int64_t>(t0) * width);
+    }
+}
+
+// Step 2 for every head: keys past a row's position (and past the last key) masked, an exact
+// softmax per row (lane) in fp32, the maximum over all keys first; emit(t, h, p_2t, p_2t+1)
+// takes each pair of keys' probabilities (unrounded, in key order); inv gets 1 / the
+// normalisers, summed from the unrounded probabilities.
+template <typename Emit>
+inline void masked_softmax(float* s, int rep, int keys, int padded, int diagonal, float* inv,
+                           Emit&& emit) {
+    const int width = rep * kTile;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int h = 0; h < rep; ++h) {
+        float* sh = s + h * kTile;
+        // row i (query position diagonal + i) sees key t when t <= diagonal + i, t < keys
+        for (int t = diagonal; t < padded; ++t) {
+            const __mmask16 hidden = t >= keys ? static_cast<__mmask16>(0xFFFF)
+                : _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(diagonal)),
+                                          _mm512_set1_epi32(t));
+            float* st = sh + static_cast<int64_t>(t) * width;
+            _mm512_storeu_ps(st, _mm512_mask_mov_ps(_mm512_loadu_ps(st), hidden, minus_inf));
+        }
+        __m512 mx = minus_inf;
+        for (int t = 0; t < keys; ++t)
+            mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + static_cast<int64_t>(t) * width));
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < padded / 2; ++t) {
+            const __m512 se = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t) * width);
+            const __m512 so = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t + 1) * width);
+            const __m512 pe = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(se, minus_inf),
+                                                  exp512(_mm512_sub_ps(se, mx)));
+            const __m512 po = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(so, minus_inf),
+                                                  exp512(_mm512_sub_ps(so, mx)));
+            sum = _mm512_add_ps(_mm512_add_ps(sum, pe), po);
+            emit(t, h, pe, po);
+        }
+        _mm512_storeu_ps(inv + h * kTile, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    }
+}
+
+// Runs body.template operator()<G>(h0) over the heads in blocks of 3, 2 and 1.
+template <typename Body>
+inline void for_head_blocks(int rep, Body&& body) {
+    int h0 = 0;
+    for (; h0 + 3 <= rep; h0 += 3) body(std::integral_constant<int, 3>{}, h0);
+    for (; h0 + 2 <= rep; h0 += 2) body(std::integral_constant<int, 2>{}, h0);
+    for (; h0 < rep; ++h0) body(std::integral_constant<int, 1>{}, h0);
+}
+
+// float32 step 1 for kKeys keys (rows of kDim in `k`, one after another) and G query heads.
+template <int G, int kDim>
+inline void score_block_f32(const float* qf, int rep, const float* k, float* s, float scale) {
+    __m512 acc[kKeys][G];
+    for (int j = 0; j < kKeys; ++j)
+        for (int h = 0; h < G; ++h) acc[j][h] = _mm512_setzero_ps();
+    for (int d = 0; d < kDim; ++d) {
+        __m512 q[G];
+        for (int h = 0; h < G; ++h) {
+            q[h] = _mm512_loadu_ps(qf + (static_cast<int64_t>(d) * rep + h) * kTile);
+            pin(q[h]);
+        }
+        for (int j = 0; j < kKeys; ++j) {
+            const __m512 b = _mm512_set1_ps(k[j * kDim + d]);
+            for (int h = 0; h < G; ++h) acc[j][h] = _mm512_fmadd_ps(q[h], b, acc[j][h]);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int j = 0; j < kKeys; ++j)
+        for (int h = 0; h < G; ++h)
+            _mm512_storeu_ps(s + (static_cast<int64_t>(j) * rep + h) * kTile,
+                             _mm512_mul_ps(acc[j][h], sc));
+}
+
+// float32 step 3 for G query heads and kDims dimensions [d0, d0 + kDims): O over every key.
+template <int G, int kDims, int kDim>
+inline void pv_block_f32(const float* p, const float* const* vrows, int rep, int keys, int d0,
+                         float (*o)[kTile]) {
+    const int width = rep * kTile;
+    __m512 acc[kDims][G];
+    for (int j = 0; j < kDims; ++j)
+        for (int h = 0; h < G; ++h) acc[j][h] = _mm512_setzero_ps();
+    for (int t = 0; t < keys; ++t) {
+        __m512 pr[G];
+        for (int h = 0; h < G; ++h) {
+            pr[h] = _mm512_loadu_ps(p + static_cast<int64_t>(t) * width + h * kTile);
+            pin(pr[h]);
+        }
+        const float* v = vrows[t] + d0;
+        for (int j = 0; j < kDims; ++j) {
+            const __m512 b = _mm512_set1_ps(v[j]);
+            for (int h = 0; h < G; ++h) acc[j][h] = _mm512_fmadd_ps(pr[h], b, acc[j][h]);
+        }
+    }
+    for (int j = 0; j < kDims; ++j)
+        for (int h = 0; h < G; ++h) _mm512_storeu_ps(o[h * kDim + d0 + j], acc[j][h]);
+}
+
+// out rows of the task's tokens: O / normaliser, rows across lanes back to [token][head][dim].
+template <int kDim, typename T>
+inline void store_rows(const float (*o)[kTile], const float* inv, int tokens, int rep, int kvh,
+                       int row0, const PrefillShape& shape, T* out) {
+    for (int i = 0; i < tokens; ++i) {
+        T* row = out + (static_cast<int64_t>(row0 + i) * shape.num_heads + kvh * rep) * kDim;
+        for (int h = 0; h < rep; ++h)
+            for (int d = 0; d < kDim; ++d)
+                store(o[h * kDim + d][i] * inv[h * kTile + i], row + h * kDim + d);
+    }
+}
+
+// One float32 task: 16 tokens x rep heads of KV head `kvh` of one chunk.
+template <int kDim>
+void prefill_task_f32(const float* q, const float* kv, float* out, const int32_t* table,
+                      int q_start, int n, int start, int first, int kvh, const PrefillShape& shape,
+                      float scale, Buffers& buf) {
+    const int bs = shape.block_size;
+    const int rep = shape.num_heads / shape.num_kv_heads;
+    const int tokens = std::min(kTile, n - first);
+    const int keys = start + first + tokens;  // the tile's last token sees keys [0, keys)
+    const int padded = (keys + kKeys - 1) / kKeys * kKeys;
+    const int64_t head_elems = shape.num_blocks * bs * kDim;
+    const float* k_head = kv + kvh * head_elems;
+    const float* v_head = kv + (shape.num_kv_heads + kvh) * head_elems;
+    const int width = rep * kTile;
+
+    buf.qf.assign(static_cast<size_t>(kDim) * width, 0.f);  // tokens past the end stay zero
+    for (int h = 0; h < rep; ++h)
+        for (int i = 0; i < tokens; ++i) {
+            const float* src = q + (kvh * rep + h) * shape.q_stride_h +
+                               static_cast<int64_t>(q_start + first + i) * shape.q_stride_t;
+            for (int d = 0; d < kDim; ++d)
+                buf.qf[(static_cast<size_t>(d) * rep + h) * kTile + i] = src[d];
+        }
+    buf.s.resize(static_cast<size_t>(padded) * width);
+    buf.kbuf_f.resize(kKeys * kDim);
+    float* s = buf.s.data();
+    for_head_blocks(rep, [&](auto g, int h0) {
+        for_key_blocks<kDim>(k_head, table, keys, bs, buf.kbuf_f.data(), s + h0 * kTile, width,
+                             [&](const float* rows, float* sb) {
+            score_block_f32<decltype(g)::value, kDim>(buf.qf.data() + h0 * kTile, rep, rows, sb,
+                                                      scale);
+        });
+    });
+    buf.stats.resize(width);
+    float* inv = buf.stats.data();
+    masked_softmax(s, rep, keys, padded, start + first, inv,
+                   [&](int t, int h, __m512 pe, __m512 po) {  // unrounded, back into S
+        _mm512_storeu_ps(s + static_cast<int64_t>(2 * t) * width + h * kTile, pe);
+        _mm512_storeu_ps(s + static_cast<int64_t>(2 * t + 1) * width + h * kTile, po);
+    });
+    buf.vrows.resize(keys);
+    for (int t = 0; t < keys; ++t) buf.vrows[t] = key_row(v_head, table, t, bs, kDim);
+    buf.o.resize(static_cast<size_t>(rep) * kDim * kTile);
+    auto o = reinterpret_cast<float (*)[kTile]>(buf.o.data());
+    for_head_blocks(rep, [&](auto g, int h0) {
+        constexpr int G = decltype(g)::value;
+        constexpr int kDims = G == 1 ? 16 : 8;
+        for (int d0 = 0; d0 < kDim; d0 += kDims)
+            pv_block_f32<G, kDims, kDim>(s + h0 * kTile, buf.vrows.data(), rep, keys, d0,
+                                         o + h0 * kDim);
+    });
+    store_rows<kDim>(o, inv, tokens, rep, kvh, q_start + first, shape, out);
+}
+
+#if KVFLEET_PREFILL_BF16
 // Step 1 for kKeys keys (rows of kDim in `k`, one after another) and G query heads:
 // S[j][h][lanes] (fp32).
 template <int G, int kDim>
@@ -145,49 +345,19 @@ inline void pv_block(const uint32_t* pp, const uint32_t* vp, int rep, int key_pa
         for (int h = 0; h < G; ++h) _mm512_storeu_ps(o[h * kDim + d0 + j], acc[j][h]);
 }
 
-// heads [h0, h0 + G) of the task's rows: step 1 in register blocks of 8 keys. Keys of a block
-// that lie in one page are read there (a page's rows lie one after another); others are copied
-// into `kbuf` first, zero past the last key.
-template <int G, int kDim>
-void scores_for_heads(const uint32_t* qp, int rep, const uint16_t* k_head, const int32_t* table,
-                      int keys, int bs, uint16_t* kbuf, float* s, float scale) {
-    for (int t0 = 0; t0 < keys; t0 += kKeys) {
-        const uint16_t* rows;
-        if (t0 + kKeys <= keys && t0 / bs == (t0 + kKeys - 1) / bs) {
-            rows = key_row(k_head, table, t0, bs, kDim);
-        } else {
-            for (int j = 0; j < kKeys; ++j) {
-                if (t0 + j < keys)
-                    std::memcpy(kbuf + j * kDim, key_row(k_head, table, t0 + j, bs, kDim), 2 * kDim);
-                else
-                    std::memset(kbuf + j * kDim, 0, 2 * kDim);
-            }
-            rows = kbuf;
-        }
-        score_block<G, kDim>(qp, rep, rows, s + static_cast<int64_t>(t0) * rep * kTile, scale);
-    }
-}
-
-template <int G, int kDim>
-void pv_for_heads(const uint32_t* pp, const uint32_t* vp, int rep, int key_pairs,
-                  float (*o)[kTile]) {
-    constexpr int kDims = G == 1 ? 16 : 8;
-    for (int d0 = 0; d0 < kDim; d0 += kDims) pv_block<G, kDims, kDim>(pp, vp, rep, key_pairs, d0, o);
-}
-
-// One task: `rows` = 16 tokens x rep heads of KV head `kvh` of one chunk.
+// One bf16 task: 16 tokens x rep heads of KV head `kvh` of one chunk.
 template <int kDim>
-void prefill_task(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* table,
-                  int q_start, int n, int start, int first, int kvh, const PrefillShape& shape,
-                  float scale, Buffers& buf) {
-    constexpr int dim = kDim, pairs = kDim / 2;
+void prefill_task_bf16(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* table,
+                       int q_start, int n, int start, int first, int kvh,
+                       const PrefillShape& shape, float scale, Buffers& buf) {
+    constexpr int pairs = kDim / 2;
     const int bs = shape.block_size;
     const int rep = shape.num_heads / shape.num_kv_heads;
     const int tokens = std::min(kTile, n - first);
     const int keys = start + first + tokens;  // the tile's last token sees keys [0, keys)
     const int padded = (keys + kKeys - 1) / kKeys * kKeys;  // a multiple of 8, so even
     const int key_pairs = padded / 2;
-    const int64_t head_elems = shape.num_blocks * bs * dim;
+    const int64_t head_elems = shape.num_blocks * bs * kDim;
     const uint16_t* k_head = kv + kvh * head_elems;
     const uint16_t* v_head = kv + (shape.num_kv_heads + kvh) * head_elems;
     const int width = rep * kTile;  // floats per key in S
@@ -204,65 +374,35 @@ void prefill_task(const uint16_t* q, const uint16_t* kv, uint16_t* out, const in
 
     // 1. scores
     buf.s.resize(static_cast<size_t>(padded) * width);
-    buf.zero.assign(dim, 0);
-    const uint16_t* zero = buf.zero.data();
-    buf.kbuf.resize(kKeys * dim);
+    buf.kbuf.resize(kKeys * kDim);
     float* s = buf.s.data();
-    int h0 = 0;
-    for (; h0 + 3 <= rep; h0 += 3)
-        scores_for_heads<3, kDim>(buf.qp.data() + h0 * kTile, rep, k_head, table, keys, bs,
-                                  buf.kbuf.data(), s + h0 * kTile, scale);
-    for (; h0 + 2 <= rep; h0 += 2)
-        scores_for_heads<2, kDim>(buf.qp.data() + h0 * kTile, rep, k_head, table, keys, bs,
-                                  buf.kbuf.data(), s + h0 * kTile, scale);
-    for (; h0 < rep; ++h0)
-        scores_for_heads<1, kDim>(buf.qp.data() + h0 * kTile, rep, k_head, table, keys, bs,
-                                  buf.kbuf.data(), s + h0 * kTile, scale);
+    for_head_blocks(rep, [&](auto g, int h0) {
+        for_key_blocks<kDim>(k_head, table, keys, bs, buf.kbuf.data(), s + h0 * kTile, width,
+                             [&](const uint16_t* rows, float* sb) {
+            score_block<decltype(g)::value, kDim>(buf.qp.data() + h0 * kTile, rep, rows, sb,
+                                                  scale);
+        });
+    });
 
-    // 2. causal mask and softmax per row (lane); the probabilities as bf16 pairs of keys
+    // 2. the probabilities as bf16 pairs of keys
     buf.stats.resize(width);
-    float* inv = buf.stats.data();  // 1 / each row's normaliser
+    float* inv = buf.stats.data();
     buf.pp.resize(static_cast<size_t>(key_pairs) * width);
-    const int diagonal = start + first;  // keys from here on are hidden from some rows
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     // bf16 of keys 2t (low half) and 2t+1 (high half) in each 32-bit lane
     const __m512i interleave = _mm512_set_epi16(
         31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int h = 0; h < rep; ++h) {
-        float* sh = s + h * kTile;
-        // row i (query position diagonal + i) sees key t when t <= diagonal + i, t < keys
-        for (int t = diagonal; t < padded; ++t) {
-            const __mmask16 hidden = t >= keys ? static_cast<__mmask16>(0xFFFF)
-                : _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(diagonal)),
-                                          _mm512_set1_epi32(t));
-            float* st = sh + static_cast<int64_t>(t) * width;
-            _mm512_storeu_ps(st, _mm512_mask_mov_ps(_mm512_loadu_ps(st), hidden,
-                                                    _mm512_set1_ps(-INFINITY)));
-        }
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int t = 0; t < keys; ++t)
-            mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + static_cast<int64_t>(t) * width));
-        __m512 sum = _mm512_setzero_ps();
-        for (int t = 0; t < key_pairs; ++t) {
-            const __m512 se = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t) * width);
-            const __m512 so = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t + 1) * width);
-            const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-            const __m512 pe = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(se, minus_inf),
-                                                  exp512(_mm512_sub_ps(se, mx)));
-            const __m512 po = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(so, minus_inf),
-                                                  exp512(_mm512_sub_ps(so, mx)));
-            sum = _mm512_add_ps(_mm512_add_ps(sum, pe), po);  // in key order, unrounded
-            // cvtne2ps: lanes 0-15 from the second argument, 16-31 from the first (round to even)
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(po, pe);
-            _mm512_storeu_si512(buf.pp.data() + static_cast<int64_t>(t) * width + h * kTile,
-                                _mm512_permutexvar_epi16(interleave, both));
-        }
-        _mm512_storeu_ps(inv + h * kTile, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
-    }
+    masked_softmax(s, rep, keys, padded, start + first, inv,
+                   [&](int t, int h, __m512 pe, __m512 po) {
+        // cvtne2ps: lanes 0-15 from the second argument, 16-31 from the first (round to even)
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(po, pe);
+        _mm512_storeu_si512(buf.pp.data() + static_cast<int64_t>(t) * width + h * kTile,
+                            _mm512_permutexvar_epi16(interleave, both));
+    });
 
     // 3. V rows of each key pair interleaved per dimension, then P.V
-    buf.vp.resize(static_cast<size_t>(key_pairs) * dim);
+    buf.vp.resize(static_cast<size_t>(key_pairs) * kDim);
+    buf.zero.assign(kDim, 0);
     const __m512i lo = _mm512_set_epi16(
         47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -270,49 +410,45 @@ void prefill_task(const uint16_t* q, const uint16_t* kv, uint16_t* out, const in
         63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
         55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
     for (int t = 0; t < key_pairs; ++t) {
-        const uint16_t* a = 2 * t < keys ? key_row(v_head, table, 2 * t, bs, dim) : zero;
-        const uint16_t* b = 2 * t + 1 < keys ? key_row(v_head, table, 2 * t + 1, bs, dim) : zero;
-        uint32_t* dst = buf.vp.data() + static_cast<int64_t>(t) * dim;
-        for (int d = 0; d < dim; d += 32) {
+        const uint16_t* a = 2 * t < keys ? key_row(v_head, table, 2 * t, bs, kDim) : buf.zero.data();
+        const uint16_t* b = 2 * t + 1 < keys ? key_row(v_head, table, 2 * t + 1, bs, kDim)
+                                             : buf.zero.data();
+        uint32_t* dst = buf.vp.data() + static_cast<int64_t>(t) * kDim;
+        for (int d = 0; d < kDim; d += 32) {
             const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
             _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x, lo, y));
             _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(x, hi, y));
         }
     }
-    buf.o.resize(static_cast<size_t>(rep) * dim * kTile);
+    buf.o.resize(static_cast<size_t>(rep) * kDim * kTile);
     auto o = reinterpret_cast<float (*)[kTile]>(buf.o.data());
-    h0 = 0;
-    for (; h0 + 3 <= rep; h0 += 3)
-        pv_for_heads<3, kDim>(buf.pp.data() + h0 * kTile, buf.vp.data(), rep, key_pairs,
-                                o + h0 * dim);
-    for (; h0 + 2 <= rep; h0 += 2)
-        pv_for_heads<2, kDim>(buf.pp.data() + h0 * kTile, buf.vp.data(), rep, key_pairs,
-                                o + h0 * dim);
-    for (; h0 < rep; ++h0)
-        pv_for_heads<1, kDim>(buf.pp.data() + h0 * kTile, buf.vp.data(), rep, key_pairs,
-                                o + h0 * dim);
-
-    for (int i = 0; i < tokens; ++i) {
-        uint16_t* row = out + (static_cast<int64_t>(q_start + first + i) * shape.num_heads
-                               + kvh * rep) * dim;
-        for (int h = 0; h < rep; ++h)
-            for (int d = 0; d < dim; ++d)
-                store(o[h * dim + d][i] * inv[h * kTile + i], row + h * dim + d);
-    }
+    for_head_blocks(rep, [&](auto g, int h0) {
+        constexpr int G = decltype(g)::value;
+        constexpr int kDims = G == 1 ? 16 : 8;
+        for (int d0 = 0; d0 < kDim; d0 += kDims)
+            pv_block<G, kDims, kDim>(buf.pp.data() + h0 * kTile, buf.vp.data(), rep, key_pairs,
+                                     d0, o + h0 * kDim);
+    });
+    store_rows<kDim>(o, inv, tokens, rep, kvh, q_start + first, shape, out);
 }
-#endif  // KVFLEET_PREFILL_KERNEL
+#endif  // KVFLEET_PREFILL_BF16
+#endif  // KVFLEET_PREFILL_F32
 
 }  // namespace
 
-// 1 where kvfleet_paged_prefill computes this dtype and head_dim on this build, else 0.
+// 1 where kvfleet_paged_prefill computes this dtype (0 float32, 1 bfloat16) and head_dim on
+// this build, else 0.
 extern "C" int kvfleet_prefill_supported(int dtype, int head_dim) {
-#if KVFLEET_PREFILL_KERNEL
-    return dtype == 1 && (head_dim == 64 || head_dim == 128) ? 1 : 0;
-#else
-    (void)dtype;
-    (void)head_dim;
-    return 0;
+    const bool shape = head_dim == 64 || head_dim == 128;
+#if KVFLEET_PREFILL_BF16
+    if (dtype == 1) return shape ? 1 : 0;
 #endif
+#if KVFLEET_PREFILL_F32
+    if (dtype == 0) return shape ? 1 : 0;
+#endif
+    (void)dtype;
+    (void)shape;
+    return 0;
 }
 
 // q: [num_heads, T, head_dim] with strides (q_stride_h, q_stride_t, 1); out: [T, num_heads,
@@ -328,7 +464,7 @@ extern "C" int kvfleet_paged_prefill(
         int64_t num_blocks, int block_size, float scale, int num_threads) {
     if (!kvfleet_prefill_supported(dtype, head_dim)) return 1;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return 2;
-#if KVFLEET_PREFILL_KERNEL
+#if KVFLEET_PREFILL_F32
     const PrefillShape shape{num_heads, num_kv_heads, head_dim, block_size,
                              num_blocks, table_width, q_stride_h, q_stride_t};
     std::vector<Task> tasks;
@@ -342,9 +478,6 @@ extern "C" int kvfleet_paged_prefill(
     std::stable_sort(tasks.begin(), tasks.end(),
                      [](const Task& a, const Task& b) { return a.cost > b.cost; });
     const int count = static_cast<int>(tasks.size());
-    const auto* qb = static_cast<const uint16_t*>(q);
-    const auto* kvb = static_cast<const uint16_t*>(kv);
-    auto* ob = static_cast<uint16_t*>(out);
 #pragma omp parallel num_threads(num_threads)
     {
         Buffers buf;
@@ -354,16 +487,36 @@ extern "C" int kvfleet_paged_prefill(
             const int c = task.chunk;
             const int32_t* table = tables + c * table_width;
             const int start = ctx_ends[c] - q_lens[c];
+            if (dtype == 0) {
+                const auto* qf = static_cast<const float*>(q);
+                const auto* kvf = static_cast<const float*>(kv);
+                auto* of = static_cast<float*>(out);
+                if (head_dim == 64)
+                    prefill_task_f32<64>(qf, kvf, of, table, q_starts[c], q_lens[c], start,
+                                         task.first, task.kv_head, shape, scale, buf);
+                else
+                    prefill_task_f32<128>(qf, kvf, of, table, q_starts[c], q_lens[c], start,
+                                          task.first, task.kv_head, shape, scale, buf);
+                continue;
+            }
+#if KVFLEET_PREFILL_BF16
+            const auto* qb = static_cast<const uint16_t*>(q);
+            const auto* kvb = static_cast<const uint16_t*>(kv);
+            auto* ob = static_cast<uint16_t*>(out);
             if (head_dim == 64)
-                prefill_task<64>(qb, kvb, ob, table, q_starts[c], q_lens[c], start, task.first,
-                                 task.kv_head, shape, scale, buf);
+                prefill_task_bf16<64>(qb, kvb, ob, table, q_starts[c], q_lens[c], start,
+                                      task.first, task.kv_head, shape, scale, buf);
             else
-                prefill_task<128>(qb, kvb, ob, table, q_starts[c], q_lens[c], start, task.first,
-                                  task.kv_head, shape, scale, buf);
+                prefill_task_bf16<128>(qb, kvb, ob, table, q_starts[c], q_lens[c], start,
+                                       task.first, task.kv_head, shape, scale, buf);
+#endif
         }
     }
     return 0;
 #else
+    (void)q; (void)q_stride_h; (void)q_stride_t; (void)kv; (void)out; (void)tables;
+    (void)table_width; (void)q_starts; (void)q_lens; (void)ctx_ends; (void)num_chunks;
+    (void)num_blocks; (void)scale; (void)num_threads;
     return 1;
 #endif
 }

@@ -130,8 +130,9 @@ class ModelRunner:
         self.dtype = dtype  # attention masks are built additive in it (see _additive)
         # the CPU kernel reads plain K/V in the model's dtype; other formats keep gather + SDPA
         self.cpu_decode_kernel = (attention_backend == "cpu" and cpu_attention.supports(pool, dtype))
-        # and prefill chunks through the C++ prefill kernel where it computes them (bf16 with
-        # AVX512-BF16): SDPA's bf16 products run as converted fp32 sgemm on CPUs without AMX
+        # and prefill chunks through the C++ prefill kernel where it computes them (AVX-512;
+        # bf16 with AVX512-BF16): no dense copy of cached prefixes, and SDPA's bf16 products run
+        # as converted fp32 sgemm on CPUs without AMX
         self.cpu_prefill_kernel = (self.cpu_decode_kernel and cpu_attention.prefill_supported(
             pool, dtype, pool.layout.head_dim))
         # on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
