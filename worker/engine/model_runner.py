@@ -233,28 +233,29 @@ class ModelRunner:
         return build_plan([c.num_tokens for c in chunks], [c.end for c in chunks],
                           [c.block_table[:-(-c.end // bs)] for c in chunks], block_q, self.device)
 
+    def _padded_tables(self, chunks: list[PlannedChunk]) -> torch.Tensor:
+        """[len(chunks), width] int32: each chunk's pages up to its last key, padded with its
+        first page to the longest."""
+        bs = self.block_size
+        width = max(-(-c.end // bs) for c in chunks)
+        rows = [c.block_table[:width] for c in chunks]
+        return torch.tensor([row + [c.block_table[0]] * (width - len(row))
+                             for c, row in zip(chunks, rows)], dtype=torch.int32)
+
     def _cpu_decode_plan(self, decodes: list[PlannedChunk]) -> CpuDecodePlan | None:
-        """Every decode's block table (padded with its first page) and context length."""
+        """Every decode's block table and context length."""
         if not decodes:
             return None
-        bs = self.block_size
-        width = max(-(-c.end // bs) for c in decodes)
-        tables = [c.block_table[:width] + [c.block_table[0]] * (width - len(c.block_table[:width]))
-                  for c in decodes]
-        return CpuDecodePlan(len(decodes), torch.tensor(tables, dtype=torch.int32),
+        return CpuDecodePlan(len(decodes), self._padded_tables(decodes),
                              torch.tensor([c.end for c in decodes], dtype=torch.int32))
 
     def _cpu_prefill_plan(self, prefills: list[PlannedChunk], q_start: int) -> CpuPrefillPlan | None:
-        """Every prefill chunk's block table (padded with its first page), rows and keys."""
+        """Every prefill chunk's block table, rows and keys."""
         if not prefills:
             return None
-        bs = self.block_size
-        width = max(-(-c.end // bs) for c in prefills)
-        tables = [c.block_table[:width] + [c.block_table[0]] * (width - len(c.block_table[:width]))
-                  for c in prefills]
         lens = [c.num_tokens for c in prefills]
         starts = list(accumulate(lens[:-1], initial=q_start))
-        return CpuPrefillPlan(torch.tensor(tables, dtype=torch.int32),
+        return CpuPrefillPlan(self._padded_tables(prefills),
                               torch.tensor(starts, dtype=torch.int32),
                               torch.tensor(lens, dtype=torch.int32),
                               torch.tensor([c.end for c in prefills], dtype=torch.int32))
