@@ -67,14 +67,13 @@ struct Buffers {
     std::vector<float> s;       // [keys][rep][16]: scores, then probabilities (fp32)
     std::vector<float> o;       // [rep][dim][16]: P.V sums, rows across lanes
     std::vector<float> stats;   // [rep * 16]: 1 / each row's normaliser
+    std::vector<uint32_t> qw;   // [32-bit words of a row][rep][16]: queries, rows across lanes
     // bf16
-    std::vector<uint32_t> qp;   // [dim / 2][rep][16]: query dimension pairs, rows across lanes
     std::vector<uint32_t> pp;   // [keys / 2][rep][16]: probabilities of keys 2t, 2t+1 as bf16 pairs
     std::vector<uint32_t> vp;   // [keys / 2][dim]: v_2t[d], v_2t+1[d] as a bf16 pair
     std::vector<uint16_t> kbuf; // [8][dim]: key rows of a block that crosses a page or the end
     std::vector<uint16_t> zero; // [dim]: the V row of keys past the end
     // float32
-    std::vector<float> qf;      // [dim][rep][16]: query dimensions, rows across lanes
     std::vector<float> kbuf_f;  // [8][dim]
     std::vector<const float*> vrows;  // [keys]: each key's V row in the pool
 };
@@ -240,37 +239,65 @@ inline void store_rows(const float (*o)[kTile], const float* inv, int tokens, in
     }
 }
 
+// What one task covers: 16 tokens x rep heads of KV head `kvh` of one chunk (tokens past the
+// chunk's end are zero rows, never stored), the keys its last token sees, its K and V heads.
+template <typename T>
+struct TaskRange {
+    int rep, tokens, keys, padded, width, row0;
+    const T* k_head;
+    const T* v_head;
+};
+
+template <int kDim, typename T>
+TaskRange<T> task_range(const T* kv, int q_start, int n, int start, int first, int kvh,
+                        const PrefillShape& shape) {
+    TaskRange<T> r;
+    r.rep = shape.num_heads / shape.num_kv_heads;
+    r.tokens = std::min(kTile, n - first);
+    r.keys = start + first + r.tokens;  // the tile's last token sees keys [0, keys)
+    r.padded = (r.keys + kKeys - 1) / kKeys * kKeys;  // a multiple of 8, so even
+    r.width = r.rep * kTile;  // floats per key in S
+    r.row0 = q_start + first;
+    const int64_t head_elems = shape.num_blocks * shape.block_size * kDim;
+    r.k_head = kv + kvh * head_elems;
+    r.v_head = kv + (shape.num_kv_heads + kvh) * head_elems;
+    return r;
+}
+
+// The task's query rows across lanes, 32 bits at a time (a float32 dimension, or a bf16 pair):
+// words[(w * rep + h) * 16 + i] = word w of token i's query head h; zero past the chunk's end.
+template <int kDim, typename T>
+void pack_queries(const T* q, const TaskRange<T>& r, int kvh, const PrefillShape& shape,
+                  std::vector<uint32_t>& words) {
+    constexpr int kWords = kDim * static_cast<int>(sizeof(T)) / 4;
+    words.assign(static_cast<size_t>(kWords) * r.width, 0u);
+    for (int h = 0; h < r.rep; ++h)
+        for (int i = 0; i < r.tokens; ++i) {
+            const T* src = q + (kvh * r.rep + h) * shape.q_stride_h +
+                           static_cast<int64_t>(r.row0 + i) * shape.q_stride_t;
+            for (int w = 0; w < kWords; ++w)
+                std::memcpy(&words[(static_cast<size_t>(w) * r.rep + h) * kTile + i],
+                            reinterpret_cast<const char*>(src) + 4 * w, 4);
+        }
+}
+
 // One float32 task: 16 tokens x rep heads of KV head `kvh` of one chunk.
 template <int kDim>
 void prefill_task_f32(const float* q, const float* kv, float* out, const int32_t* table,
                       int q_start, int n, int start, int first, int kvh, const PrefillShape& shape,
                       float scale, Buffers& buf) {
-    const int bs = shape.block_size;
-    const int rep = shape.num_heads / shape.num_kv_heads;
-    const int tokens = std::min(kTile, n - first);
-    const int keys = start + first + tokens;  // the tile's last token sees keys [0, keys)
-    const int padded = (keys + kKeys - 1) / kKeys * kKeys;
-    const int64_t head_elems = shape.num_blocks * bs * kDim;
-    const float* k_head = kv + kvh * head_elems;
-    const float* v_head = kv + (shape.num_kv_heads + kvh) * head_elems;
-    const int width = rep * kTile;
-
-    buf.qf.assign(static_cast<size_t>(kDim) * width, 0.f);  // tokens past the end stay zero
-    for (int h = 0; h < rep; ++h)
-        for (int i = 0; i < tokens; ++i) {
-            const float* src = q + (kvh * rep + h) * shape.q_stride_h +
-                               static_cast<int64_t>(q_start + first + i) * shape.q_stride_t;
-            for (int d = 0; d < kDim; ++d)
-                buf.qf[(static_cast<size_t>(d) * rep + h) * kTile + i] = src[d];
-        }
+    const TaskRange<float> r = task_range<kDim>(kv, q_start, n, start, first, kvh, shape);
+    const int bs = shape.block_size, rep = r.rep, keys = r.keys, padded = r.padded;
+    const int width = r.width;
+    pack_queries<kDim>(q, r, kvh, shape, buf.qw);
+    const float* qf = reinterpret_cast<const float*>(buf.qw.data());
     buf.s.resize(static_cast<size_t>(padded) * width);
     buf.kbuf_f.resize(kKeys * kDim);
     float* s = buf.s.data();
     for_head_blocks(rep, [&](auto g, int h0) {
-        for_key_blocks<kDim>(k_head, table, keys, bs, buf.kbuf_f.data(), s + h0 * kTile, width,
+        for_key_blocks<kDim>(r.k_head, table, keys, bs, buf.kbuf_f.data(), s + h0 * kTile, width,
                              [&](const float* rows, float* sb) {
-            score_block_f32<decltype(g)::value, kDim>(buf.qf.data() + h0 * kTile, rep, rows, sb,
-                                                      scale);
+            score_block_f32<decltype(g)::value, kDim>(qf + h0 * kTile, rep, rows, sb, scale);
         });
     });
     buf.stats.resize(width);
@@ -281,7 +308,7 @@ void prefill_task_f32(const float* q, const float* kv, float* out, const int32_t
         _mm512_storeu_ps(s + static_cast<int64_t>(2 * t + 1) * width + h * kTile, po);
     });
     buf.vrows.resize(keys);
-    for (int t = 0; t < keys; ++t) buf.vrows[t] = key_row(v_head, table, t, bs, kDim);
+    for (int t = 0; t < keys; ++t) buf.vrows[t] = key_row(r.v_head, table, t, bs, kDim);
     buf.o.resize(static_cast<size_t>(rep) * kDim * kTile);
     auto o = reinterpret_cast<float (*)[kTile]>(buf.o.data());
     for_head_blocks(rep, [&](auto g, int h0) {
@@ -291,7 +318,7 @@ void prefill_task_f32(const float* q, const float* kv, float* out, const int32_t
             pv_block_f32<G, kDims, kDim>(s + h0 * kTile, buf.vrows.data(), rep, keys, d0,
                                          o + h0 * kDim);
     });
-    store_rows<kDim>(o, inv, tokens, rep, kvh, q_start + first, shape, out);
+    store_rows<kDim>(o, inv, r.tokens, rep, kvh, r.row0, shape, out);
 }
 
 #if KVFLEET_PREFILL_BF16
@@ -350,36 +377,19 @@ template <int kDim>
 void prefill_task_bf16(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* table,
                        int q_start, int n, int start, int first, int kvh,
                        const PrefillShape& shape, float scale, Buffers& buf) {
-    constexpr int pairs = kDim / 2;
-    const int bs = shape.block_size;
-    const int rep = shape.num_heads / shape.num_kv_heads;
-    const int tokens = std::min(kTile, n - first);
-    const int keys = start + first + tokens;  // the tile's last token sees keys [0, keys)
-    const int padded = (keys + kKeys - 1) / kKeys * kKeys;  // a multiple of 8, so even
-    const int key_pairs = padded / 2;
-    const int64_t head_elems = shape.num_blocks * bs * kDim;
-    const uint16_t* k_head = kv + kvh * head_elems;
-    const uint16_t* v_head = kv + (shape.num_kv_heads + kvh) * head_elems;
-    const int width = rep * kTile;  // floats per key in S
-
-    // query pairs, rows across lanes (tokens past the chunk's end stay zero)
-    buf.qp.assign(static_cast<size_t>(pairs) * width, 0u);
-    for (int h = 0; h < rep; ++h)
-        for (int i = 0; i < tokens; ++i) {
-            const uint16_t* src = q + (kvh * rep + h) * shape.q_stride_h +
-                                  static_cast<int64_t>(q_start + first + i) * shape.q_stride_t;
-            for (int p = 0; p < pairs; ++p)
-                std::memcpy(&buf.qp[(static_cast<size_t>(p) * rep + h) * kTile + i], src + 2 * p, 4);
-        }
+    const TaskRange<uint16_t> r = task_range<kDim>(kv, q_start, n, start, first, kvh, shape);
+    const int bs = shape.block_size, rep = r.rep, keys = r.keys, padded = r.padded;
+    const int width = r.width, key_pairs = padded / 2;
+    pack_queries<kDim>(q, r, kvh, shape, buf.qw);  // dimension pairs
 
     // 1. scores
     buf.s.resize(static_cast<size_t>(padded) * width);
     buf.kbuf.resize(kKeys * kDim);
     float* s = buf.s.data();
     for_head_blocks(rep, [&](auto g, int h0) {
-        for_key_blocks<kDim>(k_head, table, keys, bs, buf.kbuf.data(), s + h0 * kTile, width,
+        for_key_blocks<kDim>(r.k_head, table, keys, bs, buf.kbuf.data(), s + h0 * kTile, width,
                              [&](const uint16_t* rows, float* sb) {
-            score_block<decltype(g)::value, kDim>(buf.qp.data() + h0 * kTile, rep, rows, sb,
+            score_block<decltype(g)::value, kDim>(buf.qw.data() + h0 * kTile, rep, rows, sb,
                                                   scale);
         });
     });
@@ -410,9 +420,9 @@ void prefill_task_bf16(const uint16_t* q, const uint16_t* kv, uint16_t* out, con
         63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
         55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
     for (int t = 0; t < key_pairs; ++t) {
-        const uint16_t* a = 2 * t < keys ? key_row(v_head, table, 2 * t, bs, kDim) : buf.zero.data();
-        const uint16_t* b = 2 * t + 1 < keys ? key_row(v_head, table, 2 * t + 1, bs, kDim)
-                                             : buf.zero.data();
+        const uint16_t* zero = buf.zero.data();
+        const uint16_t* a = 2 * t < keys ? key_row(r.v_head, table, 2 * t, bs, kDim) : zero;
+        const uint16_t* b = 2 * t + 1 < keys ? key_row(r.v_head, table, 2 * t + 1, bs, kDim) : zero;
         uint32_t* dst = buf.vp.data() + static_cast<int64_t>(t) * kDim;
         for (int d = 0; d < kDim; d += 32) {
             const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
@@ -429,7 +439,7 @@ void prefill_task_bf16(const uint16_t* q, const uint16_t* kv, uint16_t* out, con
             pv_block<G, kDims, kDim>(buf.pp.data() + h0 * kTile, buf.vp.data(), rep, key_pairs,
                                      d0, o + h0 * kDim);
     });
-    store_rows<kDim>(o, inv, tokens, rep, kvh, q_start + first, shape, out);
+    store_rows<kDim>(o, inv, r.tokens, rep, kvh, r.row0, shape, out);
 }
 #endif  // KVFLEET_PREFILL_BF16
 #endif  // KVFLEET_PREFILL_F32
