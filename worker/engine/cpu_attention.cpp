@@ -20,9 +20,6 @@
 #endif
 
 #include "cpu_kernels.h"
-#ifndef PF_DIST
-#define PF_DIST 1
-#endif
 
 namespace {
 
@@ -174,13 +171,18 @@ inline __m512 transpose_sum16(__m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
-// scores[r * ctx + t] = scale * q_r . k_t for the rows of one page (n <= block_size).
+// scores[r * ctx + t] = scale * q_r . k_t for the rows of one page (n <= block_size). Each group
+// of 16 rows requests the same rows of the next page (`next`, n_next rows): a steady distance of
+// one page ahead, which kept two threads reading random pages from DRAM at 24-25 GB/s against
+// 14-15 GB/s when the whole next page was requested at each page's start (Zen 5, 30 layers'
+// pools, 32 streams; the same in P.V below).
 template <int kChunks>
 inline void page_scores(const __m512bh* qv, int rep, const uint16_t* page, int n, int t0,
-                        float scale, float* scores, int ctx) {
+                        float scale, float* scores, int ctx, const uint16_t* next, int n_next) {
     constexpr int dim = 32 * kChunks;
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int m = std::min(16, n - j0);
+        for (int j = j0; j < std::min(j0 + 16, n_next); ++j) prefetch_row(next + j * dim, dim);
         const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1);
         for (int r = 0; r < rep; ++r) {
             __m512 acc[16];
@@ -233,11 +235,20 @@ void pv_rows(const uint16_t* v_head, const int32_t* table, int ctx, int bs, cons
     for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
         const uint16_t* page = v_head + static_cast<int64_t>(table[b]) * bs * dim;
         const int n = std::min(bs, ctx - t0);
-        prefetch_page(v_head, table, ctx, bs, dim, b + PF_DIST);
+        const int n_next = std::min(bs, ctx - t0 - bs);  // rows of the next page (<= 0: none)
+        const uint16_t* next = n_next > 0 ? v_head + static_cast<int64_t>(table[b + 1]) * bs * dim
+                                          : page;
         int j = 0;
-        for (; j + 1 < n; j += 2)
+        for (; j + 1 < n; j += 2) {
+            if (j + 1 < n_next) {
+                prefetch_row(next + j * dim, dim);
+                prefetch_row(next + (j + 1) * dim, dim);
+            } else if (j < n_next) {
+                prefetch_row(next + j * dim, dim);
+            }
             pv_pair<kChunks, kRep>(page + j * dim, page + (j + 1) * dim, probs, stride, t0 + j,
                                    0xFFFFFFFFu, acc);
+        }
         if (j < n)  // an odd last row of the page: paired with itself at probability 0
             pv_pair<kChunks, kRep>(page + j * dim, page + j * dim, probs, stride, t0 + j, 0xFFFFu,
                                    acc);
@@ -289,9 +300,11 @@ void attend_bf16(const uint16_t* q, const uint16_t* k_head, const uint16_t* v_he
                     (__m512bh)_mm512_loadu_si512(q + (r0 + r) * shape.q_stride_h + 32 * c);
         for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
             const uint16_t* page = k_head + static_cast<int64_t>(table[b]) * bs * dim;
-            prefetch_page(k_head, table, ctx, bs, dim, b + PF_DIST);
+            const int n_next = std::min(bs, ctx - t0 - bs);  // rows of the next page (<= 0: none)
+            const uint16_t* next = n_next > 0
+                ? k_head + static_cast<int64_t>(table[b + 1]) * bs * dim : page;
             page_scores<kChunks>(qv, reps, page, std::min(bs, ctx - t0), t0, scale,
-                                 scores + r0 * ctx, ctx);
+                                 scores + r0 * ctx, ctx, next, n_next);
         }
     }
     for (int r = 0; r < rep; ++r) {
