@@ -221,8 +221,9 @@ def test_a_failed_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
 
 
 def test_the_start_up_report_names_the_attention_path(tiny_llama):
-    assert tiny_llama.engine().device_report().endswith(
-        "; attention cpu (decode kernel; prefill chunks on SDPA)")  # float32
+    report = tiny_llama.engine().device_report()  # float32
+    assert "; attention cpu (decode kernel; prefill chunks on SDPA)" in report
+    assert report.endswith("; linears in oneDNN, weights packed")
     fp8 = tiny_llama.engine(kv_dtype="fp8")
     assert not fp8.runner.cpu_decode_kernel
     assert "attention cpu (gather + SDPA for --kv-dtype fp8" in fp8.device_report()

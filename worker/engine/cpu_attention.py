@@ -48,10 +48,10 @@ import torch
 
 from worker.engine.kv_cache import KVCachePool
 
-# one library: the decode and prefill kernels and the decoder layer's element-wise ops
-# (cpu_layers.py)
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layer_ops.cpp"))
+# one library: the decode and prefill kernels, the decoder layer's element-wise ops
+# (cpu_layers.py) and the bf16 linear product (cpu_linear.py)
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layer_ops.cpp", "cpu_matmul.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `dtype` argument
@@ -72,6 +72,11 @@ LAYER_OP_ARGTYPES = {  # cpu_layer_ops.cpp
     "kvfleet_rope": (_I, _P, _I64, _I, _I64, _I64, _I, _P, _P, _I),
     "kvfleet_silu_mul": (_I, _P, _P, _I64, _I, _I),
     "kvfleet_write_kv": (_I, _P, _P, _I64, _I64, _I, _I, _P, _I64, _P),
+}
+MATMUL_ARGTYPES = {  # cpu_matmul.cpp
+    "kvfleet_bf16_linear_supported": (),
+    "kvfleet_pack_bf16_linear": (_P, _I64, _I64, _P, _I),
+    "kvfleet_bf16_linear": (_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I),
 }
 
 
@@ -157,9 +162,9 @@ def load_kernel() -> ctypes.CDLL:
     except OSError as exc:
         raise KernelUnavailable(f"loading the kernel failed: {exc}") from exc
     lib.kvfleet_paged_decode.argtypes = _ARGTYPES
-    for function, argtypes in (PREFILL_ARGTYPES | LAYER_OP_ARGTYPES).items():
+    for function, argtypes in (PREFILL_ARGTYPES | LAYER_OP_ARGTYPES | MATMUL_ARGTYPES).items():
         getattr(lib, function).argtypes = argtypes
-    for function in ("kvfleet_paged_decode", *PREFILL_ARGTYPES, *LAYER_OP_ARGTYPES):
+    for function in ("kvfleet_paged_decode", *PREFILL_ARGTYPES, *LAYER_OP_ARGTYPES, *MATMUL_ARGTYPES):
         getattr(lib, function).restype = ctypes.c_int
     return lib
 

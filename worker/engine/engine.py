@@ -22,7 +22,7 @@ from worker.engine.kv_format import resolve_kv_format
 from worker.engine.memory_profile import profile_step
 from worker.engine.model_runner import ModelRunner, StepLogits, plan_step
 from worker.engine.preemption import PreemptionCostModel, SwapSpace
-from worker.engine import cpu_attention
+from worker.engine import cpu_attention, cpu_linear
 from worker.engine.prompt_logprobs import compute_prompt_logprobs
 from worker.engine.sampler import Sampler, SamplerInput
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
@@ -474,6 +474,8 @@ class Engine:
         elif self.attention_backend == "cpu":
             line += (" (decode and prefill kernels)" if self.runner.cpu_prefill_kernel
                      else " (decode kernel; prefill chunks on SDPA)")
+        if self.device.type == "cpu":
+            line += f"; linears {cpu_linear.products_report(self.dtype)}"
         return line
 
     def budget_report(self) -> list[str]:
