@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from shared.cpu_features import cpu_features
 from tests.engine.paged_cases import CASES, NUM_KV_HEADS, ChunkSpec, PagedCase, run_case
 from tests.engine.tiny_models import VOCAB, greedy, random_prompt, run_to_completion
-from worker.engine import cpu_attention
+from worker.engine import cpu_attention, cpu_linear
 from worker.engine.device import resolve_attention_backend
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVCachePool, KVLayout
@@ -135,7 +135,7 @@ def test_prefill_chunks_take_the_kernel_where_the_cpu_has_avx512(tiny_llama):
     assert not cpu_attention.prefill_supported(pool("bf16", torch.float32), torch.float32, 64)
     for engine in (tiny_llama.engine(), tiny_llama.engine(dtype="bfloat16")):  # head_dim 16
         assert not engine.runner.cpu_prefill_kernel
-        assert engine.device_report().endswith("(decode kernel; prefill chunks on SDPA)")
+        assert "(decode kernel; prefill chunks on SDPA); linears in " in engine.device_report()
 
 
 @pytest.mark.parametrize("dtype, flag, bound", [
@@ -159,8 +159,8 @@ def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound
                                         num_blocks=64, block_size=16, max_batched_tokens=64))
     has_kernel = flag in cpu_features().flags
     assert engine.runner.cpu_prefill_kernel is has_kernel
-    assert engine.device_report().endswith("(decode and prefill kernels)" if has_kernel
-                                           else "(decode kernel; prefill chunks on SDPA)")
+    assert ("attention cpu (decode and prefill kernels);" if has_kernel
+            else "attention cpu (decode kernel; prefill chunks on SDPA);") in engine.device_report()
     engine.add_request("neighbour", random_prompt(20, seed=1), greedy(40))
     engine.step()
     for i, prompt in enumerate(prompts):
@@ -196,8 +196,10 @@ def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-kvfleet")
     monkeypatch.setenv("KVFLEET_KERNEL_CACHE", str(tmp_path))
     cpu_attention.load_kernel.cache_clear()
+    cpu_linear.own_product.cache_clear()
     yield
     cpu_attention.load_kernel.cache_clear()
+    cpu_linear.own_product.cache_clear()
 
 
 def test_without_a_compiler_auto_keeps_sdpa_and_cpu_is_refused(no_compiler, tiny_llama):
@@ -209,6 +211,7 @@ def test_without_a_compiler_auto_keeps_sdpa_and_cpu_is_refused(no_compiler, tiny
     engine = tiny_llama.engine()
     assert engine.attention_backend == "sdpa"
     assert "no-such-compiler-kvfleet" in engine.device_report()  # the log says why
+    assert engine.device_report().endswith("; linears in oneDNN, weights packed")  # float32
 
 
 def test_a_failed_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
@@ -223,7 +226,8 @@ def test_a_failed_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
 def test_the_start_up_report_names_the_attention_path(tiny_llama):
     report = tiny_llama.engine().device_report()  # float32
     assert "; attention cpu (decode kernel; prefill chunks on SDPA)" in report
-    assert report.endswith("; linears in oneDNN, weights packed")
+    # float32's products: kvfleet's on AVX-512 CPUs without AMX, else oneDNN's (cpu_linear.py)
+    assert report.endswith("; linears " + cpu_linear.products_report(torch.float32))
     fp8 = tiny_llama.engine(kv_dtype="fp8")
     assert not fp8.runner.cpu_decode_kernel
     assert "attention cpu (gather + SDPA for --kv-dtype fp8" in fp8.device_report()

@@ -1,6 +1,6 @@
 """The CPU linears: oneDNN-packed linears compute what F.linear computes (float32 everywhere, bf16
-where the CPU has native bf16), so does kvfleet's own bf16 product (AVX512-BF16 CPUs), a tied LM
-head is packed only when asked, and sibling linears (q/k/v, gate/up) fused into one product give
+where the CPU has native bf16), so does kvfleet's own product (float32 on AVX-512 CPUs, bf16 with
+AVX512-BF16), a tied LM head is packed only when asked, and sibling linears (q/k/v, gate/up) fused into one product give
 each caller what its own linear gives, in any call order."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.engine.tiny_models import MODEL_FACTORIES
 from worker.engine import cpu_linear
 from worker.engine.cpu_attention import load_kernel, unavailable_reason
 from worker.engine.cpu_linear import (
-    Bf16Linear, PackedLinear, SiblingLinear, fuse_sibling_linears, own_bf16_product,
+    KernelLinear, PackedLinear, SiblingLinear, fuse_sibling_linears, own_product,
     pack_cpu_linears, packing_available)
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="oneDNN packs bf16 only on CPUs with native bf16 "
@@ -54,7 +54,7 @@ def test_a_tied_lm_head_is_packed_only_when_asked(dtype):
     assert all(p.dtype == dtype for p in untied.parameters())
     both = copy.deepcopy(model)
     assert pack_cpu_linears(both, shared=True) == 7 * layers + 1
-    assert type(both.lm_head) in (PackedLinear, Bf16Linear)
+    assert type(both.lm_head) in (PackedLinear, KernelLinear)
     assert type(both.model.embed_tokens) is torch.nn.Embedding
     x = torch.randint(3, 500, (1, 9))
     with torch.inference_mode():
@@ -72,7 +72,7 @@ def test_bf16_is_left_unpacked_without_native_bf16():
     """oneDNN's reorder refuses bf16 on an AVX2-only CPU: nothing is packed, F.linear stays."""
     model = MODEL_FACTORIES["llama"]().to(torch.bfloat16)
     assert pack_cpu_linears(model, shared=True) == 0 and fuse_sibling_linears(model) == 0
-    assert all(type(m) not in (PackedLinear, Bf16Linear) for m in model.modules())
+    assert all(type(m) not in (PackedLinear, KernelLinear) for m in model.modules())
 
 
 def close_to(got: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -125,52 +125,58 @@ def test_a_fused_model_computes_what_the_packed_one_does_and_still_copies():
         assert torch.equal(twin(x).logits, model(x).logits)
 
 
-# ---- kvfleet's bf16 product (cpu_matmul.cpp) -------------------------------------------------------
+# ---- kvfleet's product (cpu_matmul.cpp) ------------------------------------------------------------
 
-_BF16_BUILD = unavailable_reason() is None and bool(load_kernel().kvfleet_bf16_linear_supported())
-needs_bf16_product = pytest.mark.skipif(not _BF16_BUILD, reason="kvfleet's bf16 product needs a "
-                                        "CPU with AVX512-BF16 (and a C++ compiler)")
+_BUILDS = {dtype: unavailable_reason() is None
+           and bool(load_kernel().kvfleet_linear_supported(code))
+           for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1))}
+OWN_DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(
+    not _BUILDS[dtype], reason=f"kvfleet's {dtype} product needs AVX-512 (bf16: AVX512-BF16) and "
+    "a C++ compiler")) for dtype in (torch.float32, torch.bfloat16)]
+# relative to the output's scale: a bf16 rounding step; float32 sums taken in another order
+OWN_TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}
 
 
-def fp32_reference(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    out = x.float() @ linear.weight.float().T
-    return out if linear.bias is None else out + linear.bias.float()
+def float64_reference(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    out = x.double() @ linear.weight.double().T
+    return out if linear.bias is None else out + linear.bias.double()
 
 
-@needs_bf16_product
+@pytest.mark.parametrize("dtype", OWN_DTYPES)
 @pytest.mark.parametrize("out_features, in_features, bias", [
     (160, 96, False),    # whole blocks of 16 outputs, even columns
-    (37, 11, True),      # a partial last block and an odd column count (the last pair half empty)
+    (37, 11, True),      # a partial last block and an odd column count (bf16: the last pair half empty)
     (49, 576, True),
     (3072, 576, False),  # the default model's gate/up
     (576, 1537, True),
 ])
-def test_bf16_product_follows_the_fp32_product(out_features, in_features, bias):
+def test_own_product_follows_the_exact_product(out_features, in_features, bias, dtype):
     """Every tile path (up to 4 rows against 4 blocks; 8 rows against 3; the rows and blocks left
-    over) within one bf16 rounding step of the fp32 product, bias included."""
+    over) within one rounding step of the exact product, bias included, and as close to it as
+    F.linear."""
     torch.manual_seed(out_features + in_features)
-    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
-    product = Bf16Linear(linear)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    product = KernelLinear(linear)
     for rows in (1, 3, 4, 5, 8, 9, 17, 70):
-        x = torch.randn(rows, in_features, dtype=torch.bfloat16)
-        expected = fp32_reference(linear, x)
+        x = torch.randn(rows, in_features, dtype=dtype)
+        expected = float64_reference(linear, x)
         got = product(x)
-        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
-        assert (got.float() - expected).abs().max().item() <= 2 ** -7 * expected.abs().max().item()
-        # as close as F.linear's own bf16 product, within a rounding step of each output
-        f_linear = F.linear(x, linear.weight, linear.bias).float()
-        step = expected.abs() * 2 ** -8 + 1e-6
-        assert ((got.float() - expected).abs() <= (f_linear - expected).abs() + step).all()
+        assert got.shape == (rows, out_features) and got.dtype == dtype
+        scale = expected.abs().max().item()
+        assert (got.double() - expected).abs().max().item() <= OWN_TOLERANCE[dtype] * scale
+        f_linear = F.linear(x, linear.weight, linear.bias).double()
+        step = expected.abs() * OWN_TOLERANCE[dtype] / 2 + 1e-6 * scale
+        assert ((got.double() - expected).abs() <= (f_linear - expected).abs() + step).all()
 
 
-@needs_bf16_product
-def test_bf16_product_of_a_row_does_not_depend_on_the_batch_or_the_threads():
+@pytest.mark.parametrize("dtype", OWN_DTYPES)
+def test_own_product_of_a_row_does_not_depend_on_the_batch_or_the_threads(dtype):
     """Each output is summed in one order: a row's result is bit-identical alone, in any batch and
     with 1 or 2 threads (sampling with a seed stays independent of batch composition)."""
     torch.manual_seed(5)
-    linear = torch.nn.Linear(576, 960, bias=True).to(torch.bfloat16)
-    product = Bf16Linear(linear)
-    x = torch.randn(23, 576, dtype=torch.bfloat16)
+    linear = torch.nn.Linear(576, 960, bias=True).to(dtype)
+    product = KernelLinear(linear)
+    x = torch.randn(23, 576, dtype=dtype)
     batch = product(x)
     for i in range(x.shape[0]):
         assert torch.equal(product(x[i:i + 1]), batch[i:i + 1])
@@ -183,51 +189,56 @@ def test_bf16_product_of_a_row_does_not_depend_on_the_batch_or_the_threads():
         torch.set_num_threads(threads)
 
 
-@needs_bf16_product
-def test_bf16_product_takes_strided_and_batched_input_and_still_copies():
+@pytest.mark.parametrize("dtype", OWN_DTYPES)
+def test_own_product_takes_strided_and_batched_input_and_still_copies(dtype):
     torch.manual_seed(6)
-    linear = torch.nn.Linear(96, 160).to(torch.bfloat16)
-    product = Bf16Linear(linear)
-    wide = torch.randn(6, 200, dtype=torch.bfloat16)
+    linear = torch.nn.Linear(96, 160).to(dtype)
+    product = KernelLinear(linear)
+    wide = torch.randn(6, 200, dtype=dtype)
     assert torch.equal(product(wide[:, :96]), product(wide[:, :96].contiguous()))
-    x = torch.randn(2, 5, 96, dtype=torch.bfloat16)
+    x = torch.randn(2, 5, 96, dtype=dtype)
     assert torch.equal(product(x), product(x.reshape(10, 96)).view(2, 5, 160))
     assert product(x[:, :0]).shape == (2, 0, 160)
     twin = copy.deepcopy(product)
     assert twin.packed_weight is product.packed_weight and torch.equal(twin(x), product(x))
-    with pytest.raises(TypeError, match="bf16"):
-        product(x.float())
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    with pytest.raises(TypeError, match=str(dtype)):
+        product(x.to(other))
 
 
 @pytest.fixture
 def products_env(monkeypatch):
-    """Set KVFLEET_CPU_PRODUCTS for one test; the cached choice is made again before and after."""
+    """Set KVFLEET_CPU_PRODUCTS for one test; the cached choices are made again before and after."""
     def choose(value: str | None):
         if value is None:
             monkeypatch.delenv(cpu_linear.PRODUCTS_ENV, raising=False)
         else:
             monkeypatch.setenv(cpu_linear.PRODUCTS_ENV, value)
-        own_bf16_product.cache_clear()
-        return own_bf16_product
+        own_product.cache_clear()
+        return own_product
     yield choose
-    own_bf16_product.cache_clear()
+    own_product.cache_clear()
 
 
-def test_bf16_linears_take_kvfleets_product_on_avx512_bf16_cpus_without_amx(products_env):
-    """auto: the own product where the kernel builds with AVX512-BF16 and the CPU has no AMX
-    (oneDNN's AMX tiles win at prefill sizes); onednn turns it off; kvfleet forces it where it
-    builds and is refused where it does not; anything else is refused by name."""
-    expected = _BF16_BUILD and cpu_features().isa != "AMX"
-    assert products_env(None)() is expected
-    model = MODEL_FACTORIES["llama"]().to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linears_take_kvfleets_product_on_avx512_cpus_without_amx(products_env, dtype):
+    """auto: the own product where the kernel builds it (float32: AVX-512; bf16: AVX512-BF16) and
+    the CPU has no AMX (oneDNN's AMX tiles win at prefill sizes); onednn turns it off; kvfleet
+    forces it where it builds and is refused where it does not; anything else is refused by
+    name."""
+    expected = _BUILDS[dtype] and cpu_features().isa != "AMX"
+    assert products_env(None)(dtype) is expected
+    model = MODEL_FACTORIES["llama"]().to(dtype)
     pack_cpu_linears(model, shared=True)
-    assert (type(model.lm_head) is Bf16Linear) is expected
-    assert ("kvfleet's bf16 product" in cpu_linear.products_report(torch.bfloat16)) is expected
-    assert products_env("onednn")() is False
-    if _BF16_BUILD:
-        assert products_env("kvfleet")() is True
+    assert (type(model.lm_head) is KernelLinear) is expected
+    assert ("kvfleet's product" in cpu_linear.products_report(dtype)) is expected
+    assert products_env("onednn")(dtype) is False
+    assert type(cpu_linear.product(torch.nn.Linear(8, 8, dtype=dtype))) is not KernelLinear
+    if _BUILDS[dtype]:
+        assert products_env("kvfleet")(dtype) is True
     else:
         with pytest.raises(ValueError, match="KVFLEET_CPU_PRODUCTS=kvfleet"):
-            products_env("kvfleet")()
+            products_env("kvfleet")(dtype)
+    assert products_env("kvfleet")(torch.float16) is False  # no such product: F.linear stays
     with pytest.raises(ValueError, match="expected one of auto, onednn, kvfleet"):
-        products_env("fastest")()
+        products_env("fastest")(dtype)

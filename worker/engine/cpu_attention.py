@@ -74,9 +74,9 @@ LAYER_OP_ARGTYPES = {  # cpu_layer_ops.cpp
     "kvfleet_write_kv": (_I, _P, _P, _I64, _I64, _I, _I, _P, _I64, _P),
 }
 MATMUL_ARGTYPES = {  # cpu_matmul.cpp
-    "kvfleet_bf16_linear_supported": (),
-    "kvfleet_pack_bf16_linear": (_P, _I64, _I64, _P, _I),
-    "kvfleet_bf16_linear": (_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I),
+    "kvfleet_linear_supported": (_I,),
+    "kvfleet_pack_linear": (_I, _P, _I64, _I64, _P, _I),
+    "kvfleet_linear": (_I, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I),
 }
 
 

@@ -10,15 +10,17 @@ model's shapes: 1.2-2.1x at 8-64 rows, the 49,152-row LM head 2.2-2.8x; level at
 at one row), with sums taken in another order (relative differences of ~1e-7, greedy output still
 that of HF `generate` in the tests). bf16 packs only on CPUs with native bf16.
 
-On CPUs with AVX512-BF16 and no AMX, bf16 linears take kvfleet's own product instead
-(`Bf16Linear`, cpu_matmul.cpp): one weight copy packed in 16-output blocks of column pairs,
-streamed once per product with vdpbf16ps. oneDNN reads its packed bf16 weights at about half the
-memory bandwidth at decode sizes; measured on a 2-core Zen 4 (AMD EPYC, AVX512-BF16), 2 threads,
-the default model's products of one decode step (30 layers' q/k/v, o, gate/up, down and the LM
-head): 9.5 against 16.5 ms at 1 row (34 against 19 GB/s, the read bandwidth measured there),
-9 against 14 at 8 rows, 44 against 50 at 64 rows, 320 against 339 at 512. On AMX CPUs oneDNN's
-tiles do prefill products faster, so they keep oneDNN. `KVFLEET_CPU_PRODUCTS` overrides:
-`onednn` (oneDNN wherever it packs) or `kvfleet` (the own product wherever it builds).
+On CPUs with AVX-512 and no AMX, linears take kvfleet's own product instead (`KernelLinear`,
+cpu_matmul.cpp; bf16 needs AVX512-BF16): one weight copy packed in 16-output blocks of columns
+(bf16: column pairs), streamed once per product with FMA (vdpbf16ps). oneDNN reads its packed
+weights at about half the memory bandwidth at decode sizes; measured on a 2-core Zen 4 (AMD
+EPYC, AVX512-BF16), 2 threads, the default model's products of one decode step (30 layers'
+q/k/v, o, gate/up, down and the LM head), ours against oneDNN's: bf16 8.7 against 13.9 ms at 1
+row, 10.6 against 14.4 at 8, 44 against 50 at 64, 335 against 330 at 512; float32 17.2 against
+24.8 at 1 row, 16.4 against 25.2 at 8, 86 against 98 at 64, 684 against 693 at 512. On AMX CPUs
+oneDNN's tiles do bf16 prefill products faster, so they keep oneDNN (not measured against ours
+there). `KVFLEET_CPU_PRODUCTS` overrides: `onednn` (oneDNN wherever it packs) or `kvfleet` (the
+own product wherever it builds).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import os
 import torch
 
 from shared.cpu_features import cpu_features
-from worker.engine.cpu_attention import KernelUnavailable, load_kernel
+from worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable, load_kernel
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 _BATCH_HINT = 64  # rows the packing is tuned for; measured flat from 1 to 512 rows
@@ -48,69 +50,79 @@ def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 @functools.cache
-def own_bf16_product() -> bool:
-    """bf16 linears take kvfleet's product (Bf16Linear) here: by default on CPUs whose kernel
-    build has AVX512-BF16 and that have no AMX; `KVFLEET_CPU_PRODUCTS` overrides."""
+def own_product(dtype: torch.dtype) -> bool:
+    """Linears of this dtype take kvfleet's product (KernelLinear) here: by default bf16 on CPUs
+    whose kernel build has AVX512-BF16, float32 on AVX-512 CPUs, neither where the CPU has AMX;
+    `KVFLEET_CPU_PRODUCTS` overrides."""
     choice = os.environ.get(PRODUCTS_ENV, "auto")
     if choice not in PRODUCTS_CHOICES:
         raise ValueError(f"{PRODUCTS_ENV}={choice!r}: expected one of {', '.join(PRODUCTS_CHOICES)}")
-    if choice == "onednn" or (choice == "auto" and cpu_features().isa == "AMX"):
+    if (dtype not in DTYPE_CODES or choice == "onednn"
+            or (choice == "auto" and cpu_features().isa == "AMX")):
         return False
     try:
-        supported = bool(load_kernel().kvfleet_bf16_linear_supported())
+        supported = bool(load_kernel().kvfleet_linear_supported(DTYPE_CODES[dtype]))
     except KernelUnavailable as exc:
         if choice == "kvfleet":
             raise ValueError(f"{PRODUCTS_ENV}=kvfleet, but the kernel is unavailable: {exc}") from exc
         return False
     if choice == "kvfleet" and not supported:
-        raise ValueError(f"{PRODUCTS_ENV}=kvfleet, but this CPU has no AVX512-BF16 products")
+        raise ValueError(f"{PRODUCTS_ENV}=kvfleet, but this CPU has no {dtype} products "
+                         f"(float32 needs AVX-512, bf16 AVX512-BF16)")
     return supported
 
 
 def packs(dtype: torch.dtype) -> bool:
     """A linear of this dtype computes faster here through a packed weight (ours or oneDNN's)."""
-    return (dtype == torch.bfloat16 and own_bf16_product()) or packing_available(dtype)
+    return own_product(dtype) or packing_available(dtype)
 
 
 def product(linear: torch.nn.Linear) -> torch.nn.Module:
-    """The module that computes `linear` fastest here: Bf16Linear for bf16 where own_bf16_product,
-    else PackedLinear where its dtype packs, else the linear itself (F.linear: MKL's own path for
+    """The module that computes `linear` fastest here: KernelLinear where own_product, else
+    PackedLinear where its dtype packs, else the linear itself (F.linear: MKL's own path for
     float32, no reorder)."""
-    if linear.weight.dtype == torch.bfloat16 and own_bf16_product():
-        return Bf16Linear(linear)
+    if linear.weight.device.type == "cpu" and own_product(linear.weight.dtype):
+        return KernelLinear(linear)
     return PackedLinear(linear) if packing_available(linear.weight.dtype) else linear
 
 
 def products_report(dtype: torch.dtype) -> str:
     """What computes the linears of a CPU model in this dtype, for the start-up log."""
-    if dtype == torch.bfloat16 and own_bf16_product():
-        return "in kvfleet's bf16 product (cpu_matmul.cpp)"
+    if own_product(dtype):
+        return "in kvfleet's product (cpu_matmul.cpp)"
     if packing_available(dtype):
         return "in oneDNN, weights packed"
     return "in F.linear"
 
 
-class Bf16Linear(torch.nn.Module):
-    """nn.Linear's forward for bf16 through kvfleet's product (cpu_matmul.cpp), over its weight
-    packed once in 16-output blocks of column pairs: fp32 sums, rounded once to bf16 (with the
-    bias added in fp32), every output summed in one order whatever the thread count or the batch."""
+class KernelLinear(torch.nn.Module):
+    """nn.Linear's forward (bf16 or float32) through kvfleet's product (cpu_matmul.cpp), over its
+    weight packed once in 16-output blocks of columns (bf16: column pairs): fp32 sums, the bias
+    added in fp32, one rounding to the output dtype; every output summed in one order whatever
+    the thread count or the batch."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().to(torch.bfloat16).contiguous()
-        blocks, pairs = -(-self.out_features // 16), -(-self.in_features // 2)
+        self.dtype = linear.weight.dtype
+        weight = linear.weight.detach().contiguous()
+        per = 2 if self.dtype == torch.bfloat16 else 1  # columns per step of the product
+        blocks, steps = -(-self.out_features // 16), -(-self.in_features // per)
         # kept as a plain attribute, like PackedLinear's: nothing that casts or counts parameters
-        # must take it for a [out, in] matrix
-        self.packed_weight = torch.empty(blocks * pairs * 32, dtype=torch.bfloat16)
-        load_kernel().kvfleet_pack_bf16_linear(weight.data_ptr(), self.out_features,
-                                               self.in_features, self.packed_weight.data_ptr(),
-                                               torch.get_num_threads())
+        # must take it for an [out, in] matrix
+        self.packed_weight = torch.empty(blocks * steps * per * 16, dtype=self.dtype)
+        _check(load_kernel().kvfleet_pack_linear(
+            DTYPE_CODES[self.dtype], weight.data_ptr(), self.out_features, self.in_features,
+            self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_pack_linear")
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(),
                                                                         requires_grad=False)
         self._bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        # what every call passes, looked up once (a decode step makes ~4 calls per layer)
+        self._code, self._function = DTYPE_CODES[self.dtype], load_kernel().kvfleet_linear
+        self._weight_ptr = self.packed_weight.data_ptr()
+        self._bias_ptr = None if self._bias32 is None else self._bias32.data_ptr()
 
-    def __deepcopy__(self, memo) -> Bf16Linear:
+    def __deepcopy__(self, memo) -> KernelLinear:
         """A copy that shares the packed weight (never written after packing)."""
         clone = copy.copy(self)
         clone._parameters = {name: copy.deepcopy(p, memo) for name, p in self._parameters.items()}
@@ -118,20 +130,23 @@ class Bf16Linear(torch.nn.Module):
         return clone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            raise TypeError(f"Bf16Linear takes bf16 CPU input, got {x.dtype} on {x.device}")
-        rows = x.reshape(-1, self.in_features)
+        if x.dtype != self.dtype or x.device.type != "cpu":
+            raise TypeError(f"this linear takes {self.dtype} CPU input, got {x.dtype} on {x.device}")
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
             rows = rows.contiguous()
-        out = rows.new_empty(rows.shape[0], self.out_features)
-        status = load_kernel().kvfleet_bf16_linear(
-            rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0),
-            self.packed_weight.data_ptr(), self.out_features,
-            None if self._bias32 is None else self._bias32.data_ptr(), out.data_ptr(),
-            out.stride(0), torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"kvfleet_bf16_linear failed with status {status}")
-        return out.view(*x.shape[:-1], self.out_features)
+        num_rows = rows.shape[0]
+        out = torch.empty((num_rows, self.out_features), dtype=self.dtype)
+        _check(self._function(self._code, rows.data_ptr(), num_rows, self.in_features,
+                              rows.stride(0), self._weight_ptr, self.out_features, self._bias_ptr,
+                              out.data_ptr(), self.out_features, torch.get_num_threads()),
+               "kvfleet_linear")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{name} failed with status {status}")
 
 
 class PackedLinear(torch.nn.Module):

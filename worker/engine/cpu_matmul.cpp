@@ -1,12 +1,14 @@
-// bf16 linear layers on CPUs with AVX512-BF16: y = x W^T (+ bias), fp32 sums, bf16 out.
+// Linear layers on CPUs with AVX-512: y = x W^T (+ bias), fp32 sums, out in the input's dtype.
+// bf16 (dtype 1) needs AVX512-BF16 (vdpbf16ps); float32 (dtype 0) any AVX-512 CPU (FMA).
 //
-// The weight [n, k] is packed once (kvfleet_pack_bf16_linear) into blocks of 16 output rows, each
-// block the k/2 column pairs of its 16 rows side by side: [n/16][k/2][16][2] bf16, so that one
-// 64-byte vector holds one column pair of 16 outputs. A product then reads each block once, from
-// start to end: per column pair, one vector load of the weights and, for each row of x, that
-// row's pair broadcast to every lane and one vdpbf16ps into the row's 16 sums. Nothing is summed
-// across lanes, and the weights stream in order from memory, which is what decode steps (a few
-// rows against every weight of the model) are bound by.
+// The weight [n, k] is packed once (kvfleet_pack_linear) into blocks of 16 output rows, each block
+// its k columns (bf16: k/2 column pairs) for the 16 rows side by side: [n/16][k][16] float32,
+// [n/16][k/2][16][2] bf16, so that one 64-byte vector holds one column (pair) of 16 outputs. A
+// product then reads each block once, from start to end: per column (pair), one vector load of
+// the weights and, for each row of x, that row's value (pair) broadcast to every lane and one
+// FMA (vdpbf16ps) into the row's 16 sums. Nothing is summed across lanes, and the weights stream
+// in order from memory, which is what decode steps (a few rows against every weight of the model)
+// are bound by.
 //
 // Each thread takes a contiguous range of blocks and computes all rows of x against them: every
 // output is summed in the same order whatever the thread count, the number of rows, or where a
@@ -22,83 +24,106 @@
 
 namespace {
 
-constexpr int kLanes = 16;       // outputs per block: one vector of fp32 sums
-constexpr int kPrefetchPairs = 16;  // a block's column pairs requested ahead of their load
+constexpr int kLanes = 16;          // outputs per block: one vector of fp32 sums
+constexpr int kPrefetchSteps = 16;  // a block's columns (pairs) requested ahead of their load
 
-int64_t pairs_of(int64_t k) { return (k + 1) / 2; }
+#if defined(__AVX512F__)
+struct F32 {  // one column per step
+    using T = float;
+    static constexpr int kPer = 1;
+    static __m512 weights(const float* at) { return _mm512_loadu_ps(at); }
+    static __m512 value(const float* row, int64_t q) { return _mm512_set1_ps(row[q]); }
+    static __m512 last(const float* row, int64_t q, int64_t) { return value(row, q); }
+    static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+    static void store(__m512 v, float* out, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
+};
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-constexpr bool kSupported = true;
+struct Bf16 {  // one column pair per step
+    using T = uint16_t;
+    static constexpr int kPer = 2;
+    static __m512 weights(const uint16_t* at) { return _mm512_castsi512_ps(_mm512_loadu_si512(at)); }
+    // the row's column pair q as one 32-bit word broadcast
+    static __m512 value(const uint16_t* row, int64_t q) {
+        int32_t pair;
+        std::memcpy(&pair, row + 2 * q, 4);
+        return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+    }
+    // the last pair: of an odd k, its one column alone (the second half zero, as the packed
+    // weight's is)
+    static __m512 last(const uint16_t* row, int64_t q, int64_t k) {
+        return k % 2 ? _mm512_castsi512_ps(_mm512_set1_epi32(row[2 * q])) : value(row, q);
+    }
+    static __m512 fma(__m512 acc, __m512 w, __m512 x) {
+        return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(w),
+                                (__m512bh)_mm512_castps_si512(x));
+    }
+    static void store(__m512 v, uint16_t* out, __mmask16 mask) {
+        _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+};
+#define KVFLEET_BF16_PRODUCT 1
+#endif
 
+int64_t steps_of(int64_t k, int per) { return (k + per - 1) / per; }
+
+#if defined(__AVX512F__)
+template <typename D>
 struct Product {
-    const uint16_t* x;
+    const typename D::T* x;
     int64_t x_stride, k;
-    const uint16_t* w;  // packed
+    const typename D::T* w;  // packed
     int64_t n;
     const float* bias;  // n floats, or null
-    uint16_t* y;
+    typename D::T* y;
     int64_t y_stride;
 };
 
-// x's column pair q of one row as a 32-bit word: both bf16, or the last column of an odd k alone
-// (its second half zero, as the packed weight's is)
-inline int32_t pair_at(const uint16_t* row, int64_t q, int64_t k) {
-    int32_t pair = 0;
-    if (2 * q + 1 < k)
-        std::memcpy(&pair, row + 2 * q, 4);
-    else
-        pair = row[2 * q];
-    return pair;
-}
-
 // rows [row, row + R) of x against blocks [block, block + B)
-template <int R, int B>
-void tile(const Product& p, int64_t row, int64_t block) {
-    const int64_t pairs = pairs_of(p.k), block_elems = pairs * 2 * kLanes;
-    const uint16_t* w = p.w + block * block_elems;
-    const uint16_t* x = p.x + row * p.x_stride;
+template <typename D, int R, int B>
+void tile(const Product<D>& p, int64_t row, int64_t block) {
+    const int64_t steps = steps_of(p.k, D::kPer), block_elems = steps * D::kPer * kLanes;
+    const typename D::T* w = p.w + block * block_elems;
+    const typename D::T* x = p.x + row * p.x_stride;
     __m512 acc[R][B];
     for (int r = 0; r < R; ++r)
         for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
-    const int64_t whole = p.k / 2;  // pairs with both columns in x
-    for (int64_t q = 0; q < pairs; ++q) {
-        __m512bh wv[B];
+    auto step = [&](int64_t q, bool last) {
+        __m512 wv[B];
         for (int b = 0; b < B; ++b) {
-            const uint16_t* at = w + b * block_elems + q * 2 * kLanes;
-            _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchPairs * 2 * kLanes), _MM_HINT_T0);
-            wv[b] = (__m512bh)_mm512_loadu_si512(at);
+            const typename D::T* at = w + b * block_elems + q * D::kPer * kLanes;
+            _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchSteps * D::kPer * kLanes),
+                         _MM_HINT_T0);
+            wv[b] = D::weights(at);
         }
         for (int r = 0; r < R; ++r) {
-            int32_t pair;
-            if (q < whole)
-                std::memcpy(&pair, x + r * p.x_stride + 2 * q, 4);
-            else
-                pair = pair_at(x + r * p.x_stride, q, p.k);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-            for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[b], xv);
+            const typename D::T* xr = x + r * p.x_stride;
+            const __m512 xv = last ? D::last(xr, q, p.k) : D::value(xr, q);
+            for (int b = 0; b < B; ++b) acc[r][b] = D::fma(acc[r][b], wv[b], xv);
         }
-    }
+    };
+    for (int64_t q = 0; q + 1 < steps; ++q) step(q, false);
+    if (steps > 0) step(steps - 1, true);
     for (int b = 0; b < B; ++b) {
         const int64_t col = (block + b) * kLanes;
         const int64_t valid = p.n - col < kLanes ? p.n - col : kLanes;
         const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
         const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + col) : _mm512_setzero_ps();
-        for (int r = 0; r < R; ++r) {
-            const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], bias));
-            _mm256_mask_storeu_epi16(p.y + (row + r) * p.y_stride + col, mask, out);
-        }
+        for (int r = 0; r < R; ++r)
+            D::store(_mm512_add_ps(acc[r][b], bias), p.y + (row + r) * p.y_stride + col, mask);
     }
 }
 
 // all m rows of x against blocks [block, block + B), R rows at a time
-template <int R, int B>
-void rows(const Product& p, int64_t m, int64_t block) {
+template <typename D, int R, int B>
+void rows(const Product<D>& p, int64_t m, int64_t block) {
     int64_t row = 0;
-    for (; row + R <= m; row += R) tile<R, B>(p, row, block);
+    for (; row + R <= m; row += R) tile<D, R, B>(p, row, block);
     switch (m - row) {
-#define KVFLEET_TAIL(n) \
-    case n:                                            \
-        if constexpr (n < R) tile<n, B>(p, row, block); \
+#define KVFLEET_TAIL(n)                                    \
+    case n:                                                \
+        if constexpr (n < R) tile<D, n, B>(p, row, block); \
         break;
         KVFLEET_TAIL(1) KVFLEET_TAIL(2) KVFLEET_TAIL(3) KVFLEET_TAIL(4)
         KVFLEET_TAIL(5) KVFLEET_TAIL(6) KVFLEET_TAIL(7)
@@ -109,12 +134,13 @@ void rows(const Product& p, int64_t m, int64_t block) {
 }
 
 // blocks [*block, end) in groups of B (what is left: fewer than B)
-template <int R, int B>
-void blocks(const Product& p, int64_t m, int64_t* block, int64_t end) {
-    for (; *block + B <= end; *block += B) rows<R, B>(p, m, *block);
+template <typename D, int R, int B>
+void blocks(const Product<D>& p, int64_t m, int64_t* block, int64_t end) {
+    for (; *block + B <= end; *block += B) rows<D, R, B>(p, m, *block);
 }
 
-void product(const Product& p, int64_t m, int threads) {
+template <typename D>
+void product(const Product<D>& p, int64_t m, int threads) {
     const int64_t num_blocks = (p.n + kLanes - 1) / kLanes;
 #pragma omp parallel num_threads(threads)
     {
@@ -122,54 +148,85 @@ void product(const Product& p, int64_t m, int threads) {
         int64_t block = num_blocks * t / nt;
         const int64_t end = num_blocks * (t + 1) / nt;
         if (m <= 4) {
-            blocks<4, 4>(p, m, &block, end);
-            blocks<4, 1>(p, m, &block, end);
+            blocks<D, 4, 4>(p, m, &block, end);
+            blocks<D, 4, 1>(p, m, &block, end);
         } else {
-            blocks<8, 3>(p, m, &block, end);
-            blocks<8, 1>(p, m, &block, end);
+            blocks<D, 8, 3>(p, m, &block, end);
+            blocks<D, 8, 1>(p, m, &block, end);
         }
     }
 }
-#else
-constexpr bool kSupported = false;
+
+template <typename D>
+void run(const void* x, int64_t m, int64_t k, int64_t x_stride, const void* packed, int64_t n,
+         const float* bias, void* y, int64_t y_stride, int threads) {
+    using T = typename D::T;
+    product(Product<D>{static_cast<const T*>(x), x_stride, k, static_cast<const T*>(packed), n,
+                       bias, static_cast<T*>(y), y_stride},
+            m, threads);
+}
 #endif
+
+template <typename T>
+void pack(const T* w, int64_t n, int64_t k, int per, T* out, int threads) {
+    const int64_t steps = steps_of(k, per), num_blocks = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < num_blocks; ++block)
+        for (int64_t q = 0; q < steps; ++q)
+            for (int lane = 0; lane < kLanes; ++lane)
+                for (int h = 0; h < per; ++h) {
+                    const int64_t row = block * kLanes + lane, col = q * per + h;
+                    out[((block * steps + q) * kLanes + lane) * per + h] =
+                        row < n && col < k ? w[row * k + col] : T(0);
+                }
+}
 
 }  // namespace
 
 extern "C" {
 
-// 1 where this build computes bf16 products (compiled for a CPU with AVX512-BF16, BW and VL)
-int kvfleet_bf16_linear_supported() { return kSupported ? 1 : 0; }
-
-// w [n, k] row-major bf16 -> out [n/16][k/2][16][2], rows and columns past n and k zero
-int kvfleet_pack_bf16_linear(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int threads) {
-    const int64_t pairs = pairs_of(k), num_blocks = (n + kLanes - 1) / kLanes;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t block = 0; block < num_blocks; ++block)
-        for (int64_t q = 0; q < pairs; ++q)
-            for (int lane = 0; lane < kLanes; ++lane)
-                for (int half = 0; half < 2; ++half) {
-                    const int64_t row = block * kLanes + lane, col = 2 * q + half;
-                    out[((block * pairs + q) * kLanes + lane) * 2 + half] =
-                        row < n && col < k ? w[row * k + col] : 0;
-                }
+// 1 where this build computes products of `dtype` (0 float32: AVX-512F; 1 bf16: AVX512-BF16,
+// BW and VL), else 0
+int kvfleet_linear_supported(int dtype) {
+#if defined(__AVX512F__)
+    if (dtype == 0) return 1;
+#endif
+#if defined(KVFLEET_BF16_PRODUCT)
+    if (dtype == 1) return 1;
+#endif
     return 0;
 }
 
-// y[i, :n] = x[i, :k] W^T (+ bias) for i < m; x and y rows `x_stride` / `y_stride` elements
-// apart; bias n floats or null. -1 where this build has no bf16 products.
-int kvfleet_bf16_linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride,
-                        const uint16_t* packed, int64_t n, const float* bias, uint16_t* y,
-                        int64_t y_stride, int threads) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (m <= 0 || n <= 0) return 0;
-    product(Product{x, x_stride, k, packed, n, bias, y, y_stride}, m, threads);
-    return 0;
-#else
-    (void)x, (void)m, (void)k, (void)x_stride, (void)packed, (void)n, (void)bias, (void)y,
-        (void)y_stride, (void)threads;
+// w [n, k] row-major -> out: [n/16][k][16] float32 or [n/16][k/2][16][2] bf16, rows and columns
+// past n and k zero (16 * ceil(n / 16) * k elements, k rounded up to even for bf16)
+int kvfleet_pack_linear(int dtype, const void* w, int64_t n, int64_t k, void* out, int threads) {
+    if (dtype == 0) {
+        pack(static_cast<const float*>(w), n, k, 1, static_cast<float*>(out), threads);
+        return 0;
+    }
+    if (dtype == 1) {
+        pack(static_cast<const uint16_t*>(w), n, k, 2, static_cast<uint16_t*>(out), threads);
+        return 0;
+    }
     return -1;
+}
+
+// y[i, :n] = x[i, :k] W^T (+ bias) for i < m, in `dtype`; x and y rows `x_stride` / `y_stride`
+// elements apart; bias n floats or null. -1 where this build has no products of that dtype.
+int kvfleet_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                   const void* packed, int64_t n, const float* bias, void* y, int64_t y_stride,
+                   int threads) {
+    if (!kvfleet_linear_supported(dtype)) return -1;
+    if (m <= 0 || n <= 0) return 0;
+#if defined(__AVX512F__)
+    if (dtype == 0) run<F32>(x, m, k, x_stride, packed, n, bias, y, y_stride, threads);
 #endif
+#if defined(KVFLEET_BF16_PRODUCT)
+    if (dtype == 1) run<Bf16>(x, m, k, x_stride, packed, n, bias, y, y_stride, threads);
+#endif
+    (void)x, (void)k, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride,
+        (void)threads;
+    return 0;
 }
 
 }  // extern "C"

@@ -138,8 +138,8 @@ class ModelRunner:
         # on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
         # tensor parallelism, whose ranks hold sharded layers), other layers' q/k/v and gate/up
         # as one product each, every linear's weight packed once where its dtype packs here
-        # (cpu_linear.py: bf16 in kvfleet's own product on AVX512-BF16 CPUs without AMX, else
-        # oneDNN's: float32 always, bf16 with native bf16). A tied LM head is packed too: a
+        # (cpu_linear.py: kvfleet's own product on AVX-512 CPUs without AMX, bf16 with
+        # AVX512-BF16; else oneDNN's: float32 always, bf16 with native bf16). A tied LM head is packed too: a
         # second copy of the embedding matrix (vocab x hidden; 113 MB for the default model in
         # float32) for 2.2-2.8x on the head's product at decode sizes. CUDA keeps HF's layers.
         self.num_fused_layers = 0
