@@ -78,6 +78,10 @@ def rank_main(rank: int, init_method: str, load_model: ModelLoader, config: Engi
                       init_method)
     engine = Engine(load_model(), config, ranks=group)
     follow(engine, group)
+    # leave the group before the interpreter tears down: a gloo group still alive at exit can
+    # end the process in std::terminate from its threads' destructors
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     log.info("rank %d stopped", rank)
 
 
