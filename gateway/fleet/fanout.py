@@ -297,9 +297,10 @@ class PubSubLink:
                         await self._send_sharded("SSUBSCRIBE", keys)
                     else:
                         await self._pubsub.subscribe(*keys)
-                except (*REDIS_FAILURES, OSError) as exc:
+                except Exception as exc:  # noqa: BLE001 - see _torn_down; every waiter hears of it
+                    failure = exc if _redis_failure(exc) else _torn_down(exc)
                     for key in keys:
-                        self.fanout.confirm(key, exc)
+                        self.fanout.confirm(key, failure)
         finally:
             self._subscriber = None
 
@@ -315,7 +316,7 @@ class PubSubLink:
                         await self._send_sharded("SUNSUBSCRIBE", keys)
                     else:
                         await self._pubsub.unsubscribe(*keys)
-                except (*REDIS_FAILURES, OSError) as exc:  # connection gone: nothing to drop
+                except Exception as exc:  # noqa: BLE001 - connection gone: nothing to drop
                     log.debug("unsubscribe of %d channels failed: %r", len(keys), exc)
         finally:
             self._unsubscriber = None
@@ -353,7 +354,10 @@ class PubSubLink:
                 backoff_s = 0.1
             except asyncio.CancelledError:
                 raise
-            except (*REDIS_FAILURES, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a Redis failure, or see _torn_down
+                if not _redis_failure(exc):
+                    exc = _torn_down(exc)
+                    await self._drop_connection()
                 log.warning("pub/sub connection %s failed: %r%s", self.name or "to Redis", exc,
                             "" if self._sharded else f"; retrying in {backoff_s:.1f} s")
                 self.fanout.link_failed(self, exc)
@@ -363,6 +367,16 @@ class PubSubLink:
                     return
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
+
+    async def _drop_connection(self) -> None:
+        """Close the pub/sub connection so that the next read opens it again (and redis-py
+        subscribes its channels again there)."""
+        connection = self._pubsub.connection
+        if connection is not None:
+            try:
+                await connection.disconnect(nowait=True)
+            except Exception as exc:  # noqa: BLE001 - it is being dropped either way
+                log.debug("closing pub/sub connection %s: %r", self.name, exc)
 
     def _deliver(self, response) -> bool:
         """The fast path for a published message (`[b"message", channel, data]`, nearly every
@@ -388,6 +402,21 @@ class PubSubLink:
             self.fanout.deliver(message["channel"], message["data"])
         elif message["type"] == self._confirm_type:
             self.fanout.confirm(message["channel"])
+
+
+def _redis_failure(exc: BaseException) -> bool:
+    return isinstance(exc, (*REDIS_FAILURES, OSError))
+
+
+def _torn_down(exc: Exception) -> ConnectionError:
+    """redis-py's asyncio connection can fail with its own errors when it is torn down under a
+    command in flight (a Redis restart seen by the reader while a subscribe writes:
+    AttributeError on a writer already gone). Such a failure is the connection's, like a
+    ConnectionError: the link reconnects and the subscribers hear of it, instead of a reader or
+    subscriber task dying with the link left for good."""
+    failure = ConnectionError(f"pub/sub connection torn down under a command: {exc!r}")
+    failure.__cause__ = exc
+    return failure
 
 
 def by_slot(keys: list[bytes]) -> list[list[bytes]]:

@@ -259,3 +259,42 @@ async def test_the_gateway_survives_a_redis_restart():
     finally:
         await engine.close()
         server.stop()
+
+
+async def test_a_pubsub_connection_torn_down_under_a_command_serves_again(client, redis_url,
+                                                                           monkeypatch):
+    """redis-py's asyncio connection fails with its own errors when it is torn down under a
+    command in flight (in a Redis restart: AttributeError on a writer or reader already gone).
+    A subscribe that fails so tells its waiter at once, and a read that fails so reconnects:
+    the link serves again instead of its reader task dying with it."""
+    pubsub = client.fanout._links[""]._pubsub
+    real_subscribe, real_parse = pubsub.subscribe, pubsub.parse_response
+    failures = {"subscribe": 1, "read": 0}
+
+    async def subscribe(*keys):
+        if failures["subscribe"]:
+            failures["subscribe"] -= 1
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+        return await real_subscribe(*keys)
+
+    async def parse_response(*args, **kwargs):
+        if failures["read"]:
+            failures["read"] -= 1
+            raise AttributeError("'NoneType' object has no attribute 'read'")
+        return await real_parse(*args, **kwargs)
+
+    monkeypatch.setattr(pubsub, "subscribe", subscribe)
+    monkeypatch.setattr(pubsub, "parse_response", parse_response)
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailable, match="torn down under a command"):
+        await client.submit(make_request("cmpl-torn-subscribe", [1, 2]))
+    assert time.monotonic() - started < 2.0  # told at once, not at the subscribe timeout
+    failures["read"] = 1
+    deadline = time.monotonic() + 5
+    while failures["read"]:  # the reader meets the failure and starts the connection again
+        assert time.monotonic() < deadline, "the reader never read again"
+        await asyncio.sleep(0.05)
+    async with FakeWorker(redis_url, KEYS, MODEL, echo_script):
+        events = await client.submit(make_request("cmpl-after-torn", [5, 6, 7]))
+        received = await asyncio.wait_for(read_until_final(events), 10)
+    assert [t for e in received for t in e.token_ids] == [5, 6, 7]
