@@ -123,11 +123,7 @@ class KernelLinear(torch.nn.Module):
         self._bias_ptr = None if self._bias32 is None else self._bias32.data_ptr()
 
     def __deepcopy__(self, memo) -> KernelLinear:
-        """A copy that shares the packed weight (never written after packing)."""
-        clone = copy.copy(self)
-        clone._parameters = {name: copy.deepcopy(p, memo) for name, p in self._parameters.items()}
-        clone._buffers, clone._modules = dict(self._buffers), {}
-        return clone
+        return _copy_sharing_packed_weight(self, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.dtype != self.dtype or x.device.type != "cpu":
@@ -142,6 +138,15 @@ class KernelLinear(torch.nn.Module):
                               out.data_ptr(), self.out_features, torch.get_num_threads()),
                "kvfleet_linear")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+
+def _copy_sharing_packed_weight(module: torch.nn.Module, memo) -> torch.nn.Module:
+    """A deep copy of a packed linear that shares its packed weight (never written after
+    packing) and copies its parameters."""
+    clone = copy.copy(module)
+    clone._parameters = {name: copy.deepcopy(p, memo) for name, p in module._parameters.items()}
+    clone._buffers, clone._modules = dict(module._buffers), {}
+    return clone
 
 
 def _check(status: int, name: str) -> None:
@@ -163,12 +168,8 @@ class PackedLinear(torch.nn.Module):
                                                                         requires_grad=False)
 
     def __deepcopy__(self, memo) -> PackedLinear:
-        """A copy that shares the packed weight: it is never written after packing, and an
-        opaque mkldnn tensor has no storage that copy.deepcopy could clone."""
-        clone = copy.copy(self)
-        clone._parameters = {name: copy.deepcopy(p, memo) for name, p in self._parameters.items()}
-        clone._buffers, clone._modules = dict(self._buffers), {}
-        return clone
+        # an opaque mkldnn tensor has no storage that copy.deepcopy could clone
+        return _copy_sharing_packed_weight(self, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
