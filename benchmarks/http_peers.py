@@ -12,6 +12,12 @@ settings, as a user's fleet gets them (a policy set here would be kept instead).
     .venv/bin/python -m benchmarks.http_peers                       # kvfleet auto vs vLLM bf16
     .venv/bin/python -m benchmarks.http_peers --kvfleet-dtypes auto,float32 \\
         --vllm-dtypes bfloat16,float32
+    .venv/bin/python -m benchmarks.http_peers --repeats 3    # 3 rounds, the servers alternated
+
+On a shared machine a server's throughput drifts between runs minutes apart by more than the
+difference being measured. With `--repeats N` every system runs once per round, in the same
+order, N rounds: the table gives each system's median, and the ratio column is the median over
+the rounds of each round's ratio (the runs compared ran minutes apart, not N minutes apart).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import signal
 import socket
 import subprocess
@@ -123,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-setups", default="tuned",
                    help="vLLM servers at each dtype, one per setup: tuned (its CPU guide's: every "
                         "core, tcmalloc + Intel OpenMP) and/or defaults")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds; every system runs once per round, and the table gives "
+                        "medians (of throughputs, and of each round's ratios)")
     p.add_argument("--startup-timeout-s", type=float, default=600)
     p.add_argument("--json-out", default=None)
     p.add_argument("--log-dir", default=None,
@@ -140,54 +150,120 @@ def main(argv=None) -> int:
           f"{os.getloadavg()[0]:.1f}", flush=True)
     if vllm is None and args.vllm_dtypes:
         print(f"# vLLM skipped: no virtualenv with vllm found; {SETUP_HINT}", flush=True)
-    results = []
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    setups = [s for s in args.vllm_setups.split(",") if s]
+    if unknown := set(setups) - set(SETUPS):
+        raise SystemExit(f"--vllm-setups: unknown {sorted(unknown)}; choose from {SETUPS}")
+    rounds: list[list[HttpResult]] = []
     with tempfile.TemporaryDirectory(prefix="kvfleet-http-peers-") as tmp:
         if args.log_dir:
             Path(args.log_dir).mkdir(parents=True, exist_ok=True)
             tmp = args.log_dir
-        for dtype in filter(None, args.kvfleet_dtypes.split(",")):
-            port = free_port()
-            started = time.perf_counter()
-            process = kvfleet_server(port, dtype, Path(tmp) / f"kvfleet-{dtype}.log")
-            try:
-                results.append(measure(f"kvfleet, --dtype {dtype}", f"http://127.0.0.1:{port}",
-                                       DEFAULT_MODEL, process, started, args,
-                                       Path(tmp) / f"kvfleet-{dtype}"))
-            finally:
-                stop_session(process)
-        setups = [s for s in args.vllm_setups.split(",") if s]
-        if unknown := set(setups) - set(SETUPS):
-            raise SystemExit(f"--vllm-setups: unknown {sorted(unknown)}; choose from {SETUPS}")
-        runs = [(d, s) for d in filter(None, args.vllm_dtypes.split(",")) for s in setups]
-        for dtype, setup in runs if vllm else ():
-            print(f"# vLLM setup {setup}: {describe_setup(vllm, setup)}", flush=True)
-            name = f"vllm-{dtype}-{setup}"
-            server = VllmServer(vllm, model_dir, free_port(), dtype, Path(tmp) / f"{name}.log",
-                                served_name=DEFAULT_MODEL, setup=setup)
-            try:
-                label = f"vLLM, --dtype {dtype}" + (f", {setup}" if len(setups) > 1 else "")
-                results.append(measure(label, server.url, DEFAULT_MODEL, server.process,
-                                       server.started, args, Path(tmp) / name))
-            finally:
-                server.stop()
-    print_table(results)
+        for round_index in range(args.repeats):
+            if args.repeats > 1:
+                print(f"# round {round_index + 1} of {args.repeats}; load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+            tag = f"-{round_index + 1}" if args.repeats > 1 else ""
+            rounds.append(run_round(args, vllm, model_dir, setups, Path(tmp), tag))
+    print_table(rounds)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps([r.__dict__ for r in results], indent=2))
+        Path(args.json_out).write_text(json.dumps(
+            [[r.__dict__ for r in results] for results in rounds] if args.repeats > 1
+            else [r.__dict__ for r in rounds[0]], indent=2))
     return 0
 
 
-def print_table(results: list[HttpResult]) -> None:
-    ours = [r for r in results if r.name.startswith("kvfleet")]
+def run_round(args, vllm: Path | None, model_dir: str, setups: list[str], tmp: Path,
+              tag: str) -> list[HttpResult]:
+    """Every system once: kvfleet at each of its dtypes, then vLLM at each dtype and setup."""
+    results = []
+    for dtype in filter(None, args.kvfleet_dtypes.split(",")):
+        port = free_port()
+        started = time.perf_counter()
+        process = kvfleet_server(port, dtype, tmp / f"kvfleet-{dtype}{tag}.log")
+        try:
+            results.append(measure(f"kvfleet, --dtype {dtype}", f"http://127.0.0.1:{port}",
+                                   DEFAULT_MODEL, process, started, args,
+                                   tmp / f"kvfleet-{dtype}{tag}"))
+        finally:
+            stop_session(process)
+    runs = [(d, s) for d in filter(None, args.vllm_dtypes.split(",")) for s in setups]
+    for dtype, setup in runs if vllm else ():
+        print(f"# vLLM setup {setup}: {describe_setup(vllm, setup)}", flush=True)
+        name = f"vllm-{dtype}-{setup}"
+        server = VllmServer(vllm, model_dir, free_port(), dtype, tmp / f"{name}{tag}.log",
+                            served_name=DEFAULT_MODEL, setup=setup)
+        try:
+            label = f"vLLM, --dtype {dtype}" + (f", {setup}" if len(setups) > 1 else "")
+            results.append(measure(label, server.url, DEFAULT_MODEL, server.process,
+                                   server.started, args, tmp / f"{name}{tag}"))
+        finally:
+            server.stop()
+    return results
+
+
+@dataclass
+class Row:
+    """One system over the rounds: medians, and the median of the rounds' ratios."""
+    name: str
+    rounds: int
+    startup_s: float
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    all_tokens_per_s: list[float]
+    ttft_p50_s: float | None
+    ratio: float  # median over the rounds of (kvfleet's best of the round) / this system
+    all_ratios: list[float]
+
+
+def summarize(rounds: list[list[HttpResult]]) -> tuple[str, list[Row]]:
+    """kvfleet's fastest system (the highest median), and per system (in the order of the first
+    round) its medians over the rounds and the median of each round's ratio of that one to it."""
+    names = [r.name for r in rounds[0]]
+    by_name = {name: [r for results in rounds for r in results if r.name == name]
+               for name in names}
+    medians = {name: statistics.median(r.tokens_per_s for r in runs)
+               for name, runs in by_name.items()}
+    ours = [name for name in names if name.startswith("kvfleet")]
     if not ours:
+        return "", []
+    best = max(ours, key=medians.__getitem__)
+    rows = []
+    for name in names:
+        runs = by_name[name]
+        ratios = [ours_run.tokens_per_s / run.tokens_per_s
+                  for results in rounds
+                  for ours_run in results if ours_run.name == best
+                  for run in results if run.name == name]
+        ttfts = [r.ttft_p50_s for r in runs if r.ttft_p50_s is not None]
+        rows.append(Row(name, len(runs), statistics.median(r.startup_s for r in runs),
+                        runs[0].output_tokens, statistics.median(r.seconds for r in runs),
+                        medians[name], [r.tokens_per_s for r in runs],
+                        statistics.median(ttfts) if ttfts else None,
+                        statistics.median(ratios), ratios))
+    return best, rows
+
+
+def print_table(rounds: list[list[HttpResult]]) -> None:
+    best, rows = summarize(rounds)
+    if not rows:
         return
-    best = max(ours, key=lambda r: r.tokens_per_s)
-    print(f"\n| system | start-up to first answer (s) | output tokens | seconds | output tok/s "
-          f"| TTFT p50 (s) | {best.name} is |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in results:
+    several = len(rounds) > 1
+    median = "median " if several else ""
+    print(f"\n| system | {median}start-up to first answer (s) | output tokens | {median}seconds | "
+          f"{median}output tok/s | {median}TTFT p50 (s) | {best} is |"
+          + (" every round's tok/s | every round's ratio |" if several else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---|---|" if several else ""))
+    for r in rows:
         ttft = f"{r.ttft_p50_s:.1f}" if r.ttft_p50_s is not None else "-"
-        print(f"| {r.name} | {r.startup_s:.1f} | {r.output_tokens} | {r.seconds:.1f} | "
-              f"{r.tokens_per_s:.1f} | {ttft} | {best.tokens_per_s / r.tokens_per_s:.2f}x |")
+        line = (f"| {r.name} | {r.startup_s:.1f} | {r.output_tokens} | {r.seconds:.1f} | "
+                f"{r.tokens_per_s:.1f} | {ttft} | {r.ratio:.2f}x |")
+        if several:
+            line += (f" {' / '.join(f'{t:.1f}' for t in r.all_tokens_per_s)} | "
+                     f"{' / '.join(f'{x:.2f}' for x in r.all_ratios)} |")
+        print(line)
 
 
 if __name__ == "__main__":

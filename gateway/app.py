@@ -63,6 +63,7 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        processor.prepare_offload()  # before the first request, not on its way
         await client.start()
         for sampler in samplers:
             sampler.start()

@@ -54,3 +54,26 @@ async def test_errors_of_offloaded_work_reach_the_caller(tokenizer, model_info):
         await offloaded.completion_prompts_async([])
     with pytest.raises(APIError):
         await offloaded.chat_prompt_async([])
+
+
+async def test_the_thread_copy_is_made_before_the_first_long_prompt(tokenizer, model_info,
+                                                                     monkeypatch):
+    processor = PromptProcessor(tokenizer, model_info, offload_min_chars=100)
+    processor.prepare_offload()
+    made = processor._thread_processor
+    assert made is not None and made.tokenizer is not tokenizer
+
+    def no_copy(_):
+        raise AssertionError("the tokenizer was copied again")
+
+    monkeypatch.setattr("gateway.openai.tokenization.copy.deepcopy", no_copy)
+    processor.prepare_offload()  # idempotent
+    assert await processor.completion_prompts_async(LONG) == processor.completion_prompts(LONG)
+    assert processor._thread_processor is made
+
+
+async def test_the_gateway_prepares_the_thread_before_serving(app):
+    processor = app.state.completions.processor
+    assert processor._thread_processor is None
+    async with app.router.lifespan_context(app):
+        assert processor._thread_processor is not None
