@@ -75,10 +75,12 @@ inline void for_each_row(const T* head, const int32_t* table, int ctx, int bs, i
 template <typename Keep>
 inline float softmax_row(const float* scores, int ctx, Keep&& keep) {
     // a vector maximum: the scalar loop kept m in memory, one store-to-load chain per key, which
-    // was a quarter of the kernel's time at 4 streams (the order of a maximum changes nothing)
+    // was a quarter of the kernel's time at 4 streams (the order of a maximum changes nothing).
+    // Written as a comparison, which gcc vectorises (vmaxps) without -ffast-math; std::max it
+    // left scalar, one vmaxss chain per key.
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-    for (int t = 0; t < ctx; ++t) m = std::max(m, scores[t]);
+    for (int t = 0; t < ctx; ++t) m = scores[t] > m ? scores[t] : m;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < ctx; ++t) {
@@ -153,6 +155,51 @@ void attend(const T* q, const T* k_head, const T* v_head, T* out, const int32_t*
 // its time in one horizontal sum per key and query head; this form is bound by memory instead.
 // kChunks: head_dim / 32 (one 512-bit register holds 32 bf16); kRep: query heads per KV head.
 
+// exp_approx (cpu_kernels.h) on 16 lanes: the same clamp, reduction and polynomial.
+inline __m512 exp_approx16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                      _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    const __m512 z = _mm512_mul_ps(x, x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);  // 2^n
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// softmax_row for the bf16 path, 16 keys at a time: probabilities rounded to bf16 into `probs`;
+// returns 1 / the normaliser (summed from the unrounded probabilities). gcc leaves the scalar
+// form's maximum unvectorised (a float max reduction needs -ffast-math) and rounds each
+// probability to bf16 one lane at a time, which together took longer than q.k.
+inline float softmax_row_bf16(const float* scores, int ctx, uint16_t* probs) {
+    const int full = ctx & ~15;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (ctx - full)) - 1);
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < full; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(scores + t));
+    if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, scores + full));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < full; t += 16) {
+        const __m512 p = exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), m));
+        sum = _mm512_add_ps(sum, p);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    if (tail) {
+        const __m512 p = exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + full), m));
+        sum = _mm512_mask_add_ps(sum, tail, sum, p);
+        _mm256_mask_storeu_epi16(probs + full, tail, (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    return 1.f / _mm512_reduce_add_ps(sum);
+}
+
 // s[j] = sum of the 16 lanes of v[j], j < 16.
 inline __m512 transpose_sum16(__m512 v[16]) {
     __m512 t[8], u[4];
@@ -178,11 +225,14 @@ inline __m512 transpose_sum16(__m512 v[16]) {
 // pools, 32 streams; the same in P.V below).
 template <int kChunks>
 inline void page_scores(const __m512bh* qv, int rep, const uint16_t* page, int n, int t0,
-                        float scale, float* scores, int ctx, const uint16_t* next, int n_next) {
+                        float scale, float* scores, int ctx, const uint16_t* next, int n_next,
+                        const uint16_t* values) {
     constexpr int dim = 32 * kChunks;
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int m = std::min(16, n - j0);
         for (int j = j0; j < std::min(j0 + 16, n_next); ++j) prefetch_row(next + j * dim, dim);
+        if (values != nullptr)
+            for (int j = j0; j < j0 + m; ++j) prefetch_row(values + j * dim, dim);
         const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1);
         for (int r = 0; r < rep; ++r) {
             __m512 acc[16];
@@ -304,13 +354,15 @@ void attend_bf16(const uint16_t* q, const uint16_t* k_head, const uint16_t* v_he
             const uint16_t* next = n_next > 0
                 ? k_head + static_cast<int64_t>(table[b + 1]) * bs * dim : page;
             page_scores<kChunks>(qv, reps, page, std::min(bs, ctx - t0), t0, scale,
-                                 scores + r0 * ctx, ctx, next, n_next);
+                                 scores + r0 * ctx, ctx, next, n_next,
+                                 r0 == 0 ? v_head + static_cast<int64_t>(table[b]) * bs * dim
+                                         : nullptr);
         }
     }
     for (int r = 0; r < rep; ++r) {
         uint16_t* pr = probs + static_cast<int64_t>(r) * stride;
         // P.V takes the probabilities rounded to bf16, as SDPA's bf16 kernel
-        inv[r] = softmax_row(scores + r * ctx, ctx, [&](int t, float p) { store(p, pr + t); });
+        inv[r] = softmax_row_bf16(scores + r * ctx, ctx, pr);
         pr[ctx] = pr[ctx + 1] = 0;
     }
     if (rep % 4 == 0 && kChunks <= 2)
