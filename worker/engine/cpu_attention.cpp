@@ -23,7 +23,7 @@
 
 namespace {
 
-using namespace kvfleet;  // load, store, rounded, exp_approx (cpu_kernels.h)
+using namespace kvfleet;  // load, store, rounded, exp_approx, exp512 (cpu_kernels.h)
 
 // Pages sit at random places in the pool, so the hardware prefetcher stalls at each page's start:
 // while one page is read, its successor's row `j` is requested (every cache line of it).
@@ -155,26 +155,6 @@ void attend(const T* q, const T* k_head, const T* v_head, T* out, const int32_t*
 // its time in one horizontal sum per key and query head; this form is bound by memory instead.
 // kChunks: head_dim / 32 (one 512-bit register holds 32 bf16); kRep: query heads per KV head.
 
-// exp_approx (cpu_kernels.h) on 16 lanes: the same clamp, reduction and polynomial.
-inline __m512 exp_approx16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                      _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-    const __m512 z = _mm512_mul_ps(x, x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);  // 2^n
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
-
 // softmax_row for the bf16 path, 16 keys at a time: probabilities rounded to bf16 into `probs`;
 // returns 1 / the normaliser (summed from the unrounded probabilities). gcc leaves the scalar
 // form's maximum unvectorised (a float max reduction needs -ffast-math) and rounds each
@@ -188,12 +168,12 @@ inline float softmax_row_bf16(const float* scores, int ctx, uint16_t* probs) {
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sum = _mm512_setzero_ps();
     for (int t = 0; t < full; t += 16) {
-        const __m512 p = exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(scores + t), m));
+        const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t), m));
         sum = _mm512_add_ps(sum, p);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)_mm512_cvtneps_pbh(p));
     }
     if (tail) {
-        const __m512 p = exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + full), m));
+        const __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + full), m));
         sum = _mm512_mask_add_ps(sum, tail, sum, p);
         _mm256_mask_storeu_epi16(probs + full, tail, (__m256i)_mm512_cvtneps_pbh(p));
     }
