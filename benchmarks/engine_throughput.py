@@ -71,15 +71,22 @@ def openmp_wait() -> str:
     return " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ) or "libgomp defaults"
 
 
-def load_requests(path: str, num: int, tokenizer) -> list[Request]:
+def load_requests(path: str, num: int, tokenizer, raw: bool = False) -> list[Request]:
+    """The first `num` requests: each prompt in the model's chat template as one user message,
+    or with `raw` the text alone, tokenised as /v1/completions does (what benchmarks/http_peers.py
+    and `kvfleet bench --endpoint completions` send)."""
     requests = []
     with open(path) as f:
         for line in f:
             if len(requests) == num:
                 break
             item = json.loads(line)
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
-                                                add_generation_prompt=True, tokenize=True)["input_ids"]
+            if raw:
+                ids = tokenizer.encode(item["prompt"])
+            else:
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
+                                                    add_generation_prompt=True,
+                                                    tokenize=True)["input_ids"]
             requests.append(Request(list(ids), int(item["max_tokens"])))
     return requests
 
@@ -222,6 +229,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workload", default=WORKLOAD)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--raw-prompts", action="store_true",
+                   help="prompts as plain text, as the HTTP comparison sends them to "
+                        "/v1/completions (default: each in the chat template)")
     p.add_argument("--dtypes", default="bfloat16,float32",
                    help="kvfleet and vLLM run at each (auto = what --dtype auto picks here)")
     p.add_argument("--hf-dtype", default="auto", help="dtype of HF generate and transformers CB")
@@ -261,12 +271,13 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path)
-    requests = load_requests(args.workload, args.num_requests, tokenizer)
+    requests = load_requests(args.workload, args.num_requests, tokenizer, args.raw_prompts)
     auto = resolve_name("auto")
     dtypes = list(dict.fromkeys(resolve_name(d) for d in args.dtypes.split(",")))
     vllm = None if args.skip_vllm else vllm_python(args.vllm_venv)
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads, torch "
-          f"{torch.__version__}; --dtype auto = {auto}; {len(requests)} requests, "
+          f"{torch.__version__}; --dtype auto = {auto}; {len(requests)} requests "
+          f"({'raw prompts' if args.raw_prompts else 'prompts in the chat template'}), "
           f"{sum(len(r.prompt) for r in requests)} prompt tokens, "
           f"{sum(r.max_tokens for r in requests)} output tokens; OpenMP wait: {openmp_wait()}; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -32,9 +32,13 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size,
                    help="tokens per KV block")
     p.add_argument("--bucket", type=int, default=8, help="decode batch sizes per table row")
+    p.add_argument("--raw-prompts", action="store_true",
+                   help="prompts as plain text, as the HTTP comparison sends them (default: each "
+                        "in the chat template)")
     args = p.parse_args(argv)
     path = resolve_model_path(DEFAULT_MODEL)
-    requests = load_requests(WORKLOAD, args.num_requests, load_tokenizer(path))
+    requests = load_requests(WORKLOAD, args.num_requests, load_tokenizer(path),
+                             args.raw_prompts)
     engine = Engine.from_pretrained(path, EngineConfig(
         device="cpu", dtype=args.dtype, max_batched_tokens=args.max_batched_tokens,
         max_running=args.max_running, block_size=args.block_size))
@@ -59,7 +63,8 @@ def main(argv=None) -> int:
     total = time.perf_counter() - start
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} threads; dtype "
           f"{engine.dtype}; attention {engine.attention_backend}; blocks of "
-          f"{engine.config.block_size}; {args.num_requests} requests, "
+          f"{engine.config.block_size}; {args.num_requests} requests "
+          f"({'raw prompts' if args.raw_prompts else 'prompts in the chat template'}), "
           f"{sum(r.max_tokens for r in requests)} output tokens in {total:.1f} s")
     print("| steps | count | seconds | share of the run | ms per step |")
     print("|---|---:|---:|---:|---:|")

@@ -10,14 +10,14 @@
 // in order from memory, which is what decode steps (a few rows against every weight of the model)
 // are bound by.
 //
-// Each thread takes a contiguous range of blocks and computes all rows of x against them: every
-// output is summed in the same order whatever the thread count, the number of rows, or where a
-// row sits in x (outputs are bit-identical across thread counts and batch compositions).
+// Threads take chunks of contiguous blocks (about 8 per thread, handed out as each finishes its
+// last) and compute all rows of x against them: every output is summed in the same order
+// whatever the thread count, the thread that took it, the number of rows, or where a row sits in
+// x (outputs are bit-identical across thread counts and batch compositions).
 //
 // Tiles: up to 4 rows against 4 blocks (64 outputs) when x has at most 4 rows (the weight loads
 // are what costs), else 8 rows against 3 blocks (24 sums in registers: the products are).
 #include <immintrin.h>
-#include <omp.h>
 
 #include <cstdint>
 #include <cstring>
@@ -139,21 +139,34 @@ void blocks(const Product<D>& p, int64_t m, int64_t* block, int64_t end) {
     for (; *block + B <= end; *block += B) rows<D, R, B>(p, m, *block);
 }
 
+// blocks [block, end): groups of B (B: the tile's), then what is left one block at a time
+template <typename D, int R, int B>
+void range(const Product<D>& p, int64_t m, int64_t block, int64_t end) {
+    blocks<D, R, B>(p, m, &block, end);
+    blocks<D, R, 1>(p, m, &block, end);
+}
+
 template <typename D>
 void product(const Product<D>& p, int64_t m, int threads) {
     const int64_t num_blocks = (p.n + kLanes - 1) / kLanes;
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t block = num_blocks * t / nt;
-        const int64_t end = num_blocks * (t + 1) / nt;
-        if (m <= 4) {
-            blocks<D, 4, 4>(p, m, &block, end);
-            blocks<D, 4, 1>(p, m, &block, end);
-        } else {
-            blocks<D, 8, 3>(p, m, &block, end);
-            blocks<D, 8, 1>(p, m, &block, end);
-        }
+    // Threads take chunks of blocks as they finish the last, about 8 chunks per thread, each a
+    // whole number of tiles: where one thread streams its weights slower (a smaller share of the
+    // memory bandwidth, another process on its core) the other takes more chunks instead of
+    // waiting for it. A decode step's products at 1-4 rows, 30 layers' weights read from memory,
+    // 2 threads, alternated in one process: 3-7% faster than halves fixed in advance (Zen 4);
+    // the same at 16-64 rows.
+    const int group = m <= 4 ? 4 : 3;
+    const int64_t target = (num_blocks + 8 * threads - 1) / (8 * threads);
+    const int64_t chunk = (target + group - 1) / group * group;
+    const int64_t num_chunks = (num_blocks + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t block = c * chunk;
+        const int64_t end = block + chunk < num_blocks ? block + chunk : num_blocks;
+        if (m <= 4)
+            range<D, 4, 4>(p, m, block, end);
+        else
+            range<D, 8, 3>(p, m, block, end);
     }
 }
 
