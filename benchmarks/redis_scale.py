@@ -38,8 +38,8 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import time
-import uuid
 
 import redis
 
@@ -61,8 +61,8 @@ def pin_clients(cpus: set[int] | None) -> None:
 
 
 def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, running: int,
-                     tokens: int, per_event: int, steal_after_ms: int, out: mp.Queue,
-                     pin: set[int] | None) -> None:
+                     tokens: int, per_event: int, steal_after_ms: int, step_ms: float,
+                     out: mp.Queue, pin: set[int] | None) -> None:
     pin_clients(pin)
     keys = Keys(PREFIX, queue_shards=shards)
     client = connect(url, socket_timeout=10)
@@ -73,7 +73,11 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
     inflight: dict[str, tuple] = {}  # req_id -> (delivery, attempt, produced)
     steps = events = stolen = step_shards = 0
     roster_at = 0.0
+    next_step_at = time.monotonic()
     while time.time() < stop_at:
+        if step_ms > 0:  # an engine step takes step_ms: wait for the next one to be due
+            time.sleep(max(next_step_at - time.monotonic(), 0))
+            next_step_at = max(next_step_at + step_ms / 1000, time.monotonic())
         if protocol.uses_homes and time.time() >= roster_at:  # as the heartbeat thread does
             protocol.update_roster(5.0)
             roster_at = time.time() + 1.0
@@ -118,22 +122,23 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
 
 
 def synthetic_gateway(url: str, shards: int, start_at: float, stop_at: float, concurrency: int,
-                      out: mp.Queue, pin: set[int] | None) -> None:
+                      shard_shares: bool, out: mp.Queue, pin: set[int] | None) -> None:
     pin_clients(pin)
-    asyncio.run(_gateway(url, shards, start_at, stop_at, concurrency, out))
+    asyncio.run(_gateway(url, shards, start_at, stop_at, concurrency, shard_shares, out))
 
 
-async def _gateway(url, shards, start_at, stop_at, concurrency, out) -> None:
+async def _gateway(url, shards, start_at, stop_at, concurrency, shard_shares, out) -> None:
     from gateway.fleet.redis_client import RedisEngineClient
 
     client = RedisEngineClient.from_url(url, Keys(PREFIX, queue_shards=shards),
+                                        shard_shares=shard_shares,
                                         command_timeout_s=10, first_event_timeout_s=30)
     await client.start()
     counts = {"events": 0, "tokens": 0, "requests": 0, "errors": 0, "error_kinds": []}
 
     async def one_stream() -> None:
         while time.time() < stop_at:
-            request = GenerationRequest(f"b-{uuid.uuid4().hex}", MODEL, [1, 2, 3],
+            request = GenerationRequest(f"b-{client.new_request_hex('b-')}", MODEL, [1, 2, 3],
                                         SamplingParams(max_tokens=1_000_000),
                                         deadline=time.time() + 120, created=time.time())
             try:
@@ -175,11 +180,25 @@ def node_stats(ports: list[int]) -> dict[int, dict]:
         commands = {name.removeprefix("cmdstat_"): (value["calls"], value["usec"])
                     for name, value in client.info("commandstats").items()}
         stats[port] = {"cpu_s": cpu["used_cpu_sys"] + cpu["used_cpu_user"],
+                       "clients": client.info("clients")["connected_clients"],
                        "sys_s": cpu["used_cpu_sys"],
                        "traffic": {k: traffic.get(k, 0) for k in TRAFFIC},
                        "commands": commands}
         client.close()
     return stats
+
+
+def machine_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, all cores (/proc/stat)."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def machine_busy_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """How busy all cores were between two `machine_cpu` readings, percent of their capacity."""
+    return round(100 * (after[0] - before[0]) / max(after[1] - before[1], 1), 1)
 
 
 def stats_delta(before: dict, after: dict) -> dict:
@@ -212,7 +231,11 @@ def breakdown(deltas: list[dict], events: int) -> dict:
     return {"commands": commands, "traffic_per_event": traffic}
 
 
-def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> dict:
+def run_topology(name: str, urls: list[str], ports: list[int], shards: int, args,
+                 clients_per_url: int = 1) -> dict:
+    """One measured run: for each of `urls` (one Redis or one cluster; several for
+    independent fleets side by side) `clients_per_url` times `--workers` synthetic workers and
+    `--gateways` synthetic gateways; Redis figures summed over `ports`."""
     client_cpus = None
     if args.pin:  # every Redis node on the first CPU, every client process on the others
         cpus = sorted(os.sched_getaffinity(0))
@@ -228,19 +251,19 @@ def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> di
     stop_at = start_at + args.duration_s
     procs = [ctx.Process(target=synthetic_worker,
                          args=(url, shards, f"w{i}", stop_at + 2, args.running, args.tokens,
-                               args.tokens_per_event, args.steal_after_ms, out,
+                               args.tokens_per_event, args.steal_after_ms, args.step_ms, out,
                                client_cpus))
-             for i in range(args.workers)]
+             for url in urls for i in range(args.workers * clients_per_url)]
     procs += [ctx.Process(target=synthetic_gateway,
-                          args=(url, shards, start_at, stop_at, args.concurrency, out,
-                                client_cpus))
-              for _ in range(args.gateways)]
+                          args=(url, shards, start_at, stop_at, args.concurrency,
+                                not args.no_gateway_shares, out, client_cpus))
+              for url in urls for _ in range(args.gateways * clients_per_url)]
     for proc in procs:
         proc.start()
     time.sleep(max(start_at - time.time(), 0))
-    before = node_stats(ports)
+    before, cpu_before = node_stats(ports), machine_cpu()
     time.sleep(max(stop_at - time.time(), 0))
-    after = node_stats(ports)
+    after, cpu_after = node_stats(ports), machine_cpu()
     results = [out.get(timeout=120) for _ in procs]
     for proc in procs:
         proc.join(timeout=30)
@@ -257,6 +280,8 @@ def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> di
         return [round(100 * calls(p, *names) / max(total, 1), 1) for p in ports]
 
     return {"topology": name, "nodes": len(ports), "queue_shards": shards,
+            "workers": args.workers * clients_per_url * len(urls),
+            "gateways": args.gateways * clients_per_url * len(urls),
             "events_per_s": round(events / args.duration_s),
             "tokens_per_s": round(sum(g["tokens"] for g in gateways) / args.duration_s),
             "requests_done": sum(g["requests"] for g in gateways),
@@ -264,10 +289,15 @@ def run_topology(name: str, url: str, ports: list[int], shards: int, args) -> di
             "error_kinds": [kind for g in gateways for kind in g["error_kinds"]],
             "worker_steps": sum(r.get("steps", 0) for r in results),
             # stream shards (= primaries) a worker's step published to, on average
+            "events_per_step": round(sum(r["events"] for r in results if "steps" in r)
+                                     / max(sum(r.get("steps", 0) for r in results), 1), 1),
+            "machine_busy_pct": machine_busy_pct(cpu_before, cpu_after),
+            "redis_cpu_pct": round(100 * cpu_s / args.duration_s, 1),
             "shards_per_step": round(sum(r.get("step_shards", 0) for r in results)
                                      / max(sum(r.get("steps", 0) for r in results), 1), 2),
             "stolen_pct": round(100 * sum(r.get("stolen", 0) for r in results)
                                 / max(sum(g["requests"] for g in gateways), 1), 1),
+            "connections_per_node": [after[port]["clients"] for port in ports],
             "redis_cpu_s": round(cpu_s, 3),
             "redis_cpu_us_per_event": round(1e6 * cpu_s / max(events, 1), 2),
             "redis_sys_us_per_event": round(1e6 * sum(d["sys_s"] for d in delta.values())
@@ -310,42 +340,139 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=64, help="requests per worker")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--tokens-per-event", type=int, default=1)
+    parser.add_argument("--step-ms", type=float, default=0,
+                        help="each synthetic worker step takes at least this long, as an engine "
+                             "step does (0: steps back to back, as fast as the worker can)")
     parser.add_argument("--steal-after-ms", type=int, default=50,
                         help="the workers' --steal-after-ms (0: no home shards)")
     parser.add_argument("--one-primary", action="store_true",
                         help="also run a 1-primary cluster (cluster mode without the split over "
                              "3 processes), `--queue-shards` 3")
+    parser.add_argument("--same-load-per-node", action="store_true",
+                        help="the 3-primary cluster gets 3x the workers and gateways, so each "
+                             "primary carries what the single Redis carries (with --step-ms, "
+                             "3x the offered load; the 1-primary diagnostic keeps 1x)")
+    parser.add_argument("--three-singles", action="store_true",
+                        help="diagnostic: 3 independent single Redis servers side by side, each "
+                             "with the single Redis's workers and gateways (needs "
+                             "--same-load-per-node): the cluster's processes without cluster "
+                             "mode")
+    parser.add_argument("--no-gateway-shares", action="store_true",
+                        help="the gateways' KVFLEET_GATEWAY_SHARD_SHARES off: every request to "
+                             "the shard its random id picks (the code before 2026-12-02)")
     parser.add_argument("--pin", action="store_true",
                         help="Redis nodes on one CPU, the client processes on the others")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds: every topology once per round; the summary gives medians "
+                             "and the median of the rounds' ratios")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.three_singles and not args.same_load_per_node:
+        parser.error("--three-singles compares with the cluster at the same load per node: "
+                     "give --same-load-per-node too")
     print(f"# {platform.processor() or platform.machine()}, {mp.cpu_count()} cores, "
           f"redis-py {redis.__version__}; {vars(args)}", flush=True)
+    rounds = []
+    for index in range(args.repeats):
+        if args.repeats > 1:
+            print(f"## round {index + 1} of {args.repeats}", flush=True)
+        rows = one_round(args)
+        print_round(rows, args.json)
+        rounds.append(rows)
+    summary = summarize(rounds)
+    print(json.dumps(summary) if args.json else format_summary(summary, args.repeats))
+
+
+def one_round(args) -> list[dict]:
+    """Every topology once, one after the other: single Redis, cluster, then the diagnostics."""
     rows = []
     with EmbeddedRedis() as single:
-        rows.append(run_topology("single", single.url, [single.port], 1, args))
+        rows.append(run_topology("single", [single.url], [single.port], 1, args))
     with EmbeddedCluster(num_primaries=3, replicas=0) as cluster:
-        rows.append(run_topology("cluster", cluster.url, [n.port for n in cluster.nodes], 3,
-                                 args))
+        rows.append(run_topology("cluster", [cluster.url], [n.port for n in cluster.nodes], 3,
+                                 args, 3 if args.same_load_per_node else 1))
     if args.one_primary:
         with EmbeddedCluster(num_primaries=1, replicas=0) as cluster:
-            rows.append(run_topology("cluster1", cluster.url, [cluster.nodes[0].port], 3, args))
+            rows.append(run_topology("cluster1", [cluster.url], [cluster.nodes[0].port], 3,
+                                     args))
+    if args.three_singles:
+        with EmbeddedRedis() as a, EmbeddedRedis() as b, EmbeddedRedis() as c:
+            rows.append(run_topology("singles3", [a.url, b.url, c.url],
+                                     [a.port, b.port, c.port], 1, args))
+    return rows
+
+
+def print_round(rows: list[dict], as_json: bool) -> None:
     for row in rows:
-        print(json.dumps(row) if args.json else
-              f"{row['topology']:8} nodes {row['nodes']} shards {row['queue_shards']}: "
+        print(json.dumps(row) if as_json else
+              f"{row['topology']:8} nodes {row['nodes']} shards {row['queue_shards']} workers "
+              f"{row['workers']} gateways {row['gateways']}: "
               f"{row['events_per_s']} events/s, {row['tokens_per_s']} tokens/s, "
               f"{row['requests_done']} requests, {row['errors']} errors; Redis CPU "
               f"{row['redis_cpu_us_per_event']} us/event; event share {row['event_share_pct']}, "
               f"request share {row['request_share_pct']}, stream entries "
               f"{row['stream_entry_share_pct']}; shards per worker step "
-              f"{row['shards_per_step']}, stolen {row['stolen_pct']}% of requests")
+              f"{row['shards_per_step']}, events per worker step {row['events_per_step']}, "
+              f"stolen {row['stolen_pct']}% of requests; cores busy "
+              f"{row['machine_busy_pct']}% (Redis {row['redis_cpu_pct']}% of one core); "
+              f"connections per node {row['connections_per_node']}", flush=True)
     for row in rows:
         for kind in row["error_kinds"]:  # when it happened, from the end of the measured time
             print(f"{row['topology']} error at {kind}")
-    if not args.json:
+    if not as_json:
         print_breakdown(rows)
-    ratio = rows[1]["redis_cpu_us_per_event"] / max(rows[0]["redis_cpu_us_per_event"], 1e-9)
-    print(f"cluster / single Redis CPU per event: {ratio:.3f}")
+
+
+def summarize(rounds: list[list[dict]]) -> dict:
+    """Per topology over the rounds: the median Redis CPU per event, events/s and errors in all;
+    per round each topology's CPU per event divided by the single Redis's of the same round
+    (`ratio_to_single`) and, with the 3-singles diagnostic, the cluster's divided by theirs;
+    the median of each list of ratios (rounds compared minutes apart, not a whole run apart)."""
+    names = [row["topology"] for row in rounds[0]]
+    by_name = {name: [next(r for r in rows if r["topology"] == name) for rows in rounds]
+               for name in names}
+
+    def cost(row: dict) -> float:
+        return row["redis_cpu_us_per_event"]
+
+    topologies = {}
+    for name, rows in by_name.items():
+        ratios = [cost(row) / max(cost(single), 1e-9)
+                  for row, single in zip(rows, by_name["single"])]
+        topologies[name] = {
+            "redis_cpu_us_per_event": [cost(row) for row in rows],
+            "median_redis_cpu_us_per_event": round(statistics.median(map(cost, rows)), 2),
+            "median_events_per_s": round(statistics.median(r["events_per_s"] for r in rows)),
+            "errors": sum(r["errors"] for r in rows),
+            "ratio_to_single": [round(r, 3) for r in ratios],
+            "median_ratio_to_single": round(statistics.median(ratios), 3)}
+    summary = {"rounds": len(rounds), "topologies": topologies}
+    if "singles3" in by_name:
+        ratios = [cost(c) / max(cost(s), 1e-9)
+                  for c, s in zip(by_name["cluster"], by_name["singles3"])]
+        summary["cluster_to_singles3"] = [round(r, 3) for r in ratios]
+        summary["median_cluster_to_singles3"] = round(statistics.median(ratios), 3)
+    return summary
+
+
+def format_summary(summary: dict, repeats: int) -> str:
+    lines = [f"# summary over {summary['rounds']} round(s): median Redis CPU per delivered event "
+             f"(each round's figures), median of the rounds' ratios to the single Redis"]
+    for name, t in summary["topologies"].items():
+        figures = " / ".join(f"{v:.2f}" for v in t["redis_cpu_us_per_event"])
+        lines.append(f"{name:8} {t['median_redis_cpu_us_per_event']:7.2f} us/event ({figures}); "
+                     f"{t['median_events_per_s']} events/s; errors {t['errors']}; "
+                     f"/ single {t['median_ratio_to_single']:.3f} "
+                     f"({' / '.join(f'{r:.3f}' for r in t['ratio_to_single'])})")
+    if "median_cluster_to_singles3" in summary:
+        lines.append(f"cluster / singles3: {summary['median_cluster_to_singles3']:.3f} "
+                     f"({' / '.join(f'{r:.3f}' for r in summary['cluster_to_singles3'])})")
+    lines.append(f"cluster / single Redis CPU per event: "
+                 f"{summary['topologies']['cluster']['median_ratio_to_single']:.3f}"
+                 + (" (median of the rounds)" if repeats > 1 else ""))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

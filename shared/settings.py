@@ -70,6 +70,11 @@ class GatewaySettings(BatchApiSettings):
     # subscribes again for this long, then goes on with the missed tokens read from the
     # checkpoint; past it the client gets a retryable 503 error. 0: that error at once.
     stream_reconnect_s: float = Field(15.0, ge=0)
+    # With several stream shards (a cluster): each gateway sends its new requests to its shares
+    # of the shards, by its place among the live gateways (gateway/fleet/homes.py), so that it
+    # talks to as few primaries as balance allows. Balance then follows the gateways' loads (the
+    # load balancer's spread); off: every request to a shard its random id picks.
+    gateway_shard_shares: bool = True
     max_body_bytes: int = 1_000_000
     # max_tokens of a request that gives none; None = the rest of the context (as vLLM)
     default_max_tokens: int | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -79,6 +80,12 @@ class EngineClient(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release everything `start` opened."""
+
+    def new_request_hex(self, prefix: str) -> str:
+        """A fresh random hex for the id `prefix + hex` of a new request (an engine may pick
+        ids that place the request well: RedisEngineClient's stream shard shares)."""
+        del prefix
+        return uuid.uuid4().hex
 
     @abstractmethod
     async def submit(self, request: GenerationRequest) -> EventStream:

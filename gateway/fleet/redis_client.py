@@ -17,6 +17,7 @@ from gateway.fleet.client import (
     RequestSnapshot,
 )
 from gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
+from gateway.fleet.homes import GatewayHomes
 from gateway.fleet.load import read_heartbeats, stream_depth
 from gateway.fleet.redis_context import RedisContext
 from shared.redis_connect import REDIS_FAILURES
@@ -129,7 +130,8 @@ class RedisEngineClient(EngineClient):
 
     def __init__(self, context: RedisContext, *, stream_maxlen: int = 100_000,
                  request_timeout_s: float = 600.0, first_event_timeout_s: float = 600.0,
-                 stream_reconnect_s: float = 15.0, owns_context: bool = False):
+                 stream_reconnect_s: float = 15.0, shard_shares: bool = True,
+                 owns_context: bool = False):
         self.context = context
         self.keys = context.keys
         self.redis = context.redis
@@ -142,13 +144,18 @@ class RedisEngineClient(EngineClient):
         self.fanout = TokenFanout(self.redis, subscribe_timeout_s=self._command_timeout_s,
                                   sharded=context.cluster)
         self._enqueue = scripts.ENQUEUE.register(self.redis)
+        # With several stream shards: new requests go to this gateway's shares of them.
+        self.homes = (GatewayHomes(self.redis, self.keys, command_timeout_s=self._command_timeout_s)
+                      if shard_shares and self.keys.queue_shards > 1 else None)
+        self._homes_task: asyncio.Task | None = None
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings, context: RedisContext) -> RedisEngineClient:
         return cls(context, stream_maxlen=settings.stream_maxlen,
                    request_timeout_s=settings.request_timeout_s,
                    first_event_timeout_s=settings.first_event_timeout_s,
-                   stream_reconnect_s=settings.stream_reconnect_s)
+                   stream_reconnect_s=settings.stream_reconnect_s,
+                   shard_shares=settings.gateway_shard_shares)
 
     @classmethod
     def from_url(cls, redis_url: str, keys: Keys, *, connect_timeout_s: float = 2.0,
@@ -160,11 +167,26 @@ class RedisEngineClient(EngineClient):
 
     async def start(self) -> None:
         await self.fanout.start()
+        if self.homes is not None:
+            await self.homes.update()  # a place before the first request, if Redis answers
+            self._homes_task = asyncio.create_task(self.homes.run(), name="gateway-roster")
 
     async def close(self) -> None:
+        if self._homes_task is not None:
+            self._homes_task.cancel()
+            await asyncio.gather(self._homes_task, return_exceptions=True)
+            self._homes_task = None
+            await self.homes.leave()  # the others take its shares at once, not after its TTL
         await self.fanout.close()
         if self._owns_context:
             await self.context.aclose()
+
+    def new_request_hex(self, prefix: str) -> str:
+        """A hex whose id `prefix + hex` lives on a stream shard drawn by this gateway's shares
+        (gateway/fleet/homes.py), any shard when it has none."""
+        if self.homes is None:
+            return super().new_request_hex(prefix)
+        return self.homes.request_hex(prefix)
 
     async def submit(self, request: GenerationRequest) -> EventStream:
         channel = self.keys.tokens(request.req_id)

@@ -7,7 +7,6 @@ import json
 import logging
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -47,10 +46,6 @@ def sse_error(exc: Exception) -> bytes:
         log.exception("unexpected error while streaming", exc_info=exc)
         body = error_body(f"Internal error: {exc!r}", "server_error")
     return sse(json.dumps(body)).encode()
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 def wrap_int64(value: int) -> int:
@@ -130,7 +125,7 @@ class OpenAIServing:
             self.check_fields(request)
             constraint = self.constraint(request)
             prompts = await self.prompts(request)
-            req_hex = new_request_id()
+            req_hex = self.client.new_request_hex("cmpl-")
             self._log_who(request, req_hex)
             requests = self.build_requests(req_hex, prompts, request, constraint)
             await self.admit(requests, principal)

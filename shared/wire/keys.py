@@ -74,6 +74,15 @@ class Keys:
         """Sorted set: the same workers scored by when each was last seen (same slot)."""
         return f"{self.prefix}{{{model}}}:roster:seen"
 
+    def gateway_roster(self) -> str:
+        """Sorted set: the live gateways, scored by when they joined (ROSTER): a gateway's rank
+        there picks the stream shards its new requests go to (`gateway_shard_shares`)."""
+        return f"{self.prefix}{{gateways}}:roster"
+
+    def gateway_roster_seen(self) -> str:
+        """Sorted set: the same gateways scored by when each was last seen (same slot)."""
+        return f"{self.prefix}{{gateways}}:roster:seen"
+
     def dead_letter(self, model: str) -> str:
         """Stream of requests delivered too many times (entries: DeadLetterEntry)."""
         return f"{self._model(model)}:dlq"

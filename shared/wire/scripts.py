@@ -200,6 +200,31 @@ def home_shards(index: int, count: int, shards: int) -> tuple[int, ...]:
     return tuple(s for s in range(shards) if s % count == index % count)
 
 
+def gateway_roster(keys: Keys, gateway_id: str, ttl_ms: int, join: bool = True) -> ScriptCall:
+    """ROSTER over the gateways (Keys.gateway_roster): a gateway's place picks its shard shares."""
+    return ROSTER.bind([keys.gateway_roster(), keys.gateway_roster_seen()],
+                       [gateway_id, ttl_ms, 1 if join else 0])
+
+
+def gateway_shard_shares(index: int, count: int, shards: int) -> tuple[tuple[int, float], ...]:
+    """(shard, share of its new requests) for gateway `index` of `count`: lay the gateways' equal
+    parts of [0, 1) over the shards' equal parts, and send to each shard the overlap. With
+    gateways carrying equal loads every shard gets 1/shards of all requests, and each gateway
+    talks to as few primaries as that allows (one when count is a multiple of shards; with 2
+    gateways and 3 shards, two each: 2/3 and 1/3). Every shard alike while the gateway's place
+    is unknown (index < 0)."""
+    if shards <= 1 or index < 0 or count <= 0:
+        return tuple((shard, 1.0 / shards) for shard in range(shards))
+    index %= count
+    start, end = index / count, (index + 1) / count
+    shares = []
+    for shard in range(shards):
+        overlap = min(end, (shard + 1) / shards) - max(start, shard / shards)
+        if overlap > 1e-12:
+            shares.append((shard, overlap * count))
+    return tuple(shares)
+
+
 START_ATTEMPT = LuaScript.build(
     "start_attempt",
     keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)"],
