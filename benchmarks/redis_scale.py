@@ -26,6 +26,24 @@ finishes a request after `--tokens` tokens (final event, XACK). Each gateway kee
 `--one-primary` adds a diagnostic run of a 1-primary cluster with 3 stream shards (the
 cluster's protocol without the split over 3 processes); `--pin` puts every Redis node on one CPU
 and the client processes on the others.
+
+Load and how it is compared:
+- `--step-ms N`: each synthetic worker step takes at least N ms, as an engine step does (0, the
+  default: back to back, as fast as the Python loop goes; the machine's 2 cores then set the
+  rate, and each topology runs at whatever rate its clients reach).
+- `--same-load-per-node`: the cluster gets 3x the workers and gateways, so each primary carries
+  what the single Redis carries (with `--step-ms`, exactly 3x the offered load): the cluster
+  compared at the load per server at which one would add primaries.
+- `--three-singles` (with `--same-load-per-node`): a diagnostic topology of 3 independent single
+  Redis servers side by side, each with the single Redis's workers and gateways: the cluster's
+  process count, machine load and load per server without cluster mode. The cluster's ratio to
+  it is what cluster mode and the sharded protocol cost.
+- `--repeats N`: every topology once per round, N rounds; the summary gives each topology's
+  median and the median of the rounds' ratios (runs compared minutes apart).
+- `--no-gateway-shares`: the gateways' shard shares off (KVFLEET_GATEWAY_SHARD_SHARES): every
+  request on the shard its random id picks, as before 2026-12-02.
+Each row also says how busy the machine's cores were over the measured time (/proc/stat), how
+much of one core the Redis nodes used, and how many connections each node had.
 Both topologies run without replicas (a replica's stream costs its primary CPU on both sides
 alike; the failover benchmark uses replicas). The cluster runs with `--queue-shards` = 3.
 """

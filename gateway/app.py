@@ -84,6 +84,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     processor = PromptProcessor(tokenizer, model_info)
     served_id = model_info.served_id
     metrics = GatewayMetrics(served_id)
+    if getattr(client, "homes", None) is not None:  # a Redis fleet with several stream shards
+        metrics.watch_shard_shares(client.homes)
     app.state.client = client
     app.state.model = model_info
     app.state.metrics = metrics

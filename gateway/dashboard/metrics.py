@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder, generate_latest
 
 # Buckets suited to LLM serving (seconds). TTFT: 5 ms (cached prompt, idle fleet) .. 2 min (queued).
@@ -69,6 +70,28 @@ def quantile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+class _ShardSharesCollector:
+    """Reads a GatewayHomes (gateway/fleet/homes.py) when scraped."""
+
+    def __init__(self, model: str, homes):
+        self._model = model
+        self._homes = homes
+
+    def collect(self):
+        share = GaugeMetricFamily(
+            "kvfleet_gateway_shard_share", "This gateway's share of its new requests per stream "
+            "shard (KVFLEET_GATEWAY_SHARD_SHARES; by its place among the live gateways).",
+            labels=["model", "shard"])
+        for shard, value in self._homes.shares:
+            share.add_metric([self._model, str(shard)], value)
+        _, count = self._homes.place
+        live = GaugeMetricFamily(
+            "kvfleet_gateway_live_gateways", "Live gateways on the gateway roster as this gateway "
+            "last read it (0: no place yet, every shard alike).", labels=["model"])
+        live.add_metric([self._model], count)
+        return [share, live]
+
+
 class GatewayMetrics:
     """Client-side latency and traffic of one gateway; one instance per app."""
 
@@ -104,6 +127,11 @@ class GatewayMetrics:
             ["model", "endpoint", "outcome"], registry=self.registry)
         self.in_flight = Gauge(p + "requests_in_flight", "Requests being answered right now.",
                                ["model"], registry=self.registry).labels(**labels)
+
+    def watch_shard_shares(self, homes) -> None:
+        """Export a GatewayHomes' place and shares at each scrape: this gateway's share of new
+        requests per stream shard, and the live gateways it counted (0 while it has no place)."""
+        self.registry.register(_ShardSharesCollector(self.model, homes))
 
     # ---- what the request handlers call --------------------------------------------------
 

@@ -71,7 +71,13 @@ class GatewayHomes:
     async def run(self) -> None:
         """Renew the place until cancelled, four times per TTL."""
         while True:
-            await self.update()
+            try:
+                await self.update()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive any one failure
+                # (redis-py's cluster client has raised RuntimeError while rebuilding its node
+                # map after a failover): a task that died would leave this gateway off the
+                # roster while it kept sending to its old shares
+                log.warning("gateway roster update failed: %r", exc)
             await asyncio.sleep(self.ttl_s / 4)
 
     async def leave(self) -> None:

@@ -5,6 +5,7 @@ checked against a real Redis Cluster and a real single Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import time
@@ -179,3 +180,43 @@ async def test_a_roster_that_cannot_be_read_keeps_the_last_shares():
         assert {keys.shard_of("x" + homes.request_hex("x")) for _ in range(60)} == {0, 1, 2}
     finally:
         await dead.aclose()
+
+
+async def test_the_gateway_metrics_export_the_place_and_shares(cluster_url):
+    from prometheus_client.exposition import generate_latest
+
+    from gateway.dashboard.metrics import GatewayMetrics
+
+    keys = Keys("kvs:", queue_shards=3)
+    engines = [await started(cluster_url, keys) for _ in range(2)]
+    try:
+        await engines[0].homes.update()
+        metrics = GatewayMetrics("m")
+        metrics.watch_shard_shares(engines[0].homes)
+        text = generate_latest(metrics.registry).decode()
+        assert 'kvfleet_gateway_live_gateways{model="m"} 2.0' in text
+        assert 'kvfleet_gateway_shard_share{model="m",shard="0"} 0.666' in text
+        assert 'kvfleet_gateway_shard_share{model="m",shard="1"} 0.333' in text
+        assert 'shard="2"' not in text
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+async def test_the_roster_task_outlives_an_unexpected_error():
+    keys = Keys("kvs:", queue_shards=3)
+    homes = GatewayHomes(Redis(port=free_port()), keys, ttl_s=0.04)
+    calls = []
+
+    async def flaky_update(join: bool = True) -> bool:
+        calls.append(join)
+        if len(calls) == 1:
+            raise RuntimeError("Future attached to a different loop")
+        return True
+
+    homes.update = flaky_update
+    task = asyncio.create_task(homes.run())
+    await asyncio.sleep(0.1)  # renewals every 10 ms
+    assert not task.done()
+    task.cancel()
+    assert len(calls) >= 3  # it went on after the first one raised
