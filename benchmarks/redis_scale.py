@@ -306,11 +306,11 @@ def run_topology(name: str, urls: list[str], ports: list[int], shards: int, args
             "errors": sum(g["errors"] for g in gateways),
             "error_kinds": [kind for g in gateways for kind in g["error_kinds"]],
             "worker_steps": sum(r.get("steps", 0) for r in results),
-            # stream shards (= primaries) a worker's step published to, on average
             "events_per_step": round(sum(r["events"] for r in results if "steps" in r)
                                      / max(sum(r.get("steps", 0) for r in results), 1), 1),
             "machine_busy_pct": machine_busy_pct(cpu_before, cpu_after),
             "redis_cpu_pct": round(100 * cpu_s / args.duration_s, 1),
+            # stream shards (= primaries) a worker's step published to, on average
             "shards_per_step": round(sum(r.get("step_shards", 0) for r in results)
                                      / max(sum(r.get("steps", 0) for r in results), 1), 2),
             "stolen_pct": round(100 * sum(r.get("stolen", 0) for r in results)

@@ -58,14 +58,13 @@ class GatewayHomes:
             log.debug("could not renew this gateway's place on the roster: %r", exc)
             return False
         self._joined = join
-        if (index, count) != self.place:
-            log.info("gateway %s is %d of %d live gateways: new requests to shards %s",
-                     self.gateway_id, index, count,
-                     ", ".join(f"{s} ({share:.0%})" for s, share in
-                               scripts.gateway_shard_shares(index, count,
-                                                            self.keys.queue_shards)))
+        moved = (index, count) != self.place
         self.place = (index, count)
         self.shares = scripts.gateway_shard_shares(index, count, self.keys.queue_shards)
+        if moved:
+            log.info("gateway %s is %d of %d live gateways: new requests to shards %s",
+                     self.gateway_id, index, count,
+                     ", ".join(f"{s} ({share:.0%})" for s, share in self.shares))
         return True
 
     async def run(self) -> None:
