@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from gateway.dashboard.metrics import GatewayMetrics, quantile
 from gateway.dashboard.router import fleet_totals, read_queue, read_workers
 from gateway.fleet.redis_context import RedisContext
+from gateway.fleet.tasks import cancel_requested, stop_task
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class HistorySampler:
                 await self.sample_once()
             except Exception:  # never let one bad sample end the history
                 log.exception("dashboard history sample failed")
+            if cancel_requested():  # a cancel redis-py swallowed (gateway/fleet/tasks.py)
+                raise asyncio.CancelledError
 
     def start(self) -> None:
         if self._task is None:
@@ -133,11 +136,7 @@ class HistorySampler:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await stop_task(self._task)
             self._task = None
 
 

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from gateway.fleet.client import EngineUnavailable
+from gateway.fleet.tasks import stop_task
 from shared.redis_connect import REDIS_FAILURES
 
 log = logging.getLogger(__name__)
@@ -425,15 +426,3 @@ def by_slot(keys: list[bytes]) -> list[list[bytes]]:
     for key in keys:
         groups.setdefault(key_slot(key), []).append(key)
     return list(groups.values())
-
-
-async def stop_task(task: asyncio.Task, attempts: int = 5, wait_s: float = 1.0) -> None:
-    """Cancel `task` and wait for it. Cancels again if it is still running: a cancellation that
-    lands as a redis-py read times out can be turned into a timeout and retried."""
-    for _ in range(attempts):
-        task.cancel()
-        done, _pending = await asyncio.wait({task}, timeout=wait_s)
-        if done:
-            break
-    else:
-        log.warning("task %s did not stop", task.get_name())

@@ -14,6 +14,7 @@ import logging
 import random
 import uuid
 
+from gateway.fleet.tasks import cancel_requested
 from shared.redis_connect import REDIS_FAILURES
 from shared.wire import Keys
 from shared.wire import scripts
@@ -77,6 +78,8 @@ class GatewayHomes:
                 # map after a failover): a task that died would leave this gateway off the
                 # roster while it kept sending to its old shares
                 log.warning("gateway roster update failed: %r", exc)
+            if cancel_requested():  # a cancel redis-py swallowed (gateway/fleet/tasks.py)
+                raise asyncio.CancelledError
             await asyncio.sleep(self.ttl_s / 4)
 
     async def leave(self) -> None:

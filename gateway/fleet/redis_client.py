@@ -20,6 +20,7 @@ from gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
 from gateway.fleet.homes import GatewayHomes
 from gateway.fleet.load import read_heartbeats, stream_depth
 from gateway.fleet.redis_context import RedisContext
+from gateway.fleet.tasks import stop_task
 from shared.redis_connect import REDIS_FAILURES
 from shared.settings import GatewaySettings
 from shared.wire import (
@@ -173,8 +174,7 @@ class RedisEngineClient(EngineClient):
 
     async def close(self) -> None:
         if self._homes_task is not None:
-            self._homes_task.cancel()
-            await asyncio.gather(self._homes_task, return_exceptions=True)
+            await stop_task(self._homes_task)
             self._homes_task = None
             await self.homes.leave()  # the others take its shares at once, not after its TTL
         await self.fanout.close()

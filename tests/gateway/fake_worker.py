@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from redis.exceptions import ResponseError
 
-from gateway.fleet.fanout import stop_task
+from gateway.fleet.tasks import stop_task
 from shared.redis_connect import connect_async, is_cluster
 from shared.wire import GenerationRequest, Keys, QueueEntry, TokenEvent
 
