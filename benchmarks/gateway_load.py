@@ -104,14 +104,16 @@ async def worker_loop(args: argparse.Namespace) -> None:
             for entry_id, fields in entries:
                 request = QueueEntry.decode(fields).request
                 active[request.req_id] = [entry_id, 0, request.params.max_tokens,
-                                          len(request.prompt_token_ids)]
+                                          len(request.prompt_token_ids),
+                                          request.reply_to or keys.tokens(request.req_id)]
                 starts[request.req_id] = tick  # streams' phases spread as they arrive
         pipe = redis.pipeline(transaction=False)
         done = []
+        messages: dict[str, list[bytes]] = {}  # reply channel -> this tick's events, as a worker
         for req_id, state in active.items():
             if (tick - starts[req_id]) % period:
                 continue
-            entry_id, seq, max_tokens, prompt_tokens = state
+            entry_id, seq, max_tokens, prompt_tokens, channel = state
             if seq < max_tokens:
                 event = TokenEvent(seq=seq, attempt=0, token_ids=[args.token_id])
                 state[1] += 1
@@ -120,7 +122,9 @@ async def worker_loop(args: argparse.Namespace) -> None:
                                    usage=Usage(prompt_tokens, seq))
                 pipe.xack(stream, keys.group, entry_id)
                 done.append(req_id)
-            pipe.publish(keys.tokens(req_id), event.pack())
+            messages.setdefault(channel, []).append(event.pack(req_id))
+        for channel, parts in messages.items():
+            pipe.publish(channel, b"".join(parts))
         tick_times.append(time.monotonic())  # the publishes leave now
         if len(pipe):
             await pipe.execute()

@@ -17,8 +17,10 @@ finishes a request after `--tokens` tokens (final event, XACK). Each gateway kee
   node over the run ÷ events delivered, and the cluster's ratio to the single Redis's;
 - stream shards a worker's step published to, on average (one per primary the step's calls
   went to), and the share of requests workers took from shards not their home;
-- per-primary share of token events (`cmdstat_publish`/`cmdstat_spublish` calls, INFO
-  commandstats: counted inside scripts too) and of requests (`cmdstat_hincrby`: one
+- the token events per message the gateways received (a worker step's events for one inbox
+  travel as one message);
+- per-primary share of token events (`cmdstat_setrange` calls, one checkpoint write per event,
+  INFO commandstats: counted inside scripts too) and of requests (`cmdstat_hincrby`: one
   START_ATTEMPT per request), and of stream entries (`cmdstat_xadd`);
 - the breakdown: per command (INFO commandstats summed over nodes) calls and usec per delivered
   event and usec per call, and per event the INFO stats counters of round trips
@@ -42,6 +44,8 @@ Load and how it is compared:
   median and the median of the rounds' ratios (runs compared minutes apart).
 - `--no-gateway-shares`: the gateways' shard shares off (KVFLEET_GATEWAY_SHARD_SHARES): every
   request on the shard its random id picks, as before 2026-12-02.
+- `--no-gateway-inboxes`: the gateways' inboxes off (KVFLEET_GATEWAY_INBOXES): one subscription
+  and one message per request on its own channel, as before 2026-12-03.
 Each row also says how busy the machine's cores were over the measured time (/proc/stat), how
 much of one core the Redis nodes used, and how many connections each node had.
 Both topologies run without replicas (a replica's stream costs its primary CPU on both sides
@@ -125,7 +129,8 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
                                finish_reason="length" if final else None)
             items.append(Publication(req_id, attempt, event,
                                      RequestStatus.FINISHED_LENGTH if final else None,
-                                     delivery.stream, delivery.entry_id))
+                                     delivery.stream, delivery.entry_id,
+                                     delivery.request.reply_to))
             if final:
                 del inflight[req_id]
             else:
@@ -140,19 +145,31 @@ def synthetic_worker(url: str, shards: int, worker_id: str, stop_at: float, runn
 
 
 def synthetic_gateway(url: str, shards: int, start_at: float, stop_at: float, concurrency: int,
-                      shard_shares: bool, out: mp.Queue, pin: set[int] | None) -> None:
+                      shard_shares: bool, inboxes: bool, out: mp.Queue,
+                      pin: set[int] | None) -> None:
     pin_clients(pin)
-    asyncio.run(_gateway(url, shards, start_at, stop_at, concurrency, shard_shares, out))
+    asyncio.run(_gateway(url, shards, start_at, stop_at, concurrency, shard_shares, inboxes,
+                         out))
 
 
-async def _gateway(url, shards, start_at, stop_at, concurrency, shard_shares, out) -> None:
+async def _gateway(url, shards, start_at, stop_at, concurrency, shard_shares, inboxes,
+                   out) -> None:
     from gateway.fleet.redis_client import RedisEngineClient
 
     client = RedisEngineClient.from_url(url, Keys(PREFIX, queue_shards=shards),
-                                        shard_shares=shard_shares,
+                                        shard_shares=shard_shares, inboxes=inboxes,
                                         command_timeout_s=10, first_event_timeout_s=30)
     await client.start()
     counts = {"events": 0, "tokens": 0, "requests": 0, "errors": 0, "error_kinds": []}
+    fanout = client.fanout
+    measured = {}  # the fan-out's message and event counts over the measured time
+
+    async def mark(at: float, name: str) -> None:
+        await asyncio.sleep(max(at - time.time(), 0))
+        measured[name] = (fanout.messages_received, fanout.events_received)
+
+    marks = [asyncio.create_task(mark(start_at, "start")),
+             asyncio.create_task(mark(stop_at, "stop"))]
 
     async def one_stream() -> None:
         while time.time() < stop_at:
@@ -176,6 +193,9 @@ async def _gateway(url, shards, start_at, stop_at, concurrency, shard_shares, ou
                 await asyncio.sleep(0.1)
 
     await asyncio.gather(*(one_stream() for _ in range(concurrency)))
+    await asyncio.gather(*marks)
+    counts["messages"] = measured["stop"][0] - measured["start"][0]
+    counts["message_events"] = measured["stop"][1] - measured["start"][1]
     await client.close()
     out.put(counts)
 
@@ -274,7 +294,8 @@ def run_topology(name: str, urls: list[str], ports: list[int], shards: int, args
              for url in urls for i in range(args.workers * clients_per_url)]
     procs += [ctx.Process(target=synthetic_gateway,
                           args=(url, shards, start_at, stop_at, args.concurrency,
-                                not args.no_gateway_shares, out, client_cpus))
+                                not args.no_gateway_shares, not args.no_gateway_inboxes, out,
+                                client_cpus))
               for url in urls for _ in range(args.gateways * clients_per_url)]
     for proc in procs:
         proc.start()
@@ -320,7 +341,11 @@ def run_topology(name: str, urls: list[str], ports: list[int], shards: int, args
             "redis_cpu_us_per_event": round(1e6 * cpu_s / max(events, 1), 2),
             "redis_sys_us_per_event": round(1e6 * sum(d["sys_s"] for d in delta.values())
                                             / max(events, 1), 2),
-            "event_share_pct": shares("publish", "spublish"),
+            # events per message the gateways received (a step's events for one inbox travel
+            # in one message; 1 with --no-gateway-inboxes)
+            "events_per_message": round(sum(g["message_events"] for g in gateways)
+                                        / max(sum(g["messages"] for g in gateways), 1), 2),
+            "event_share_pct": shares("setrange"),  # every event writes its checkpoint
             "request_share_pct": shares("hincrby"),  # one START_ATTEMPT per request
             "stream_entry_share_pct": shares("xadd"),
             "breakdown": breakdown(list(delta.values()), events)}
@@ -378,6 +403,10 @@ def main() -> None:
     parser.add_argument("--no-gateway-shares", action="store_true",
                         help="the gateways' KVFLEET_GATEWAY_SHARD_SHARES off: every request to "
                              "the shard its random id picks (the code before 2026-12-02)")
+    parser.add_argument("--no-gateway-inboxes", action="store_true",
+                        help="the gateways' KVFLEET_GATEWAY_INBOXES off: each request's events "
+                             "on its own channel, one message each, one subscription per "
+                             "request (the code before 2026-12-03)")
     parser.add_argument("--pin", action="store_true",
                         help="Redis nodes on one CPU, the client processes on the others")
     parser.add_argument("--repeats", type=int, default=1,
@@ -433,6 +462,7 @@ def print_round(rows: list[dict], as_json: bool) -> None:
               f"request share {row['request_share_pct']}, stream entries "
               f"{row['stream_entry_share_pct']}; shards per worker step "
               f"{row['shards_per_step']}, events per worker step {row['events_per_step']}, "
+              f"events per message {row['events_per_message']}, "
               f"stolen {row['stolen_pct']}% of requests; cores busy "
               f"{row['machine_busy_pct']}% (Redis {row['redis_cpu_pct']}% of one core); "
               f"connections per node {row['connections_per_node']}", flush=True)

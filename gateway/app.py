@@ -86,6 +86,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     metrics = GatewayMetrics(served_id)
     if getattr(client, "homes", None) is not None:  # a Redis fleet with several stream shards
         metrics.watch_shard_shares(client.homes)
+    if getattr(client, "fanout", None) is not None:  # a Redis fleet
+        metrics.watch_fanout(client.fanout)
     app.state.client = client
     app.state.model = model_info
     app.state.metrics = metrics

@@ -75,6 +75,11 @@ class GatewaySettings(BatchApiSettings):
     # talks to as few primaries as balance allows. Balance then follows the gateways' loads (the
     # load balancer's spread); off: every request to a shard its random id picks.
     gateway_shard_shares: bool = True
+    # Token events come back in this gateway's inboxes (gateway/fleet/inboxes.py): one message per
+    # worker step with the events of all its requests there, one subscription per inbox. Off:
+    # each request's own channel, subscribed per request (for a rolling upgrade from workers
+    # older than inboxes, which publish there only).
+    gateway_inboxes: bool = True
     max_body_bytes: int = 1_000_000
     # max_tokens of a request that gives none; None = the rest of the context (as vLLM)
     default_max_tokens: int | None = None

@@ -10,7 +10,8 @@ Ordering guarantees (DESIGN.md, "The fleet protocol"):
   recorded.
 - `publish` writes new tokens into the checkpoint (at their offset), publishes them and, on the
   final event, records the status — all requests of a step in one script call (PUBLISH_STEP),
-  one per node on a cluster; the final events' stream entries are XACKed after their scripts
+  one per node on a cluster, one message per reply channel (a gateway's inbox: every event of
+  the step for that gateway); the final events' stream entries are XACKed after their scripts
   returned 1 (a second round trip, only in steps where something finished: on a cluster the
   stream lives in another slot). The script does nothing and returns 0 when the attempt is
   stale: that worker must stop the request.
@@ -94,6 +95,7 @@ class Publication:
     final_status: RequestStatus | None
     stream: str
     entry_id: str
+    reply_to: str = ""  # GenerationRequest.reply_to: the inbox its events go to
 
 
 class WorkerProtocol:
@@ -305,10 +307,13 @@ class WorkerProtocol:
         if not items:
             return []
         calls = [scripts.publish(self.keys, item.req_id, item.attempt, item.event,
-                                 item.final_status, self.result_ttl_s, sharded=self.sharded)
+                                 item.final_status, self.result_ttl_s, sharded=self.sharded,
+                                 reply_to=item.reply_to)
                  for item in items]
-        accepted = [bool(ok) for ok in run_per_node(self.client, self._publish_step,
-                                                    self._publish, calls)]
+        replies, undelivered = run_per_node(self.client, self._publish_step, self._publish, calls)
+        accepted = [bool(ok) for ok in replies]
+        if undelivered:
+            self._publish_elsewhere(undelivered)
         finals = [item for item, ok in zip(items, accepted)
                   if ok and item.final_status is not None and item.entry_id]
         if finals:
@@ -317,6 +322,13 @@ class WorkerProtocol:
                 pipe.xack(item.stream, self.keys.group, item.entry_id)
             pipe.execute()
         return accepted
+
+    def _publish_elsewhere(self, undelivered: list) -> None:
+        """Publish the messages a node handed back (channel, message, ...): inboxes whose slot
+        it does not serve, sent through the cluster client to the node that does."""
+        command = "SPUBLISH" if self.sharded else "PUBLISH"
+        for channel, message in zip(undelivered[::2], undelivered[1::2]):
+            self.client.execute_command(command, channel, message)
 
     def subscribe_cancels(self):
         """A pub/sub subscribed to the cancel channel (sharded on a cluster)."""
@@ -349,7 +361,8 @@ class WorkerProtocol:
                              maxlen=DeadLetterEntry.MAXLEN, approximate=True)
         event = TokenEvent(seq=seq, attempt=attempt, finish_reason="error", error=message)
         self.publish([Publication(req_id, attempt, event, RequestStatus.FINISHED_ERROR,
-                                  delivery.stream, delivery.entry_id)])
+                                  delivery.stream, delivery.entry_id,
+                                  delivery.request.reply_to)])
 
     def refresh_pending(self, entries: dict[str, list[str]]) -> None:
         """Reset the idle time of this worker's in-flight entries (XCLAIM … JUSTID, which does

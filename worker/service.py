@@ -288,7 +288,8 @@ class WorkerService:
         )
         status = RequestStatus.for_finish_reason(output.finish_reason) if final else None
         return Publication(output.req_id, inflight.attempt, event, status,
-                           inflight.delivery.stream, inflight.delivery.entry_id)
+                           inflight.delivery.stream, inflight.delivery.entry_id,
+                           inflight.delivery.request.reply_to)
 
     def _publish_items(self, items: list[Publication]) -> None:
         pending = self._backlog + items

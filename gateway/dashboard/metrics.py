@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder, generate_latest
 
 # Buckets suited to LLM serving (seconds). TTFT: 5 ms (cached prompt, idle fleet) .. 2 min (queued).
@@ -92,6 +92,41 @@ class _ShardSharesCollector:
         return [share, live]
 
 
+class _FanoutCollector:
+    """Reads the gateway's TokenFanout (gateway/fleet/fanout.py) when scraped."""
+
+    def __init__(self, model: str, fanout):
+        self._model = model
+        self._fanout = fanout
+
+    def collect(self):
+        fanout, labels = self._fanout, [self._model]
+        families = [
+            (GaugeMetricFamily, "kvfleet_gateway_pubsub_channels", "Pub/sub channels this gateway "
+             "subscribes: its inboxes (one per Redis primary its requests live on) and the own "
+             "channels of requests attached by id.", fanout.num_channels),
+            (GaugeMetricFamily, "kvfleet_gateway_pubsub_connections", "Pub/sub connections open "
+             "(one per Redis node with subscribed channels).", fanout.num_connections),
+            (CounterMetricFamily, "kvfleet_gateway_pubsub_connections_opened", "Pub/sub "
+             "connections made, first ones included: more than one per node means a connection "
+             "broke (its streams subscribed again and read their checkpoints).",
+             fanout.connections_opened),
+            (CounterMetricFamily, "kvfleet_gateway_token_messages", "Token messages received; "
+             "token_events / token_messages is the events a worker step sent in one message.",
+             fanout.messages_received),
+            (CounterMetricFamily, "kvfleet_gateway_token_events", "Token events received.",
+             fanout.events_received),
+            (CounterMetricFamily, "kvfleet_gateway_undecodable_messages", "Messages on a token "
+             "channel that were not token events (dropped).", fanout.undecodable_messages),
+        ]
+        out = []
+        for kind, name, doc, value in families:
+            family = kind(name, doc, labels=["model"])
+            family.add_metric(labels, value)
+            out.append(family)
+        return out
+
+
 class GatewayMetrics:
     """Client-side latency and traffic of one gateway; one instance per app."""
 
@@ -132,6 +167,10 @@ class GatewayMetrics:
         """Export a GatewayHomes' place and shares at each scrape: this gateway's share of new
         requests per stream shard, and the live gateways it counted (0 while it has no place)."""
         self.registry.register(_ShardSharesCollector(self.model, homes))
+
+    def watch_fanout(self, fanout) -> None:
+        """Export a TokenFanout's channels, connections and message counts at each scrape."""
+        self.registry.register(_FanoutCollector(self.model, fanout))
 
     # ---- what the request handlers call --------------------------------------------------
 

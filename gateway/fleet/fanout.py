@@ -15,6 +15,7 @@ from redis.crc import key_slot
 from gateway.fleet.client import EngineUnavailable
 from gateway.fleet.tasks import stop_task
 from shared.redis_connect import REDIS_FAILURES
+from shared.wire import TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def _wake(waiter: asyncio.Future) -> None:
 
 
 class TokenQueue:
-    """The raw messages of one channel, for its one consumer (the request's event stream).
+    """The token events of one request stream (and ConnectionLost markers), for its one consumer.
 
     Cheaper than asyncio.Queue under `asyncio.timeout` (the reader puts ~1,000 messages/s): a
     wait is one future and one timer handle. Unbounded: the reader never waits for a consumer.
@@ -56,7 +57,7 @@ class TokenQueue:
         return self._items.popleft()
 
     async def get(self, timeout_s: float | None = None):
-        """The next message; raises TimeoutError when none came within `timeout_s`."""
+        """The next item; raises TimeoutError when none came within `timeout_s`."""
         if not self._items:
             if self._waiter is not None:
                 raise RuntimeError("TokenQueue has one consumer")
@@ -79,11 +80,20 @@ class TokenFanout:
     per cluster primary that owns a subscribed channel's slot (sharded pub/sub: SSUBSCRIBE on
     that node; an event is published on one node and travels nowhere else).
 
+    A message carries one or more token events (TokenEvent.unpack_many), each routed by its
+    request id to the queues of the streams waiting on that request on that channel: a gateway's
+    inbox (GenerationRequest.reply_to) carries the events of all its requests whose keys live on
+    one node, a request's own channel (Keys.tokens) those of one request. Inboxes are pinned:
+    subscribed once, on first use, and kept while the gateway lives, so a new request on a
+    subscribed inbox waits for no SUBSCRIBE at all; other channels are left when their last
+    stream is released.
+
     Invariants: each connection's reader task is the only one reading it, and it never awaits a
     consumer (queues are unbounded; each request's handler drains its own), so a slow client can
     never make Redis drop a connection for its output buffer. SUBSCRIBEs (and UNSUBSCRIBEs)
     asked for in the same turn of the event loop go out as one command per connection: under a
-    burst of admissions that is one write per node instead of one per request.
+    burst of admissions that is one write per node instead of one per request. One channel has at
+    most one subscription in flight, whatever number of streams wait on it.
     """
 
     def __init__(self, redis: Redis, subscribe_timeout_s: float = 5.0, poll_timeout_s: float = 1.0,
@@ -92,12 +102,19 @@ class TokenFanout:
         self._sharded = sharded
         self._subscribe_timeout_s = subscribe_timeout_s
         self._poll_timeout_s = poll_timeout_s  # < redis-py's 5 s socket timeout
-        self._queues: dict[bytes, TokenQueue] = {}
-        self._confirmations: dict[bytes, asyncio.Future] = {}
+        # channel -> request id -> the queues of the streams waiting on it there
+        self._routes: dict[bytes, dict[str, list[TokenQueue]]] = {}
+        self._pinned: set[bytes] = set()  # inboxes: kept subscribed with no stream waiting
+        # channel -> its subscription: pending while in flight, done once Redis confirmed it;
+        # dropped when it failed or its connection broke
+        self._subscriptions: dict[bytes, asyncio.Future] = {}
         self._links: dict[str, PubSubLink] = {}  # by node name ("" for a single Redis)
         self._link_of: dict[bytes, PubSubLink] = {}
         self._closing = False
         self.connections_opened = 0  # pub/sub connections made (1 per node unless one failed)
+        self.messages_received = 0  # token messages on subscribed channels
+        self.events_received = 0  # token events in them (events / messages: the coalescing)
+        self.undecodable_messages = 0  # messages dropped because they were not token events
 
     async def start(self) -> None:
         if self._sharded:
@@ -113,63 +130,93 @@ class TokenFanout:
 
     @property
     def num_subscribed(self) -> int:
-        return len(self._queues)
+        """Streams waiting on events (one per request stream, on whichever channel)."""
+        return sum(len(queues) for routes in self._routes.values() for queues in routes.values())
+
+    @property
+    def num_channels(self) -> int:
+        """Channels subscribed or being subscribed (inboxes included)."""
+        return len(self._subscriptions)
 
     @property
     def num_connections(self) -> int:
         """Pub/sub connections open now (one per node with subscribed channels)."""
         return len(self._links)
 
-    async def subscribe(self, channel: str) -> TokenQueue:
-        """A queue of the channel's raw messages; returns once Redis confirmed the subscription."""
+    async def subscribe(self, channel: str, req_id: str, *, pinned: bool = False) -> TokenQueue:
+        """A queue of request `req_id`'s events on `channel`; returns once Redis confirmed the
+        channel's subscription (at once when it already had). `pinned`: an inbox, kept
+        subscribed when no stream waits on it."""
         key = channel.encode()
-        queue = self._queues[key] = TokenQueue()
+        queue = TokenQueue()
+        self._routes.setdefault(key, {}).setdefault(req_id, []).append(queue)
+        if pinned:
+            self._pinned.add(key)
         try:
-            await self._confirmed_subscription(key)
+            await self._subscribed(key)
         except EngineUnavailable:
-            self.release(channel)
+            self.release(channel, req_id, queue)
             raise
         return queue
 
-    async def resubscribe(self, channel: str) -> TokenQueue:
-        """After its connection broke (a ConnectionLost in its queue), subscribe a channel that is
-        still held again: on a cluster, on whichever node owns its slot now. The same queue goes
-        on; events published while it was unsubscribed are not in it (the checkpoint has their
-        tokens). Raises EngineUnavailable when Redis does not confirm in time (retry later) or
-        the channel was released."""
+    async def resubscribe(self, channel: str, req_id: str) -> None:
+        """After its connection broke (a ConnectionLost in the stream's queue), subscribe a channel
+        that a stream still holds again: on a cluster, on whichever node owns its slot now (one
+        subscription for all the streams on the channel). Their queues go on; events published
+        while it was unsubscribed are not in them (the checkpoint has their tokens). Raises
+        EngineUnavailable when Redis does not confirm in time (retry later) or the stream was
+        released."""
         key = channel.encode()
-        queue = self._queues.get(key)
-        if queue is None:
+        if req_id not in self._routes.get(key, {}):
             raise EngineUnavailable(f"the token channel {channel} was released")
-        try:
-            await self._confirmed_subscription(key)
-        except EngineUnavailable:
-            if self._sharded:  # the next try asks the slot map again
-                self._link_of.pop(key, None)
-            raise
-        return queue
+        await self._subscribed(key)
 
-    async def _confirmed_subscription(self, key: bytes) -> None:
-        confirmed = asyncio.get_running_loop().create_future()
-        self._confirmations[key] = confirmed
+    async def _subscribed(self, key: bytes) -> None:
+        subscription = self._subscriptions.get(key)
+        if subscription is None:
+            subscription = self._subscriptions[key] = asyncio.get_running_loop().create_future()
+            subscription.add_done_callback(_retrieve)
+            link = self._link_of[key] = self._link(self._node_name(key))
+            link.ask_subscribe(key)
+        if subscription.done() and subscription.exception() is None:
+            return
         try:
             async with asyncio.timeout(self._subscribe_timeout_s):
-                link = self._link_of[key] = self._link(self._node_name(key))
-                link.ask_subscribe(key)
-                await link.ensure_connection()
-                await confirmed
+                await asyncio.shield(subscription)
         except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
+            self._forget_subscription(key, subscription)
             raise EngineUnavailable(
                 f"cannot subscribe to the fleet's token channel: {exc!r}") from exc
-        finally:
-            self._confirmations.pop(key, None)
 
-    def release(self, channel: str) -> None:
-        """Forget the channel's queue now; UNSUBSCRIBE in the background (safe inside a cancelled
-        task: nothing here awaits)."""
+    def _forget_subscription(self, key: bytes, subscription: asyncio.Future) -> None:
+        """A failed subscription: the next stream to ask starts a new one (on a cluster, on the
+        node the slot map names then)."""
+        if self._subscriptions.get(key) is subscription:
+            del self._subscriptions[key]
+            if self._sharded:
+                self._link_of.pop(key, None)
+
+    def release(self, channel: str, req_id: str, queue: TokenQueue | None = None) -> None:
+        """Forget a stream's queue (the request's only one unless given) now; UNSUBSCRIBE a
+        channel no stream waits on any more (not an inbox) in the background (safe inside a
+        cancelled task: nothing here awaits)."""
         key = channel.encode()
+        routes = self._routes.get(key)
+        if routes is None or req_id not in routes:
+            return
+        queues = routes[req_id]
+        if queue is None or queue not in queues:
+            queues.clear()
+        else:
+            queues.remove(queue)
+        if not queues:
+            del routes[req_id]
+        if routes or key in self._pinned:
+            return
+        del self._routes[key]
+        self._subscriptions.pop(key, None)
         link = self._link_of.pop(key, None)
-        if self._queues.pop(key, None) is not None and link is not None:
+        if link is not None:
             link.ask_unsubscribe(key)
 
     def _node_name(self, channel: bytes) -> str:
@@ -194,33 +241,74 @@ class TokenFanout:
     # Called by the links.
 
     def deliver(self, channel: bytes, data: bytes) -> None:
-        queue = self._queues.get(channel)
-        if queue is not None:
-            queue.put_nowait(data)
+        routes = self._routes.get(channel)
+        if not routes:
+            return
+        try:
+            events = TokenEvent.unpack_many(data)
+        except (ValueError, TypeError, KeyError) as exc:  # msgpack's errors are ValueErrors
+            self.undecodable_messages += 1
+            log.warning("dropped a message on %r that is not token events: %r", channel, exc)
+            return
+        self.messages_received += 1
+        self.events_received += len(events)
+        for event in events:
+            for queue in routes.get(event.req_id, ()):
+                queue.put_nowait(event)
 
     def wanted(self, channel: bytes) -> bool:
-        return channel in self._queues
+        return channel in self._routes
 
     def confirm(self, channel: bytes, error: BaseException | None = None) -> None:
-        confirmed = self._confirmations.get(channel)
-        if confirmed is not None and not confirmed.done():
+        subscription = self._subscriptions.get(channel)
+        if subscription is None:
+            return
+        if error is not None:
+            self._forget_subscription(channel, subscription)
+        if not subscription.done():
             if error is None:
-                confirmed.set_result(None)
+                subscription.set_result(None)
             else:
-                confirmed.set_exception(error)
+                subscription.set_exception(error)
+
+    def link_reconnected(self, link: PubSubLink) -> None:
+        """The link's connection was made anew (and its channels subscribed again by redis-py):
+        its streams may have missed events, as after a failure."""
+        for key, owner in list(self._link_of.items()):
+            if owner is link:
+                self.channel_lost(link, key)
+
+    def channel_lost(self, link: PubSubLink, key: bytes) -> None:
+        """One channel's confirmed subscription ended without being asked (its connection was made
+        anew, or its slot migrated): its streams hear of it as of a broken connection. A
+        subscription still in flight is left alone: its confirmation comes on the new
+        connection, and no stream waiting for it has missed anything yet."""
+        if self._link_of.get(key) is not link:
+            return
+        subscription = self._subscriptions.get(key)
+        if subscription is None or not subscription.done():
+            return
+        self._forget_subscription(key, subscription)
+        for queues in self._routes.get(key, {}).values():
+            for queue in queues:
+                queue.put_nowait(ConnectionLost())
 
     def link_failed(self, link: PubSubLink, error: BaseException) -> None:
-        """Events published while a connection was down are lost: end every request it carried
-        (and fail their pending subscriptions). A cluster node's link is dropped and the slot map
-        refreshed: the next subscription of those slots goes to whichever node owns them now."""
+        """Events published while a connection was down are lost: every stream on a channel it
+        carried hears of it (and pending subscriptions fail); each subscribes again and fills the
+        gap from the checkpoint. A cluster node's link is dropped and the slot map refreshed: the
+        next subscription of those slots goes to whichever node owns them now."""
         for key, owner in list(self._link_of.items()):
             if owner is link:
                 self.confirm(key, error)
-                queue = self._queues.get(key)
-                if queue is not None:
-                    queue.put_nowait(ConnectionLost())
+                subscription = self._subscriptions.get(key)
+                if subscription is not None:  # confirmed before: it is gone with the link
+                    self._forget_subscription(key, subscription)
+                for queues in self._routes.get(key, {}).values():
+                    for queue in queues:
+                        queue.put_nowait(ConnectionLost())
                 if self._sharded:
-                    del self._link_of[key]
+                    self._link_of.pop(key, None)
         if self._sharded and self._links.get(link.name) is link:
             del self._links[link.name]
             link.spawn(self._refresh_slots())
@@ -230,6 +318,12 @@ class TokenFanout:
             await self._redis.nodes_manager.initialize()
         except (*REDIS_FAILURES, OSError) as exc:
             log.debug("slot map refresh failed: %r", exc)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a subscription's failure as seen: its waiters may have timed out already."""
+    if not future.cancelled():
+        future.exception()
 
 
 _NODE_OPTIONS = ("username", "password", "socket_connect_timeout", "socket_timeout")
@@ -396,13 +490,28 @@ class PubSubLink:
         async with self._connect_lock:
             if self._pubsub.connection is None:
                 await self._pubsub.connect()
+                self._pubsub.connection.register_connect_callback(self._reconnected)
                 self.fanout.connections_opened += 1
+
+    def _reconnected(self, _connection) -> None:
+        """redis-py made this connection anew by itself (its retry of a failed read) and
+        subscribed its channels again there: events published in between are lost, so every
+        stream on it hears of it as of a failure (it subscribes again and reads the
+        checkpoint)."""
+        log.warning("pub/sub connection %s was made anew: its streams check for lost events",
+                    self.name or "to Redis")
+        self.fanout.connections_opened += 1
+        self.fanout.link_reconnected(self)
 
     def _dispatch(self, message: dict) -> None:
         if message["type"] in ("message", "smessage"):
             self.fanout.deliver(message["channel"], message["data"])
         elif message["type"] == self._confirm_type:
             self.fanout.confirm(message["channel"])
+        elif message["type"] == "sunsubscribe" and self.fanout.wanted(message["channel"]):
+            # not asked for: the channel's slot moved to another node (Redis drops its shard
+            # channels' subscribers), so its streams subscribe again there
+            self.fanout.channel_lost(self, message["channel"])
 
 
 def _redis_failure(exc: BaseException) -> bool:

@@ -1,12 +1,14 @@
-"""The EngineClient of a real fleet: enqueue on the model's Redis stream, receive token events over
-the process's single pub/sub connection (DESIGN.md, "The fleet protocol")."""
+"""The EngineClient of a real fleet: enqueue on the model's Redis stream, receive token events in
+this gateway's inboxes over the process's pub/sub connections (DESIGN.md, "The fleet protocol";
+gateway/fleet/inboxes.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-
+import uuid
 
 from gateway.fleet.client import (
     EngineClient,
@@ -18,6 +20,7 @@ from gateway.fleet.client import (
 )
 from gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
 from gateway.fleet.homes import GatewayHomes
+from gateway.fleet.inboxes import Inboxes
 from gateway.fleet.load import read_heartbeats, stream_depth
 from gateway.fleet.redis_context import RedisContext
 from gateway.fleet.tasks import stop_task
@@ -70,14 +73,14 @@ class RedisEventStream(EventStream):
     async def __anext__(self) -> TokenEvent:
         while True:
             try:
-                raw = self._queue.get_nowait()  # the common case under load: no timer, no task
+                item = self._queue.get_nowait()  # the common case under load: no timer, no task
                 if self._deadline is not None and time.time() > self._deadline:
                     raise EngineTimeout(f"request {self.req_id} passed its deadline")
             except asyncio.QueueEmpty:
-                raw = await self._wait()
-            if not isinstance(raw, ConnectionLost):
+                item = await self._wait()
+            if not isinstance(item, ConnectionLost):
                 self._received_any = True
-                return TokenEvent.unpack(raw)
+                return item
             ended = await self._reconnect()
             if ended is not None:
                 return ended
@@ -89,7 +92,7 @@ class RedisEventStream(EventStream):
         failure: BaseException | None = None
         while time.monotonic() < give_up:
             try:
-                await self._fanout.resubscribe(self._channel)
+                await self._fanout.resubscribe(self._channel, self.req_id)
                 snapshot = await self._client.read_snapshot(self.req_id)
             except (EngineUnavailable, RuntimeError) as exc:
                 # RuntimeError: redis-py's cluster client, rebuilding its node map after a
@@ -111,7 +114,7 @@ class RedisEventStream(EventStream):
         detail = f" and could not subscribe again within {self._reconnect_s:g} s" if failure else ""
         raise EngineUnavailable(f"lost the connection to Redis while waiting for tokens{detail}")
 
-    async def _wait(self) -> bytes | ConnectionLost:
+    async def _wait(self) -> TokenEvent | ConnectionLost:
         try:
             return await self._queue.get(self._timeout_s())  # one timer, no Timeout context
         except TimeoutError:
@@ -122,7 +125,16 @@ class RedisEventStream(EventStream):
                 "this model?)") from None
 
     async def aclose(self) -> None:
-        self._fanout.release(self._channel)
+        self._fanout.release(self._channel, self.req_id, self._queue)
+
+
+def _snapshot(fields: list, ckpt: bytes | None) -> RequestSnapshot | None:
+    """A RequestSnapshot from the hash's SNAPSHOT_FIELDS and the checkpoint; None when the request
+    is unknown or expired."""
+    record = RequestRecord.decode_snapshot(*fields)
+    if record is None:
+        return None
+    return RequestSnapshot(record.request, record.status, record.attempt, decode_checkpoint(ckpt))
 
 
 class RedisEngineClient(EngineClient):
@@ -132,7 +144,8 @@ class RedisEngineClient(EngineClient):
     def __init__(self, context: RedisContext, *, stream_maxlen: int = 100_000,
                  request_timeout_s: float = 600.0, first_event_timeout_s: float = 600.0,
                  stream_reconnect_s: float = 15.0, shard_shares: bool = True,
-                 owns_context: bool = False):
+                 owns_context: bool = False, gateway_id: str | None = None,
+                 inboxes: bool = True):
         self.context = context
         self.keys = context.keys
         self.redis = context.redis
@@ -145,8 +158,15 @@ class RedisEngineClient(EngineClient):
         self.fanout = TokenFanout(self.redis, subscribe_timeout_s=self._command_timeout_s,
                                   sharded=context.cluster)
         self._enqueue = scripts.ENQUEUE.register(self.redis)
+        self._attach = scripts.ATTACH.register(self.redis)
+        self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        # The requests' reply channels: events come back one message per worker step (None: each
+        # request's own channel, one message per event).
+        self.inboxes = (Inboxes(self.redis, self.keys, self.gateway_id, cluster=context.cluster)
+                        if inboxes else None)
         # With several stream shards: new requests go to this gateway's shares of them.
-        self.homes = (GatewayHomes(self.redis, self.keys, command_timeout_s=self._command_timeout_s)
+        self.homes = (GatewayHomes(self.redis, self.keys, self.gateway_id,
+                                   command_timeout_s=self._command_timeout_s)
                       if shard_shares and self.keys.queue_shards > 1 else None)
         self._homes_task: asyncio.Task | None = None
 
@@ -156,7 +176,8 @@ class RedisEngineClient(EngineClient):
                    request_timeout_s=settings.request_timeout_s,
                    first_event_timeout_s=settings.first_event_timeout_s,
                    stream_reconnect_s=settings.stream_reconnect_s,
-                   shard_shares=settings.gateway_shard_shares)
+                   shard_shares=settings.gateway_shard_shares,
+                   inboxes=settings.gateway_inboxes)
 
     @classmethod
     def from_url(cls, redis_url: str, keys: Keys, *, connect_timeout_s: float = 2.0,
@@ -189,12 +210,18 @@ class RedisEngineClient(EngineClient):
         return self.homes.request_hex(prefix)
 
     async def submit(self, request: GenerationRequest) -> EventStream:
-        channel = self.keys.tokens(request.req_id)
-        queue = await self.fanout.subscribe(channel)  # before the XADD: pub/sub keeps nothing
+        if self.inboxes is not None:
+            channel = self.inboxes.for_request(request.req_id)
+            request = dataclasses.replace(request, reply_to=channel)
+        else:
+            channel = self.keys.tokens(request.req_id)
+        # subscribed before the XADD (pub/sub keeps nothing): at once when the inbox already is
+        queue = await self.fanout.subscribe(channel, request.req_id,
+                                            pinned=self.inboxes is not None)
         try:
             await self.enqueue(request)
         except BaseException:
-            self.fanout.release(channel)
+            self.fanout.release(channel, request.req_id, queue)
             raise
         return RedisEventStream(request.req_id, channel, queue, self.fanout,
                                 self._first_event_timeout_s, request.deadline, client=self,
@@ -230,20 +257,31 @@ class RedisEngineClient(EngineClient):
             log.warning("could not remove the enqueue marker of %s: %r", req_id, exc)
 
     async def attach(self, req_id: str) -> tuple[RequestSnapshot, EventStream] | None:
+        """Events of a request enqueued anywhere: on its own channel, subscribed before ATTACH
+        marks the request watched (its events go there too from then on) and reads it."""
         channel = self.keys.tokens(req_id)
-        queue = await self.fanout.subscribe(channel)  # before the reads: pub/sub keeps nothing
+        queue = await self.fanout.subscribe(channel, req_id)
         try:
-            snapshot = await self.read_snapshot(req_id)
+            snapshot = await self._read_attached(req_id)
         except BaseException:
-            self.fanout.release(channel)
+            self.fanout.release(channel, req_id, queue)
             raise
         if snapshot is None:
-            self.fanout.release(channel)
+            self.fanout.release(channel, req_id, queue)
             return None
         stream = RedisEventStream(req_id, channel, queue, self.fanout,
                                   self._first_event_timeout_s, snapshot.request.deadline,
                                   client=self, reconnect_s=self._stream_reconnect_s)
         return snapshot, stream
+
+    async def _read_attached(self, req_id: str) -> RequestSnapshot | None:
+        call = scripts.attach(self.keys, req_id)
+        try:
+            async with asyncio.timeout(self._command_timeout_s * 2):
+                *fields, ckpt = await self._attach(keys=call.keys, args=call.args)
+        except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
+            raise EngineUnavailable(f"cannot read the request from Redis: {exc!r}") from exc
+        return _snapshot(fields, ckpt)
 
     async def read_snapshot(self, req_id: str) -> RequestSnapshot | None:
         try:
@@ -254,11 +292,7 @@ class RedisEngineClient(EngineClient):
                 fields, ckpt = await pipe.execute()
         except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"cannot read the request from Redis: {exc!r}") from exc
-        record = RequestRecord.decode_snapshot(*fields)
-        if record is None:
-            return None
-        return RequestSnapshot(record.request, record.status, record.attempt,
-                               decode_checkpoint(ckpt))
+        return _snapshot(fields, ckpt)
 
     async def read_checkpoint(self, req_id: str) -> list[int]:
         """The checkpoint, read up to CHECKPOINT_READS times; EngineUnavailable when Redis does not

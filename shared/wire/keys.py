@@ -105,9 +105,18 @@ class Keys:
         return f"{self.prefix}enq:{{{req_id}}}"
 
     def tokens(self, req_id: str) -> str:
-        """Pub/sub channel of a request's token events (TokenEvent); sharded pub/sub on a
-        cluster, in the request's slot."""
+        """A request's own pub/sub channel of token events (TokenEvent), in the request's slot
+        (sharded pub/sub on a cluster): its events go here when it names no inbox, and also
+        once a reader attached to it by id (RequestRecord.WATCHED)."""
         return f"{self.prefix}tok:{{{req_id}}}"
+
+    def inbox(self, gateway_id: str, part: int = 0) -> str:
+        """Pub/sub channel of one gateway's token events (GenerationRequest.reply_to): a worker's
+        step sends it one message with the events of every request it enqueued there. On a
+        cluster a gateway keeps one per primary, `part` chosen so that the channel's slot
+        (`{gateway_id#part}`) lies on that primary: the requests whose keys live there name it,
+        and a step's events for them travel to one node in one message."""
+        return f"{self.prefix}inbox:{{{gateway_id}#{part}}}"
 
     def cancel(self) -> str:
         """Pub/sub channel of request ids whose client went away (sharded pub/sub on a cluster:

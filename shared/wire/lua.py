@@ -200,24 +200,29 @@ def _evalsha_pipelined(client, script, calls: Sequence[ScriptCall]) -> list[Any]
     return replies
 
 
-def run_per_node(client, step_script, one_script, calls: Sequence[ScriptCall]) -> list[Any]:
+def run_per_node(client, step_script, one_script, calls: Sequence[ScriptCall]
+                 ) -> tuple[list[Any], list[Any]]:
     """Run `one_script` once per call, as one call of `step_script` per node: `step_script`
     (a `cross_slot` script with no KEYS) takes the KEYS and ARGV of each call in turn as its
-    ARGV and replies one value per call, in order. A single Redis gets one call for all. On a
-    cluster the calls are grouped by the primary owning their slot, one call to each through
-    its plain connection; a node that refuses (the slot moved, it is a replica now, it failed)
-    sends its group back through the cluster client, one `one_script` call each (which
-    refreshes the slot map and follows redirections). The step script reads before it writes,
-    so a refused call wrote nothing; one lost with its connection may have: the scripts it
-    batches must be idempotent, as PUBLISH is."""
+    ARGV and replies {{one value per call, in order}, {further values}}; `one_script` replies
+    {value, {further values}}. Returns (the values by call, every reply's further values in
+    one list). A single Redis gets one call for all. On a cluster the calls are grouped by the
+    primary owning their slot, one call to each through its plain connection; a node that
+    refuses (the slot moved, it is a replica now, it failed) sends its group back through the
+    cluster client, one `one_script` call each (which refreshes the slot map and follows
+    redirections). The step script reads before it writes, so a refused call wrote nothing;
+    one lost with its connection may have: the scripts it batches must be idempotent, as
+    PUBLISH is."""
     if not isinstance(client, RedisCluster):
-        return _evalsha_step(client, step_script, calls)
+        values, further = _evalsha_step(client, step_script, calls)
+        return list(values), list(further)
     replies: list[Any] = [None] * len(calls)
+    extras: list[Any] = []
     by_node, reroute = _group_by_node(client, calls)
     for node, indices in by_node.values():
         try:
-            results = _evalsha_step(client.get_redis_connection(node), step_script,
-                                    [calls[i] for i in indices])
+            values, further = _evalsha_step(client.get_redis_connection(node), step_script,
+                                            [calls[i] for i in indices])
         except (*_REROUTE, ResponseError) as exc:
             if (isinstance(exc, ResponseError) and not isinstance(exc, ReadOnlyError)
                     and _CLUSTER_STATE_REFUSAL not in str(exc)):
@@ -225,9 +230,14 @@ def run_per_node(client, step_script, one_script, calls: Sequence[ScriptCall]) -
             log.debug("node %s refused a step call (%r): rerouted", node.name, exc)
             reroute.extend(indices)
             continue
-        for i, result in zip(indices, results):
-            replies[i] = result
-    return _rerun_through_cluster(client, one_script, calls, reroute, replies)
+        for i, value in zip(indices, values):
+            replies[i] = value
+        extras.extend(further)
+    _rerun_through_cluster(client, one_script, calls, reroute, replies)
+    for i in reroute:
+        replies[i], further = replies[i]
+        extras.extend(further)
+    return replies, extras
 
 
 def _evalsha_step(client, step_script, calls: Sequence[ScriptCall]) -> list[Any]:

@@ -72,6 +72,10 @@ class GenerationRequest:
     deadline: float | None = None  # unix time after which nobody waits for the answer
     priority: str = "interactive"
     created: float = 0.0
+    # The pub/sub channel the token events go to: the enqueuing gateway's inbox (Keys.inbox),
+    # where a worker's step sends one message with the events of all its requests from that
+    # gateway; '' = the request's own channel (Keys.tokens), one message per event.
+    reply_to: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -118,10 +122,12 @@ class Usage:
 
 @dataclass
 class TokenEvent:
-    """One message on `tok:{id}`. `seq` is the index of the first token of `token_ids` in the
-    output. `prompt_logprobs` (requests with `SamplingParams.prompt_logprobs`) comes once, in the
-    event with the first output token (or the final one, with `max_tokens` 0): entry i is prompt
-    token i + 1's (the first prompt token has none)."""
+    """One request's new tokens, published on its reply channel (an inbox, or `tok:{id}`). `seq`
+    is the index of the first token of `token_ids` in the output. `prompt_logprobs` (requests
+    with `SamplingParams.prompt_logprobs`) comes once, in the event with the first output token
+    (or the final one, with `max_tokens` 0): entry i is prompt token i + 1's (the first prompt
+    token has none). A pub/sub message is one or more packed events back to back
+    (`unpack_many`); `req_id` says whose each is."""
 
     seq: int
     attempt: int
@@ -131,18 +137,33 @@ class TokenEvent:
     usage: Usage | None = None
     error: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    req_id: str = ""
 
     @property
     def is_final(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def pack(self) -> bytes:
+    def pack(self, req_id: str | None = None) -> bytes:
+        """The event's msgpack map (`req_id` given: under that request's id)."""
         data = dataclasses.asdict(self)
+        if req_id is not None:
+            data["req_id"] = req_id
         return pack({k: v for k, v in data.items() if v is not None})
 
     @classmethod
     def unpack(cls, raw: bytes) -> TokenEvent:
-        data = unpack(raw)
+        return cls.from_dict(unpack(raw))
+
+    @classmethod
+    def unpack_many(cls, raw: bytes) -> list[TokenEvent]:
+        """The events of one pub/sub message: packed events back to back (a step's events for
+        one inbox), or a single one."""
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+        unpacker.feed(raw)
+        return [cls.from_dict(data) for data in unpacker]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenEvent:
         for name in ("logprobs", "prompt_logprobs"):
             if data.get(name) is not None:
                 data[name] = [TokenLogprob.from_dict(lp) for lp in data[name]]

@@ -65,6 +65,9 @@ class RequestRecord:
     ATTEMPT: ClassVar[str] = "attempt"  # integer, 0 until a worker starts the request
     STATUS: ClassVar[str] = "status"  # RequestStatus value
     WORKER: ClassVar[str] = "worker"  # id of the worker of the current attempt
+    # "1" once a reader attached by id (ATTACH): events then also go to the request's own
+    # channel (Keys.tokens), beside its inbox
+    WATCHED: ClassVar[str] = "watched"
     SNAPSHOT_FIELDS: ClassVar[tuple[str, str, str]] = (PAYLOAD, STATUS, ATTEMPT)
 
     request: GenerationRequest

@@ -10,8 +10,11 @@ a call of it. Ordering guarantees (DESIGN.md, "The fleet protocol"):
 - START_ATTEMPT increments `attempt` (the fencing token) and reads the checkpoint atomically, so a
   claimer resumes exactly after the last token any earlier attempt recorded.
 - PUBLISH appends to the checkpoint before it publishes (PUBLISH_STEP: the same for every request
-  of a worker's step that lives on one node, in one call), so a gateway that missed an event finds
-  its tokens in the checkpoint; it writes nothing for a stale attempt. The final XACK follows it
+  of a worker's step that lives on one node, in one call, one message per reply channel), so a
+  gateway that missed an event finds its tokens in the checkpoint; it writes nothing for a stale
+  attempt.
+- ATTACH marks a request watched before it reads the hash and checkpoint: a reader attached by id
+  (subscribed to the request's own channel first) gets every later event there. The final XACK follows it
   (same pipeline): a worker killed between the two leaves a finished request pending, which a
   claimer finds finished (START_ATTEMPT returns the status) and only acks.
 """
@@ -28,6 +31,7 @@ from shared.wire.status import RequestStatus
 NAMES = {
     "req_payload": RequestRecord.PAYLOAD, "req_attempt": RequestRecord.ATTEMPT,
     "req_status": RequestRecord.STATUS, "req_worker": RequestRecord.WORKER,
+    "req_watched": RequestRecord.WATCHED,
     "entry_id": QueueEntry.ID, "entry_payload": QueueEntry.PAYLOAD,
     "entry_prompt_len": QueueEntry.PROMPT_LEN,
 }
@@ -254,89 +258,160 @@ def start_attempt(keys: Keys, req_id: str, worker_id: str) -> ScriptCall:
 
 
 # One request's publication once its attempt was checked: write the new tokens into the checkpoint
-# at their offset, publish the event, and on the final event record the status. Three commands per
-# event (HGET of the attempt, SETRANGE, PUBLISH): the checkpoint's TTL is set when its first tokens
-# are written (offset 0) and renewed on the final event; in between it cannot end before the
-# request's hash, whose TTL runs from the enqueue and is not renewed either.
+# at their offset, queue the event for its channels, and on the final event record the status.
+# Per event: HMGET (attempt, watched) and SETRANGE; the checkpoint's TTL is set when its first
+# tokens are written (offset 0) and renewed on the final event; in between it cannot end before
+# the request's hash, whose TTL runs from the enqueue and is not renewed either.
+#
+# Events are published per channel, not per request: all the events of one call for one inbox go
+# out as one message (packed events back to back), so a worker's step costs each gateway one
+# PUBLISH and one delivery. A channel this node does not serve (an inbox whose slot moved away
+# while the request's did not) is not published here: its message is handed back to the caller,
+# which publishes it through the cluster client (pcall: the checkpoint writes stand either way).
 _PUBLISH_ONE = """
-local function publish_one(hash, ckpt, channel, event, new_tokens, final, ttl, command, offset)
+local messages, channels = {}, {}
+local function queue_event(channel, event)
+  local parts = messages[channel]
+  if parts == nil then
+    parts = {}
+    messages[channel] = parts
+    channels[#channels + 1] = channel
+  end
+  parts[#parts + 1] = event
+end
+local function publish_one(hash, ckpt, channel, event, new_tokens, final, ttl, offset, reply_to,
+                           watched)
   if new_tokens ~= '' then
     -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
     -- it, another did not answer) writes the same bytes at the same offset again
     redis.call('SETRANGE', ckpt, offset, new_tokens)
     if tonumber(offset) == 0 then redis.call('EXPIRE', ckpt, ttl) end
   end
-  redis.call(command, channel, event)
+  if reply_to ~= '' then queue_event(reply_to, event) end
+  if reply_to == '' or watched then queue_event(channel, event) end
   if final ~= '' then
     redis.call('HSET', hash, '${req_status}', final)
     redis.call('EXPIRE', hash, ttl)
     redis.call('EXPIRE', ckpt, ttl)
   end
 end
+local function publish_queued(command)
+  local undelivered = {}
+  for _, channel in ipairs(channels) do
+    local message = table.concat(messages[channel])
+    local reply = redis.pcall(command, channel, message)
+    if type(reply) == 'table' and reply.err then
+      undelivered[#undelivered + 1] = channel
+      undelivered[#undelivered + 1] = message
+    end
+  end
+  return undelivered
+end
+local function current(hash, attempt)
+  local fields = redis.call('HMGET', hash, '${req_attempt}', '${req_watched}')
+  return tonumber(fields[1] or '-1') == tonumber(attempt), fields[2] == '1'
+end
 """
+
+_PUBLISH_RETURNS = (
+    "the messages this node could not publish (a channel whose slot it does not serve): "
+    "{channel, message, channel, message, ...}, for the caller to publish through the cluster "
+    "client")
 
 PUBLISH = LuaScript.build(
     "publish",
     keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)",
-          "token channel (Keys.tokens)"],
-    argv=["attempt (fencing token)", "the packed event (TokenEvent.pack)",
+          "the request's own channel (Keys.tokens)"],
+    argv=["attempt (fencing token)", "the packed event (TokenEvent.pack, with its req_id)",
           "new tokens for the checkpoint (encode_checkpoint; '' for none)",
           "final status ('' while running)",
           "TTL, s: the checkpoint's when its first tokens are written; hash and checkpoint's "
           "once final",
           "publish command: PUBLISH (single Redis) or SPUBLISH (cluster: the channel's shard)",
-          "checkpoint offset of the first new token, bytes (seq x TOKEN_BYTES)"],
-    returns="1 when written and published; 0 when the attempt is stale (nothing written: the "
-            "worker must stop the request). The caller XACKs the stream entry of a final event "
-            "after this returned 1 (the stream lives in another slot).",
+          "checkpoint offset of the first new token, bytes (seq x TOKEN_BYTES)",
+          "reply channel (GenerationRequest.reply_to: an inbox; '' = the own channel only)"],
+    returns="{1 when written and published, 0 when the attempt is stale (nothing written: the "
+            "worker must stop the request), " + _PUBLISH_RETURNS + "}. The event goes to the "
+            "reply channel, and to the request's own channel when it has no reply channel or a "
+            "reader attached by id (RequestRecord.WATCHED). The caller XACKs the stream entry "
+            "of a final event after this returned 1 (the stream lives in another slot).",
     names=NAMES,
     source=_PUBLISH_ONE + """
-if tonumber(redis.call('HGET', KEYS[1], '${req_attempt}') or '-1') ~= tonumber(ARGV[1]) then
-  return 0
-end
-publish_one(KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
-return 1
+local ok, watched = current(KEYS[1], ARGV[1])
+if not ok then return {0, {}} end
+publish_one(KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[7], ARGV[8],
+            watched)
+return {1, publish_queued(ARGV[6])}
 """)
+
+PUBLISH_ARGS = 11  # the 3 KEYS and 8 ARGV of one PUBLISH call, as PUBLISH_STEP takes them
 
 PUBLISH_STEP = LuaScript.build(
     "publish_step",
     keys=[],
     argv=["for each request of the step that lives on this node, in turn: the 3 KEYS and then "
-          "the 7 ARGV of its PUBLISH call"],
+          "the 8 ARGV of its PUBLISH call"],
     variadic_argv=True,
     cross_slot=True,
-    returns="{1 or 0 for each request, in order}: PUBLISH's reply for it. Every attempt is read "
-            "before anything is written, so a key this node does not serve (a stale slot map) "
-            "fails the whole call with nothing written; the caller then runs those requests' "
-            "PUBLISH calls through the cluster client.",
+    returns="{{1 or 0 for each request, in order: PUBLISH's first reply for it}, "
+            + _PUBLISH_RETURNS + "}. Each channel gets one message with the events of every "
+            "request naming it. Every attempt is read before anything is written, so a key "
+            "this node does not serve (a stale slot map) fails the whole call with nothing "
+            "written; the caller then runs those requests' PUBLISH calls through the cluster "
+            "client.",
     names=NAMES,
     source=_PUBLISH_ONE + """
-local current = {}
-for i = 1, #ARGV, 10 do
-  local attempt = redis.call('HGET', ARGV[i], '${req_attempt}') or '-1'
-  current[i] = tonumber(attempt) == tonumber(ARGV[i + 3])
+local ok, watched = {}, {}
+for i = 1, #ARGV, 11 do
+  ok[i], watched[i] = current(ARGV[i], ARGV[i + 3])
 end
-local accepted = {}
-for i = 1, #ARGV, 10 do
-  if current[i] then
+local accepted, command = {}, 'PUBLISH'
+for i = 1, #ARGV, 11 do
+  command = ARGV[i + 8]  -- the same for every request
+  if ok[i] then
     publish_one(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6],
-                ARGV[i + 7], ARGV[i + 8], ARGV[i + 9])
+                ARGV[i + 7], ARGV[i + 9], ARGV[i + 10], watched[i])
     accepted[#accepted + 1] = 1
   else
     accepted[#accepted + 1] = 0
   end
 end
-return accepted
+return {accepted, publish_queued(command)}
 """)
 
 
 def publish(keys: Keys, req_id: str, attempt: int, event: TokenEvent,
-            final_status: RequestStatus | None, ttl_s: int, *, sharded: bool) -> ScriptCall:
+            final_status: RequestStatus | None, ttl_s: int, *, sharded: bool,
+            reply_to: str = "") -> ScriptCall:
     return PUBLISH.bind(
         [keys.request(req_id), keys.checkpoint(req_id), keys.tokens(req_id)],
-        [attempt, event.pack(), encode_checkpoint(event.token_ids),
+        [attempt, event.pack(req_id), encode_checkpoint(event.token_ids),
          final_status.value if final_status else "", ttl_s,
-         "SPUBLISH" if sharded else "PUBLISH", event.seq * TOKEN_BYTES])
+         "SPUBLISH" if sharded else "PUBLISH", event.seq * TOKEN_BYTES, reply_to])
+
+
+ATTACH = LuaScript.build(
+    "attach",
+    keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)"],
+    argv=[],
+    returns="{payload, status, attempt (RequestRecord.SNAPSHOT_FIELDS, in order), checkpoint ('' "
+            "when none)}, read after the request was marked watched (RequestRecord.WATCHED) if "
+            "it exists: every event published after this call also goes to the request's own "
+            "channel, so a reader that subscribed it first misses nothing that is not in the "
+            "checkpoint it read.",
+    names=NAMES,
+    source="""
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], '${req_watched}', '1')
+end
+local reply = redis.call('HMGET', KEYS[1], '${req_payload}', '${req_status}', '${req_attempt}')
+reply[4] = redis.call('GET', KEYS[2]) or ''
+return reply
+""")
+
+
+def attach(keys: Keys, req_id: str) -> ScriptCall:
+    return ATTACH.bind([keys.request(req_id), keys.checkpoint(req_id)], [])
 
 
 RATE_LIMIT = LuaScript.build(

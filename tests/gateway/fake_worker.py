@@ -1,4 +1,5 @@
-"""A tiny stand-in for a worker: reads the request stream and publishes scripted token events."""
+"""A tiny stand-in for a worker: reads the request stream and publishes scripted token events, one
+message each, on the request's reply channel."""
 
 from __future__ import annotations
 
@@ -59,10 +60,11 @@ class FakeWorker:
         self.entries.append(fields)
         request = QueueEntry.decode(fields).request
         self.received.append(request)
-        channel = self.keys.tokens(request.req_id)
+        # the reply channel as a worker picks it: the gateway's inbox, else the request's own
+        channel = request.reply_to or self.keys.tokens(request.req_id)
         for event in self.script(request):  # in order, each on the channel's node
             if self.sharded:
-                await self.redis.spublish(channel, event.pack())
+                await self.redis.spublish(channel, event.pack(request.req_id))
             else:
-                await self.redis.publish(channel, event.pack())
+                await self.redis.publish(channel, event.pack(request.req_id))
         await self.redis.xack(stream, self.keys.group, entry_id)

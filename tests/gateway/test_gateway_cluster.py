@@ -15,7 +15,7 @@ from redis.crc import key_slot
 from gateway.fleet.redis_client import RedisEngineClient
 from shared.redis_cluster import slot_range
 from shared.redis_connect import connect
-from shared.wire import GenerationRequest, Keys, SamplingParams, TokenEvent
+from shared.wire import GenerationRequest, Keys, RequestRecord, SamplingParams, TokenEvent
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 from tests.helpers.channels import next_message, subscribe
@@ -137,16 +137,16 @@ async def test_a_burst_of_subscriptions_to_many_slots_costs_a_node_one_read(clie
     channels = [c for c in channels if low <= key_slot(c.encode()) <= high][:30]
     assert len({key_slot(c.encode()) for c in channels}) > 20  # many slots, one node
     already = sharded_subscribers(node.port)  # other tests' subscribers (a worker's cancels)
-    await client.fanout.subscribe(channels[0])  # the node's connection, opened once
+    await client.fanout.subscribe(channels[0], "r")  # the node's connection, opened once
     before = reads_processed(node.port)
-    await asyncio.gather(*(client.fanout.subscribe(c) for c in channels[1:]))
+    await asyncio.gather(*(client.fanout.subscribe(c, "r") for c in channels[1:]))
     reads = reads_processed(node.port) - before - 1  # less the INFO of this read
     assert sharded_subscribers(node.port) - already == len(channels)
     # one read for the burst, plus the node's other traffic (replication acks, other clients):
     # one read per slot (29 and more) when each SSUBSCRIBE was a write of its own
     assert reads <= 14
     for channel in channels:
-        client.fanout.release(channel)
+        client.fanout.release(channel, "r")
     deadline = time.monotonic() + 5
     while sharded_subscribers(node.port) > already and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -174,3 +174,28 @@ async def test_streams_whose_node_connection_broke_subscribe_again_and_finish(
             rest = await asyncio.wait_for(read_until_final(events), 10)
             assert first.token_ids + rest == prompts[req_id]
     assert client.fanout.connections_opened >= 4  # at least one node's link was made anew
+
+
+def test_a_message_for_an_inbox_on_another_node_is_forwarded_by_the_worker(cluster_url):
+    """A stale slot map (the inbox's slot moved): the node holding the request cannot publish to
+    the inbox, hands the message back, and the worker publishes it where the inbox lives."""
+    from worker.protocol import Publication, WorkerProtocol
+
+    sync = connect(cluster_url)
+    try:
+        sync.hset(KEYS.request("cmpl-far"), RequestRecord.ATTEMPT, 1)
+        home = sync.nodes_manager.get_node_from_slot(key_slot(KEYS.request("cmpl-far").encode()))
+        far = next(KEYS.inbox("gw-far", part) for part in range(100)
+                   if sync.nodes_manager.get_node_from_slot(
+                       key_slot(KEYS.inbox("gw-far", part).encode())).name != home.name)
+        listener = subscribe(sync, far)
+        event = TokenEvent(seq=0, attempt=1, token_ids=[5])
+        protocol = WorkerProtocol(sync, KEYS, MODEL, "w1")
+        assert protocol.publish([Publication("cmpl-far", 1, event, None, "", "", far)]) == [True]
+        message = next_message(listener, 2.0)
+        listener.close()
+    finally:
+        sync.close()
+    assert message is not None
+    [received] = TokenEvent.unpack_many(message["data"])
+    assert (received.req_id, received.token_ids) == ("cmpl-far", [5])

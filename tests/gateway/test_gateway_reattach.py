@@ -53,7 +53,7 @@ class StandInWorker:
             event = TokenEvent(seq=seq, attempt=attempt, token_ids=token_ids,
                                finish_reason=finish_reason,
                                usage=Usage(3, seq + len(token_ids)) if finish_reason else None)
-            await self.redis.publish(KEYS.tokens(self.req_id), event.pack())
+            await self.redis.publish(KEYS.tokens(self.req_id), event.pack(self.req_id))
 
 
 @pytest.fixture
@@ -137,9 +137,9 @@ async def test_running_request_continues_live_without_gap_or_repeat(gateway, red
     # Published after the subscription but already in the checkpoint the gateway read (or not):
     await worker.step(3, ids[3:5], attempt=1)
     await redis.publish(KEYS.tokens("cmpl-live"),  # a stale attempt: dropped
-                        TokenEvent(seq=3, attempt=0, token_ids=[99, 98]).pack())
+                        TokenEvent(seq=3, attempt=0, token_ids=[99, 98]).pack("cmpl-live"))
     await redis.publish(KEYS.tokens("cmpl-live"),  # a repeat of tokens 2..4: nothing new sent
-                        TokenEvent(seq=2, attempt=1, token_ids=ids[2:5]).pack())
+                        TokenEvent(seq=2, attempt=1, token_ids=ids[2:5]).pack("cmpl-live"))
     await worker.step(5, ids[5:], attempt=1, finish_reason="length")
     response = await asyncio.wait_for(task, 10)
     got, _text, reason = delivered(response.text)

@@ -99,24 +99,42 @@ async def test_concurrent_requests_share_one_pubsub_connection(client, redis, re
     async with FakeWorker(redis_url, KEYS, MODEL, echo_script):
         streams = await asyncio.gather(
             *(client.submit(make_request(f"cmpl-c{i}", [10 + i] * (i + 1))) for i in range(8)))
-        subscribed = [line for line in (await redis.client_list()) if int(line["sub"]) > 0]
+        inbox = KEYS.inbox(client.gateway_id)
+        subscribers = await redis.pubsub_numsub(inbox)
+        channels = {c for c in await redis.pubsub_channels() if client.gateway_id.encode() in c}
         results = await asyncio.gather(*(read_until_final(s) for s in streams))
     for i, received in enumerate(results):
         assert [t for e in received for t in e.token_ids] == [10 + i] * (i + 1)
-    assert len(subscribed) == 1
-    assert int(subscribed[0]["sub"]) == 8
+    assert subscribers == [(inbox.encode(), 1)]  # one channel, this gateway's inbox, once
+    assert channels == {inbox.encode()}
+    assert client.fanout.num_channels == 1
     assert client.fanout.connections_opened == 1
+    for i in range(8):  # each request names it as its reply channel
+        payload = await redis.hget(KEYS.request(f"cmpl-c{i}"), RequestRecord.PAYLOAD)
+        assert GenerationRequest.unpack(payload).reply_to == KEYS.inbox(client.gateway_id)
 
 
-async def test_unsubscribes_when_the_request_ends(client, redis, redis_url):
+async def test_a_finished_request_leaves_only_the_inbox_subscribed(client, redis, redis_url):
+    """The inbox outlives its requests (the next request waits for no SUBSCRIBE); a request's
+    own channel, subscribed by a reader attached by id, is left when that reader ends."""
     async with FakeWorker(redis_url, KEYS, MODEL, echo_script):
         await read_until_final(await client.submit(make_request("cmpl-u")))
+        attached = await client.attach("cmpl-u")
+        assert attached is not None
+        await attached[1].aclose()
+    inbox = KEYS.inbox(client.gateway_id).encode()
+
+    async def ours() -> set[bytes]:  # other tests' gateways may share the server
+        return {c for c in await redis.pubsub_channels()
+                if client.gateway_id.encode() in c or b"cmpl-u" in c}
+
     for _ in range(50):
-        if not await redis.pubsub_channels():
+        if await ours() == {inbox}:
             break
         await asyncio.sleep(0.02)
-    assert await redis.pubsub_channels() == []
+    assert await ours() == {inbox}
     assert client.fanout.num_subscribed == 0
+    assert client.fanout.num_channels == 1
 
 
 async def test_cancel_is_published(client, redis):

@@ -45,7 +45,8 @@ def evalsha_calls(client) -> dict[str, int]:
 def step(client, seq: int) -> list:
     calls = [scripts.publish(KEYS, req_id, 1, TokenEvent(seq=seq, attempt=1, token_ids=[seq]),
                              None, ttl_s=30, sharded=True) for req_id in REQS]
-    return run_pipelined(client, scripts.PUBLISH.register(client), calls)
+    return [accepted for accepted, undelivered in
+            run_pipelined(client, scripts.PUBLISH.register(client), calls)]
 
 
 def test_a_publish_step_sends_no_command_getkeys_and_spreads_over_the_nodes(cluster_client):
@@ -105,8 +106,10 @@ def step_per_node(client, seq: int, attempts: dict[str, int] | None = None) -> l
     calls = [scripts.publish(KEYS, req_id, (attempts or {}).get(req_id, 1),
                              TokenEvent(seq=seq, attempt=1, token_ids=[seq]), None, ttl_s=30,
                              sharded=True) for req_id in REQS]
-    return run_per_node(client, scripts.PUBLISH_STEP.register(client),
-                        scripts.PUBLISH.register(client), calls)
+    replies, undelivered = run_per_node(client, scripts.PUBLISH_STEP.register(client),
+                                        scripts.PUBLISH.register(client), calls)
+    assert undelivered == []  # each request's own channel lives on its node
+    return replies
 
 
 def test_a_step_is_one_call_per_node_with_each_request_published_once(cluster_client):
@@ -160,6 +163,16 @@ def test_a_step_call_to_the_wrong_node_writes_nothing_and_is_rerouted(cluster_cl
         assert decode_checkpoint(cluster_client.get(KEYS.checkpoint(req_id))) == [0, 1]
 
 
+def commands_inside(client, step, calls) -> dict[str, int]:
+    """Run one step call on a single Redis (every call accepted); the commands it ran inside."""
+    client.config_resetstat()
+    assert run_per_node(client, step, scripts.PUBLISH.register(client),
+                        calls) == ([1] * len(REQS), [])
+    return {name.removeprefix("cmdstat_"): stat["calls"]
+            for name, stat in client.info("commandstats").items()
+            if name not in ("cmdstat_evalsha", "cmdstat_config|resetstat")}
+
+
 def test_a_step_on_a_single_redis_is_one_call(redis_server):
     redis_server.flush()
     client = connect(redis_server.url)
@@ -172,7 +185,7 @@ def test_a_step_on_a_single_redis_is_one_call(redis_server):
         client.script_load(step.script)
         client.config_resetstat()
         assert run_per_node(client, step, scripts.PUBLISH.register(client),
-                            calls) == [1] * len(REQS)
+                            calls) == ([1] * len(REQS), [])
         stats = client.info("commandstats")
         assert stats["cmdstat_evalsha"]["calls"] == 1
         assert stats["cmdstat_publish"]["calls"] == len(REQS)
@@ -180,14 +193,16 @@ def test_a_step_on_a_single_redis_is_one_call(redis_server):
         # a later step: three commands per event (attempt check, checkpoint write, publish)
         calls = [scripts.publish(KEYS, req_id, 1, TokenEvent(seq=1, attempt=1, token_ids=[6]),
                                  None, ttl_s=30, sharded=False) for req_id in REQS]
-        client.config_resetstat()
-        assert run_per_node(client, step, scripts.PUBLISH.register(client),
-                            calls) == [1] * len(REQS)
-        inner = {name.removeprefix("cmdstat_"): stat["calls"]
-                 for name, stat in client.info("commandstats").items()
-                 if name not in ("cmdstat_evalsha", "cmdstat_config|resetstat")}
-        assert inner == {"hget": len(REQS), "setrange": len(REQS), "publish": len(REQS)}
+        assert commands_inside(client, step, calls) == {
+            "hmget": len(REQS), "setrange": len(REQS), "publish": len(REQS)}
         assert all(decode_checkpoint(client.get(KEYS.checkpoint(r))) == [5, 6] for r in REQS)
+        # requests that name one inbox: two commands per event and one publish for the step
+        calls = [scripts.publish(KEYS, req_id, 1, TokenEvent(seq=2, attempt=1, token_ids=[7]),
+                                 None, ttl_s=30, sharded=False, reply_to=KEYS.inbox("gw"))
+                 for req_id in REQS]
+        assert commands_inside(client, step, calls) == {
+            "hmget": len(REQS), "setrange": len(REQS), "publish": 1}
+        assert all(decode_checkpoint(client.get(KEYS.checkpoint(r))) == [5, 6, 7] for r in REQS)
     finally:
         client.close()
         redis_server.flush()

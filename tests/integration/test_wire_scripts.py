@@ -4,6 +4,7 @@ first tokens, and a finished request that a claimer only acks."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -134,13 +135,13 @@ def test_the_checkpoint_gets_its_ttl_with_its_first_tokens(redis_client):
                            finish_reason="length" if final else None)
         call = scripts.publish(KEYS, req_id, 1, event, final, ttl_s=30,
                                sharded=is_cluster(redis_client))
-        assert publish(keys=call.keys, args=call.args) == 1
+        assert publish(keys=call.keys, args=call.args) == [1, []]
         assert 0 < redis_client.ttl(KEYS.checkpoint(req_id)) <= 30  # before the final event too
     assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [0, 1, 2, 3]
     assert redis_client.hget(KEYS.request(req_id), "status") == b"finished_length"
     stale = scripts.publish(KEYS, req_id, 0, TokenEvent(seq=4, attempt=0, token_ids=[9]), None,
                             ttl_s=30, sharded=is_cluster(redis_client))
-    assert publish(keys=stale.keys, args=stale.args) == 0
+    assert publish(keys=stale.keys, args=stale.args) == [0, []]
     assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [0, 1, 2, 3]
 
 
@@ -156,7 +157,7 @@ def test_publish_reaches_a_subscriber_of_the_requests_channel(redis_client):
         pubsub.subscribe(KEYS.tokens(req_id))
     event = TokenEvent(seq=0, attempt=1, token_ids=[7])
     call = scripts.publish(KEYS, req_id, 1, event, None, ttl_s=30, sharded=sharded)
-    assert scripts.PUBLISH.register(redis_client)(keys=call.keys, args=call.args) == 1
+    assert scripts.PUBLISH.register(redis_client)(keys=call.keys, args=call.args) == [1, []]
     received = None
     for _ in range(50):
         message = (pubsub.get_sharded_message(timeout=0.1) if sharded
@@ -165,7 +166,7 @@ def test_publish_reaches_a_subscriber_of_the_requests_channel(redis_client):
             received = TokenEvent.unpack(message["data"])
             break
     pubsub.close()
-    assert received == event
+    assert received == dataclasses.replace(event, req_id=req_id)
 
 
 def test_a_finished_request_is_not_started_again(redis_client):
@@ -189,11 +190,11 @@ def test_a_retried_publication_appends_its_tokens_once(redis_client):
     second = scripts.publish(KEYS, req_id, 1, TokenEvent(seq=2, attempt=1, token_ids=[3, 4]),
                              None, ttl_s=30, sharded=sharded)
     for call in (first, first, second, second):
-        assert publish(keys=call.keys, args=call.args) == 1
+        assert publish(keys=call.keys, args=call.args) == [1, []]
     assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [1, 2, 3, 4]
     overlap = scripts.publish(KEYS, req_id, 1, TokenEvent(seq=3, attempt=1, token_ids=[4, 5]),
                               None, ttl_s=30, sharded=sharded)
-    assert publish(keys=overlap.keys, args=overlap.args) == 1
+    assert publish(keys=overlap.keys, args=overlap.args) == [1, []]
     assert decode_checkpoint(redis_client.get(KEYS.checkpoint(req_id))) == [1, 2, 3, 4, 5]
 
 
