@@ -268,8 +268,18 @@ def start_attempt(keys: Keys, req_id: str, worker_id: str) -> ScriptCall:
 # PUBLISH and one delivery. A channel this node does not serve (an inbox whose slot moved away
 # while the request's did not) is not published here: its message is handed back to the caller,
 # which publishes it through the cluster client (pcall: the checkpoint writes stand either way).
-_PUBLISH_ONE = """
-local messages, channels = {}, {}
+#
+# The calls' arguments, CALLS (ARGV for PUBLISH_STEP, a table of one call's KEYS and ARGV for
+# PUBLISH), 11 per call: hash, checkpoint, own channel, attempt, event, new tokens, final status,
+# TTL, publish command, offset, reply channel. Every attempt (and watched flag) is read before
+# anything is written; attempts compare as the decimal strings both sides write.
+_PUBLISH_CALLS = """
+local attempts, watched = {}, {}
+for i = 1, #CALLS, 11 do
+  local fields = redis.call('HMGET', CALLS[i], '${req_attempt}', '${req_watched}')
+  attempts[i], watched[i] = fields[1], fields[2]
+end
+local accepted, messages, channels = {}, {}, {}
 local function queue_event(channel, event)
   local parts = messages[channel]
   if parts == nil then
@@ -279,37 +289,40 @@ local function queue_event(channel, event)
   end
   parts[#parts + 1] = event
 end
-local function publish_one(hash, ckpt, channel, event, new_tokens, final, ttl, offset, reply_to,
-                           watched)
-  if new_tokens ~= '' then
-    -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
-    -- it, another did not answer) writes the same bytes at the same offset again
-    redis.call('SETRANGE', ckpt, offset, new_tokens)
-    if tonumber(offset) == 0 then redis.call('EXPIRE', ckpt, ttl) end
-  end
-  if reply_to ~= '' then queue_event(reply_to, event) end
-  if reply_to == '' or watched then queue_event(channel, event) end
-  if final ~= '' then
-    redis.call('HSET', hash, '${req_status}', final)
-    redis.call('EXPIRE', hash, ttl)
-    redis.call('EXPIRE', ckpt, ttl)
-  end
-end
-local function publish_queued(command)
-  local undelivered = {}
-  for _, channel in ipairs(channels) do
-    local message = table.concat(messages[channel])
-    local reply = redis.pcall(command, channel, message)
-    if type(reply) == 'table' and reply.err then
-      undelivered[#undelivered + 1] = channel
-      undelivered[#undelivered + 1] = message
+local command = 'PUBLISH'
+for i = 1, #CALLS, 11 do
+  command = CALLS[i + 8]  -- the same for every call
+  if attempts[i] == CALLS[i + 3] then
+    local ckpt, ttl, new_tokens = CALLS[i + 1], CALLS[i + 7], CALLS[i + 5]
+    if new_tokens ~= '' then
+      -- idempotent: a publication retried after a partial failure (some nodes of a cluster took
+      -- it, another did not answer) writes the same bytes at the same offset again
+      local offset = CALLS[i + 9]
+      redis.call('SETRANGE', ckpt, offset, new_tokens)
+      if offset == '0' then redis.call('EXPIRE', ckpt, ttl) end
     end
+    local reply_to = CALLS[i + 10]
+    if reply_to ~= '' then queue_event(reply_to, CALLS[i + 4]) end
+    if reply_to == '' or watched[i] == '1' then queue_event(CALLS[i + 2], CALLS[i + 4]) end
+    local final = CALLS[i + 6]
+    if final ~= '' then
+      redis.call('HSET', CALLS[i], '${req_status}', final)
+      redis.call('EXPIRE', CALLS[i], ttl)
+      redis.call('EXPIRE', ckpt, ttl)
+    end
+    accepted[#accepted + 1] = 1
+  else
+    accepted[#accepted + 1] = 0
   end
-  return undelivered
 end
-local function current(hash, attempt)
-  local fields = redis.call('HMGET', hash, '${req_attempt}', '${req_watched}')
-  return tonumber(fields[1] or '-1') == tonumber(attempt), fields[2] == '1'
+local undelivered = {}
+for _, channel in ipairs(channels) do
+  local message = table.concat(messages[channel])
+  local reply = redis.pcall(command, channel, message)
+  if type(reply) == 'table' and reply.err then
+    undelivered[#undelivered + 1] = channel
+    undelivered[#undelivered + 1] = message
+  end
 end
 """
 
@@ -336,15 +349,12 @@ PUBLISH = LuaScript.build(
             "reader attached by id (RequestRecord.WATCHED). The caller XACKs the stream entry "
             "of a final event after this returned 1 (the stream lives in another slot).",
     names=NAMES,
-    source=_PUBLISH_ONE + """
-local ok, watched = current(KEYS[1], ARGV[1])
-if not ok then return {0, {}} end
-publish_one(KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[7], ARGV[8],
-            watched)
-return {1, publish_queued(ARGV[6])}
+    source="""
+local calls = {KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6],
+               ARGV[7], ARGV[8]}
+""" + _PUBLISH_CALLS.replace("CALLS", "calls") + """
+return {accepted[1], undelivered}
 """)
-
-PUBLISH_ARGS = 11  # the 3 KEYS and 8 ARGV of one PUBLISH call, as PUBLISH_STEP takes them
 
 PUBLISH_STEP = LuaScript.build(
     "publish_step",
@@ -360,23 +370,8 @@ PUBLISH_STEP = LuaScript.build(
             "written; the caller then runs those requests' PUBLISH calls through the cluster "
             "client.",
     names=NAMES,
-    source=_PUBLISH_ONE + """
-local ok, watched = {}, {}
-for i = 1, #ARGV, 11 do
-  ok[i], watched[i] = current(ARGV[i], ARGV[i + 3])
-end
-local accepted, command = {}, 'PUBLISH'
-for i = 1, #ARGV, 11 do
-  command = ARGV[i + 8]  -- the same for every request
-  if ok[i] then
-    publish_one(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6],
-                ARGV[i + 7], ARGV[i + 9], ARGV[i + 10], watched[i])
-    accepted[#accepted + 1] = 1
-  else
-    accepted[#accepted + 1] = 0
-  end
-end
-return {accepted, publish_queued(command)}
+    source=_PUBLISH_CALLS.replace("CALLS", "ARGV") + """
+return {accepted, undelivered}
 """)
 
 
