@@ -15,7 +15,9 @@ import math
 from dataclasses import dataclass
 
 # Measured defaults (docs/BENCHMARKS.md): see the module docstring.
-DEFAULT_REDIS_US_PER_EVENT = 30.0  # the 3-primary cluster measured 29.8 µs (single Redis: 8.9)
+# the 3-primary cluster with gateway inboxes, 2026-12-03: 18.0 µs per event flat out, 23.6-24.1
+# at the load per primary of a single Redis's 3,000 events/s (before inboxes: 27.3 and 24.8)
+DEFAULT_REDIS_US_PER_EVENT = 24.0
 DEFAULT_GATEWAY_EVENTS_PER_S = 1000.0
 DEFAULT_HEADROOM = 0.5
 DEFAULT_REQUESTS_PER_S = 5787.0  # the brief's 500M requests/day
