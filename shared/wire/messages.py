@@ -158,18 +158,29 @@ class TokenEvent:
     def unpack_many(cls, raw: bytes) -> list[TokenEvent]:
         """The events of one pub/sub message: packed events back to back (a step's events for
         one inbox), or a single one."""
-        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
-        unpacker.feed(raw)
-        return [cls.from_dict(data) for data in unpacker]
+        return [cls.from_dict(data) for data in unpack_stream(raw)]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenEvent:
+        """The event of a decoded map; fields it does not know (a newer writer's) are left out."""
+        data = {k: v for k, v in data.items() if k in _TOKEN_EVENT_FIELDS}
         for name in ("logprobs", "prompt_logprobs"):
             if data.get(name) is not None:
                 data[name] = [TokenLogprob.from_dict(lp) for lp in data[name]]
         if data.get("usage") is not None:
             data["usage"] = Usage(**data["usage"])
         return cls(**data)
+
+
+_TOKEN_EVENT_FIELDS = frozenset(f.name for f in dataclasses.fields(TokenEvent))
+
+
+def unpack_stream(raw: bytes):
+    """The msgpack values packed back to back in `raw`, one at a time (a truncated or malformed
+    value raises where it starts: the ones before it were yielded)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(raw)
+    yield from unpacker
 
 
 def pack(data: Any) -> bytes:

@@ -193,3 +193,31 @@ async def test_the_gateway_metrics_count_messages_and_events(client, sync, keys)
     assert f'kvfleet_gateway_token_messages_total{{model="m"}} {float(inboxes)}' in text
     assert f'kvfleet_gateway_pubsub_channels{{model="m"}} {float(inboxes)}' in text
     assert 'kvfleet_gateway_undecodable_messages_total{model="m"} 0.0' in text
+
+
+async def test_a_bad_value_in_a_message_loses_only_itself(client, sync, keys):
+    """Events before a malformed value are delivered; a field the gateway does not know (a newer
+    worker's) is left out, not a reason to drop the event."""
+    import msgpack
+
+    inbox = keys.inbox("gw-test")
+    first = await client.fanout.subscribe(inbox, "r1", pinned=True)
+    second = await client.fanout.subscribe(inbox, "r2", pinned=True)
+    newer = msgpack.packb({"seq": 0, "attempt": 1, "token_ids": [7], "req_id": "r2",
+                           "from_a_newer_worker": True})
+    message = (TokenEvent(seq=0, attempt=1, token_ids=[5]).pack("r1") + newer
+               + b"\xc1 not msgpack")
+    publish = sync.spublish if client.context.cluster else sync.publish
+    publish(inbox, message)
+    one = await asyncio.wait_for(first.get(5), 5)
+    two = await asyncio.wait_for(second.get(5), 5)
+    assert (one.req_id, one.token_ids) == ("r1", [5])
+    assert (two.req_id, two.token_ids) == ("r2", [7])
+    for _ in range(50):
+        if client.fanout.undecodable_messages:
+            break
+        await asyncio.sleep(0.02)
+    assert client.fanout.undecodable_messages == 1
+    assert client.fanout.events_received == 2
+    client.fanout.release(inbox, "r1")
+    client.fanout.release(inbox, "r2")
