@@ -293,6 +293,11 @@ class TokenFanout:
         if subscription is None or not subscription.done():
             return
         self._forget_subscription(key, subscription)
+        self._tell_streams_lost(key)
+
+    def _tell_streams_lost(self, key: bytes) -> None:
+        """Every stream on the channel may have missed events: it subscribes again and fills the
+        gap from the checkpoint."""
         for queues in self._routes.get(key, {}).values():
             for queue in queues:
                 queue.put_nowait(ConnectionLost())
@@ -304,13 +309,11 @@ class TokenFanout:
         next subscription of those slots goes to whichever node owns them now."""
         for key, owner in list(self._link_of.items()):
             if owner is link:
-                self.confirm(key, error)
+                self.confirm(key, error)  # a pending subscription fails (and is forgotten)
                 subscription = self._subscriptions.get(key)
                 if subscription is not None:  # confirmed before: it is gone with the link
                     self._forget_subscription(key, subscription)
-                for queues in self._routes.get(key, {}).values():
-                    for queue in queues:
-                        queue.put_nowait(ConnectionLost())
+                self._tell_streams_lost(key)
                 if self._sharded:
                     self._link_of.pop(key, None)
         if self._sharded and self._links.get(link.name) is link:
