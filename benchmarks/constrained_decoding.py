@@ -1,7 +1,7 @@
 """What constrained decoding costs: engine throughput on the same trace with every request free,
 and with half of them (every other one) constrained by a JSON schema, in one run.
 
-The first N requests of the trace (default: ../shared/workloads/chat-mix.jsonl, 64) arrive at
+The first N requests of the trace (default: benchmarks/data/chat-mix-64.jsonl, 64) arrive at
 t=0 with their own max_tokens, sampled at temperature 1 with a seed each. A constrained request
 follows a schema whose shortest answer is longer than any max_tokens of the trace (an array of
 many short strings), so it ends at its max_tokens like the free ones (ignore_eos): both runs
@@ -29,7 +29,7 @@ from benchmarks.engine_throughput import load_requests
 from shared.structured import OutputConstraint
 from worker.engine.engine import Engine, EngineConfig
 
-WORKLOAD = str(Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat-mix.jsonl")
+WORKLOAD = str(Path(__file__).resolve().parent / "data" / "chat-mix-64.jsonl")
 # Longer than any answer the trace allows: 400 strings of up to 8 characters.
 LONG_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
                "properties": {"items": {"type": "array", "minItems": 400, "maxItems": 400,

@@ -1,7 +1,7 @@
 """Offline throughput of kvfleet's engine beside vLLM, HF `generate` and transformers' continuous
 batching.
 
-The first N requests of a workload (default: ../shared/workloads/chat-mix.jsonl, 64) all arrive
+The first N requests of a workload (default: benchmarks/data/chat-mix-64.jsonl, 64) all arrive
 at t=0, each with its own max_tokens and ignore_eos, greedy. Same model and machine for every
 system, in one run: kvfleet and vLLM at each of --dtypes (bf16 and float32 by default; the one
 `--dtype auto` picks on this CPU is marked), HF and transformers CB at --hf-dtype. Also: start-up
@@ -42,8 +42,9 @@ from worker.engine.cpu_linear import product
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import resolve_dtype
 
-# The team's benchmark trace lies beside the repository (`../shared/workloads/`); --workload picks another.
-WORKLOAD = str(Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat-mix.jsonl")
+# The benchmark trace ships with the repository (the first 64 requests of the chat-mix trace, the
+# default --num-requests); --workload picks another.
+WORKLOAD = str(Path(__file__).resolve().parent / "data" / "chat-mix-64.jsonl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -5,10 +5,9 @@ Per model, in one run and on the same weights:
   - decode: B streams with C-token contexts; kvfleet's decode steps timed alone (tokens/s, and the
     HBM bytes they move: weights + the K/V read, as GB/s and as a fraction of the card's peak),
     against HF `generate` on the same batch (its prefill timed separately and subtracted);
-  - trace: the first N requests of ../shared/workloads/chat-mix.jsonl (on a host without it, the
-    copy of its first 64 in benchmarks/data/) arriving at once, each with its own max_tokens,
-    greedy, EOS ignored: kvfleet vs transformers' continuous batching vs HF `generate` in static
-    batches.
+  - trace: the first N requests of benchmarks/data/chat-mix-64.jsonl (the chat-mix trace's first
+    64) arriving at once, each with its own max_tokens, greedy, EOS ignored: kvfleet vs
+    transformers' continuous batching vs HF `generate` in static batches.
 Each model's rows end with the issue's targets, met or missed (8B-shaped: decode >= 70% of the HBM
 roofline and >= 5x HF generate; default model: trace >= 10x transformers' continuous batching).
 vLLM is not part of it: the GPU host has no network to install it.
@@ -34,11 +33,9 @@ from shared.wire import SamplingParams
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from worker.engine.engine import Engine, EngineConfig
 
-# The team's trace beside the repository; a GPU host gets only the repository, which keeps the
-# trace's first 64 requests (the default --num-requests) verbatim.
-TEAM_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat-mix.jsonl"
-KEPT_WORKLOAD = Path(__file__).resolve().parent / "data" / "chat-mix-64.jsonl"
-WORKLOAD = TEAM_WORKLOAD if TEAM_WORKLOAD.is_file() else KEPT_WORKLOAD
+# The trace ships with the repository: the chat-mix trace's first 64 requests (the default
+# --num-requests), verbatim.
+WORKLOAD = Path(__file__).resolve().parent / "data" / "chat-mix-64.jsonl"
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                 max_position_embeddings=8192, rope_theta=500000.0)

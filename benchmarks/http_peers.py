@@ -1,7 +1,7 @@
 """kvfleet and vLLM side by side over HTTP: each server started in turn on this machine, timed to
 its first answer, then the same `kvfleet bench` client replays the same trace against it.
 
-The first N requests of the trace (default: ../shared/workloads/chat-mix.jsonl, 64) are sent at
+The first N requests of the trace (default: benchmarks/data/chat-mix-64.jsonl, 64) are sent at
 once (`--rate inf`) to /v1/completions with the raw prompts, greedy, each with its own max_tokens
 and ignore_eos. kvfleet runs as `kvfleet up` (embedded Redis, gateway, one worker); vLLM as its
 OpenAI server from its own virtualenv (benchmarks/vllm_env.sh; skipped with a message without it),
@@ -41,7 +41,7 @@ from benchmarks.vllm_peer import REPO, SETUP_HINT, SETUPS, VllmServer, describe_
 from shared.cpu_features import cpu_features
 from shared.models import DEFAULT_MODEL, resolve_model_path
 
-WORKLOAD = str(REPO.parent / "shared" / "workloads" / "chat-mix.jsonl")
+WORKLOAD = str(REPO / "benchmarks" / "data" / "chat-mix-64.jsonl")
 
 
 @dataclass

@@ -7,7 +7,7 @@ computed (EngineStats), TTFT p50/p99 (wall time from add_request to the return o
 emits the request's first token, measured in a driver loop around `engine.step()`), total time,
 and whether the outputs are identical on vs off. `--seed-scale` runs the design seed's 1,000 x
 2,000.
-Part 2, chat-mix: the first M requests of ../shared/workloads/chat-mix.jsonl, chat-templated
+Part 2, chat-mix: the first M requests of benchmarks/data/chat-mix-64.jsonl, chat-templated
 (about 40% share one of three openings): hit rate and output throughput on vs off.
 Part 3, 0% hits: distinct random prompts, on vs off alternated, to show what the cache costs when
 it never hits.

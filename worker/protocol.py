@@ -1,7 +1,7 @@
 """The worker's side of the fleet protocol: every Redis read and write a worker makes, through
 the scripts and records of the wire contract (shared/wire/).
 
-Ordering guarantees (DESIGN.md, "The fleet protocol"):
+Ordering guarantees (docs/ARCHITECTURE.md, "The Redis protocol"):
 - `read_batch` delivers the next requests (by priority, up to a count) only while their prompts
   fit this worker's budget, in one round trip per shard (READ_IF_FITS): the entries tested are
   the entries delivered.

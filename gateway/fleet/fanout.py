@@ -1,6 +1,6 @@
 """One pub/sub connection per gateway process (per cluster node on a Redis Cluster), each drained by
-one reader task that fans messages out to per-request queues (DESIGN.md, "The fleet protocol",
-rule 1)."""
+one reader task that fans messages out to per-request queues (docs/ARCHITECTURE.md, "Token
+events")."""
 
 from __future__ import annotations
 

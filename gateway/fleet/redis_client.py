@@ -1,5 +1,5 @@
 """The EngineClient of a real fleet: enqueue on the model's Redis stream, receive token events in
-this gateway's inboxes over the process's pub/sub connections (DESIGN.md, "The fleet protocol";
+this gateway's inboxes over the process's pub/sub connections (docs/ARCHITECTURE.md, "Inboxes";
 gateway/fleet/inboxes.py)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every Redis key kvfleet uses, built in one place under one configurable prefix.
 
-Redis Cluster (DESIGN.md, "beyond one Redis"): a script's KEYS must share one slot, and a key's
+Redis Cluster (docs/ARCHITECTURE.md, "Redis Cluster"): a script's KEYS must share a slot; a key's
 slot is the CRC16 of its hash tag (the part inside `{...}`). So:
 - a request's hash, checkpoint, enqueue marker and token channel carry the tag `{req_id}`: every
   per-request script is single-slot, and requests spread over the cluster by id;
@@ -27,7 +27,7 @@ PRIORITIES = ("interactive", "batch")  # served in this order
 
 @dataclass(frozen=True)
 class Keys:
-    """Key names of the fleet protocol (see DESIGN.md, "The fleet protocol")."""
+    """Key names of the fleet protocol (docs/ARCHITECTURE.md, "Keys")."""
 
     prefix: str = "kvf:"
     group: str = "workers"  # consumer group on every request stream

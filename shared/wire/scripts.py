@@ -1,5 +1,5 @@
 """The Lua scripts of a request's life, each with its KEYS and ARGV, and the function that builds
-a call of it. Ordering guarantees (DESIGN.md, "The fleet protocol"):
+a call of it. Ordering guarantees (docs/ARCHITECTURE.md, "Scripts"):
 
 - ENQUEUE writes the request hash once per request id; the caller XADDs the stream entry only
   when it did (a retried enqueue writes nothing twice). Two steps because the stream shard and
