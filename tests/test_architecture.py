@@ -1,11 +1,13 @@
 """The shape of the code base: no import cycles, each package imports only the layers below it,
 every module imports in a fresh interpreter, benchmarks run as modules without `sys.path` edits,
-and no path of the machine the checkout lives on (nor of any particular machine) is written into
-the tree."""
+no tracked file refers outside the repository (no path of the machine the checkout lives on, of
+any particular machine, or beside the checkout), and docs/ARCHITECTURE.md names every Redis key,
+Lua script and fleet term a reader meets in the code."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,12 +150,11 @@ def test_nothing_edits_sys_path(package):
 
 
 def checkout_paths() -> set[Path]:
-    """This checkout, the main checkout it may be a worktree of, and the team folder beside them
-    (`../shared`, where it exists): paths that differ from machine to machine."""
+    """This checkout and the main checkout it may be a worktree of: paths that differ from
+    machine to machine."""
     common = subprocess.run(["git", "rev-parse", "--path-format=absolute", "--git-common-dir"],
                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    roots = {ROOT, Path(common).parent}
-    return roots | {root.parent / "shared" for root in roots if (root.parent / "shared").is_dir()}
+    return {ROOT, Path(common).parent}
 
 
 # Paths and tools of particular development or CI machines, wherever this checkout lives: the
@@ -200,3 +201,102 @@ def test_no_machine_specific_path_or_tool_is_written_into_the_tree():
     hits = [hit for name, text in tracked_texts().items() if name != this_file
             for hit in machine_paths_in(name, text)]
     assert hits == []
+
+
+# Paths beside the checkout: a clone has nothing there (the needle in two pieces, as above).
+OUTSIDE_NEEDLES = (".." "/shared", ".." "/workloads")
+# Python that climbs above the repository root from its own file: `Path(__file__).parents[k]`
+# or `.parent` chains past the root, or the root's own parent.
+PARENTS_INDEX = re.compile(r"__file__\)(?:\.resolve\(\))?\.parents\[(\d+)\]")
+PARENT_CHAIN = re.compile(r"__file__\)(?:\.resolve\(\))?((?:\.parent\b)+)")
+ROOT_PARENT = re.compile(r"\b(?:ROOT|REPO)\.parent\b")
+
+
+def outside_references_in(name: str, text: str) -> list[str]:
+    """What in tracked file `name` points outside the repository."""
+    hits = [f"{name}: {needle}" for needle in OUTSIDE_NEEDLES if needle in text]
+    if name.endswith(".py"):
+        depth = len(Path(name).parts)  # parents[depth - 1] is the repository root
+        hits += [f"{name}: parents[{k}]" for k in map(int, PARENTS_INDEX.findall(text))
+                 if k >= depth]
+        hits += [f"{name}: {chain}" for chain in PARENT_CHAIN.findall(text)
+                 if chain.count(".parent") > depth]
+        hits += [f"{name}: {m}" for m in ROOT_PARENT.findall(text)]
+    return hits
+
+
+def test_the_outside_reference_check_finds_one():
+    assert outside_references_in("docs/X.md", "kvfleet bench .." "/shared/workloads/a.jsonl") == [
+        "docs/X.md: .." "/shared"]
+    climb = 'W = Path(__file__).resolve().parents[2] / "shared"\n'
+    assert outside_references_in("benchmarks/x.py", climb) == ["benchmarks/x.py: parents[2]"]
+    assert outside_references_in("tests/engine/x.py", climb) == []  # the root, from two down
+    assert outside_references_in("benchmarks/x.py", "Path(__file__).parent.parent.parent") == [
+        "benchmarks/x.py: .parent.parent.parent"]
+    assert outside_references_in("benchmarks/x.py", 'W = REPO.parent / "shared"') == [
+        "benchmarks/x.py: REPO.parent"]
+    assert outside_references_in("benchmarks/x.py", 'W = REPO / "benchmarks" / "data"') == []
+
+
+def test_no_tracked_file_refers_outside_the_repository():
+    """A clone is complete: no default, command or link reaches beside the checkout."""
+    this_file = str(Path(__file__).resolve().relative_to(ROOT))
+    hits = [hit for name, text in tracked_texts().items() if name != this_file
+            for hit in outside_references_in(name, text)]
+    assert hits == []
+
+
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+# The fleet's words that docs/ARCHITECTURE.md's glossary defines (an entry `- **term** — ...`).
+GLOSSARY_TERMS = (
+    "attempt", "block", "checkpoint", "claim / takeover", "dead-letter", "fencing",
+    "gateway shares", "heartbeat", "home shard", "inbox", "preemption: swap / recompute",
+    "prefix cache", "reply channel", "roster", "steal / steal-after", "stream shard", "watched",
+)
+
+
+def keys_names() -> list[str]:
+    """Every key-building method and attribute of `Keys`."""
+    from shared.wire.keys import Keys
+    return sorted(name for name in dir(Keys) if not name.startswith("_"))
+
+
+def script_names() -> list[str]:
+    """The module-level names of the Lua scripts of the wire contract."""
+    from shared.wire import batch_scripts, scripts
+    from shared.wire.lua import LuaScript
+    return sorted(name for module in (scripts, batch_scripts) for name, value in vars(module).items()
+                  if isinstance(value, LuaScript))
+
+
+def undocumented(names: list[str], text: str) -> list[str]:
+    """The names that `text` never writes as code (`name` or `name(...)`)."""
+    return [name for name in names if f"`{name}`" not in text and f"`{name}(" not in text]
+
+
+def glossary(text: str) -> str:
+    """The Glossary section of the architecture document."""
+    section = text.split("\n## Glossary\n", 1)
+    assert len(section) == 2, "docs/ARCHITECTURE.md has no '## Glossary' section"
+    return section[1].split("\n## ", 1)[0]
+
+
+def undefined_terms(terms: tuple[str, ...], text: str) -> list[str]:
+    entries = glossary(text)
+    return [term for term in terms if f"\n- **{term}**" not in "\n" + entries]
+
+
+def test_the_architecture_checks_find_a_missing_name():
+    assert undocumented(["queue", "cancel", "ENQUEUE"], "`queue(model)` and `ENQUEUE`") == ["cancel"]
+    text = "# A\n\n## Glossary\n\n- **inbox** — a channel\n\n## Invariants\n\n- **roster** x\n"
+    assert undefined_terms(("inbox", "roster"), text) == ["roster"]
+
+
+def test_the_architecture_names_every_key_and_script():
+    assert len(keys_names()) > 20 and "ENQUEUE" in script_names()
+    text = ARCHITECTURE.read_text()
+    assert undocumented(keys_names() + script_names(), text) == []
+
+
+def test_the_architecture_defines_the_fleet_terms():
+    assert undefined_terms(GLOSSARY_TERMS, ARCHITECTURE.read_text()) == []
