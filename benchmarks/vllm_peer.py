@@ -44,12 +44,11 @@ def _cpu_list() -> str:
 
 
 def vllm_env(python: Path | None = None, setup: str = "tuned") -> dict[str, str]:
-    """vLLM's environment. "tuned" is its CPU guide's setup, its fastest measured here (2-core
-    Xeon, bf16, the 64 chat-mix requests: 291 tok/s with its defaults, 300 with the preloads,
-    377 with both cores, 403 with both): tcmalloc and its own Intel OpenMP preloaded (where they
-    are installed), and its OpenMP threads bound to every CPU this process may use (by default
-    it keeps one core for its own processes, i.e. one compute thread on 2 cores). "defaults":
-    none of that. Variables already set are kept."""
+    """vLLM's environment. "tuned" is its CPU guide's setup, its fastest measured here (each part
+    helps, both together most; docs/BENCHMARKS.md): tcmalloc and its own Intel OpenMP preloaded
+    (where they are installed), and its OpenMP threads bound to every CPU this process may use
+    (by default it keeps one core for its own processes, i.e. one compute thread on 2 cores).
+    "defaults": none of that. Variables already set are kept."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: what kvfleet gets by default
     env.setdefault("VLLM_USE_AOT_COMPILE", "0")  # lets its compile cache reload

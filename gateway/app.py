@@ -131,13 +131,13 @@ def tune_gc_for_serving() -> None:
     """Keep the cyclic garbage collector from stalling the event loop; call it once the app is
     built, before it serves (`serve()` does).
 
-    A collection stops every stream on the loop, and its time grows with the objects it scans:
-    ~1.2 µs each on a loaded 2-core machine. The start-up heap (tokenizer, transformers, torch:
-    ~350k objects) goes to the permanent generation, so no collection scans it again: it lives as
-    long as the process anyway. With 2,000 open streams (~200 objects each) a full collection
-    still scans ~400k objects (0.2–0.9 s): it is made rare. That is safe because a finished
-    request's objects are freed by reference counting: the benchmark's full collections found
-    ~10 cyclic objects each (docs/BENCHMARKS.md, "Gateway under load").
+    A collection stops every stream on the loop, and its time grows with the objects it scans.
+    The start-up heap (tokenizer, transformers, torch: by far the most objects) goes to the
+    permanent generation, so no collection scans it again: it lives as long as the process
+    anyway. With thousands of open streams a full collection still scans as many objects again
+    (a stall every stream feels): it is made rare. That is safe because a finished request's
+    objects are freed by reference counting: the benchmark's full collections found almost no
+    cyclic objects (docs/BENCHMARKS.md, "Gateway under load").
     """
     gc.collect()
     gc.freeze()

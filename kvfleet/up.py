@@ -20,8 +20,8 @@ log = logging.getLogger("kvfleet.up")
 
 # OpenMP's wait for the workers' torch threads (libgomp, torch's runtime): sleep when idle, but
 # spin for ~0.1 ms first (libgomp counts ~100,000 spins a millisecond), so that the next parallel
-# region of the same step finds them awake. Measured on a 2-core Xeon, the default model in bf16,
-# one decode step's 121 matrix products at 1-16 rows: 22 ms with PASSIVE alone, 11 ms with this.
+# region of the same step finds them awake: a decode step's matrix products then run much faster
+# than with PASSIVE alone (docs/BENCHMARKS.md).
 WORKER_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
@@ -46,9 +46,9 @@ class LocalFleet:
             extra["KVFLEET_NUM_THREADS"] = str(threads)
         # The workers share the host's cores with the gateway, Redis and each other: OpenMP
         # threads that spin while waiting starve them (over HTTP on 2 cores, libgomp's default
-        # spin of ~3 ms gave 41 tok/s where PASSIVE gave 175; docs/BENCHMARKS.md). PASSIVE alone
-        # puts the threads to sleep after every parallel region, and a decode step runs ~150 of
-        # them back to back: waking the threads each time doubled the step's matrix products.
+        # spin of a few ms cut throughput several-fold; docs/BENCHMARKS.md). PASSIVE alone puts
+        # the threads to sleep after every parallel region, and a decode step runs over a hundred
+        # of them back to back: waking the threads each time slowed the step's matrix products.
         # A short spin (WORKER_OPENMP_ENV) covers the gaps inside a step and sleeps between
         # steps. A policy or spin count the user set is kept.
         if not any(name in self.env or name in os.environ for name in WORKER_OPENMP_ENV):

@@ -1,8 +1,8 @@
 """Token events coalesced per request: fewer, larger events when steps are fast.
 
 Every token event costs Redis the same whatever it carries (a checkpoint append, a publish, a
-delivery to the gateway's connection), so on a fast accelerator (a decode step every 10-30 ms)
-the fleet's Redis load is set by events, not tokens. With `--publish-interval-ms` above 0 a
+delivery to the gateway's connection), so on a fast accelerator (short decode steps) the
+fleet's Redis load is set by events, not tokens. With `--publish-interval-ms` above 0 a
 worker holds a request's new tokens back until that long has passed since the request's last
 event, then sends them as one event. Held back are only the middle of an answer: the first event
 of an attempt (time to the first token) and the final one go out at once, and a worker whose

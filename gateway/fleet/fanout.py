@@ -33,8 +33,9 @@ def _wake(waiter: asyncio.Future) -> None:
 class TokenQueue:
     """The token events of one request stream (and ConnectionLost markers), for its one consumer.
 
-    Cheaper than asyncio.Queue under `asyncio.timeout` (the reader puts ~1,000 messages/s): a
-    wait is one future and one timer handle. Unbounded: the reader never waits for a consumer.
+    Cheaper than asyncio.Queue under `asyncio.timeout` (the reader puts into some queue for
+    every event it receives): a wait is one future and one timer handle. Unbounded: the reader
+    never waits for a consumer.
     """
 
     def __init__(self) -> None:

@@ -18,8 +18,9 @@ from gateway.output.detokenizer import TextDecoder
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT_LENGTH = 2048  # when neither the config nor the tokenizer says
-# Prompts with at least this many characters are tokenised off the event loop: ~1 ms of work on
-# a loaded 2-core machine (16k characters: ~60 ms, which every open stream would wait out).
+# Prompts with at least this many characters are tokenised off the event loop: tokenising takes
+# time in proportion to the text, and a long prompt on the loop is a pause every open stream
+# would wait out; below this the hand-off to a thread costs more than it saves.
 OFFLOAD_MIN_CHARS = 512
 
 
@@ -115,9 +116,9 @@ class PromptProcessor:
                                          continue_final_message, tools, template_kwargs)
 
     def prepare_offload(self) -> None:
-        """Make the tokenising thread's copy of the tokenizer now (about 0.2 s for the default
-        model's), e.g. before the server takes requests; otherwise the first long prompt makes
-        it on the event loop, holding up every stream meanwhile."""
+        """Make the tokenising thread's copy of the tokenizer now (a noticeable pause), e.g.
+        before the server takes requests; otherwise the first long prompt makes it on the event
+        loop, holding up every stream meanwhile."""
         if self._executor is None:
             self._thread_processor = PromptProcessor(
                 copy.deepcopy(self.tokenizer), self.model, offload_min_chars=self.offload_min_chars)

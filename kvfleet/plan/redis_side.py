@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Measured defaults (docs/BENCHMARKS.md): see the module docstring.
-# the 3-primary cluster with gateway inboxes, 2026-12-03: 18.0 µs per event flat out, 23.6-24.1
-# at the load per primary of a single Redis's 3,000 events/s (before inboxes: 27.3 and 24.8)
+# Measured defaults (docs/BENCHMARKS.md, see the module docstring): Redis CPU per event on the
+# 3-primary cluster with gateway inboxes at a single Redis's load per primary (the costlier of
+# its flat-out and same-load figures).
 DEFAULT_REDIS_US_PER_EVENT = 24.0
 DEFAULT_GATEWAY_EVENTS_PER_S = 1000.0
 DEFAULT_HEADROOM = 0.5
