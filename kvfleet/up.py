@@ -20,8 +20,7 @@ log = logging.getLogger("kvfleet.up")
 
 # OpenMP's wait for the workers' torch threads (libgomp, torch's runtime): sleep when idle, but
 # spin for ~0.1 ms first (libgomp counts ~100,000 spins a millisecond), so that the next parallel
-# region of the same step finds them awake. Measured on a 2-core Xeon, the default model in bf16,
-# one decode step's 121 matrix products at 1-16 rows: 22 ms with PASSIVE alone, 11 ms with this.
+# region of the same step finds them awake (docs/BENCHMARKS.md has the measurements).
 WORKER_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
@@ -45,10 +44,10 @@ class LocalFleet:
         if not self._threads_given():
             extra["KVFLEET_NUM_THREADS"] = str(threads)
         # The workers share the host's cores with the gateway, Redis and each other: OpenMP
-        # threads that spin while waiting starve them (over HTTP on 2 cores, libgomp's default
-        # spin of ~3 ms gave 41 tok/s where PASSIVE gave 175; docs/BENCHMARKS.md). PASSIVE alone
-        # puts the threads to sleep after every parallel region, and a decode step runs ~150 of
-        # them back to back: waking the threads each time doubled the step's matrix products.
+        # threads that spin while waiting starve them (libgomp's default spin is milliseconds
+        # long; docs/BENCHMARKS.md). PASSIVE alone puts the threads to sleep after every parallel
+        # region, and a decode step runs its regions back to back: waking the threads each time
+        # slows the step's matrix products.
         # A short spin (WORKER_OPENMP_ENV) covers the gaps inside a step and sleeps between
         # steps. A policy or spin count the user set is kept.
         if not any(name in self.env or name in os.environ for name in WORKER_OPENMP_ENV):

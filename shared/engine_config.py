@@ -26,6 +26,8 @@ ENGINE_ONLY = ("num_blocks", "watermark")
 
 @dataclass(config=ConfigDict(extra="forbid"))
 class EngineConfig:
+    """What an `Engine` is built with; checked whenever one is made (`dataclasses.replace` too)."""
+
     device: str = Field("auto", description=(
         "`auto` (the first CUDA device if there is one, else the CPU), `cpu`, `cuda` (the current "
         "CUDA device), `cuda:N`"))
@@ -54,10 +56,10 @@ class EngineConfig:
         4 << 30, ge=0, validation_alias=AliasChoices("swap_space", "swap_space_bytes"),
         description="host memory for swapped-out KV; when it is full, preemption recomputes")
     attention_backend: AttentionBackend = Field("auto", description=(
-        "`auto`: `triton` (the Triton paged-attention kernel) on CUDA; on a CPU `cpu` (the C++ "
-        "paged-attention kernels, built on first use with `$CXX`, default g++, into "
-        "KVFLEET_KERNEL_CACHE) where they build, else `sdpa` (gather + PyTorch SDPA); or one of "
-        "`sdpa`, `cpu`, `triton` (docs/GPU.md)"))
+        "`auto`: `triton` (the Triton paged-attention kernel) on CUDA where the triton package "
+        "imports; on a CPU `cpu` (the C++ paged-attention kernels, built on first use with "
+        "`$CXX`, default g++, into KVFLEET_KERNEL_CACHE) where they build; else `sdpa` (gather + "
+        "PyTorch SDPA). Or one of `sdpa`, `cpu`, `triton` (docs/GPU.md)"))
     cuda_graphs: CudaGraphsMode = Field("auto", description=(
         "decode steps replayed from CUDA graphs at batch-size buckets: `auto` (on CUDA with the "
         "triton backend and one rank), `off`, `eager` (their static buffers without capture, for "
