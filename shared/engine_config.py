@@ -44,7 +44,8 @@ class EngineConfig:
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description=(
         "on CUDA: the share of the device's total memory this worker may use; the KV cache gets "
         "that share less what is in use when the pool is sized (the weights, the CUDA context, "
-        "other processes) and less the peak of a profiled largest step (docs/GPU.md)"))
+        "other processes) and less the peak of a profiled largest step (docs/GPU.md); the CPU "
+        "uses kv_memory instead"))
     kv_dtype: KvDtype = Field("auto", description=(
         "KV cache storage: `auto` (the weights' dtype), `bf16`, `fp16`, `fp32`, `fp8` (e4m3), "
         "`int8`; the 8-bit ones hold about twice the tokens of bf16 in the same memory "
@@ -70,10 +71,11 @@ class EngineConfig:
         "ranks (one process and device each: `cuda:0..N-1`, from `cuda:K` on `K..K+N-1`; gloo on "
         "the CPU) the model is split over; kv_memory, swap_space and gpu_memory_utilization are "
         "per rank (docs/DEPLOY.md)"))
-    block_size: int | None = Field(None, ge=1, description=(
-        "tokens per KV block; none: 64 where the C++ CPU attention kernel reads a bf16 pool (bf16 "
-        "weights, kv_dtype auto or bf16), else 16 (worker/engine/device.py); a shared prefix is "
-        "reused in whole blocks"))
+    block_size: int | None = Field(None, ge=1, json_schema_extra={"default_text": "auto"},
+                                   description=(
+        "tokens per KV block; auto (unset): 64 where the C++ CPU attention kernel reads a bf16 "
+        "pool (bf16 weights, kv_dtype auto or bf16), else 16 (worker/engine/device.py); a shared "
+        "prefix is reused in whole blocks"))
     max_batched_tokens: int = Field(512, ge=1, description=(
         "tokens computed per step: the running streams' decode tokens first, then prefill chunks"))
     max_running: int = Field(64, ge=1, description="streams in the running group at most")

@@ -1,7 +1,7 @@
-"""Settings of the gateway, the worker, the batch worker, `kvfleet up` and the CPU kernels: defaults,
-overridden by KVFLEET_* environment variables, overridden by command-line flags (the CLI passes
-flags as constructor keywords). Each field's description is its `--help` text and its README row
-(kvfleet/settings_doc.py); no KVFLEET_* variable is read anywhere else."""
+"""Settings of the gateway, the worker, the batch worker, `kvfleet up` and the CPU kernels:
+defaults, overridden by KVFLEET_* environment variables, overridden by command-line flags (the CLI
+passes flags as constructor keywords). Each field's description is its `--help` text and its
+README row (kvfleet/settings_doc.py); no KVFLEET_* variable is read anywhere else."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def test_the_workers_engine_settings_are_the_engine_config_fields(clean_env):
 
 def test_the_engine_config_keeps_its_keywords_and_checks_every_construction():
     config = EngineConfig(kv_memory_bytes=1 << 20, swap_space_bytes=0, block_size=4)
-    assert (config.kv_memory_bytes, config.swap_space_bytes, config.kv_memory) == (1 << 20, 0, 1 << 20)
+    assert (config.kv_memory_bytes, config.swap_space_bytes) == (config.kv_memory, 0) == (1 << 20, 0)
     assert EngineConfig(kv_memory="1MiB") == EngineConfig(kv_memory_bytes=1 << 20)
     resized = dataclasses.replace(config, block_size=64)  # what the engine does with `auto`
     assert (resized.block_size, resized.kv_memory_bytes) == (64, 1 << 20)
@@ -147,8 +147,9 @@ def _variables_read(tree: ast.Module) -> list[tuple[int, str]]:
         key = None
         if isinstance(node, ast.Call) and node.args:
             func = node.func
-            if isinstance(func, ast.Attribute) and (
-                    func.attr in ("get", "pop") and _is_environ(func.value) or func.attr == "getenv"):
+            reads_environ = func.attr in ("get", "pop") and _is_environ(func.value) \
+                if isinstance(func, ast.Attribute) else False
+            if reads_environ or isinstance(func, ast.Attribute) and func.attr == "getenv":
                 key = node.args[0]
             elif isinstance(func, ast.Name) and func.id == "getenv":
                 key = node.args[0]
