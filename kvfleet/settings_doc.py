@@ -24,6 +24,9 @@ SECTIONS = (
 )
 
 
+ENV_ONLY = (KernelSettings,)  # read where a kernel is built or chosen, never a process's flag
+
+
 def default_text(field: FieldInfo) -> str:
     """A field's default as the README and `--help` show it (markdown)."""
     extra = field.json_schema_extra or {}
@@ -45,7 +48,7 @@ def flag_text(name: str, field: FieldInfo) -> str:
 
 
 def settings_table(settings_cls, shown=None) -> list[str]:
-    with_flags = settings_cls is not KernelSettings
+    with_flags = settings_cls not in ENV_ONLY
     lines = ["| variable | flag | default | meaning |", "|---|---|---|---|"]
     for name, field in settings_cls.model_fields.items():
         if shown is not None and name in shown.model_fields:
