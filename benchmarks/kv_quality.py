@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.engine_throughput import greedy, load_model
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from shared.settings import parse_bytes
+from shared.byte_size import parse_bytes
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVLayout
 from worker.engine.kv_format import resolve_kv_format

@@ -11,7 +11,7 @@ import logging
 import sys
 
 from kvfleet.flags import add_settings_flags, given_flags, settings_from_args
-from shared.settings import CommonSettings, GatewaySettings, WorkerSettings
+from shared.settings import CommonSettings, GatewaySettings, UpSettings, WorkerSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run a local fleet: Redis (embedded if none) + gateway + workers")
     up.add_argument("--workers", type=int, default=1, help="number of worker processes")
-    add_settings_flags(up, GatewaySettings)
+    add_settings_flags(up, UpSettings)
     add_settings_flags(up, WorkerSettings, skip=CommonSettings.model_fields)
 
     gateway = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -47,13 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         level = getattr(args, "log_level", None) or CommonSettings().log_level
         logging.basicConfig(level=level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "up":
-        from kvfleet.up import run_fleet
-
-        return run_fleet(args.workers, given_flags(GatewaySettings, args)
-                         | given_flags(WorkerSettings, args))
     # settings are checked before the service's modules load (the worker's pull in torch: seconds),
     # so a bad flag is reported at once
+    if args.command == "up":
+        settings_from_args(UpSettings, args)  # here, not in each child (a worker is restarted)
+        settings_from_args(WorkerSettings, args)
+        from kvfleet.up import run_fleet
+
+        return run_fleet(args.workers, given_flags(UpSettings, args)
+                         | given_flags(WorkerSettings, args))
     if args.command == "gateway":
         settings = settings_from_args(GatewaySettings, args)
         from gateway.app import serve

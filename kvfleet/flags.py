@@ -1,5 +1,6 @@
 """Settings classes as command-line flags: one flag per field (`kv_memory` -> `--kv-memory`), left
-unset unless given, so a missing flag defers to its `KVFLEET_*` variable and then to the default."""
+unset unless given, so a missing flag defers to its `KVFLEET_*` variable and then to the default.
+A flag's help is its field's description and default (the README's row, kvfleet/settings_doc.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ import typing
 from pathlib import Path
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+
+from kvfleet.settings_doc import default_text
+from shared.byte_size import is_byte_size
 
 
-def _flag_type(annotation):
-    """The argparse type of a settings field (Optional[X] -> X)."""
+def _flag_type(field: FieldInfo):
+    """The argparse type of a settings field (Optional[X] -> X; a byte size stays text)."""
+    annotation = field.annotation
+    if is_byte_size(field):
+        return str
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         annotation = args[0]
@@ -26,8 +34,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls, skip=()) -
         if name in skip:
             continue
         flag = "--" + name.replace("_", "-")
-        kind = _flag_type(field.annotation)
-        help_text = f"default: {field.default!s}" if field.default not in (None, "") else None
+        kind = _flag_type(field)
+        help_text = _help(field)
         if kind is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                default=None, help=help_text)
@@ -38,15 +46,25 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls, skip=()) -
             group.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
 
 
+def _help(field: FieldInfo) -> str:
+    text = f"{field.description} (default: {default_text(field)})".replace("`", "")
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
 def settings_from_args(settings_cls, args: argparse.Namespace):
     given = {name: getattr(args, name) for name in settings_cls.model_fields
              if getattr(args, name, None) is not None}
     try:
         return settings_cls(**given)
     except ValidationError as exc:
-        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}"
-                             for e in exc.errors())
+        problems = "; ".join(f"{_setting_names(e['loc'])}: {e['msg']}" for e in exc.errors())
         raise SystemExit(f"kvfleet: invalid setting: {problems}") from None
+
+
+def _setting_names(loc: tuple) -> str:
+    """'--kv-dtype (KVFLEET_KV_DTYPE)': where a value of the setting at `loc` comes from."""
+    name = "_".join(map(str, loc))
+    return f"--{name.replace('_', '-')} (KVFLEET_{name.upper()})"
 
 
 def given_flags(settings_cls, args: argparse.Namespace) -> dict[str, str]:

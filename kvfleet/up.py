@@ -14,14 +14,13 @@ import time
 
 from shared.models import resolve_model_path
 from shared.redis_server import EmbeddedRedis
-from shared.settings import GatewaySettings
+from shared.settings import UpSettings, WorkerSettings
 
 log = logging.getLogger("kvfleet.up")
 
 # OpenMP's wait for the workers' torch threads (libgomp, torch's runtime): sleep when idle, but
 # spin for ~0.1 ms first (libgomp counts ~100,000 spins a millisecond), so that the next parallel
-# region of the same step finds them awake: a decode step's matrix products then run much faster
-# than with PASSIVE alone (docs/BENCHMARKS.md).
+# region of the same step finds them awake (docs/BENCHMARKS.md has the measurements).
 WORKER_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
@@ -42,18 +41,23 @@ class LocalFleet:
     def start_worker(self, index: int) -> None:
         threads = max(1, (os.cpu_count() or 1) // self.num_workers)
         extra = {"KVFLEET_WORKER_ID": f"{os.uname().nodename}-w{index}-{os.getpid()}"}
-        if "KVFLEET_NUM_THREADS" not in self.env and "KVFLEET_NUM_THREADS" not in os.environ:
+        if not self._threads_given():
             extra["KVFLEET_NUM_THREADS"] = str(threads)
         # The workers share the host's cores with the gateway, Redis and each other: OpenMP
-        # threads that spin while waiting starve them (over HTTP on 2 cores, libgomp's default
-        # spin of a few ms cut throughput several-fold; docs/BENCHMARKS.md). PASSIVE alone puts
-        # the threads to sleep after every parallel region, and a decode step runs over a hundred
-        # of them back to back: waking the threads each time slowed the step's matrix products.
+        # threads that spin while waiting starve them (libgomp's default spin is milliseconds
+        # long; docs/BENCHMARKS.md). PASSIVE alone puts the threads to sleep after every parallel
+        # region, and a decode step runs its regions back to back: waking the threads each time
+        # slows the step's matrix products.
         # A short spin (WORKER_OPENMP_ENV) covers the gaps inside a step and sleeps between
         # steps. A policy or spin count the user set is kept.
         if not any(name in self.env or name in os.environ for name in WORKER_OPENMP_ENV):
             extra.update(WORKER_OPENMP_ENV)
         self.workers[index] = self._spawn("worker", extra)
+
+    def _threads_given(self) -> bool:
+        """The user set num_threads (a flag to `up`, or the variable): its workers keep it."""
+        given = WorkerSettings().model_fields_set
+        return "KVFLEET_NUM_THREADS" in self.env or "num_threads" in given
 
     def start(self) -> None:
         self.gateway = self._spawn("gateway", {})
@@ -96,14 +100,13 @@ def run_fleet(num_workers: int, env: dict[str, str]) -> int:
     if num_workers < 1:
         raise SystemExit("kvfleet up: --workers must be at least 1")
     os.environ.update(env)  # flags given to `up` reach every child as KVFLEET_* variables
-    settings = GatewaySettings()
+    settings = UpSettings()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     redis_server = None
     if not settings.redis_url:
-        redis_server = EmbeddedRedis(port=int(os.environ.get("KVFLEET_EMBEDDED_REDIS_PORT", 0))
-                                     or None).start()
+        redis_server = EmbeddedRedis(port=settings.embedded_redis_port or None).start()
         os.environ["KVFLEET_REDIS_URL"] = redis_server.url
         log.info("started an embedded Redis at %s (removed on exit)", redis_server.url)
     # Convert the default model once here, so gateway and workers don't race to do it.

@@ -9,7 +9,8 @@ import pytest
 
 from kvfleet.cli import build_parser
 from kvfleet.flags import given_flags, settings_from_args
-from shared.settings import GatewaySettings, WorkerSettings, parse_bytes
+from shared.byte_size import parse_bytes
+from shared.settings import GatewaySettings, WorkerSettings
 
 
 @pytest.mark.parametrize("command", ["up", "gateway", "worker", "plan", "bench", "batch-worker", "keys"])
@@ -49,43 +50,31 @@ def test_a_bad_setting_is_a_clear_error_not_a_traceback():
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("text,expected", [("2GiB", 2 * 1024**3), ("512MB", 512 * 10**6),
-                                           ("1000", 1000), ("1.5k", 1500)])
-def test_parse_bytes(text, expected):
-    assert parse_bytes(text) == expected
-
-
-def test_parse_bytes_rejects_nonsense():
-    with pytest.raises(ValueError, match="not a size"):
-        parse_bytes("two gigs")
-
-
-def test_kv_format_and_preemption_settings_reach_the_engine_config(monkeypatch):
-    from worker.main import engine_config
-
-    args = build_parser().parse_args(["up", "--kv-dtype", "int8", "--preemption", "swap",
-                                      "--swap-space", "2GiB"])
-    env = given_flags(WorkerSettings, args)
-    assert (env["KVFLEET_KV_DTYPE"], env["KVFLEET_PREEMPTION"]) == ("int8", "swap")
-    for name, value in env.items():  # what a worker child of `up` sees
-        monkeypatch.setenv(name, value)
-    config = engine_config(WorkerSettings())
-    assert (config.kv_dtype, config.preemption, config.swap_space_bytes) == ("int8", "swap", 2 << 30)
+def test_a_bad_variable_is_named_with_its_flag_and_the_choices(monkeypatch):
     monkeypatch.setenv("KVFLEET_KV_DTYPE", "int4")
-    with pytest.raises(ValueError, match="kv_dtype"):
-        WorkerSettings()
-    with pytest.raises(SystemExit):  # argparse refuses what is not a choice
-        build_parser().parse_args(["worker", "--preemption", "sometimes"])
+    with pytest.raises(SystemExit) as failed:
+        settings_from_args(WorkerSettings, build_parser().parse_args(["worker"]))
+    message = str(failed.value)
+    assert "--kv-dtype (KVFLEET_KV_DTYPE)" in message and "'fp8'" in message and "'int8'" in message
 
 
-def test_tensor_parallel_size_reaches_the_engine_config(monkeypatch):
-    from worker.main import engine_config
+def test_up_refuses_a_bad_worker_setting_before_starting_anything(monkeypatch):
+    from kvfleet import cli, up
 
-    args = build_parser().parse_args(["up", "--workers", "1", "--tensor-parallel-size", "2"])
-    env = given_flags(WorkerSettings, args)
-    assert env["KVFLEET_TENSOR_PARALLEL_SIZE"] == "2"
-    monkeypatch.setenv("KVFLEET_TENSOR_PARALLEL_SIZE", "2")
-    assert engine_config(WorkerSettings()).tensor_parallel_size == 2
-    monkeypatch.setenv("KVFLEET_TENSOR_PARALLEL_SIZE", "0")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        WorkerSettings()
+    started = []
+    monkeypatch.setattr(up, "run_fleet", lambda *args: started.append(args) or 0)
+    with pytest.raises(SystemExit, match="--block-size"):
+        cli.main(["up", "--block-size", "0"])
+    assert cli.main(["up", "--block-size", "32"]) == 0
+    assert started[0][1]["KVFLEET_BLOCK_SIZE"] == "32"
+
+
+def test_the_help_shows_each_settings_text_and_default():
+    result = subprocess.run([sys.executable, "-m", "kvfleet", "worker", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    text = " ".join(result.stdout.split("WorkerSettings (env KVFLEET_<NAME>)")[1].split())
+    backend = text[text.index("--attention-backend"):text.index("--cuda-graphs")]
+    assert "auto: triton (the Triton paged-attention kernel) on CUDA" in backend
+    assert backend.rstrip().endswith("(default: auto)")
+    memory = text[text.index("--kv-memory"):text.index("--gpu-memory-utilization")]
+    assert memory.rstrip().endswith("(default: 1GiB)")

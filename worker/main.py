@@ -14,8 +14,9 @@ from shared.models import resolve_model_path, served_model_id
 from shared.settings import WorkerSettings
 from shared.redis_connect import connect
 from worker.cpu_share import cpu_share
+from worker.engine.config import EngineConfig
 from worker.engine.device import resolve_attention_backend
-from worker.engine.engine import Engine, EngineConfig, load_pretrained
+from worker.engine.engine import Engine, load_pretrained
 from worker.engine.kv_cache import resolve_device
 from worker.engine.tp_rank import launch_engine
 from worker.metrics import WorkerMetrics
@@ -23,26 +24,6 @@ from worker.protocol import WorkerProtocol
 from worker.service import WorkerService
 
 log = logging.getLogger("kvfleet.worker")
-
-
-def engine_config(settings: WorkerSettings) -> EngineConfig:
-    return EngineConfig(
-        block_size=settings.block_size,
-        kv_memory_bytes=settings.kv_memory_bytes,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        max_batched_tokens=settings.max_batched_tokens,
-        max_running=settings.max_running,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        device=settings.device,
-        dtype=settings.dtype,
-        kv_dtype=settings.kv_dtype,
-        preemption=settings.preemption,
-        swap_space_bytes=settings.swap_space_bytes,
-        attention_backend=settings.attention_backend,
-        cuda_graphs=settings.cuda_graphs,
-        grammar_cache_size=settings.grammar_cache_size,
-        tensor_parallel_size=settings.tensor_parallel_size,
-    )
 
 
 def check_device_settings(config: EngineConfig) -> None:
@@ -57,7 +38,7 @@ def check_device_settings(config: EngineConfig) -> None:
 def build_engine(settings: WorkerSettings) -> Engine:
     from transformers import AutoTokenizer
 
-    config = engine_config(settings)
+    config = settings.engine_config()
     check_device_settings(config)
 
     # On CPU: the configured threads, else torch's default (physical cores) capped by this

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from shared.settings import KernelSettings
 from worker.engine.kv_cache import KVCachePool
 
 # one library: the decode and prefill kernels, the decoder layer's element-wise ops
@@ -104,8 +105,7 @@ class CpuPrefillPlan:
 
 
 def kernel_cache_dir() -> Path:
-    return Path(os.environ.get("KVFLEET_KERNEL_CACHE")
-                or Path.home() / ".cache" / "kvfleet" / "kernels")
+    return KernelSettings().kernel_cache
 
 
 def _cpu_signature() -> str:

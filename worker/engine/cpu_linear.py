@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 
 import torch
 
 from shared.cpu_features import cpu_features
+from shared.settings import KernelSettings
 from worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable, load_kernel
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
@@ -54,7 +54,7 @@ def own_product(dtype: torch.dtype) -> bool:
     """Linears of this dtype take kvfleet's product (KernelLinear) here: by default bf16 on CPUs
     whose kernel build has AVX512-BF16, float32 on AVX-512 CPUs, neither where the CPU has AMX;
     `KVFLEET_CPU_PRODUCTS` overrides."""
-    choice = os.environ.get(PRODUCTS_ENV, "auto")
+    choice = KernelSettings().cpu_products
     if choice not in PRODUCTS_CHOICES:
         raise ValueError(f"{PRODUCTS_ENV}={choice!r}: expected one of {', '.join(PRODUCTS_CHOICES)}")
     if (dtype not in DTYPE_CODES or choice == "onednn"

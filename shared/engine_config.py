@@ -1,0 +1,95 @@
+"""The engine's configuration, each field written once: name, type, default, validation and the
+text that `kvfleet worker --help` and the README show. `WorkerSettings` (shared/settings.py) takes
+these fields as its own, so a worker's flags and `KVFLEET_*` variables are these fields; the engine
+(worker/engine) takes an `EngineConfig`, as tests and benchmarks build it directly."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+from shared.byte_size import ByteSize
+
+# The engine's own checks of these names (worker/engine: device.py, kv_format.py, preemption.py,
+# cuda_graphs.py) hold the same choices; tests/test_settings.py keeps the two equal.
+AttentionBackend = Literal["auto", "sdpa", "cpu", "triton"]
+CudaGraphsMode = Literal["auto", "off", "eager"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KvDtype = Literal["auto", "bf16", "fp16", "fp32", "fp8", "int8"]
+PreemptionMode = Literal["auto", "swap", "recompute"]
+
+# Fields a worker does not take from its settings: tests and benchmarks set them.
+ENGINE_ONLY = ("num_blocks", "watermark")
+
+
+@dataclass(config=ConfigDict(extra="forbid"))
+class EngineConfig:
+    """What an `Engine` is built with; checked whenever one is made (`dataclasses.replace` too)."""
+
+    device: str = Field("auto", description=(
+        "`auto` (the first CUDA device if there is one, else the CPU), `cpu`, `cuda` (the current "
+        "CUDA device), `cuda:N`"))
+    dtype: Dtype = Field("auto", description=(
+        "weights and activations: `auto` (bf16 on CUDA and on CPUs with native bf16, AMX or "
+        "AVX512-BF16; float32 where bf16 is emulated, AVX2 only), `float32`, `bfloat16`, "
+        "`float16`"))
+    # The byte sizes are also taken as `kv_memory_bytes=` / `swap_space_bytes=` and read as the
+    # properties of those names: what the engine and its callers write.
+    kv_memory: ByteSize = Field(
+        1 << 30, ge=0, validation_alias=AliasChoices("kv_memory", "kv_memory_bytes"),
+        description=("KV cache budget on the CPU (`2GiB`, `512MB`, or bytes); on CUDA the pool is "
+                     "sized by gpu_memory_utilization instead"))
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description=(
+        "on CUDA: the share of the device's total memory this worker may use; the KV cache gets "
+        "that share less what is in use when the pool is sized (the weights, the CUDA context, "
+        "other processes) and less the peak of a profiled largest step (docs/GPU.md); the CPU "
+        "uses kv_memory instead"))
+    kv_dtype: KvDtype = Field("auto", description=(
+        "KV cache storage: `auto` (the weights' dtype), `bf16`, `fp16`, `fp32`, `fp8` (e4m3), "
+        "`int8`; the 8-bit ones hold about twice the tokens of bf16 in the same memory "
+        "(docs/OPERATIONS.md)"))
+    preemption: PreemptionMode = Field("auto", description=(
+        "when the pool runs out: `swap` a stream's KV to host memory, `recompute` it later, or "
+        "`auto` (a cost model picks per preemption: bytes to move against tokens to recompute)"))
+    swap_space: ByteSize = Field(
+        4 << 30, ge=0, validation_alias=AliasChoices("swap_space", "swap_space_bytes"),
+        description="host memory for swapped-out KV; when it is full, preemption recomputes")
+    attention_backend: AttentionBackend = Field("auto", description=(
+        "`auto`: `triton` (the Triton paged-attention kernel) on CUDA where the triton package "
+        "imports; on a CPU `cpu` (the C++ paged-attention kernels, built on first use with "
+        "`$CXX`, default g++, into KVFLEET_KERNEL_CACHE) where they build; else `sdpa` (gather + "
+        "PyTorch SDPA). Or one of `sdpa`, `cpu`, `triton` (docs/GPU.md)"))
+    cuda_graphs: CudaGraphsMode = Field("auto", description=(
+        "decode steps replayed from CUDA graphs at batch-size buckets: `auto` (on CUDA with the "
+        "triton backend and one rank), `off`, `eager` (their static buffers without capture, for "
+        "debugging)"))
+    grammar_cache_size: int = Field(256, description=(
+        "compiled output constraints (structured outputs, forced tool calls) kept, LRU"))
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "ranks (one process and device each: `cuda:0..N-1`, from `cuda:K` on `K..K+N-1`; gloo on "
+        "the CPU) the model is split over; kv_memory, swap_space and gpu_memory_utilization are "
+        "per rank (docs/DEPLOY.md)"))
+    block_size: int | None = Field(None, ge=1, json_schema_extra={"default_text": "auto"},
+                                   description=(
+        "tokens per KV block; auto (unset): 64 where the C++ CPU attention kernel reads a bf16 "
+        "pool (bf16 weights, kv_dtype auto or bf16), else 16 (worker/engine/device.py); a shared "
+        "prefix is reused in whole blocks"))
+    max_batched_tokens: int = Field(512, ge=1, description=(
+        "tokens computed per step: the running streams' decode tokens first, then prefill chunks"))
+    max_running: int = Field(64, ge=1, description="streams in the running group at most")
+    enable_prefix_caching: bool = Field(True, description=(
+        "reuse the KV blocks of identical prompt openings"))
+    num_blocks: int | None = Field(None, ge=1, description=(
+        "the pool's size in blocks instead of one from the memory budget"))
+    watermark: float = Field(0.01, ge=0.0, lt=1.0, description=(
+        "share of the pool's blocks kept free when admitting new work"))
+
+    @property
+    def kv_memory_bytes(self) -> int:
+        return self.kv_memory
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return self.swap_space

@@ -1,0 +1,190 @@
+"""Settings are defined once: the engine's configuration is the worker's settings, every KVFLEET_*
+variable is read through a settings class, and the README's tables are the fields' own texts."""
+
+from __future__ import annotations
+
+import ast
+import os
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from kvfleet.settings_doc import SECTIONS, settings_tables
+from shared.byte_size import binary_size_text
+from shared.engine_config import ENGINE_ONLY, EngineConfig
+from shared.settings import KernelSettings, WorkerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS_MODULE = ROOT / "shared" / "settings.py"
+SCANNED = ("shared", "worker", "batch", "gateway", "kvfleet", "benchmarks")
+# Not a setting of kvfleet: where benchmarks/vllm_env.sh put vLLM's virtualenv (a shell script
+# reads it too).
+NOT_SETTINGS = {"KVFLEET_VLLM_VENV"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("KVFLEET_")]:
+        monkeypatch.delenv(name)
+
+
+def test_the_readme_holds_the_settings_tables_as_the_fields_describe_them():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- settings tables:")
+    start = readme.index("\n", start) + 1
+    end = readme.index("<!-- end of settings tables -->")
+    assert readme[start:end] == settings_tables(), \
+        "README.md's settings tables are stale: paste `python -m kvfleet.settings_doc` there"
+
+
+def test_every_field_is_described_and_in_a_table():
+    tables = settings_tables()
+    for _, settings_cls, _ in SECTIONS:
+        for name, field in settings_cls.model_fields.items():
+            assert field.description, f"{settings_cls.__name__}.{name} has no description"
+            assert f"| `KVFLEET_{name.upper()}` |" in tables
+
+
+def test_the_workers_engine_settings_are_the_engine_config_fields(clean_env):
+    engine_fields = EngineConfig.__pydantic_fields__
+    settings_fields = WorkerSettings.model_fields
+    for name, field in engine_fields.items():
+        if name in ENGINE_ONLY:
+            assert name not in settings_fields
+            continue
+        setting = settings_fields[name]
+        assert (setting.annotation, setting.default, setting.description, setting.metadata) == \
+               (field.annotation, field.default, field.description, field.metadata)
+    assert WorkerSettings().engine_config() == EngineConfig()
+    given = WorkerSettings(kv_memory="2GiB", swap_space="512MiB", block_size=32, kv_dtype="int8",
+                           max_running=8, enable_prefix_caching=False).engine_config()
+    assert (given.kv_memory_bytes, given.swap_space_bytes) == (2 << 30, 512 << 20)
+    assert (given.block_size, given.kv_dtype, given.max_running) == (32, "int8", 8)
+    assert given.enable_prefix_caching is False
+
+
+def test_the_engine_config_keeps_its_keywords_and_checks_every_construction():
+    config = EngineConfig(kv_memory_bytes=1 << 20, swap_space_bytes=0, block_size=4)
+    assert (config.kv_memory_bytes, config.swap_space_bytes) == (config.kv_memory, 0) == (1 << 20, 0)
+    assert EngineConfig(kv_memory="1MiB") == EngineConfig(kv_memory_bytes=1 << 20)
+    resized = dataclasses.replace(config, block_size=64)  # what the engine does with `auto`
+    assert (resized.block_size, resized.kv_memory_bytes) == (64, 1 << 20)
+    with pytest.raises(ValueError, match="block_size"):
+        dataclasses.replace(config, block_size=0)
+    with pytest.raises(ValueError, match="swap_space_bytes"):
+        EngineConfig(swap_space_bytes=-1)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="(?s)kv_dtype.*'fp8'"):
+        EngineConfig(kv_dtype="int4")
+    with pytest.raises(ValueError, match="no_such_field"):
+        EngineConfig(no_such_field=1)
+
+
+def test_the_choices_are_the_ones_the_engine_accepts():
+    from worker.engine import cpu_linear
+    from worker.engine.cuda_graphs import CUDA_GRAPH_MODES
+    from worker.engine.device import ATTENTION_BACKENDS
+    from worker.engine.kv_format import KV_DTYPE_CHOICES
+    from worker.engine.preemption import PREEMPTION_MODES
+
+    def choices(cls, name):
+        return typing.get_args(cls.__pydantic_fields__[name].annotation)
+
+    assert choices(EngineConfig, "attention_backend") == ATTENTION_BACKENDS
+    assert choices(EngineConfig, "cuda_graphs") == CUDA_GRAPH_MODES
+    assert choices(EngineConfig, "kv_dtype") == KV_DTYPE_CHOICES
+    assert choices(EngineConfig, "preemption") == PREEMPTION_MODES
+    assert choices(KernelSettings, "cpu_products") == cpu_linear.PRODUCTS_CHOICES
+
+
+def test_the_kernel_variables_are_read_through_their_settings(monkeypatch, tmp_path):
+    from worker.engine import cpu_attention
+
+    monkeypatch.setenv("KVFLEET_KERNEL_CACHE", str(tmp_path))
+    assert cpu_attention.kernel_cache_dir() == tmp_path
+    monkeypatch.setenv("KVFLEET_KERNEL_CACHE", "")  # empty: the default, as before
+    assert cpu_attention.kernel_cache_dir() == Path.home() / ".cache" / "kvfleet" / "kernels"
+    monkeypatch.setenv("KVFLEET_CPU_PRODUCTS", "fastest")
+    with pytest.raises(ValueError, match="KVFLEET_CPU_PRODUCTS='fastest': expected one of"):
+        KernelSettings()
+
+
+def test_sizes_are_shown_in_the_largest_binary_unit():
+    assert [binary_size_text(n) for n in (1 << 30, 4 << 30, 512 << 20, 1000)] == \
+           ["1GiB", "4GiB", "512MiB", "1000"]
+
+
+def _string_constants(tree: ast.Module) -> dict[str, str]:
+    """Module-level NAME = "text" assignments (a variable's name kept in a constant)."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                and isinstance(node.value.value, str):
+            found.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+    return found
+
+
+def _is_environ(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "environ" or \
+        isinstance(node, ast.Name) and node.id == "environ"
+
+
+def _variables_read(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, name) of each os.environ.get / os.getenv / os.environ[...] / `in os.environ` read
+    whose variable name is a string constant (or a module constant holding one)."""
+    constants = _string_constants(tree)
+
+    def name_of(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return constants.get(node.id) if isinstance(node, ast.Name) else None
+
+    reads = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            reads_environ = func.attr in ("get", "pop") and _is_environ(func.value) \
+                if isinstance(func, ast.Attribute) else False
+            if reads_environ or isinstance(func, ast.Attribute) and func.attr == "getenv":
+                key = node.args[0]
+            elif isinstance(func, ast.Name) and func.id == "getenv":
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and _is_environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
+            key = node.left
+        if key is not None and (name := name_of(key)) is not None:
+            reads.append((node.lineno, name))
+    return reads
+
+
+def test_no_kvfleet_variable_is_read_outside_the_settings_classes():
+    offenders = []
+    for package in SCANNED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == SETTINGS_MODULE:
+                continue
+            for line, name in _variables_read(ast.parse(path.read_text(), str(path))):
+                if name.startswith("KVFLEET_") and name not in NOT_SETTINGS:
+                    offenders.append(f"{path.relative_to(ROOT)}:{line} reads {name}")
+    assert not offenders, "read these through a settings class (shared/settings.py):\n" + \
+        "\n".join(offenders)
+
+
+def test_the_scan_finds_each_way_of_reading_a_variable():
+    source = '''
+import os
+from os import environ, getenv
+NAME = "KVFLEET_A"
+os.environ.get(NAME); os.getenv("KVFLEET_B"); os.environ["KVFLEET_C"]; getenv("KVFLEET_D")
+"KVFLEET_E" in os.environ; environ.get("KVFLEET_F"); os.environ["KVFLEET_G"] = "written"
+os.environ.get("CXX")
+'''
+    names = [name for _, name in _variables_read(ast.parse(source))]
+    assert sorted(names) == ["CXX", "KVFLEET_A", "KVFLEET_B", "KVFLEET_C", "KVFLEET_D",
+                             "KVFLEET_E", "KVFLEET_F"]
