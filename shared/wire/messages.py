@@ -37,9 +37,10 @@ class SamplingParams:
     # Output tokens must follow this grammar (structured outputs, constrained tool calls).
     constraint: OutputConstraint | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-    # Output text (the gateway's side; in the record so a re-attached stream reads the same):
+    # Output text (in the record so a re-attached stream reads the same):
     include_stop_str_in_output: bool = False  # keep the stop string / stop token's text
-    skip_special_tokens: bool = True  # special tokens' text left out of the output
+    # special tokens' text left out of the output (the text the worker matches stop strings on)
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
