@@ -154,8 +154,10 @@ def test_a_stop_token_is_its_id_and_eos_is_none(checker):
     assert checker.find_stop([5, 9], params) == Stop(9, 0)
     assert checker.find_stop([5, EOS], params) == Stop(None, 0)
     assert checker.find_stop([5, 6], params) is None
-    # a stop token id that is also EOS reports its id, as vLLM does
-    assert checker.find_stop([5, EOS], SamplingParams(stop_token_ids=[EOS])) == Stop(EOS, 0)
+    # EOS among the stop ids is still EOS (vLLM V1), unless EOS is ignored
+    assert checker.find_stop([5, EOS], SamplingParams(stop_token_ids=[EOS])) == Stop(None, 0)
+    params = SamplingParams(stop_token_ids=[EOS], ignore_eos=True)
+    assert checker.find_stop([5, EOS], params) == Stop(EOS, 0)
 
 
 def test_a_stop_string_reports_itself_and_the_text_after_it():

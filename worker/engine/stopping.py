@@ -57,17 +57,18 @@ class StopChecker:
         the same answer, so a finished request's stop can be described again when it is reported.
 
         Nothing stops a request before it has min_tokens output tokens (the sampler masks EOS and
-        stop ids until then; a stop string inside the first min_tokens tokens is text). A stop
-        token id beats EOS, which beats a stop string, on the same token.
+        stop ids until then; a stop string inside the first min_tokens tokens is text). EOS beats
+        a stop token id (as vLLM V1: an EOS id among the stop ids reports None), which beats a
+        stop string, on the same token.
         """
         num_output = len(output_token_ids)
         if num_output == 0 or num_output < params.min_tokens:
             return None
         last = output_token_ids[-1]
-        if last in params.stop_token_ids:
-            return Stop(last)
         if not params.ignore_eos and last in self.eos_token_ids:
             return _EOS
+        if last in params.stop_token_ids:
+            return Stop(last)
         if params.stop:
             return self._stop_string(output_token_ids, params)
         return None
