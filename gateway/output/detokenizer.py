@@ -31,7 +31,7 @@ def _backend_decode(tokenizer, skip_special_tokens: bool = True
 
 
 class TextDecoder:
-    """`tokenizer.decode(ids, skip_special_tokens=True)`, made cheap for streaming: the Rust
+    """`tokenizer.decode(ids, skip_special_tokens=...)`, made cheap for streaming: the Rust
     backend is called directly where that is exact, and the text of each single token is cached
     (a one-token window is what the incremental detokeniser decodes most). One per tokenizer,
     shared by all requests."""
