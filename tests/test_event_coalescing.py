@@ -68,6 +68,17 @@ def test_the_final_event_goes_out_at_once_with_what_was_held():
     assert len(coalescer.step([publication("a", 0, [1])])) == 1
 
 
+def test_a_merged_final_event_keeps_what_stopped_it():
+    """text_after_stop counts back from the end of the text, so merging tokens in front of the
+    final event leaves it right."""
+    first = TokenEvent(seq=0, attempt=1, token_ids=[1, 2])
+    final = TokenEvent(seq=2, attempt=1, token_ids=[3], finish_reason="stop", usage=Usage(5, 3),
+                       stop_reason="END", text_after_stop=2)
+    merged = merge_events(first, final)
+    assert merged.token_ids == [1, 2, 3]
+    assert (merged.stop_reason, merged.text_after_stop) == ("END", 2)
+
+
 def test_a_request_with_no_new_tokens_still_gets_what_it_held_when_due():
     clock = Clock()
     coalescer = EventCoalescer(0.1, clock)

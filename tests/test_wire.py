@@ -20,6 +20,8 @@ from shared.wire import (
     RequestRecord,
     RequestStatus,
     SamplingParams,
+    TokenEvent,
+    Usage,
     batch_scripts,
     decode_checkpoint,
     encode_checkpoint,
@@ -67,6 +69,24 @@ def test_request_record_snapshot():
     assert RequestRecord.decode_snapshot(None, None, None) is None
     encoded = RequestRecord(request, attempt=2, status=RequestStatus.RUNNING, worker="w").encode()
     assert encoded == {"payload": request.pack(), "attempt": 2, "status": "running", "worker": "w"}
+
+
+@pytest.mark.parametrize("stop_reason, text_after", [("\n\nUser:", 3), (7, 0), (None, 0)])
+def test_a_final_events_stop_round_trips(stop_reason, text_after):
+    event = TokenEvent(seq=4, attempt=1, token_ids=[9], finish_reason="stop",
+                       usage=Usage(3, 5), stop_reason=stop_reason, text_after_stop=text_after)
+    back = TokenEvent.unpack(event.pack("r-1"))
+    assert (back.stop_reason, back.text_after_stop) == (stop_reason, text_after)
+    assert type(back.stop_reason) is type(stop_reason)  # a token id stays an int
+
+
+def test_an_older_workers_final_event_has_no_stop_fields():
+    """The compatibility rule's case: the gateway tells it apart by `text_after_stop` None."""
+    old = {"seq": 4, "attempt": 1, "token_ids": [9], "finish_reason": "stop", "req_id": "r-1"}
+    event = TokenEvent.from_dict(old)
+    assert event.stop_reason is None and event.text_after_stop is None
+    # and a plain event packs neither (no bytes added to every token event)
+    assert b"stop" not in TokenEvent(seq=0, attempt=0, token_ids=[1]).pack()
 
 
 def test_dead_letter_entry_round_trips():

@@ -27,7 +27,8 @@ from worker.protocol import Publication
 
 def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:
     """One event carrying `first`'s tokens followed by `then`'s (the next ones of the same
-    attempt); the end, usage and error are `then`'s, prompt logprobs whichever has them."""
+    attempt); the end (finish, stop, usage, error) is `then`'s, prompt logprobs whichever has
+    them."""
     if then.seq != first.seq + len(first.token_ids) or then.attempt != first.attempt:
         raise ValueError(f"event at seq {then.seq} (attempt {then.attempt}) does not follow "
                          f"{len(first.token_ids)} tokens at seq {first.seq} "

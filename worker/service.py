@@ -285,6 +285,8 @@ class WorkerService:
             usage=Usage(output.num_prompt_tokens, output.num_output_tokens,
                         output.num_cached_tokens) if final else None,
             error=(output.error or "the worker failed") if output.finish_reason == "error" else None,
+            stop_reason=output.stop.reason if output.stop else None,
+            text_after_stop=output.stop.text_after if output.stop else None,
         )
         status = RequestStatus.for_finish_reason(output.finish_reason) if final else None
         return Publication(output.req_id, inflight.attempt, event, status,

@@ -67,16 +67,26 @@ def _omit_none_prompt_logprobs(data: dict) -> dict:
     return data
 
 
+def _stop_reason_with_finish(data: dict) -> dict:
+    """`stop_reason` (vLLM's: the stop string or stop token id that ended the choice, null for
+    EOS or a length limit) only beside a `finish_reason`: a stream's chunks before the last do
+    not carry it."""
+    if data.get("finish_reason") is None:
+        data.pop("stop_reason", None)
+    return data
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unused(self, handler):
-        return _omit_none_prompt_logprobs(handler(self))
+        return _stop_reason_with_finish(_omit_none_prompt_logprobs(handler(self)))
 
 
 class CompletionResponse(BaseModel):
@@ -138,6 +148,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
     @model_serializer(mode="wrap")
@@ -179,6 +190,11 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler):
+        return _stop_reason_with_finish(handler(self))
 
 
 class ChatCompletionChunk(BaseModel):

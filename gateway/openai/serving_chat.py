@@ -124,7 +124,8 @@ class ChatServing(OpenAIServing):
                 prompt_logprobs = vllm_prompt_logprobs(self.processor, prompt_logprobs_of(deltas),
                                                        prompts[0])
             out.append(ChatChoice(index=index, message=message, logprobs=logprobs,
-                                  finish_reason=reason, prompt_logprobs=prompt_logprobs))
+                                  finish_reason=reason, stop_reason=final.stop_reason,
+                                  prompt_logprobs=prompt_logprobs))
         info = usage.info()
         tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
                        info.completion_tokens)
@@ -164,7 +165,7 @@ class ChatServing(OpenAIServing):
                         reason = "tool_calls"
                     usage.add(index, delta.usage)
                     finish_reasons.append(reason)
-                    yield frames.finish(index, reason)
+                    yield frames.finish(index, reason, delta.stop_reason)
             info = usage.info()
             if request.include_usage:
                 yield frames.usage(info)

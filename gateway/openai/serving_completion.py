@@ -53,6 +53,7 @@ class CompletionServing(OpenAIServing):
                 self._add_logprobs(logprobs, deltas, len(echoes[index]))
             out.append(CompletionChoice(
                 index=len(out), logprobs=logprobs, finish_reason=final.finish_reason,
+                stop_reason=final.stop_reason,
                 text=echoes[index] + "".join(d.text for d in deltas),
                 prompt_logprobs=(vllm_prompt_logprobs(self.processor, prompt_entries, prompt)
                                  if request.prompt_logprobs is not None else None)))
@@ -97,7 +98,8 @@ class CompletionServing(OpenAIServing):
                 if delta.finish_reason is not None:
                     usage.add(index, delta.usage)
                     finish_reasons.append(delta.finish_reason)
-                    yield frames.text(index, "", finish_reason=delta.finish_reason)
+                    yield frames.text(index, "", finish_reason=delta.finish_reason,
+                                      stop_reason=delta.stop_reason)
             info = usage.info()
             if request.include_usage:
                 yield frames.usage(info)

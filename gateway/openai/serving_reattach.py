@@ -45,6 +45,7 @@ class ReattachServing:
         model = self.processor.model.served_id
         async for delta in choice:
             resumed = ResumedChoice(index=0, text=delta.text, finish_reason=delta.finish_reason,
+                                    stop_reason=delta.stop_reason,
                                     token_index=delta.token_index, token_ids=delta.token_ids)
             yield sse(chunk_json(ResumedChunk(id=req_id, created=created, model=model,
                                               choices=[resumed])))

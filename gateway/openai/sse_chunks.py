@@ -24,6 +24,15 @@ def _logprobs_json(logprobs: BaseModel | None) -> str:
     return "null" if logprobs is None else _json(logprobs.model_dump())
 
 
+def _finish_json(finish_reason: str | None, stop_reason: int | str | None) -> str:
+    """The choice's closing fields: `stop_reason` only beside a finish reason (as the models)."""
+    if finish_reason is None:
+        return '"finish_reason":null'
+    stop = ("null" if stop_reason is None else str(stop_reason) if isinstance(stop_reason, int)
+            else encode_basestring(stop_reason))
+    return f'"finish_reason":{encode_basestring(finish_reason)},"stop_reason":{stop}'
+
+
 class _ChunkEncoder:
     """What both chunk shapes share: the head `{"id":...,"choices":[` and the usage chunk.
 
@@ -60,10 +69,10 @@ class CompletionChunkEncoder(_ChunkEncoder):
     object_name = "text_completion"
 
     def text(self, index: int, text: str, logprobs: BaseModel | None = None,
-             finish_reason: str | None = None) -> bytes:
-        reason = "null" if finish_reason is None else encode_basestring(finish_reason)
+             finish_reason: str | None = None, stop_reason: int | str | None = None) -> bytes:
         return self._frame(f'{{"index":{index},"text":{encode_basestring(text)},'
-                           f'"logprobs":{_logprobs_json(logprobs)},"finish_reason":{reason}}}')
+                           f'"logprobs":{_logprobs_json(logprobs)},'
+                           f'{_finish_json(finish_reason, stop_reason)}}}')
 
 
 class ChatChunkEncoder(_ChunkEncoder):
@@ -93,11 +102,11 @@ class ChatChunkEncoder(_ChunkEncoder):
             frames.append(self._choice(index, f'{{"tool_calls":{_json(calls)}}}', logprobs, None))
         return frames
 
-    def finish(self, index: int, finish_reason: str) -> bytes:
-        return self._choice(index, "{}", None, finish_reason)
+    def finish(self, index: int, finish_reason: str, stop_reason: int | str | None = None) -> bytes:
+        return self._choice(index, "{}", None, finish_reason, stop_reason)
 
     def _choice(self, index: int, delta: str, logprobs: BaseModel | None,
-                finish_reason: str | None) -> bytes:
-        reason = "null" if finish_reason is None else encode_basestring(finish_reason)
+                finish_reason: str | None, stop_reason: int | str | None = None) -> bytes:
         return self._frame(f'{{"index":{index},"delta":{delta},'
-                           f'"logprobs":{_logprobs_json(logprobs)},"finish_reason":{reason}}}')
+                           f'"logprobs":{_logprobs_json(logprobs)},'
+                           f'{_finish_json(finish_reason, stop_reason)}}}')

@@ -1,29 +1,26 @@
 """One choice's output as the client sees it: token events -> the tokens it has not seen yet
-(sequencer; a gap filled from the checkpoint) -> text (incremental detokeniser) -> stop strings.
+(sequencer; a gap filled from the checkpoint) -> text (incremental detokeniser) -> the end the
+worker decided (stop strings held back while streaming, the text cut where the worker stopped).
 Live streams and re-attach run this same pipeline; they differ only in where it starts."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.fleet.client import (
     EngineClient,
-    EngineError,
     EventStream,
     RequestSnapshot,
     WorkerError,
 )
 from gateway.output.background import BackgroundTasks
-from gateway.output.detokenizer import IncrementalDetokenizer, StopStringFilter, TextDecoder
+from gateway.output.detokenizer import IncrementalDetokenizer, StopStringRenderer, TextDecoder
 from gateway.output.sequencer import EventSequencer, NewTokens
 from shared.wire import GenerationRequest, TokenEvent, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
-
-STOP_GRACE_S = 0.25  # after the gateway saw a stop string, how long to wait for the worker's usage
 
 
 @dataclass
@@ -35,6 +32,7 @@ class ChoiceDelta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id (None: EOS, length)
     usage: Usage | None = None
     token_index: int = 0  # index in the output of the first of `token_ids`
     # prompt token i + 1's logprob at i (SamplingParams.prompt_logprobs), in one delta only
@@ -49,7 +47,9 @@ class StreamStart:
     (re-attach with `after=N`) first replays the checkpointed tokens from N, with the prompt and
     the output before N as context (so the first delta's leading space comes out right), then
     follows the live events from where the checkpoint ended. A stop string that straddles token N
-    is not seen (the original stream saw it).
+    is cut from token N on (the text before N was the original stream's). A request that had
+    ended when it was read replays without its final event: its text is cut at the first stop
+    string after N (TokenEvent's compatibility rule).
     """
 
     context_token_ids: Sequence[int]  # decoded before the first delta, never sent
@@ -81,9 +81,9 @@ class ChoiceStream:
 
     Ownership: it closes `events` whatever happens. The owner of the request (the client that
     submitted it) also cancels it with the workers when it stops before the final event (client
-    gone, stop string seen first, error, timeout), raises WorkerError when a worker ended it with
-    an error or abort, and after a stop string waits briefly for the worker's usage. A follower
-    (`start.follower`: re-attach) never cancels and reports the end as the worker recorded it.
+    gone, error, timeout) and raises WorkerError when a worker ended it with an error or abort.
+    A follower (`start.follower`: re-attach) never cancels and reports the end as the worker
+    recorded it. Where the answer ends is the worker's word, in the final event.
     """
 
     def __init__(self, client: EngineClient, request: GenerationRequest, events: EventStream,
@@ -102,7 +102,7 @@ class ChoiceStream:
         self._detokenizer = IncrementalDetokenizer(tokenizer, self._start.context_token_ids,
                                                    decoder)
         params = request.params
-        self._stops = StopStringFilter(params.stop, params.include_stop_str_in_output)
+        self._stops = StopStringRenderer(params.stop, params.include_stop_str_in_output)
         # the token that ended the answer has no text in it (as vLLM), unless asked for
         self._silent_stop_ids = frozenset() if params.include_stop_str_in_output else (
             frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
@@ -125,17 +125,10 @@ class ChoiceStream:
             while True:
                 accepted = await self._next_tokens()
                 index = self._sequencer.next_seq - len(accepted.token_ids)
-                final_reason = accepted.final.finish_reason if accepted.final else None
-                delta = self._delta(accepted.token_ids, accepted.logprobs, index, final_reason)
+                delta = self._delta(accepted.token_ids, accepted.logprobs, index, accepted.final)
                 delta.prompt_logprobs = accepted.prompt_logprobs
                 if accepted.final is not None:
                     self._finish(delta, accepted.final)
-                    yield delta
-                    return
-                if self._stops.stopped:
-                    delta.finish_reason = "stop"
-                    if not self.follower:
-                        delta.usage = await self._usage_after_stop()
                     yield delta
                     return
                 if delta.text or delta.token_ids or delta.prompt_logprobs:
@@ -143,31 +136,37 @@ class ChoiceStream:
         finally:
             await self.close()
 
-    def _delta(self, token_ids: list[int], logprobs: list[TokenLogprob] | None,
-               index: int, final_reason: str | None = None) -> ChoiceDelta:
-        """The delta of output tokens `index ..`: their text through the stop-string filter,
-        which ends the answer only once min_tokens tokens are out (the worker's rule)."""
+    def _delta(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, index: int,
+               final: TokenEvent | None = None) -> ChoiceDelta:
+        """The delta of output tokens `index ..`: their text, held back where a stop string may
+        be starting, or, with the last of them (`final`), the rest of the text cut where the
+        worker stopped."""
         self._num_tokens += len(token_ids)
+        if final is None:
+            text = self._stops.feed(self._detokenizer.add(token_ids))
+            return ChoiceDelta(text=text, token_ids=token_ids, logprobs=logprobs,
+                               token_index=index)
         texted = token_ids
-        if final_reason == "stop" and texted and texted[-1] in self._silent_stop_ids:
+        if final.finish_reason == "stop" and texted and texted[-1] in self._silent_stop_ids:
             texted = texted[:-1]
-        may_stop = index + len(token_ids) >= self._request.params.min_tokens
-        text = self._stops.feed(self._detokenizer.add(texted), may_stop=may_stop)
-        return ChoiceDelta(text=text, token_ids=token_ids, logprobs=logprobs, token_index=index)
+        text = self._detokenizer.add(texted) + self._detokenizer.flush()
+        text = self._stops.finish(text, final.finish_reason, final.stop_reason,
+                                  final.text_after_stop)
+        return ChoiceDelta(text=text, token_ids=token_ids, logprobs=logprobs, token_index=index,
+                           stop_reason=final.stop_reason)
 
     def _replay(self) -> ChoiceDelta | None:
         """The checkpointed tokens a resumed stream sends first (None when there are none)."""
         start = self._start
         if not start.replay_token_ids and start.replay_finish_reason is None:
             return None
-        delta = self._delta(list(start.replay_token_ids), None, start.replay_index,
-                            start.replay_finish_reason)
-        if start.replay_finish_reason is not None:
+        # an ended request's record has its finish reason, not its final event (see StreamStart)
+        end = None if start.replay_finish_reason is None else TokenEvent(
+            seq=start.replay_index, attempt=start.attempt, finish_reason=start.replay_finish_reason)
+        delta = self._delta(list(start.replay_token_ids), None, start.replay_index, end)
+        if end is not None:
             self._finished = True
-            self._flush(delta)
-            delta.finish_reason = start.replay_finish_reason
-        elif self._stops.stopped:
-            delta.finish_reason = "stop"
+            delta.finish_reason = end.finish_reason
         return delta
 
     async def _next_tokens(self) -> NewTokens:
@@ -204,40 +203,16 @@ class ChoiceStream:
         if not self._finished and not self.follower:
             self._background.spawn(self._client.cancel(self._request.req_id))
 
-    def _flush(self, delta: ChoiceDelta) -> None:
-        """No more tokens: what the detokeniser and the stop filter still hold."""
-        if not self._stops.stopped:
-            delta.text += self._stops.feed(self._detokenizer.flush())
-            delta.text += self._stops.flush()
-
     def _finish(self, delta: ChoiceDelta, final: TokenEvent) -> None:
         self._finished = True
         if self.follower:  # the end as the worker recorded it, an error included
-            self._flush(delta)
             delta.finish_reason = final.finish_reason or "error"
             return
         if final.error is not None or final.finish_reason not in ("stop", "length"):
             reason = final.error or f"the request ended with `{final.finish_reason}`"
             raise WorkerError(f"The worker could not complete the request: {reason}")
-        self._flush(delta)
-        delta.finish_reason = "stop" if self._stops.stopped else final.finish_reason
+        delta.finish_reason = final.finish_reason
         delta.usage = final.usage or self._local_usage()
-
-    async def _usage_after_stop(self) -> Usage:
-        """The worker stops at the same stop string; its final event (with the cached-token count)
-        normally follows at once. Wait for it briefly, else count locally and cancel."""
-        try:
-            async with asyncio.timeout(STOP_GRACE_S):
-                while True:
-                    accepted = self._sequencer.accept(await anext(self._events))
-                    if accepted is not None and accepted.final is not None:
-                        if accepted.final.usage is not None and accepted.final.error is None:
-                            self._finished = True
-                            return accepted.final.usage
-                        break
-        except (TimeoutError, EngineError):  # the answer is complete: only the usage is estimated
-            pass
-        return self._local_usage()
 
     def _local_usage(self) -> Usage:
         return Usage(prompt_tokens=len(self._request.prompt_token_ids),

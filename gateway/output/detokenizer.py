@@ -1,5 +1,5 @@
 """Incremental detokenisation for streaming: never emits a broken multi-byte character, holds back
-text that may still become a stop string, and truncates the output at a stop string."""
+text that may still become a stop string, and cuts the output where the worker stopped it."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _backend_decode(tokenizer, skip_special_tokens: bool = True
 
 
 class TextDecoder:
-    """`tokenizer.decode(ids, skip_special_tokens=True)`, made cheap for streaming: the Rust
+    """`tokenizer.decode(ids, skip_special_tokens=...)`, made cheap for streaming: the Rust
     backend is called directly where that is exact, and the text of each single token is cached
     (a one-token window is what the incremental detokeniser decodes most). One per tokenizer,
     shared by all requests."""
@@ -100,45 +100,54 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
 
 
-class StopStringFilter:
-    """Passes text through until a stop string appears; holds back any tail that may still become
-    one.
+class StopStringRenderer:
+    """Renders where the worker stopped the answer; it never decides it (the worker does, on the
+    text as the client sees it, min_tokens included: see `shared.wire.TokenEvent`).
 
-    Invariant: the held tail is the longest suffix of the text seen that is a proper prefix of a
-    stop string, so a stop string can never start inside text already released.
+    While the answer streams, `feed` holds back the longest tail of the text that is a proper
+    prefix of a stop string: the worker may yet stop at it, so no text past a stop is ever sent.
+    A complete stop string in text that did not end the answer is text (the worker did not stop
+    there). `finish` cuts what is left where the worker's final event says.
     """
 
     def __init__(self, stop: Sequence[str], include_stop: bool = False):
         self._stop = [s for s in stop if s]
         self._include_stop = include_stop  # include_stop_str_in_output
         self._held = ""
-        self.stopped = False
 
-    def feed(self, text: str, may_stop: bool = True) -> str:
-        """The part of `text` (plus what was held) that is safe to send. `may_stop` False (the
-        answer is shorter than min_tokens): a stop string passes as text."""
-        if self.stopped:
-            return ""
+    def feed(self, text: str) -> str:
+        """The part of `text` (plus what was held) that is safe to send before the answer ends."""
+        if not self._stop:
+            return text
         buffer = self._held + text
-        hits = [(i, i + len(s)) for s, i in ((s, buffer.find(s)) for s in self._stop) if i >= 0]
-        if hits and may_stop:
-            self.stopped = True
-            self._held = ""
-            start, end = min(hits)
-            return buffer[:end if self._include_stop else start]
-        if hits:  # release through the last complete occurrence, hold a possible new start
-            done = max(end for _, end in hits)
-            hold = self._longest_partial_match(buffer[done:])
-            self._held = buffer[len(buffer) - hold:] if hold else ""
-            return buffer[:len(buffer) - hold]
         hold = self._longest_partial_match(buffer)
         self._held = buffer[len(buffer) - hold:] if hold else ""
         return buffer[:len(buffer) - hold]
 
-    def flush(self) -> str:
-        """The held tail, once no more text can come."""
-        held, self._held = self._held, ""
-        return "" if self.stopped else held
+    def finish(self, text: str, finish_reason: str | None, stop_reason: int | str | None = None,
+               text_after_stop: int | None = None) -> str:
+        """The rest of the answer, given its last text (what was held, then `text`) and how the
+        final event says it ended."""
+        buffer, self._held = self._held + text, ""
+        if finish_reason != "stop":
+            return buffer
+        if text_after_stop is None:  # a worker older than the field: the compatibility rule
+            return self._cut_at_first_stop(buffer)
+        if not isinstance(stop_reason, str):  # a stop token (its text is the caller's to drop)
+            return buffer
+        end = len(buffer) - text_after_stop
+        if not self._include_stop:
+            end -= len(stop_reason)
+        # below 0 only where the stop string began in text this renderer never held (a stream
+        # resumed after a token inside it): what was sent before cannot be taken back
+        return buffer[:max(0, end)]
+
+    def _cut_at_first_stop(self, buffer: str) -> str:
+        hits = [(i, i + len(s)) for s, i in ((s, buffer.find(s)) for s in self._stop) if i >= 0]
+        if not hits:
+            return buffer
+        start, end = min(hits)
+        return buffer[:end if self._include_stop else start]
 
     def _longest_partial_match(self, buffer: str) -> int:
         longest = 0

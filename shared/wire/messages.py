@@ -37,9 +37,10 @@ class SamplingParams:
     # Output tokens must follow this grammar (structured outputs, constrained tool calls).
     constraint: OutputConstraint | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-    # Output text (the gateway's side; in the record so a re-attached stream reads the same):
+    # Output text (in the record so a re-attached stream reads the same):
     include_stop_str_in_output: bool = False  # keep the stop string / stop token's text
-    skip_special_tokens: bool = True  # special tokens' text left out of the output
+    # special tokens' text left out of the output (the text the worker matches stop strings on)
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -127,7 +128,26 @@ class TokenEvent:
     with `SamplingParams.prompt_logprobs`) comes once, in the event with the first output token
     (or the final one, with `max_tokens` 0): entry i is prompt token i + 1's (the first prompt
     token has none). A pub/sub message is one or more packed events back to back
-    (`unpack_many`); `req_id` says whose each is."""
+    (`unpack_many`); `req_id` says whose each is.
+
+    Where an answer stops is the worker's decision alone (it made the tokens); the gateway
+    renders it. The final event of a request that stopped (`finish_reason` "stop") says what
+    stopped it and where its text ends:
+
+    - `stop_reason`: the stop string that matched, or the stop token id that was sampled; None
+      for an EOS token (as vLLM's `choice.stop_reason`).
+    - `text_after_stop`: how many characters of the output text follow the end of the matched
+      stop string (0 for a stop token: its own text is the renderer's to drop or keep). The text
+      is the output decoded as the request asks (`skip_special_tokens`). Counted back from the
+      end of the text because the end is what every renderer decodes alike: where the rendered
+      text starts depends on the detokeniser's context (the prompt's last tokens, or a resumed
+      stream's `after`), and which tokens the final event carries depends on coalescing and on
+      a gap filled from the checkpoint. The renderer keeps the text up to the end of the stop
+      string (`include_stop_str_in_output`) or up to its start.
+
+    Compatibility (a worker older than these fields, during a rolling upgrade): a final "stop"
+    event without `text_after_stop` is cut at the first occurrence of a stop string in the text
+    not yet sent."""
 
     seq: int
     attempt: int
@@ -138,6 +158,8 @@ class TokenEvent:
     error: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     req_id: str = ""
+    stop_reason: int | str | None = None  # final "stop" events: see above
+    text_after_stop: int | None = None  # set on every final "stop" event: see above
 
     @property
     def is_final(self) -> bool:

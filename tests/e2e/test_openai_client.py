@@ -44,11 +44,24 @@ def test_completion_stream_with_usage(sync_client):
 
 
 def test_stop_string_ends_the_answer(sync_client):
+    """The worker stops at the stop string and says so (vLLM's stop_reason); the gateway cuts the
+    text there, streamed or not, and never streams past it."""
     reply = sync_client.chat.completions.create(model=DEFAULT_MODEL, messages=QUESTION,
                                                 temperature=0, max_tokens=20, stop=["Paris"])
     assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].stop_reason == "Paris"
     assert "Paris" not in reply.choices[0].message.content
     assert reply.choices[0].message.content.startswith("The capital of France is")
+    stream = sync_client.chat.completions.create(model=DEFAULT_MODEL, messages=QUESTION,
+                                                 temperature=0, max_tokens=20, stop=["Paris"],
+                                                 stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == reply.choices[0].message.content
+    assert (chunks[-1].finish_reason, chunks[-1].stop_reason) == ("stop", "Paris")
+    kept = sync_client.completions.create(
+        model=DEFAULT_MODEL, prompt="The capital of France is", temperature=0, max_tokens=20,
+        stop=["Paris"], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text.endswith("Paris") and kept.choices[0].stop_reason == "Paris"
 
 
 def test_seed_reproducibility(sync_client):

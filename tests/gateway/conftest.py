@@ -50,12 +50,12 @@ async def http(app):
 
 @pytest.fixture
 def say(engine, tokenizer):
-    """say("text", **token_events options): every request answers `text` (plus EOS)."""
-    from tests.gateway.fakes import token_events
+    """say("text", **token_events options): every request answers `text` (plus EOS), or as much
+    of it as a worker would before a stop the request asks for."""
+    from tests.gateway.fakes import worker_events
 
     def configure(text: str, eos: bool = True, **options):
         ids = tokenizer.encode(text) + ([tokenizer.eos_token_id] if eos else [])
-        engine.responder = lambda request: token_events(
-            ids, prompt_tokens=len(request.prompt_token_ids), **options)
+        engine.responder = lambda request: worker_events(request, ids, tokenizer, **options)
         return ids
     return configure

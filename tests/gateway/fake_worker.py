@@ -1,5 +1,6 @@
 """A tiny stand-in for a worker: reads the request stream and publishes scripted token events, one
-message each, on the request's reply channel."""
+message each, on the request's reply channel (a script that stops an answer as a worker does,
+with the final event's stop fields: tests.gateway.fakes.worker_events)."""
 
 from __future__ import annotations
 

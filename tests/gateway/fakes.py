@@ -84,3 +84,30 @@ def token_events(token_ids: list[int], *, prompt_tokens: int, attempt: int = 0, 
         events.append(TokenEvent(seq=start, attempt=attempt, finish_reason=finish_reason,
                                  usage=final_usage))
     return events
+
+
+def worker_events(request: GenerationRequest, token_ids: list[int], tokenizer,
+                  **options) -> list[TokenEvent]:
+    """The events a worker sends for an answer that would run to `token_ids`: cut where the
+    worker's own StopChecker stops it (stop strings on the text as the request shows it, stop ids,
+    EOS, min_tokens), with what stopped it in the final event, as the worker reports it. A
+    scripted end other than "stop" (`finish_reason="length"`) is played as it is."""
+    from worker.engine.stopping import StopChecker
+
+    if options.get("finish_reason", "stop") != "stop":
+        return token_events(token_ids, prompt_tokens=len(request.prompt_token_ids), **options)
+
+    checker = StopChecker([tokenizer.eos_token_id], max_model_len=1 << 30, tokenizer=tokenizer)
+    stop = None
+    for n in range(1, len(token_ids) + 1):
+        stop = checker.find_stop(token_ids[:n], request.params)
+        if stop is not None:
+            token_ids = token_ids[:n]
+            break
+    if stop is not None:
+        options["finish_reason"] = "stop"
+    events = token_events(token_ids, prompt_tokens=len(request.prompt_token_ids), **options)
+    if events[-1].finish_reason == "stop":  # a worker that decides stops says so every time
+        events[-1].stop_reason = stop.reason if stop else None
+        events[-1].text_after_stop = stop.text_after if stop else 0
+    return events

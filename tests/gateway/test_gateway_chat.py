@@ -19,7 +19,7 @@ async def test_non_stream_shape_and_usage(http, engine, say, tokenizer):
     assert body["id"].startswith("cmpl-") and body["object"] == "chat.completion"
     assert body["model"] == MODEL and isinstance(body["created"], int)
     [choice] = body["choices"]
-    assert choice == {"index": 0, "logprobs": None, "finish_reason": "stop",
+    assert choice == {"index": 0, "logprobs": None, "finish_reason": "stop", "stop_reason": None,
                       "message": {"role": "assistant", "content": "Hello! How can I help?"}}
     [request] = engine.submitted
     prompt_len = len(request.prompt_token_ids)
@@ -51,7 +51,7 @@ async def test_stream_chunk_format_with_usage(http, say):
     assert "".join(contents) == "Hi there" and all(contents)
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:-1])
     assert chunks[-2]["choices"] == [{"index": 0, "delta": {}, "logprobs": None,
-                                      "finish_reason": "stop"}]
+                                      "finish_reason": "stop", "stop_reason": None}]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     assert all(c["usage"] is None for c in chunks[:-1])
 
@@ -145,12 +145,13 @@ async def test_stop_string_truncates_and_is_never_streamed(http, say, engine):
             pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
             text = "".join(pieces)
             assert not any("\n" in piece for piece in pieces)  # held back, then dropped
-            finish = chunks[-1]["choices"][0]["finish_reason"]
+            assert all("stop_reason" not in c["choices"][0] for c in chunks[:-1])
+            last = chunks[-1]["choices"][0]
         else:
-            text = response.json()["choices"][0]["message"]["content"]
-            finish = response.json()["choices"][0]["finish_reason"]
+            last = response.json()["choices"][0]
+            text = last["message"]["content"]
         assert text == "The answer is 42."
-        assert finish == "stop"
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", "\nUser:")
     assert engine.submitted[0].params.stop == ["\nUser:"]
 
 

@@ -18,7 +18,7 @@ async def test_non_stream_shape(http, engine, say, tokenizer):
     body = response.json()
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": " world", "logprobs": None,
-                                "finish_reason": "stop"}]
+                                "finish_reason": "stop", "stop_reason": None}]  # EOS
     assert body["usage"]["prompt_tokens"] == len(tokenizer.encode("Hello"))
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
     assert engine.submitted[0].prompt_token_ids == tokenizer.encode("Hello")
@@ -96,7 +96,7 @@ async def test_stop_string_truncates(http, say):
     response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "11,",
                                                         "stop": [", 14", "zzz"]})
     assert response.json()["choices"][0] == {"index": 0, "text": "12, 13", "logprobs": None,
-                                             "finish_reason": "stop"}
+                                             "finish_reason": "stop", "stop_reason": ", 14"}
 
 
 async def test_logprobs_shape(http, engine, tokenizer):

@@ -1,10 +1,10 @@
-"""Incremental detokenisation and stop strings, on the real SmolLM2 tokenizer."""
+"""Incremental detokenisation and the rendering of stop strings, on the real SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.output.detokenizer import IncrementalDetokenizer, StopStringFilter, TextDecoder
+from gateway.output.detokenizer import IncrementalDetokenizer, StopStringRenderer, TextDecoder
 
 TEXTS = ["Hello world", "emoji 😀🎉 and a flag 🇫🇷!", "日本語のテキスト", "  two  spaces\n\nnew",
          "café crème brûlée", "mixed 👩‍💻 zwj"]
@@ -33,26 +33,64 @@ def test_an_unfinished_character_is_flushed_as_a_replacement(tokenizer):
     assert detokenizer.flush().endswith("\ufffd")
 
 
-def test_stop_filter_holds_back_a_possible_stop_and_truncates():
-    stops = StopStringFilter(["STOP", "\n\n"])
+def test_text_that_may_become_a_stop_string_is_held_back():
+    stops = StopStringRenderer(["STOP", "\n\n"])
     assert stops.feed("abc S") == "abc "
     assert stops.feed("T") == ""
-    assert stops.feed("OP and more") == ""
-    assert stops.stopped and stops.flush() == ""
-
-
-def test_stop_filter_releases_text_that_did_not_become_a_stop():
-    stops = StopStringFilter(["STOP"])
-    assert stops.feed("ST") == ""
     assert stops.feed("x") == "STx"
-    assert stops.feed("S") == ""
-    assert stops.flush() == "S" and not stops.stopped
+    assert stops.feed("\n") == ""
+    assert stops.finish("", "length") == "\n"  # no more text: the held tail is text
 
 
-def test_stop_filter_earliest_stop_wins_and_empty_stops_are_ignored():
-    stops = StopStringFilter(["", "world", "lo w"])
-    assert stops.feed("hello world") == "hel"
-    assert StopStringFilter([]).feed("anything") == "anything"
+def test_a_complete_stop_string_the_worker_did_not_stop_at_is_text():
+    """The worker decides (min_tokens, special tokens the client sees): a non-final event's stop
+    string goes out, and only a possible new start of one is held."""
+    stops = StopStringRenderer(["STOP"])
+    assert stops.feed("ab STOP cd ST") == "ab STOP cd "
+    assert stops.feed("OP ef") == "STOP ef"
+    assert StopStringRenderer([]).feed("anything") == "anything"
+
+
+@pytest.mark.parametrize("include, expected", [(False, "one two "), (True, "one two STOP")])
+def test_the_text_is_cut_where_the_worker_said(include, expected):
+    stops = StopStringRenderer(["STOP"], include_stop=include)
+    assert stops.feed("one two ST") == "one two "
+    # the last token's text was "OP thr": four characters follow the stop string
+    assert "one two " + stops.finish("OP thr", "stop", "STOP", 4) == expected
+
+
+def test_the_workers_stop_wins_over_an_earlier_occurrence():
+    """The first "ab" was inside min_tokens (text, already sent); the worker stopped at the last."""
+    stops = StopStringRenderer(["ab"])
+    sent = stops.feed("xab ya")
+    assert sent == "xab y"
+    assert sent + stops.finish("b z", "stop", "ab", 2) == "xab y"
+    stops = StopStringRenderer(["ab", "b"])  # the worker's choice among several, as it said
+    assert stops.finish("ab", "stop", "b", 0) == "a"
+
+
+def test_a_stop_token_or_a_length_limit_cuts_nothing():
+    stops = StopStringRenderer(["STOP"])
+    assert stops.feed("a ST") == "a "
+    assert stops.finish("OP b", "stop", 7, 0) == "STOP b"  # the worker stopped on token 7
+    stops = StopStringRenderer(["STOP"])
+    assert stops.finish("a STOP b", "length") == "a STOP b"
+
+
+def test_an_older_workers_final_event_is_cut_at_the_first_stop_string():
+    """No `text_after_stop` (TokenEvent's compatibility rule): the first occurrence, the earliest
+    starting one among several; empty stop strings are ignored."""
+    stops = StopStringRenderer(["", "world", "lo w"])
+    assert stops.finish("hello world", "stop") == "hel"
+    stops = StopStringRenderer(["world"], include_stop=True)
+    assert stops.finish("hello world and world", "stop") == "hello world"
+    assert StopStringRenderer(["x"]).finish("no stop here", "stop") == "no stop here"
+
+
+def test_a_stop_that_began_in_text_already_sent_cuts_what_is_left():
+    """A stream resumed after a token inside the stop string: the part before was not its own."""
+    stops = StopStringRenderer(["STOP"])
+    assert stops.finish("OP tail", "stop", "STOP", 5) == ""
 
 
 # ---- the one-decode-per-token detokeniser against the reference algorithm --------------------

@@ -1,5 +1,6 @@
-"""ChoiceStream's ownership rules: the event stream is always closed, and the request is
-cancelled with the workers whenever the gateway stops before the final event."""
+"""ChoiceStream's ownership rules: the event stream is always closed, the request is cancelled
+with the workers whenever the gateway stops before the final event, and the answer ends where the
+worker's final event says."""
 
 from __future__ import annotations
 
@@ -63,28 +64,36 @@ async def test_timeout_cancels_the_request(tokenizer):
     assert engine.cancelled == ["cmpl-g"]
 
 
-async def test_stop_string_seen_first_waits_briefly_for_the_workers_usage(tokenizer):
+async def test_the_answer_ends_where_the_workers_final_event_says(tokenizer):
     ids = tokenizer.encode("a b STOP c")
-    engine = FakeEngineClient(lambda r: [TokenEvent(seq=0, attempt=0, token_ids=ids),
-                                         TokenEvent(seq=len(ids), attempt=0, finish_reason="stop",
-                                                    usage=Usage(1, len(ids), 1))])
+    engine = FakeEngineClient(lambda r: [
+        TokenEvent(seq=0, attempt=0, token_ids=ids[:3]),
+        TokenEvent(seq=3, attempt=0, token_ids=ids[3:], finish_reason="stop",
+                   usage=Usage(1, len(ids), 1), stop_reason="STOP", text_after_stop=len(" c"))])
     background = BackgroundTasks()
     choice = await start(engine, tokenizer, make_request(stop=["STOP"]), background)
-    [delta] = [d async for d in choice]
+    deltas = [d async for d in choice]
     await background.drain()
-    assert delta.text == "a b " and delta.finish_reason == "stop"
-    assert delta.usage.cached_tokens == 1 and engine.cancelled == []
+    assert "".join(d.text for d in deltas) == "a b "
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", "STOP")
+    assert deltas[-1].usage.cached_tokens == 1 and engine.cancelled == []
 
 
-async def test_stop_string_without_a_final_event_cancels_and_counts_locally(tokenizer):
+async def test_a_stop_string_the_worker_went_past_is_text(tokenizer):
+    """The gateway does not decide: the worker did not stop at this STOP (min_tokens, or text the
+    client sees differently), so it is part of the answer."""
     ids = tokenizer.encode("a b STOP c")
-    engine = FakeEngineClient(lambda r: [TokenEvent(seq=0, attempt=0, token_ids=ids)])
+    engine = FakeEngineClient(lambda r: [
+        TokenEvent(seq=0, attempt=0, token_ids=ids),
+        TokenEvent(seq=len(ids), attempt=0, token_ids=tokenizer.encode(" d"),
+                   finish_reason="length", usage=Usage(1, len(ids) + 1))])
     background = BackgroundTasks()
     choice = await start(engine, tokenizer, make_request(stop=["STOP"]), background)
-    [delta] = [d async for d in choice]
+    deltas = [d async for d in choice]
     await background.drain()
-    assert delta.text == "a b " and delta.usage.completion_tokens == len(ids)
-    assert engine.cancelled == ["cmpl-g"]
+    assert "".join(d.text for d in deltas) == "a b STOP c d"
+    assert deltas[-1].finish_reason == "length" and deltas[-1].stop_reason is None
+    assert engine.cancelled == []
 
 
 async def test_merge_tags_items_by_source_and_raises_the_first_error():

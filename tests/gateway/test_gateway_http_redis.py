@@ -16,7 +16,7 @@ from shared.redis_server import free_port
 from shared.settings import GatewaySettings
 from shared.wire import Keys, TokenEvent
 from tests.gateway.fake_worker import FakeWorker
-from tests.gateway.fakes import token_events
+from tests.gateway.fakes import token_events, worker_events
 from tests.gateway.helpers import MODEL
 from tests.helpers.channels import next_message, subscribe
 
@@ -72,6 +72,23 @@ async def test_chat_round_trip_through_redis(served, redis_url, tokenizer):
         [{"role": "user", "content": "hi"}], add_generation_prompt=True)["input_ids"]
     assert request.deadline == pytest.approx(time.time() + 30, abs=5)
     assert app.state.client.fanout.num_subscribed == 0
+
+
+async def test_the_workers_stop_crosses_redis(served, redis_url, tokenizer):
+    """The final event's stop_reason and text_after_stop survive the inbox and the fan-out."""
+    base_url, _app = served
+    ids = tokenizer.encode("Hello there! User: more")
+
+    def script(request) -> list[TokenEvent]:
+        return worker_events(request, ids, tokenizer, per_event=2)
+    async with FakeWorker(redis_url, Keys(PREFIX), MODEL, script):
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
+            response = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "hi", "stop": ["User:"]})
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("Hello there! ", "stop")
+    assert choice["stop_reason"] == "User:"
 
 
 async def test_client_disconnect_publishes_cancel(served, redis_url, tokenizer):

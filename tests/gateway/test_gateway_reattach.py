@@ -24,6 +24,7 @@ from shared.wire import (
 )
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL, sse_events
+from worker.engine.stopping import Stop, StopChecker
 
 PREFIX = "kvra:"
 KEYS = Keys(PREFIX)
@@ -44,7 +45,7 @@ class StandInWorker:
         await self.redis.hset(KEYS.request(self.req_id), mapping=record.encode())
 
     async def step(self, seq: int, token_ids: list[int], attempt: int = 0, publish: bool = True,
-                   finish_reason: str | None = None) -> None:
+                   finish_reason: str | None = None, stop: Stop | None = None) -> None:
         await self.redis.append(KEYS.checkpoint(self.req_id), encode_checkpoint(token_ids))
         if finish_reason is not None:
             status = RequestStatus.for_finish_reason(finish_reason)
@@ -52,7 +53,9 @@ class StandInWorker:
         if publish:
             event = TokenEvent(seq=seq, attempt=attempt, token_ids=token_ids,
                                finish_reason=finish_reason,
-                               usage=Usage(3, seq + len(token_ids)) if finish_reason else None)
+                               usage=Usage(3, seq + len(token_ids)) if finish_reason else None,
+                               stop_reason=stop.reason if stop else None,
+                               text_after_stop=stop.text_after if stop else None)
             await self.redis.publish(KEYS.tokens(self.req_id), event.pack(self.req_id))
 
 
@@ -161,6 +164,34 @@ async def test_live_gap_is_filled_from_the_checkpoint(gateway, redis, tokenizer)
     got, text, reason = delivered(response.text)
     assert got == ids and reason == "stop"
     assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+async def test_a_resumed_stream_ends_where_the_worker_stopped(gateway, redis, tokenizer):
+    """The cut counts back from the end of the text, so it holds for a stream that starts at
+    `after` and whose last tokens came partly from the checkpoint. Re-attached once the request
+    has ended, the record has no final event: the first stop string after `after` ends it."""
+    app, http = gateway
+    ids = tokenizer.encode(" alpha beta STOP gamma delta")
+    worker = StandInWorker(redis, "cmpl-stop", [5], stop=["STOP"])
+    checker = StopChecker([], max_model_len=1000, tokenizer=tokenizer)
+    n = next(n for n in range(1, len(ids)) if checker.find_stop(ids[:n], worker.request.params))
+    stop = checker.find_stop(ids[:n], worker.request.params)
+    assert stop.reason == "STOP" and n < len(ids)
+    expected = tokenizer.decode(ids[:n]).split("STOP")[0][len(tokenizer.decode(ids[:1])):]
+    await worker.start(RequestStatus.RUNNING)
+    await worker.step(0, ids[:2])
+    START[0] = 1
+    task = asyncio.create_task(http.get("/v1/requests/cmpl-stop/stream", params={"after": 1}))
+    await wait_subscribed(app)
+    await worker.step(2, ids[2:n - 1], publish=False)  # lost on pub/sub, but checkpointed
+    await worker.step(n - 1, ids[n - 1:n], finish_reason="stop", stop=stop)
+    response = await asyncio.wait_for(task, 10)
+    got, text, reason = delivered(response.text)
+    assert got == ids[1:n] and text == expected and reason == "stop"
+    assert chunks(response.text)[-1]["choices"][0]["stop_reason"] == "STOP"
+    replay = await http.get("/v1/requests/cmpl-stop/stream", params={"after": 1})
+    got, text, reason = delivered(replay.text)
+    assert got == ids[1:n] and text == expected and reason == "stop"
 
 
 async def test_unknown_request_is_a_404_in_openai_shape(gateway):

@@ -62,6 +62,27 @@ def test_completion_frames_equal_the_pydantic_chunks(text, with_logprobs, finish
     assert frame == expected  # byte-equal too: same field order and separators
 
 
+STOP_REASONS = [None, 7, "\nUser:", 'quote " and 😀']
+
+
+@pytest.mark.parametrize("stop_reason", STOP_REASONS)
+def test_final_frames_carry_the_stop_reason_as_the_pydantic_chunks(stop_reason):
+    """`stop_reason` beside a finish reason only, as vLLM's final chunk (a token id stays a
+    number)."""
+    frame = CompletionChunkEncoder(ID, CREATED, MODEL).text(0, "", None, "stop", stop_reason)
+    expected = pydantic_frame(CompletionResponse(
+        id=ID, created=CREATED, model=MODEL, choices=[CompletionChoice(
+            index=0, text="", finish_reason="stop", stop_reason=stop_reason)]))
+    assert frame == expected and payload(frame)["choices"][0]["stop_reason"] == stop_reason
+    frame = ChatChunkEncoder(ID, CREATED, MODEL).finish(1, "stop", stop_reason)
+    expected = pydantic_frame(ChatCompletionChunk(
+        id=ID, created=CREATED, model=MODEL, choices=[ChatChunkChoice(
+            index=1, delta=ChatDelta(), finish_reason="stop", stop_reason=stop_reason)]))
+    assert frame == expected and payload(frame)["choices"][0]["stop_reason"] == stop_reason
+    middle = CompletionChunkEncoder(ID, CREATED, MODEL).text(0, "x")
+    assert "stop_reason" not in payload(middle)["choices"][0]
+
+
 def test_completion_usage_frame_equals_the_pydantic_chunk():
     usage = UsageInfo.of(12, 30, 8)
     frame = CompletionChunkEncoder(ID, CREATED, MODEL).usage(usage)

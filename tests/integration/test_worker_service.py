@@ -87,13 +87,14 @@ class Client:
 
 
 def make_service(redis_url: str, tiny: TinyModel, worker_id: str, **settings) -> WorkerService:
+    settings_tokenizer = settings.pop("tokenizer", None)
     settings = WorkerSettings(redis_url=redis_url, model=MODEL, worker_id=worker_id,
                               heartbeat_ttl_s=settings.pop("heartbeat_ttl_s", 0.3),
                               heartbeat_interval_s=0.05, read_block_ms=10, **settings)
     client = connect(redis_url)
     protocol = WorkerProtocol(client, fleet_keys(client), MODEL, worker_id, result_ttl_s=60,
                               steal_after_ms=settings.steal_after_ms)
-    engine = tiny.engine(num_blocks=64, block_size=4)
+    engine = tiny.engine(tokenizer=settings_tokenizer, num_blocks=64, block_size=4)
     service = WorkerService(settings, engine, client, protocol)
     service.connect()
     return service
@@ -126,6 +127,37 @@ def test_serves_a_request_token_for_token_like_generate(redis_url, client, tiny)
     text = worker.metrics.render().decode()
     assert 'kvfleet_worker_output_tokens_total{model="tiny",worker="w1"} 12.0' in text
     assert 'outcome="length"' in text
+
+
+class NumberTokenizer:
+    """Token t decodes to "t," (enough text for stop strings on the tiny model)."""
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join(f"{t}," for t in token_ids)
+
+
+def test_the_final_event_says_what_stopped_the_request(redis_url, client, tiny):
+    worker = make_service(redis_url, tiny, "w1", tokenizer=NumberTokenizer())
+    prompt = random_prompt(11, seed=1)
+    tokens = tiny.reference(prompt, 12)
+    at = next(i for i in range(1, 12) if tokens[i] not in tokens[:i])
+    by_id = client.send(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                               stop_token_ids=[tokens[at]]))
+    stop = f"{tokens[at - 1]},{tokens[at]}"
+    by_string = client.send(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                   stop=[stop]))
+    run_until(worker, lambda: client.final(by_id) and client.final(by_string))
+    final = client.final(by_id)
+    assert (final.finish_reason, final.stop_reason) == ("stop", tokens[at])
+    assert final.text_after_stop == 0
+    assert client.text(by_id) == tokens[:at + 1]
+    # the first output the stop string occurs in, and the text after it
+    end = next(n for n in range(1, 13) if stop in NumberTokenizer().decode(tokens[:n]))
+    text = NumberTokenizer().decode(tokens[:end])
+    final = client.final(by_string)
+    assert (final.finish_reason, final.stop_reason) == ("stop", stop)
+    assert final.text_after_stop == len(text) - text.index(stop) - len(stop)
+    assert client.text(by_string) == tokens[:end]
 
 
 def test_an_idle_worker_serves_a_request_of_another_workers_home_shard_at_once(redis_url,

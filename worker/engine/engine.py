@@ -27,7 +27,7 @@ from worker.engine.prompt_logprobs import compute_prompt_logprobs
 from worker.engine.sampler import Sampler, SamplerInput
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
 from worker.engine.sequence import Sequence
-from worker.engine.stopping import StopChecker
+from worker.engine.stopping import Stop, StopChecker
 from worker.engine.tp_group import RankFailure, RankGroup
 from worker.engine.tp_shard import shard_model
 from worker.structured.compiler import GrammarCompiler
@@ -50,6 +50,7 @@ class RequestOutput:
     error: str | None = None  # what went wrong, when finish_reason == "error"
     # prompt token i + 1's logprob at i; in the request's first output only (prompt_logprobs)
     prompt_logprobs: list[TokenLogprob] | None = None
+    stop: Stop | None = None  # what stopped it, when finish_reason == "stop"
 
 
 @dataclass
@@ -434,13 +435,15 @@ class Engine:
         self.constrained.discard(seq.req_id)
         return self._output(seq, [], None)
 
-    @staticmethod
-    def _output(seq: Sequence, new_token_ids: list[int], logprobs) -> RequestOutput:
+    def _output(self, seq: Sequence, new_token_ids: list[int], logprobs) -> RequestOutput:
+        stop = None
+        if seq.status is RequestStatus.FINISHED_STOPPED:  # described again from the same tokens
+            stop = self.scheduler.stop_checker.find_stop(seq.output_token_ids, seq.params)
         return RequestOutput(
             req_id=seq.req_id, new_token_ids=new_token_ids, new_logprobs=logprobs,
             num_output_tokens=seq.num_output_tokens, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, finish_reason=seq.status.finish_reason,
-            error=seq.error)
+            error=seq.error, stop=stop)
 
     # ---- introspection ------------------------------------------------------------------------
 
