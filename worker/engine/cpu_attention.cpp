@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_attention.h"
 #include "cpu_kernels.h"
 
 namespace {
@@ -397,9 +398,7 @@ void dispatch(const T* q, const T* kv, T* out, const int32_t* tables, const int3
 
 }  // namespace
 
-// q: [num_heads, T, head_dim] with strides (q_stride_h, q_stride_t, 1), rows 0..num_seqs-1 the
-// decodes; out: [T, num_heads, head_dim] contiguous; tables: [num_seqs, table_width] int32;
-// ctx_lens: [num_seqs] int32 (keys [0, ctx_len)). dtype: 0 = float32 everywhere, 1 = bfloat16.
+// The arguments: cpu_attention.h.
 extern "C" int kvfleet_paged_decode(
         int dtype, const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv, void* out,
         const int32_t* tables, int64_t table_width, const int32_t* ctx_lens, int num_seqs,
