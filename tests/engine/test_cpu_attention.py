@@ -195,10 +195,10 @@ def test_the_build_is_cached_per_source_and_cpu(tmp_path):
 def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-kvfleet")
     monkeypatch.setenv("KVFLEET_KERNEL_CACHE", str(tmp_path))
-    cpu_kernels.kernel.cache_clear()
+    cpu_kernels.clear_cache()
     cpu_linear.own_product.cache_clear()
     yield
-    cpu_kernels.kernel.cache_clear()
+    cpu_kernels.clear_cache()
     cpu_linear.own_product.cache_clear()
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine import cpu_kernels
+from worker.engine.cpu_kernels import decode_kernel, layer_ops_kernel, prefill_kernel
 from worker.engine.kernel_build import KernelUnavailable
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.torch_private import named_while_profiling
@@ -73,7 +74,7 @@ def prefill_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> b
     if not supports(pool, dtype):
         return False
     try:
-        prefill = cpu_kernels.kernel("prefill")
+        prefill = prefill_kernel()
         return bool(prefill.kvfleet_prefill_supported(DTYPE_CODES[dtype], head_dim))
     except KernelUnavailable:
         return False
@@ -88,7 +89,7 @@ def paged_decode(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuDe
     num_heads, _, head_dim = query.shape
     kv = pool.layer(layer)  # [2, KVH, NB, bs, D], contiguous
     with named_while_profiling("attention (cpu kernel)"):
-        status = cpu_kernels.kernel("decode").kvfleet_paged_decode(
+        status = decode_kernel().kvfleet_paged_decode(
             DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
             kv.data_ptr(), out.data_ptr(), plan.block_tables.data_ptr(), plan.block_tables.shape[1],
             plan.ctx_lens.data_ptr(), plan.num_seqs, num_heads, pool.layout.num_kv_heads,
@@ -107,7 +108,7 @@ def paged_prefill(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuP
     num_heads, _, head_dim = query.shape
     kv = pool.layer(layer)  # [2, KVH, NB, bs, D], contiguous
     with named_while_profiling("attention (cpu prefill kernel)"):
-        status = cpu_kernels.kernel("prefill").kvfleet_paged_prefill(
+        status = prefill_kernel().kvfleet_paged_prefill(
             DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
             kv.data_ptr(), out.data_ptr(), plan.block_tables.data_ptr(),
             plan.block_tables.shape[1], plan.q_starts.data_ptr(), plan.q_lens.data_ptr(),
@@ -126,7 +127,7 @@ def write_kv(pool: KVCachePool, layer: int, key: torch.Tensor, value: torch.Tens
     assert key.stride() == value.stride() and key.stride(2) == 1 and key.stride(1) == key.shape[2]
     assert key.dtype == pool.kv_format.storage and rows.dtype == torch.int64 and rows.is_contiguous()
     kv = pool.layer(layer)  # [2, KVH, NB, bs, D]
-    status = cpu_kernels.kernel("layer_ops").kvfleet_write_kv(
+    status = layer_ops_kernel().kvfleet_write_kv(
         DTYPE_CODES[key.dtype], key.data_ptr(), value.data_ptr(), key.stride(0), key.shape[0],
         key.shape[1], key.shape[2], rows.data_ptr(), kv.shape[1] * kv.shape[2] * kv.shape[3],
         kv.data_ptr())

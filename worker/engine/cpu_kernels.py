@@ -97,6 +97,34 @@ def kernel(name: str) -> BoundKernel | UnavailableKernel:
     return load_kernel(name, KERNELS)
 
 
+# Each kernel's own accessor, for the calls made every step: a cached call with no argument is
+# the cheapest lookup Python has (kernel(name) hashes its argument).
+@functools.cache
+def decode_kernel() -> BoundKernel | UnavailableKernel:
+    return kernel("decode")
+
+
+@functools.cache
+def prefill_kernel() -> BoundKernel | UnavailableKernel:
+    return kernel("prefill")
+
+
+@functools.cache
+def layer_ops_kernel() -> BoundKernel | UnavailableKernel:
+    return kernel("layer_ops")
+
+
+@functools.cache
+def matmul_kernel() -> BoundKernel | UnavailableKernel:
+    return kernel("matmul")
+
+
+def clear_cache() -> None:
+    """Load every kernel afresh at next use (the tests change the compiler or the sources)."""
+    for cached in (kernel, decode_kernel, prefill_kernel, layer_ops_kernel, matmul_kernel):
+        cached.cache_clear()
+
+
 def load_kernel(name: str, kernels: dict[str, KernelSource],
                 cache_dir: Path | None = None) -> BoundKernel | UnavailableKernel:
     """What `kernel` caches, for any table of kernels (the tests build broken ones)."""

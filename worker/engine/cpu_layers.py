@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
 from worker.engine import cpu_kernels
+from worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
 from worker.engine.cpu_attention import DTYPE_CODES
+from worker.engine.cpu_kernels import layer_ops_kernel
 from worker.engine.cpu_linear import product
 
 FUSED_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
@@ -34,7 +35,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """weight * rms_norm(x) over the last dim of contiguous [rows, hidden]; with `residual`, that
     tensor becomes x + residual first (in place) and the sum is what is normalised."""
     out = torch.empty_like(x)
-    _check(cpu_kernels.kernel("layer_ops").kvfleet_rms_norm(
+    _check(layer_ops_kernel().kvfleet_rms_norm(
         DTYPE_CODES[x.dtype], x.data_ptr(), None if residual is None else residual.data_ptr(),
         weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
         torch.get_num_threads()), "kvfleet_rms_norm")
@@ -44,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x [rows, heads, dim] (last dim contiguous) in place by cos/sin [rows, dim]."""
     assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
-    _check(cpu_kernels.kernel("layer_ops").kvfleet_rope(
+    _check(layer_ops_kernel().kvfleet_rope(
         DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1),
         x.shape[2], cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()), "kvfleet_rope")
 
@@ -53,7 +54,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from contiguous [rows, 2 * inter] (gate, then up) -> [rows, inter]."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, inter)
-    _check(cpu_kernels.kernel("layer_ops").kvfleet_silu_mul(
+    _check(layer_ops_kernel().kvfleet_silu_mul(
         DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, inter,
         torch.get_num_threads()), "kvfleet_silu_mul")
     return out

@@ -27,8 +27,9 @@ import os
 import torch
 
 from shared.cpu_features import cpu_features
-from worker.engine import cpu_kernels, torch_private
+from worker.engine import torch_private
 from worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable
+from worker.engine.cpu_kernels import matmul_kernel
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 _BATCH_HINT = 64  # rows the packing is tuned for; measured flat from 1 to 512 rows
@@ -59,7 +60,7 @@ def own_product(dtype: torch.dtype) -> bool:
             or (choice == "auto" and cpu_features().isa == "AMX")):
         return False
     try:
-        matmul = cpu_kernels.kernel("matmul")
+        matmul = matmul_kernel()
         supported = bool(matmul.kvfleet_linear_supported(DTYPE_CODES[dtype]))
     except KernelUnavailable as exc:
         if choice == "kvfleet":
@@ -110,7 +111,7 @@ class KernelLinear(torch.nn.Module):
         # kept as a plain attribute, like PackedLinear's: nothing that casts or counts parameters
         # must take it for an [out, in] matrix
         self.packed_weight = torch.empty(blocks * steps * per * 16, dtype=self.dtype)
-        matmul = cpu_kernels.kernel("matmul")
+        matmul = matmul_kernel()
         _check(matmul.kvfleet_pack_linear(
             DTYPE_CODES[self.dtype], weight.data_ptr(), self.out_features, self.in_features,
             self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_pack_linear")

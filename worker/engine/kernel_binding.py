@@ -27,7 +27,7 @@ _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _EXTERN_BLOCK = re.compile(r'extern\s+"C"\s*\{(.*?)\}', re.S)
 _DECLARATION = re.compile(r"^(?P<result>[A-Za-z_][\w\s]*?)\s*\b(?P<name>[A-Za-z_]\w*)\s*"
                           r"\((?P<params>[^()]*)\)$", re.S)
-_PARAMETER = re.compile(r"^(?P<type>[A-Za-z_][\w\s]*?)\s*(?P<stars>\**)\s*(?P<name>[A-Za-z_]\w*)$")
+_NAME = re.compile(r"^[A-Za-z_]\w*$")
 
 
 class HeaderError(ValueError):
@@ -69,21 +69,21 @@ def _declaration(statement: str) -> Declaration:
     if result not in RESULTS:
         raise HeaderError(f"{name}: return type {result!r} (expected one of {', '.join(RESULTS)})")
     params = match["params"].strip()
-    parsed = [_parameter(name, p.strip()) for p in params.split(",")] if params not in ("", "void") else []
+    parsed = [] if params in ("", "void") else [_parameter(name, p) for p in params.split(",")]
     return Declaration(name, RESULTS[result], tuple(t for t, _ in parsed), tuple(n for _, n in parsed))
 
 
 def _parameter(function: str, text: str) -> tuple[type, str]:
-    match = _PARAMETER.match(text)
-    if match is None:
+    words = text.replace("*", " * ").split()
+    if len(words) < 2 or not _NAME.match(words[-1]):
         raise HeaderError(f"{function}: a parameter needs a type and a name: {text!r}")
-    base = " ".join(w for w in match["type"].split() if w != "const")
-    if match["stars"]:
-        return ctypes.c_void_p, match["name"]  # an address: data_ptr() or None
+    name, base = words[-1], " ".join(w for w in words[:-1] if w not in ("const", "*"))
+    if "*" in words:
+        return ctypes.c_void_p, name  # an address: data_ptr() or None
     if base not in SCALARS:
-        raise HeaderError(f"{function}: parameter {match['name']!r} of type {base!r} "
+        raise HeaderError(f"{function}: parameter {name!r} of type {base!r} "
                           f"(expected a pointer or one of {', '.join(SCALARS)})")
-    return SCALARS[base], match["name"]
+    return SCALARS[base], name
 
 
 class BoundKernel:
