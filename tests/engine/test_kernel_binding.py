@@ -18,7 +18,7 @@ import torch
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
 from worker.engine import cpu_kernels, cpu_linear
 from worker.engine.cpu_attention import KernelUnavailable
-from worker.engine.cpu_kernels import KERNELS, KernelSource, load_kernel
+from worker.engine.cpu_kernels import KERNELS, KernelSource, build_and_bind
 from worker.engine.cpu_layers import rms_norm
 from worker.engine.device import resolve_attention_backend
 from worker.engine.kernel_binding import HeaderError, parse_header, read_header
@@ -114,7 +114,7 @@ def test_a_parameter_added_to_a_declaration_reaches_the_binding(tmp_path):
     _add_parameter(copy.header, "int64_t rows, int inter,", "int64_t rows, int inter, int extra,")
     _add_parameter(copy.source, "int64_t rows,\n                                int inter,",
                    "int64_t rows,\n                                int inter, int extra,")
-    bound = load_kernel("layer_ops", {"layer_ops": copy}, tmp_path / "cache")
+    bound = build_and_bind("layer_ops", {"layer_ops": copy}, tmp_path / "cache")
     assert len(bound.kvfleet_silu_mul.argtypes) == len(declared("layer_ops")["kvfleet_silu_mul"].params) + 1
     gate_up, out = torch.randn(2, 8), torch.empty(2, 4)
     with pytest.raises(TypeError, match="argument"):
@@ -127,7 +127,7 @@ def test_a_declaration_the_source_does_not_match_fails_its_build(tmp_path, caplo
     copy = _copy_kernel(tmp_path, "layer_ops")
     _add_parameter(copy.header, "int64_t rows, int inter,", "int64_t rows, int inter, int extra,")
     with caplog.at_level(logging.WARNING, logger="worker.engine.cpu_kernels"):
-        bound = load_kernel("layer_ops", {"layer_ops": copy}, tmp_path / "cache")
+        bound = build_and_bind("layer_ops", {"layer_ops": copy}, tmp_path / "cache")
     assert isinstance(bound, cpu_kernels.UnavailableKernel)
     assert "conflicting declaration" in bound.reason and "kvfleet_silu_mul" in bound.reason
     assert "the layer_ops kernel (cpu_layer_ops.cpp) is unavailable" in caplog.text

@@ -30,10 +30,14 @@ def decided_afresh():
     clear()
 
 
-def test_this_torch_is_a_checked_version():
-    """The suite runs on a version it lists (CHECKED_TORCH is kept with what the tests run on)."""
-    assert torch_private.version_checked(), (
-        f"torch {torch.__version__}: add it to torch_private.CHECKED_TORCH once this suite passes")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_checked_version_is_trusted_where_the_probe_agrees(monkeypatch, decided_afresh, dtype):
+    """What CHECKED_TORCH claims: on this torch, trusting the ops decides as probing them does."""
+    monkeypatch.setattr(torch_private, "CHECKED_TORCH", (torch_private.torch_version(),))
+    trusted = torch_private.onednn_packing_available(dtype)
+    torch_private.onednn_packing_available.cache_clear()
+    monkeypatch.setattr(torch_private, "CHECKED_TORCH", ())
+    assert torch_private.onednn_packing_available(dtype) == trusted
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

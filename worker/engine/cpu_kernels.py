@@ -93,8 +93,14 @@ class UnavailableKernel:
 def kernel(name: str) -> BoundKernel | UnavailableKernel:
     """Kernel `name` of KERNELS, built on first call: its functions typed from its header
     (`kernel("matmul").kvfleet_linear(...)`), or an UnavailableKernel. Never raises."""
-    build_all()  # a first start compiles every kernel side by side; later ones find them built
-    return load_kernel(name, KERNELS)
+    _first_build()
+    return build_and_bind(name, KERNELS)
+
+
+@functools.cache
+def _first_build() -> None:
+    """A first start compiles every kernel side by side; later starts find them built."""
+    build_all()
 
 
 # Each kernel's own accessor, for the calls made every step: a cached call with no argument is
@@ -121,12 +127,13 @@ def matmul_kernel() -> BoundKernel | UnavailableKernel:
 
 def clear_cache() -> None:
     """Load every kernel afresh at next use (the tests change the compiler or the sources)."""
-    for cached in (kernel, decode_kernel, prefill_kernel, layer_ops_kernel, matmul_kernel):
+    for cached in (_first_build, kernel, decode_kernel, prefill_kernel, layer_ops_kernel,
+                   matmul_kernel):
         cached.cache_clear()
 
 
-def load_kernel(name: str, kernels: dict[str, KernelSource],
-                cache_dir: Path | None = None) -> BoundKernel | UnavailableKernel:
+def build_and_bind(name: str, kernels: dict[str, KernelSource],
+                   cache_dir: Path | None = None) -> BoundKernel | UnavailableKernel:
     """What `kernel` caches, for any table of kernels (the tests build broken ones)."""
     import torch  # noqa: F401  - torch's libgomp must be loaded first, so the kernel shares it
     spec = kernels[name]
