@@ -201,10 +201,9 @@ inline __m512 transpose_sum16(__m512 v[16]) {
 
 // scores[r * ctx + t] = scale * q_r . k_t for the rows of one page (n <= block_size). Each group
 // of 16 rows requests the same rows of the next page (`next`, n_next rows): a steady distance of
-// one page ahead, which kept two threads reading random pages from DRAM at 24-25 GB/s against
-// 14-15 GB/s when the whole next page was requested at each page's start (Zen 5, 30 layers'
-// pools, 32 streams; the same in P.V below). `values` (or null): this page's V rows, requested
-// beside their K rows so that P.V finds them in the cache (1.02-1.09x, Zen 4).
+// one page ahead keeps the threads reading random pages from DRAM faster than requesting the
+// whole next page at each page's start (the same in P.V below). `values` (or null): this page's
+// V rows, requested beside their K rows so that P.V finds them in the cache.
 template <int kChunks>
 inline void page_scores(const __m512bh* qv, int rep, const uint16_t* page, int n, int t0,
                         float scale, float* scores, int ctx, const uint16_t* next, int n_next,

@@ -154,9 +154,8 @@ void product(const Product<D>& p, int64_t m, int threads) {
     // Threads take chunks of blocks as they finish the last, about 8 chunks per thread, each a
     // whole number of tiles: where one thread streams its weights slower (a smaller share of the
     // memory bandwidth, another process on its core) the other takes more chunks instead of
-    // waiting for it. A decode step's products at 1-4 rows, 30 layers' weights read from memory,
-    // 2 threads, alternated in one process: 3-7% faster than halves fixed in advance (Zen 4);
-    // the same at 16-64 rows.
+    // waiting for it (faster than halves fixed in advance at decode sizes, the same at 16-64
+    // rows).
     const int group = m <= 4 ? 4 : 3;
     const int64_t target = (num_blocks + 8 * threads - 1) / (8 * threads);
     const int64_t chunk = (target + group - 1) / group * group;
