@@ -6,7 +6,8 @@ the declaration; this module reads the same declarations to set each function's 
 `restype`, so the binding cannot drift from the header either. A parameter added to a declaration
 makes every call that leaves it out raise TypeError instead of passing garbage. (ctypes lets a
 call pass *more* arguments than `argtypes` names: tests/engine/test_kernel_binding.py checks the
-argument count of every call in worker/ against the header.)
+argument count of every call in worker/ against the header, so a function is called by its name,
+or held under it: `self._kvfleet_linear = matmul_kernel().kvfleet_linear`.)
 
 The headers use a small subset of C: `int`, `int32_t`, `int64_t`, `float`, `double` and pointers
 (passed as addresses: `tensor.data_ptr()`, or None for null). Anything else is refused, so a type
