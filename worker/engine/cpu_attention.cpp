@@ -1,4 +1,5 @@
-// Paged decode attention on the CPU (worker/engine/cpu_attention.py builds and calls it).
+// Paged decode attention on the CPU (worker/engine/cpu_kernels.py builds it, cpu_attention.py
+// calls it; its interface: cpu_attention.h).
 //
 // Each decoding sequence has one query; the query heads that share a KV head (`rep` of them)
 // are computed together so every K/V row is read once, in place, from the pool's blocks through

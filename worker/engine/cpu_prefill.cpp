@@ -1,6 +1,6 @@
-// Paged prefill attention on the CPU with AVX-512 (worker/engine/cpu_attention.py builds and
-// calls it; elsewhere prefill chunks keep SDPA): bf16 K/V where the CPU has AVX512-BF16, float32
-// K/V on any AVX-512 CPU.
+// Paged prefill attention on the CPU with AVX-512 (worker/engine/cpu_kernels.py builds it,
+// cpu_attention.py calls it, cpu_prefill.h is its interface; elsewhere prefill chunks keep
+// SDPA): bf16 K/V where the CPU has AVX512-BF16, float32 K/V on any AVX-512 CPU.
 //
 // A prefill chunk of n query tokens at positions [start, start + n) attends causally over its
 // sequence's keys [0, start + n), read in place from the pool's blocks through the block table
