@@ -244,6 +244,10 @@ class KernelSettings(BaseSettings):
         default_factory=lambda: Path.home() / ".cache" / "kvfleet" / "kernels",
         json_schema_extra={"default_text": "`~/.cache/kvfleet/kernels`"}, description=(
             "where the C++ CPU kernels are built (once per source, compiler and CPU)"))
+    kernel_sanitize: Literal["address"] | None = Field(None, description=(
+        "`address` builds the C++ CPU kernels with AddressSanitizer (`-O1 -g "
+        "-fsanitize=address`, their own cache names), for the sanitizer test; needs libasan "
+        "preloaded in the process that loads them"))
 
     @field_validator("cpu_products", mode="before")
     @classmethod

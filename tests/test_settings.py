@@ -101,14 +101,23 @@ def test_the_choices_are_the_ones_the_engine_accepts():
 
 
 def test_the_kernel_variables_are_read_through_their_settings(monkeypatch, tmp_path):
-    from worker.engine import cpu_attention
+    from worker.engine import cpu_kernels, cpu_linear
 
     monkeypatch.setenv("KVFLEET_KERNEL_CACHE", str(tmp_path))
-    assert cpu_attention.kernel_cache_dir() == tmp_path
+    assert cpu_kernels.kernel_cache_dir() == tmp_path
     monkeypatch.setenv("KVFLEET_KERNEL_CACHE", "")  # empty: the default, as before
-    assert cpu_attention.kernel_cache_dir() == Path.home() / ".cache" / "kvfleet" / "kernels"
+    assert cpu_kernels.kernel_cache_dir() == Path.home() / ".cache" / "kvfleet" / "kernels"
+    monkeypatch.setenv("KVFLEET_KERNEL_SANITIZE", "address")
+    assert cpu_kernels.sanitizer() == "address"
+    monkeypatch.setenv("KVFLEET_KERNEL_SANITIZE", "")
+    assert cpu_kernels.sanitizer() is None
+    monkeypatch.setenv("KVFLEET_CPU_PRODUCTS", "onednn")
+    assert cpu_linear.products_choice() == "onednn"
     monkeypatch.setenv("KVFLEET_CPU_PRODUCTS", "fastest")
     with pytest.raises(ValueError, match="KVFLEET_CPU_PRODUCTS='fastest': expected one of"):
+        KernelSettings()
+    monkeypatch.setenv("KVFLEET_KERNEL_SANITIZE", "thread")
+    with pytest.raises(ValueError):
         KernelSettings()
 
 

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from shared.cpu_features import cpu_features
 from tests.engine.paged_cases import CASES, NUM_KV_HEADS, ChunkSpec, PagedCase, run_case
 from tests.engine.tiny_models import VOCAB, greedy, random_prompt, run_to_completion
-from worker.engine import cpu_attention, cpu_linear
+from worker.engine import cpu_attention, cpu_kernels, cpu_linear
 from worker.engine.device import resolve_attention_backend
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVCachePool, KVLayout
@@ -184,9 +184,9 @@ def test_auto_picks_the_kernel_on_a_cpu_that_builds_it():
 
 
 def test_the_build_is_cached_per_source_and_cpu(tmp_path):
-    first = cpu_attention.build_kernel(tmp_path)
+    first = cpu_kernels.build_kernel("layer_ops", tmp_path)
     stamp = first.stat().st_mtime_ns
-    again = cpu_attention.build_kernel(tmp_path)
+    again = cpu_kernels.build_kernel("layer_ops", tmp_path)
     assert again == first and again.stat().st_mtime_ns == stamp  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left
 
@@ -195,10 +195,10 @@ def test_the_build_is_cached_per_source_and_cpu(tmp_path):
 def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-kvfleet")
     monkeypatch.setenv("KVFLEET_KERNEL_CACHE", str(tmp_path))
-    cpu_attention.load_kernel.cache_clear()
+    cpu_kernels.clear_cache()
     cpu_linear.own_product.cache_clear()
     yield
-    cpu_attention.load_kernel.cache_clear()
+    cpu_kernels.clear_cache()
     cpu_linear.own_product.cache_clear()
 
 
@@ -214,12 +214,12 @@ def test_without_a_compiler_auto_keeps_sdpa_and_cpu_is_refused(no_compiler, tiny
     assert engine.device_report().endswith("; linears in oneDNN, weights packed")  # float32
 
 
-def test_a_failed_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
+def test_a_failed_build_says_why_and_leaves_no_file(tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_attention, "SOURCES", (broken,))
+    kernels = {"decode": cpu_kernels.KernelSource(broken, cpu_kernels.KERNELS["decode"].header)}
     with pytest.raises(cpu_attention.KernelUnavailable, match="compiling broken.cpp failed"):
-        cpu_attention.build_kernel(tmp_path / "cache")
+        cpu_kernels.build_kernel("decode", tmp_path / "cache", kernels)
     assert list((tmp_path / "cache").iterdir()) == []
 
 

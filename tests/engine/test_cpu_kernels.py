@@ -13,8 +13,7 @@ import torch.nn.functional as F
 
 from shared.cpu_features import cpu_features
 from tests.engine.tiny_models import MODEL_FACTORIES
-from worker.engine import cpu_linear
-from worker.engine.cpu_attention import load_kernel, unavailable_reason
+from worker.engine import cpu_kernels, cpu_linear
 from worker.engine.cpu_linear import (
     KernelLinear, PackedLinear, SiblingLinear, fuse_sibling_linears, own_product,
     pack_cpu_linears, packing_available)
@@ -127,8 +126,8 @@ def test_a_fused_model_computes_what_the_packed_one_does_and_still_copies():
 
 # ---- kvfleet's product (cpu_matmul.cpp) ------------------------------------------------------------
 
-_BUILDS = {dtype: unavailable_reason() is None
-           and bool(load_kernel().kvfleet_linear_supported(code))
+_BUILDS = {dtype: cpu_kernels.unavailable_reason("matmul") is None
+           and bool(cpu_kernels.kernel("matmul").kvfleet_linear_supported(code))
            for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1))}
 OWN_DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(
     not _BUILDS[dtype], reason=f"kvfleet's {dtype} product needs AVX-512 (bf16: AVX512-BF16) and "

@@ -1,4 +1,5 @@
-// Paged decode attention on the CPU (worker/engine/cpu_attention.py builds and calls it).
+// Paged decode attention on the CPU (worker/engine/cpu_kernels.py builds it, cpu_attention.py
+// calls it; its interface: cpu_attention.h).
 //
 // Each decoding sequence has one query; the query heads that share a KV head (`rep` of them)
 // are computed together so every K/V row is read once, in place, from the pool's blocks through
@@ -19,6 +20,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_attention.h"
 #include "cpu_kernels.h"
 
 namespace {
@@ -200,10 +202,9 @@ inline __m512 transpose_sum16(__m512 v[16]) {
 
 // scores[r * ctx + t] = scale * q_r . k_t for the rows of one page (n <= block_size). Each group
 // of 16 rows requests the same rows of the next page (`next`, n_next rows): a steady distance of
-// one page ahead, which kept two threads reading random pages from DRAM at 24-25 GB/s against
-// 14-15 GB/s when the whole next page was requested at each page's start (Zen 5, 30 layers'
-// pools, 32 streams; the same in P.V below). `values` (or null): this page's V rows, requested
-// beside their K rows so that P.V finds them in the cache (1.02-1.09x, Zen 4).
+// one page ahead keeps the threads reading random pages from DRAM faster than requesting the
+// whole next page at each page's start (the same in P.V below). `values` (or null): this page's
+// V rows, requested beside their K rows so that P.V finds them in the cache.
 template <int kChunks>
 inline void page_scores(const __m512bh* qv, int rep, const uint16_t* page, int n, int t0,
                         float scale, float* scores, int ctx, const uint16_t* next, int n_next,
@@ -397,9 +398,7 @@ void dispatch(const T* q, const T* kv, T* out, const int32_t* tables, const int3
 
 }  // namespace
 
-// q: [num_heads, T, head_dim] with strides (q_stride_h, q_stride_t, 1), rows 0..num_seqs-1 the
-// decodes; out: [T, num_heads, head_dim] contiguous; tables: [num_seqs, table_width] int32;
-// ctx_lens: [num_seqs] int32 (keys [0, ctx_len)). dtype: 0 = float32 everywhere, 1 = bfloat16.
+// The arguments: cpu_attention.h.
 extern "C" int kvfleet_paged_decode(
         int dtype, const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv, void* out,
         const int32_t* tables, int64_t table_width, const int32_t* ctx_lens, int num_seqs,

@@ -1,6 +1,7 @@
-// Scalar helpers shared by the CPU kernels (cpu_attention.cpp, cpu_layer_ops.cpp): bf16 <-> fp32
-// and an exp in plain arithmetic, so that the loops calling them vectorise; on AVX-512 the same
-// exp on 16 lanes (exp512) for the kernels written in intrinsics.
+// Scalar helpers shared by the CPU kernels (cpu_attention.cpp, cpu_prefill.cpp,
+// cpu_layer_ops.cpp): bf16 <-> fp32 and an exp in plain arithmetic, so that the loops calling
+// them vectorise; on AVX-512 the same exp on 16 lanes (exp512) for the kernels written in
+// intrinsics.
 #pragma once
 #include <algorithm>
 #include <cmath>

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "cpu_kernels.h"
+#include "cpu_layer_ops.h"
 
 namespace {
 
@@ -80,7 +81,7 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads
 
 }  // namespace
 
-// dtype: 0 = float32, 1 = bfloat16, as kvfleet_paged_decode. Return 0, or 1 for another dtype.
+// The arguments of each: cpu_layer_ops.h.
 extern "C" int kvfleet_rms_norm(int dtype, const void* x, void* residual, const void* weight,
                                 void* out, int64_t rows, int hidden, float eps, int num_threads) {
     if (dtype == 0)
@@ -123,11 +124,7 @@ extern "C" int kvfleet_silu_mul(int dtype, const void* gate_up, void* out, int64
     return 0;
 }
 
-// The step's new K and V rows into the pool, straight from the q/k/v product: k and v are
-// [tokens, num_kv_heads, head_dim] with `row_stride` elements between tokens (views into that
-// product); rows[h * tokens + t] is the pool row (h * slots + slot) of token t's head h, as
-// AttentionContext.write_index; pool_layer is one layer [2, num_kv_heads * slots, head_dim]
-// (K then V), slots_per_kv = num_kv_heads * slots. Plain copies: the pool stores the model's dtype.
+// Plain copies: the pool stores the model's dtype.
 extern "C" int kvfleet_write_kv(int dtype, const void* k, const void* v, int64_t row_stride,
                                 int64_t tokens, int num_kv_heads, int head_dim,
                                 const int64_t* rows, int64_t slots_per_kv, void* pool_layer) {

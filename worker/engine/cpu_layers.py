@@ -1,7 +1,7 @@
 """Decoder layers of Llama-family models (Llama, Qwen2, Mistral) on the CPU, fused (bf16, float32).
 
 HF's eager layer runs about 30 small torch ops per layer around 7 matrix products; at decode sizes
-their per-op cost and the Python between them is a third of a step. `FusedDecoderLayer` computes
+their per-op cost and the Python between them are a large share of a step. `FusedDecoderLayer` computes
 the same layer as 4 packed oneDNN products (q/k/v together, o, gate/up together, down), the
 engine's paged attention, and 3 C++ element-wise passes (cpu_layer_ops.cpp: RMSNorm with the
 residual add folded in, RoPE in place on q and k, SiLU(gate) * up), rounding to bf16 where the
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from worker.engine import cpu_kernels
 from worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
-from worker.engine.cpu_attention import DTYPE_CODES, load_kernel
+from worker.engine.cpu_attention import DTYPE_CODES
+from worker.engine.cpu_kernels import layer_ops_kernel
 from worker.engine.cpu_linear import product
 
 FUSED_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
@@ -33,7 +35,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """weight * rms_norm(x) over the last dim of contiguous [rows, hidden]; with `residual`, that
     tensor becomes x + residual first (in place) and the sum is what is normalised."""
     out = torch.empty_like(x)
-    _check(load_kernel().kvfleet_rms_norm(
+    _check(layer_ops_kernel().kvfleet_rms_norm(
         DTYPE_CODES[x.dtype], x.data_ptr(), None if residual is None else residual.data_ptr(),
         weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
         torch.get_num_threads()), "kvfleet_rms_norm")
@@ -43,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x [rows, heads, dim] (last dim contiguous) in place by cos/sin [rows, dim]."""
     assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
-    _check(load_kernel().kvfleet_rope(
+    _check(layer_ops_kernel().kvfleet_rope(
         DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1),
         x.shape[2], cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()), "kvfleet_rope")
 
@@ -52,7 +54,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from contiguous [rows, 2 * inter] (gate, then up) -> [rows, inter]."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, inter)
-    _check(load_kernel().kvfleet_silu_mul(
+    _check(layer_ops_kernel().kvfleet_silu_mul(
         DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, inter,
         torch.get_num_threads()), "kvfleet_silu_mul")
     return out
@@ -140,10 +142,11 @@ def can_fuse(layer: torch.nn.Module) -> bool:
 
 
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
-    """Replace every layer `can_fuse` accepts (and then the final norm); returns how many."""
+    """Replace every layer `can_fuse` accepts (and then the final norm) where the layer ops'
+    kernel loads here; returns how many."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        return 0
+    if layers is None or cpu_kernels.unavailable_reason("layer_ops") is not None:
+        return 0  # without the element-wise ops HF's layers stay (the log said why)
     fused = 0
     for i, layer in enumerate(layers):
         if can_fuse(layer):

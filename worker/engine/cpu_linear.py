@@ -1,26 +1,21 @@
-"""Linear layers with their weights pre-packed for oneDNN, for CPU models (bf16 and float32).
+"""Linear layers with their weights pre-packed, for CPU models (bf16 and float32).
 
 `F.linear` on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout on every call;
-packing it once at start-up (what torch.compile's CPU freezing does) saves that: measured on a
-Zen 4 core (AVX512-BF16) at the default model's shapes, 20 % at 32 rows (decode), 45 % at 1 row,
-3 % at 512 rows (prefill). The packed op computes the same products: outputs are bit-identical to
-`F.linear` in those measurements. float32 `F.linear` goes to MKL's sgemm; oneDNN's packed float32
-product beats it at decode sizes (measured on a 2-core AMD EPYC, AVX2 only, 2 threads, the default
-model's shapes: 1.2-2.1x at 8-64 rows, the 49,152-row LM head 2.2-2.8x; level at 512 rows, 0.6-0.8x
-at one row), with sums taken in another order (relative differences of ~1e-7, greedy output still
-that of HF `generate` in the tests). bf16 packs only on CPUs with native bf16.
+packing it once at start-up (what torch.compile's CPU freezing does) saves that, most at decode
+sizes. The packed op computes the same products: bf16 outputs are bit-identical to `F.linear` in
+our measurements. float32 `F.linear` goes to MKL's sgemm; oneDNN's packed float32 product beats it
+at decode sizes (measured on an AVX2-only CPU; level at prefill sizes), with sums taken in another
+order (relative differences of ~1e-7, greedy output still that of HF `generate` in the tests).
+bf16 packs only on CPUs with native bf16. oneDNN's packing is a private torch API:
+torch_private.py guards it, and where it is missing or disagrees linears stay on `F.linear`.
 
 On CPUs with AVX-512 and no AMX, linears take kvfleet's own product instead (`KernelLinear`,
 cpu_matmul.cpp; bf16 needs AVX512-BF16): one weight copy packed in 16-output blocks of columns
 (bf16: column pairs), streamed once per product with FMA (vdpbf16ps). oneDNN reads its packed
-weights at about half the memory bandwidth at decode sizes; measured on a 2-core Zen 4 (AMD
-EPYC, AVX512-BF16), 2 threads, the default model's products of one decode step (30 layers'
-q/k/v, o, gate/up, down and the LM head), ours against oneDNN's: bf16 8.7 against 13.9 ms at 1
-row, 10.6 against 14.4 at 8, 44 against 50 at 64, 335 against 330 at 512; float32 17.2 against
-24.8 at 1 row, 16.4 against 25.2 at 8, 86 against 98 at 64, 684 against 693 at 512. On AMX CPUs
-oneDNN's tiles do bf16 prefill products faster, so they keep oneDNN (not measured against ours
-there). `KVFLEET_CPU_PRODUCTS` overrides: `onednn` (oneDNN wherever it packs) or `kvfleet` (the
-own product wherever it builds).
+weights at about half the memory bandwidth at decode sizes, which is what decode steps are bound
+by (docs/BENCHMARKS.md has the measurements). On AMX CPUs oneDNN's tiles do bf16 prefill products
+faster, so they keep oneDNN. `KVFLEET_CPU_PRODUCTS` overrides: `onednn` (oneDNN wherever it
+packs) or `kvfleet` (the own product wherever it builds).
 """
 
 from __future__ import annotations
@@ -32,10 +27,12 @@ import torch
 
 from shared.cpu_features import cpu_features
 from shared.settings import KernelSettings
-from worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable, load_kernel
+from worker.engine import torch_private
+from worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable
+from worker.engine.cpu_kernels import matmul_kernel
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
-_BATCH_HINT = 64  # rows the packing is tuned for; measured flat from 1 to 512 rows
+_BATCH_HINT = 64  # rows the packing is tuned for (its speed hardly depends on the hint)
 PRODUCTS_ENV = "KVFLEET_CPU_PRODUCTS"
 PRODUCTS_CHOICES = ("auto", "onednn", "kvfleet")
 
@@ -43,10 +40,12 @@ PRODUCTS_CHOICES = ("auto", "onednn", "kvfleet")
 def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """oneDNN packs `dtype` weights here: float32 on any CPU, bf16 only where the CPU computes
     bf16 natively (AVX512-BF16, AMX or AVX-NE-CONVERT); on an AVX2-only CPU its reorder refuses
-    bf16."""
-    return (dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    bf16. Nowhere where torch's private packing ops are missing or disagree (torch_private.py)."""
+    return dtype in PACKED_DTYPES and torch_private.onednn_packing_available(dtype)
+
+
+def products_choice() -> str:
+    return KernelSettings().cpu_products
 
 
 @functools.cache
@@ -54,14 +53,15 @@ def own_product(dtype: torch.dtype) -> bool:
     """Linears of this dtype take kvfleet's product (KernelLinear) here: by default bf16 on CPUs
     whose kernel build has AVX512-BF16, float32 on AVX-512 CPUs, neither where the CPU has AMX;
     `KVFLEET_CPU_PRODUCTS` overrides."""
-    choice = KernelSettings().cpu_products
+    choice = products_choice()
     if choice not in PRODUCTS_CHOICES:
         raise ValueError(f"{PRODUCTS_ENV}={choice!r}: expected one of {', '.join(PRODUCTS_CHOICES)}")
     if (dtype not in DTYPE_CODES or choice == "onednn"
             or (choice == "auto" and cpu_features().isa == "AMX")):
         return False
     try:
-        supported = bool(load_kernel().kvfleet_linear_supported(DTYPE_CODES[dtype]))
+        matmul = matmul_kernel()
+        supported = bool(matmul.kvfleet_linear_supported(DTYPE_CODES[dtype]))
     except KernelUnavailable as exc:
         if choice == "kvfleet":
             raise ValueError(f"{PRODUCTS_ENV}=kvfleet, but the kernel is unavailable: {exc}") from exc
@@ -111,14 +111,15 @@ class KernelLinear(torch.nn.Module):
         # kept as a plain attribute, like PackedLinear's: nothing that casts or counts parameters
         # must take it for an [out, in] matrix
         self.packed_weight = torch.empty(blocks * steps * per * 16, dtype=self.dtype)
-        _check(load_kernel().kvfleet_pack_linear(
+        matmul = matmul_kernel()
+        _check(matmul.kvfleet_pack_linear(
             DTYPE_CODES[self.dtype], weight.data_ptr(), self.out_features, self.in_features,
             self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_pack_linear")
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(),
                                                                         requires_grad=False)
         self._bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
         # what every call passes, looked up once (a decode step makes ~4 calls per layer)
-        self._code, self._function = DTYPE_CODES[self.dtype], load_kernel().kvfleet_linear
+        self._code, self._kvfleet_linear = DTYPE_CODES[self.dtype], matmul.kvfleet_linear
         self._weight_ptr = self.packed_weight.data_ptr()
         self._bias_ptr = None if self._bias32 is None else self._bias32.data_ptr()
 
@@ -133,7 +134,7 @@ class KernelLinear(torch.nn.Module):
             rows = rows.contiguous()
         num_rows = rows.shape[0]
         out = torch.empty((num_rows, self.out_features), dtype=self.dtype)
-        _check(self._function(self._code, rows.data_ptr(), num_rows, self.in_features,
+        _check(self._kvfleet_linear(self._code, rows.data_ptr(), num_rows, self.in_features,
                               rows.stride(0), self._weight_ptr, self.out_features, self._bias_ptr,
                               out.data_ptr(), self.out_features, torch.get_num_threads()),
                "kvfleet_linear")
@@ -162,8 +163,8 @@ class PackedLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # The packed tensor has the opaque mkldnn layout: kept as a plain attribute, not a
         # parameter or buffer, so that nothing that walks parameters (casts, byte counts) sees it.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
-                                                                     _BATCH_HINT)
+        self.packed_weight = torch_private.pack_linear_weight(linear.weight.detach(), _BATCH_HINT)
+        self._linear_op = torch_private.linear_op()  # resolved once: called per forward
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(),
                                                                         requires_grad=False)
 
@@ -172,7 +173,7 @@ class PackedLinear(torch.nn.Module):
         return _copy_sharing_packed_weight(self, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return self._linear_op(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def pack_cpu_linears(model: torch.nn.Module, shared: bool = False) -> int:
@@ -210,9 +211,8 @@ class SiblingProduct:
     concatenated weights and keeps the others; each sibling's call takes its share once. A call
     with another input tensor (or a share taken twice) starts a new round, so a model that calls
     the siblings in any order, or skips one, still gets what its own linear would compute.
-    Fewer, larger matmuls per layer (7 -> 4) matter at decode sizes: measured on a 2-core Xeon
-    (AMX) at the default model's shapes, one layer's linears 654 -> 475 us at 32 rows, and whole
-    decode steps of the engine 9-16 % faster at 32 streams, 13-19 % at 8.
+    Fewer, larger matmuls per layer (7 -> 4) matter at decode sizes, where each product's fixed
+    cost is a large share of its time.
     """
 
     def __init__(self, linears: list[torch.nn.Linear]):

@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_matmul.h"
+
 namespace {
 
 constexpr int kLanes = 16;          // outputs per block: one vector of fp32 sums
@@ -152,9 +154,8 @@ void product(const Product<D>& p, int64_t m, int threads) {
     // Threads take chunks of blocks as they finish the last, about 8 chunks per thread, each a
     // whole number of tiles: where one thread streams its weights slower (a smaller share of the
     // memory bandwidth, another process on its core) the other takes more chunks instead of
-    // waiting for it. A decode step's products at 1-4 rows, 30 layers' weights read from memory,
-    // 2 threads, alternated in one process: 3-7% faster than halves fixed in advance (Zen 4);
-    // the same at 16-64 rows.
+    // waiting for it (faster than halves fixed in advance at decode sizes, the same at 16-64
+    // rows).
     const int group = m <= 4 ? 4 : 3;
     const int64_t target = (num_blocks + 8 * threads - 1) / (8 * threads);
     const int64_t chunk = (target + group - 1) / group * group;
@@ -196,10 +197,8 @@ void pack(const T* w, int64_t n, int64_t k, int per, T* out, int threads) {
 
 }  // namespace
 
-extern "C" {
+extern "C" {  // the arguments of each: cpu_matmul.h
 
-// 1 where this build computes products of `dtype` (0 float32: AVX-512F; 1 bf16: AVX512-BF16,
-// BW and VL), else 0
 int kvfleet_linear_supported(int dtype) {
 #if defined(__AVX512F__)
     if (dtype == 0) return 1;
@@ -210,8 +209,6 @@ int kvfleet_linear_supported(int dtype) {
     return 0;
 }
 
-// w [n, k] row-major -> out: [n/16][k][16] float32 or [n/16][k/2][16][2] bf16, rows and columns
-// past n and k zero (16 * ceil(n / 16) * k elements, k rounded up to even for bf16)
 int kvfleet_pack_linear(int dtype, const void* w, int64_t n, int64_t k, void* out, int threads) {
     if (dtype == 0) {
         pack(static_cast<const float*>(w), n, k, 1, static_cast<float*>(out), threads);
@@ -224,8 +221,6 @@ int kvfleet_pack_linear(int dtype, const void* w, int64_t n, int64_t k, void* ou
     return -1;
 }
 
-// y[i, :n] = x[i, :k] W^T (+ bias) for i < m, in `dtype`; x and y rows `x_stride` / `y_stride`
-// elements apart; bias n floats or null. -1 where this build has no products of that dtype.
 int kvfleet_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
                    const void* packed, int64_t n, const float* bias, void* y, int64_t y_stride,
                    int threads) {

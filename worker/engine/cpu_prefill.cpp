@@ -1,6 +1,6 @@
-// Paged prefill attention on the CPU with AVX-512 (worker/engine/cpu_attention.py builds and
-// calls it; elsewhere prefill chunks keep SDPA): bf16 K/V where the CPU has AVX512-BF16, float32
-// K/V on any AVX-512 CPU.
+// Paged prefill attention on the CPU with AVX-512 (worker/engine/cpu_kernels.py builds it,
+// cpu_attention.py calls it, cpu_prefill.h is its interface; elsewhere prefill chunks keep
+// SDPA): bf16 K/V where the CPU has AVX512-BF16, float32 K/V on any AVX-512 CPU.
 //
 // A prefill chunk of n query tokens at positions [start, start + n) attends causally over its
 // sequence's keys [0, start + n), read in place from the pool's blocks through the block table
@@ -36,6 +36,7 @@
 #endif
 
 #include "cpu_kernels.h"
+#include "cpu_prefill.h"
 
 #if defined(__AVX512F__)
 #define KVFLEET_PREFILL_F32 1
@@ -426,8 +427,7 @@ void prefill_task_bf16(const uint16_t* q, const uint16_t* kv, uint16_t* out, con
 
 }  // namespace
 
-// 1 where kvfleet_paged_prefill computes this dtype (0 float32, 1 bfloat16) and head_dim on
-// this build, else 0.
+// The arguments of both: cpu_prefill.h.
 extern "C" int kvfleet_prefill_supported(int dtype, int head_dim) {
     const bool shape = head_dim == 64 || head_dim == 128;
 #if KVFLEET_PREFILL_BF16
@@ -441,12 +441,6 @@ extern "C" int kvfleet_prefill_supported(int dtype, int head_dim) {
     return 0;
 }
 
-// q: [num_heads, T, head_dim] with strides (q_stride_h, q_stride_t, 1); out: [T, num_heads,
-// head_dim] contiguous; chunk c's queries are rows [q_starts[c], q_starts[c] + q_lens[c]) at
-// positions [ctx_ends[c] - q_lens[c], ctx_ends[c]), its keys [0, ctx_ends[c]) through
-// tables[c] ([num_chunks, table_width] int32). Pool layer layout as the decode kernel's.
-// Returns 0, or 1 for an unsupported dtype or head_dim (kvfleet_prefill_supported), 2 for a
-// bad shape.
 extern "C" int kvfleet_paged_prefill(
         int dtype, const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv, void* out,
         const int32_t* tables, int64_t table_width, const int32_t* q_starts, const int32_t* q_lens,

@@ -1,0 +1,34 @@
+// The C interface of a decoder layer's element-wise ops (cpu_layer_ops.cpp). These declarations
+// are the one source of their types: cpu_layer_ops.cpp includes them (the compiler refuses a
+// definition that differs), and kernel_binding.py reads them to type the ctypes binding.
+// dtype: 0 = float32, 1 = bfloat16, as kvfleet_paged_decode. Each returns 0, or 1 for another
+// dtype.
+#pragma once
+#include <cstdint>
+
+extern "C" {
+
+// out = weight * rms_norm(x) over contiguous [rows, hidden]; with residual (else null):
+// residual <- x + residual first, and that sum is what is normalised.
+int kvfleet_rms_norm(int dtype, const void* x, void* residual, const void* weight, void* out,
+                     int64_t rows, int hidden, float eps, int num_threads);
+
+// x [rows, heads, dim] (row_stride, head_stride, 1) rotated in place by cos/sin [rows, dim].
+int kvfleet_rope(int dtype, void* x, int64_t rows, int heads, int64_t row_stride,
+                 int64_t head_stride, int dim, const void* cos, const void* sin,
+                 int num_threads);
+
+// out [rows, inter] = silu(gate) * up from contiguous gate_up [rows, 2 * inter].
+int kvfleet_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
+                     int num_threads);
+
+// The step's new K and V rows into the pool, straight from the q/k/v product: k and v are
+// [tokens, num_kv_heads, head_dim] with `row_stride` elements between tokens (views into that
+// product); rows[h * tokens + t] is the pool row (h * slots + slot) of token t's head h, as
+// AttentionContext.write_index; pool_layer is one layer [2, num_kv_heads * slots, head_dim]
+// (K then V), slots_per_kv = num_kv_heads * slots. Returns 2 for a row outside the pool.
+int kvfleet_write_kv(int dtype, const void* k, const void* v, int64_t row_stride, int64_t tokens,
+                     int num_kv_heads, int head_dim, const int64_t* rows, int64_t slots_per_kv,
+                     void* pool_layer);
+
+}  // extern "C"

@@ -1,0 +1,25 @@
+// The C interface of kvfleet's linear product (cpu_matmul.cpp). These declarations are the one
+// source of its types: cpu_matmul.cpp includes them (the compiler refuses a definition that
+// differs), and kernel_binding.py reads them to type the ctypes binding.
+#pragma once
+#include <cstdint>
+
+extern "C" {
+
+// 1 where this build computes products of `dtype` (0 float32: AVX-512F; 1 bf16: AVX512-BF16,
+// BW and VL), else 0.
+int kvfleet_linear_supported(int dtype);
+
+// w [n, k] row-major -> out: [n/16][k][16] float32 or [n/16][k/2][16][2] bf16, rows and columns
+// past n and k zero (16 * ceil(n / 16) * k elements, k rounded up to even for bf16). Returns 0,
+// -1 for another dtype.
+int kvfleet_pack_linear(int dtype, const void* w, int64_t n, int64_t k, void* out, int threads);
+
+// y[i, :n] = x[i, :k] W^T (+ bias) for i < m, in `dtype`; x and y rows `x_stride` / `y_stride`
+// elements apart; bias n floats or null. Returns 0, -1 where this build has no products of that
+// dtype.
+int kvfleet_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                   const void* packed, int64_t n, const float* bias, void* y, int64_t y_stride,
+                   int threads);
+
+}  // extern "C"
