@@ -40,7 +40,7 @@ from benchmarks.vllm_peer import SETUP_HINT, SETUPS, describe_setup, run_offline
 from shared.cpu_features import cpu_features
 from worker.engine.cpu_linear import product
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.kv_cache import resolve_dtype
+from worker.engine.device import resolve_dtype
 
 # The team's benchmark trace lies beside the repository (`../shared/workloads/`); --workload picks another.
 WORKLOAD = str(Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat-mix.jsonl")

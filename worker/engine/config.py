@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from worker.engine.cuda_graphs import CUDA_GRAPH_MODES
-from worker.engine.device import ATTENTION_BACKENDS
+from worker.engine.attention import ATTENTION_BACKENDS
 from worker.engine.kv_format import KV_DTYPE_CHOICES
 from worker.engine.preemption import PREEMPTION_MODES
 

@@ -18,7 +18,7 @@ system's C++ compiler (`$CXX`, default `g++`), for this machine's ISA (`-march=n
 the flags, the compiler and the CPU, and is loaded with ctypes. Its OpenMP calls run on the
 libgomp that torch has already loaded (the loader shares a library by its soname), so the kernel
 uses torch's thread pool and thread count. Without a compiler the worker keeps gather + SDPA
-(`resolve_attention_backend` says why at start-up).
+(`attention.resolve_attention_backend` says why at start-up).
 
 Prefill chunks take the prefill kernel on CPUs with AVX-512 (bf16 with AVX512-BF16): each
 chunk attends causally over its keys in place, its 16-token query tiles against 8 keys at a time
@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from worker.engine.device import is_cpu
 from worker.engine.kv_cache import KVCachePool
 
 # one library: the decode and prefill kernels, the decoder layer's element-wise ops
@@ -182,7 +183,7 @@ def supports(pool: KVCachePool, dtype: torch.dtype) -> bool:
     """The kernel reads plain float K/V in the model's own dtype (float32 or bfloat16); 8-bit
     formats and a K/V dtype other than the model's keep gather + SDPA."""
     fmt = pool.kv_format
-    return (pool.device.type == "cpu" and dtype in DTYPE_CODES and not fmt.is_quantized
+    return (is_cpu(pool.device) and dtype in DTYPE_CODES and not fmt.is_quantized
             and fmt.storage == dtype and pool.rotation(dtype) is None)
 
 
