@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.wire import SamplingParams
-from worker.engine.attention import CONTEXT_KWARG, paged_attention_forward, resolve_attention_backend
+from worker.engine.attention import (CONTEXT_KWARG, paged_attention_forward,
+                                     resolve_attention_backend)
 from worker.engine.kv_cache import KVCachePool, KVLayout
 from worker.engine.kv_format import resolve_kv_format
 from worker.engine.model_runner import ModelRunner, plan_step
@@ -84,7 +85,8 @@ def run_case(case: PagedCase, device: torch.device,
     outputs = []
     for name in ("sdpa", backend):
         resolved = resolve_attention_backend(name, device, dtype, kv_format, case.head_dim)
-        runner = ModelRunner(model, pool, attention_backend=resolved)  # metadata on the pool's device
+        # the runner builds the metadata on the pool's device, wherever the model is
+        runner = ModelRunner(model, pool, attention_backend=resolved)
         context = runner.prepare(plan_step(sched, pool.block_size)[0]).context
         # writing the step's K/V again stores the same codes, so both runs see one cache
         out, _ = paged_attention_forward(_Layer(), query, key, value, None,

@@ -48,10 +48,11 @@ def comparisons(text: str) -> list[str]:
 
 def test_the_pattern_finds_device_and_backend_comparisons():
     found = comparisons('if device.type == "cuda":\nok = x.device.type != "cpu"\n'
-                        'if name == "triton": pass\nif "sdpa" != b: pass\nif n in ("cpu", "x"): pass\n'
-                        'if self.attention_backend != other: pass\n')
+                        'if name == "triton": pass\nif "sdpa" != b: pass\n'
+                        'if n in ("cpu", "x"): pass\nif self.attention_backend != other: pass\n')
     assert len(found) == 6
-    assert comparisons('if is_cuda(device):\nname = "cuda" if ok else "cpu"\n# device.type == "cpu"\n') == []
+    assert comparisons('if is_cuda(device):\nname = "cuda" if ok else "cpu"\n'
+                       '# device.type == "cpu"\n') == []
 
 
 def test_only_the_registry_and_the_device_module_compare_devices_or_backend_names():

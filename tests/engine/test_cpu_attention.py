@@ -186,7 +186,8 @@ def test_auto_picks_the_kernel_on_a_cpu_that_builds_it():
     assert isinstance(backend, CpuBackend) and backend.cpu_kernel
     assert backend.prefill_kernel is ("avx512f" in cpu_features().flags)
     # the kernels read plain K/V in the model's dtype: another format keeps gather + SDPA
-    fp8 = resolve_attention_backend("cpu", CPU, torch.float32, resolve_kv_format("fp8", torch.float32), 64)
+    fp8_format = resolve_kv_format("fp8", torch.float32)
+    fp8 = resolve_attention_backend("cpu", CPU, torch.float32, fp8_format, 64)
     assert isinstance(fp8, SdpaBackend) and fp8.name == "cpu" and not fp8.cpu_kernel
     with pytest.raises(ValueError, match="'cpu' runs on the CPU only"):
         resolve_backend_name("cpu", torch.device("cuda"))

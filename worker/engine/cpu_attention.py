@@ -249,7 +249,7 @@ def paged_prefill(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuP
 def write_kv(pool: KVCachePool, layer: int, key: torch.Tensor, value: torch.Tensor,
              rows: torch.Tensor) -> None:
     """The step's K and V ([T, KVH, D] views of one buffer, same strides, last two dims dense)
-    into the pool at `rows` ([KVH * T] int64: h * slots + slot, AttentionContext.write_index),
+    into the pool at `rows` ([KVH * T] int64: h * slots + slot, AttentionMetadata.write_index),
     copied by the kernel library: no intermediate copy, no index_copy_."""
     assert key.stride() == value.stride() and key.stride(2) == 1 and key.stride(1) == key.shape[2]
     assert key.dtype == pool.kv_format.storage and rows.dtype == torch.int64 and rows.is_contiguous()

@@ -192,7 +192,8 @@ class ModelRunner:
                 logits_indices.append(num_tokens - 1)
         write_index = (self._head_slot_rows + torch.tensor(slots, dtype=torch.int64)).view(-1)
         write_index = write_index.to(self.geometry.device, non_blocking=True)
-        context = self.attention_backend.build_metadata(self.geometry, write_index, decodes, prefills)
+        context = self.attention_backend.build_metadata(self.geometry, write_index, decodes,
+                                                        prefills)
         return StepInputs(
             input_ids=self._tensor(plan.token_ids).unsqueeze(0),
             position_ids=self._tensor(positions).unsqueeze(0),

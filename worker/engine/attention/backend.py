@@ -99,9 +99,9 @@ class AttentionBackend:
         """`forward` for a fused CPU layer (cpu_layers.py) whose q, k, v ([T, H, D],
         [T, KVH, D] x 2) are views into its q/k/v product -> [T, H, D]. Here the generic path:
         the layout transformers hands over."""
-        out, _ = paged_attention_forward(
-            SimpleNamespace(layer_idx=layer), *(x.transpose(0, 1).unsqueeze(0) for x in (query, key, value)),
-            None, scaling=scaling, **{CONTEXT_KWARG: metadata})
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, T, D]
+        out, _ = paged_attention_forward(SimpleNamespace(layer_idx=layer), q, k, v, None,
+                                         scaling=scaling, **{CONTEXT_KWARG: metadata})
         return out[0]
 
     def describe(self) -> str:

@@ -59,7 +59,8 @@ class CpuBackend(AttentionBackend):
         for chunk in metadata.prefills:
             prefill_attention(chunk, query, key, value, pool, layer, scaling, out)
 
-    def fused_forward(self, layer, query, key, value, metadata: CpuMetadata, scaling) -> torch.Tensor:
+    def fused_forward(self, layer, query, key, value, metadata: CpuMetadata,
+                      scaling) -> torch.Tensor:
         """The new K/V go into the pool in one C++ copy (no intermediate copy), the rows through
         the kernels. -> [T, H, D]"""
         pool = metadata.pool
@@ -70,7 +71,8 @@ class CpuBackend(AttentionBackend):
         if metadata.prefill is not None:
             paged_prefill(query.transpose(0, 1), pool, layer, metadata.prefill, scaling, out)
         if metadata.prefills:
-            q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, T, D]
+            # [1, heads, T, D], as transformers hands them over
+            q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             for chunk in metadata.prefills:
                 prefill_attention(chunk, q4, k4, v4, pool, layer, scaling, out)
         return out

@@ -90,7 +90,8 @@ class SdpaBackend(AttentionBackend):
             prefill_attention(chunk, query, key, value, pool, layer, scaling, out)
 
 
-def decode_groups(geometry: StepGeometry, decodes: list, group_cost_tokens: int) -> list[DecodeGroup]:
+def decode_groups(geometry: StepGeometry, decodes: list,
+                  group_cost_tokens: int) -> list[DecodeGroup]:
     """Split the decodes (sorted by length) where that saves more padding than a call costs."""
     bs = geometry.block_size
     num_blocks = [-(-c.end // bs) for c in decodes]
