@@ -18,7 +18,6 @@ import torch
 from worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
 from worker.engine.cpu_attention import DTYPE_CODES, load_kernel
 from worker.engine.cpu_linear import product
-from worker.engine.device import is_cpu
 
 FUSED_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
@@ -129,7 +128,7 @@ def can_fuse(layer: torch.nn.Module) -> bool:
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     dtypes = {getattr(getattr(m, "weight", None), "dtype", None) for m in linears}
-    if not (all(type(m) is torch.nn.Linear and is_cpu(m.weight.device) for m in linears)
+    if not (all(type(m) is torch.nn.Linear and m.weight.is_cpu for m in linears)
             and len(dtypes) == 1 and dtypes <= set(FUSED_DTYPES)):
         return False
     config = getattr(attn, "config", None)

@@ -256,7 +256,7 @@ class KVCachePool:
             self._scales.index_copy_(3, index, host.scales.to(self.device, non_blocking=True))
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        if is_cpu(tensor.device):
+        if tensor.is_cpu:
             return tensor  # index_select already made a copy
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
         host.copy_(tensor)

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.wire import SamplingParams, TokenLogprob
-from worker.engine.device import is_cpu
 
 if TYPE_CHECKING:
     from worker.structured.logit_mask import LogitMask
@@ -276,7 +275,7 @@ def _top_p_cutoff(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     depends on that row alone and both give the same value.
     """
     num_candidates = min(_TOP_P_CANDIDATES, probs.shape[1])
-    if not is_cpu(probs.device) or num_candidates == probs.shape[1]:
+    if not probs.is_cpu or num_candidates == probs.shape[1]:
         return _sorted_cutoff(probs.sort(dim=-1, descending=True).values, top_p)
     candidates = probs.topk(num_candidates, dim=-1).values  # [R, C], descending
     cutoff = _sorted_cutoff(candidates, top_p)

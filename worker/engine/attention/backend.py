@@ -29,10 +29,15 @@ CONTEXT_KWARG = "kvfleet_attention"
 
 @dataclass(frozen=True)
 class StepGeometry:
-    """What a backend's metadata depends on besides the step's chunks: fixed for one runner."""
+    """What a backend's metadata depends on besides the step's chunks: fixed for one runner.
+    Plain fields, read many times a step."""
 
     pool: KVCachePool
     num_heads: int  # query heads this runner's attention computes (a tensor-parallel rank's share)
+    num_kv_heads: int  # the pool's
+    group_size: int  # query heads per KV head
+    block_size: int
+    device: torch.device  # the pool's: the metadata indexes it
     dtype: torch.dtype  # the model's: additive masks are built in it
     # [2 * KVH, 1]: row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...]
     # block view
@@ -40,25 +45,10 @@ class StepGeometry:
 
     @classmethod
     def of(cls, pool: KVCachePool, num_heads: int, dtype: torch.dtype) -> StepGeometry:
-        rows = torch.arange(2 * pool.layout.num_kv_heads) * pool.num_blocks
-        return cls(pool, num_heads, dtype, rows.unsqueeze(1))
-
-    @property
-    def device(self) -> torch.device:
-        return self.pool.device
-
-    @property
-    def block_size(self) -> int:
-        return self.pool.block_size
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.pool.layout.num_kv_heads
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head."""
-        return self.num_heads // self.pool.layout.num_kv_heads
+        num_kv_heads = pool.layout.num_kv_heads
+        rows = torch.arange(2 * num_kv_heads) * pool.num_blocks
+        return cls(pool, num_heads, num_kv_heads, num_heads // num_kv_heads, pool.block_size,
+                   pool.device, dtype, rows.unsqueeze(1))
 
 
 @dataclass
