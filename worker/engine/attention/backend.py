@@ -15,6 +15,7 @@ start-up (registry.py).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -61,7 +62,7 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [KVH * T]: row (h * num_slots + slot) of each new token's K or V
 
 
-class AttentionBackend:
+class AttentionBackend(ABC):
     """One way to run paged attention. Stateless after construction: one instance serves every
     runner of an engine (the profiling step's and the real one)."""
 
@@ -71,17 +72,17 @@ class AttentionBackend:
     cpu_kernel = False
     decode_graphs = False  # decode steps can replay CUDA graphs over its metadata (cuda_graphs.py)
 
+    @abstractmethod
     def build_metadata(self, geometry: StepGeometry, write_index: torch.Tensor,
                        decodes: list, prefills: list) -> AttentionMetadata:
         """The step's metadata from its chunks (model_runner.PlannedChunk: decodes, sorted by
         context length, then prefill chunks, in flattened query order)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 metadata: AttentionMetadata, scaling: float | None, out: torch.Tensor) -> None:
         """Write the step's K/V of `layer` into the pool and attend: query [1, H, T, D], key and
         value [1, KVH, T, D] (as transformers hands them over) -> out [T, H, D]."""
-        raise NotImplementedError
 
     def fused_forward(self, layer: int, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, metadata: AttentionMetadata,
