@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             times[size].append(time.perf_counter() - start)
     contexts = [s.num_tokens for s in engines[sizes[0]].scheduler.running]
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} threads; dtype "
-          f"{engines[sizes[0]].dtype}; attention {engines[sizes[0]].attention_backend}; "
+          f"{engines[sizes[0]].dtype}; attention {engines[sizes[0]].attention_backend.name}; "
           f"{args.streams} streams, mean context {statistics.mean(contexts):.0f}; "
           f"{'fragmented' if args.fragmented else 'fresh'} pool; {args.steps} steps each")
     print(f"| block size | median decode step | step time of blocks of {sizes[0]} / this |")

@@ -40,7 +40,7 @@ from benchmarks.vllm_peer import SETUP_HINT, SETUPS, describe_setup, run_offline
 from shared.cpu_features import cpu_features
 from worker.engine.cpu_linear import product
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.kv_cache import resolve_dtype
+from worker.engine.device import resolve_dtype
 
 # The benchmark trace ships with the repository (the first 64 requests of the chat-mix trace, the
 # default --num-requests); --workload picks another.

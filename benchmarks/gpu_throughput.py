@@ -136,7 +136,8 @@ def kvfleet_decode(model, config: EngineConfig, prompts, steps: int) -> tuple[Ro
     kv_read = len(prompts) * context * engine.pool.layout.bytes_per_token
     bytes_per_step = decode_weight_bytes(model) + kv_read
     info = dict(step_ms=1e3 * seconds / steps, bytes_per_step=bytes_per_step,
-                graphs=engine.runner.decode_graphs is not None, backend=engine.attention_backend)
+                graphs=engine.runner.decode_graphs is not None,
+                backend=engine.attention_backend.name)
     del engine
     return Row("", "decode", "kvfleet", produced, seconds, f"{info['step_ms']:.2f} ms/step"), info
 

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     per_step_ms = (time.perf_counter() - start) / args.steps * 1e3
     contexts = [s.num_tokens for s in engine.scheduler.running]
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} threads; dtype "
-          f"{engine.dtype}; attention {engine.attention_backend}; {len(contexts)} streams, "
+          f"{engine.dtype}; attention {engine.attention_backend.name}; {len(contexts)} streams, "
           f"contexts {min(contexts)}-{max(contexts)} (mean {sum(contexts) / len(contexts):.0f})")
     print(f"step {per_step_ms:.1f} ms under the profiler ({len(contexts) * 1e3 / per_step_ms:.0f} "
           f"tok/s)")

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
             decode[bucket][1] += seconds
     total = time.perf_counter() - start
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} threads; dtype "
-          f"{engine.dtype}; attention {engine.attention_backend}; blocks of "
+          f"{engine.dtype}; attention {engine.attention_backend.name}; blocks of "
           f"{engine.config.block_size}; {args.num_requests} requests "
           f"({'raw prompts' if args.raw_prompts else 'prompts in the chat template'}), "
           f"{sum(r.max_tokens for r in requests)} output tokens in {total:.1f} s")

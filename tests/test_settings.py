@@ -86,7 +86,7 @@ def test_the_engine_config_keeps_its_keywords_and_checks_every_construction():
 def test_the_choices_are_the_ones_the_engine_accepts():
     from worker.engine import cpu_linear
     from worker.engine.cuda_graphs import CUDA_GRAPH_MODES
-    from worker.engine.device import ATTENTION_BACKENDS
+    from worker.engine.attention import ATTENTION_BACKENDS
     from worker.engine.kv_format import KV_DTYPE_CHOICES
     from worker.engine.preemption import PREEMPTION_MODES
 

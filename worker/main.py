@@ -14,10 +14,10 @@ from shared.models import resolve_model_path, served_model_id
 from shared.settings import WorkerSettings
 from shared.redis_connect import connect
 from worker.cpu_share import cpu_share
+from worker.engine.attention import resolve_backend_name
+from worker.engine.device import resolve_device
 from worker.engine.config import EngineConfig
-from worker.engine.device import resolve_attention_backend
 from worker.engine.engine import Engine, load_pretrained
-from worker.engine.kv_cache import resolve_device
 from worker.engine.tp_rank import launch_engine
 from worker.metrics import WorkerMetrics
 from worker.protocol import WorkerProtocol
@@ -30,7 +30,7 @@ def check_device_settings(config: EngineConfig) -> None:
     """Refuse a device and attention backend that cannot run together (the Triton kernel on a
     CPU) before the model loads, with the reason, instead of failing every request's first step."""
     try:
-        resolve_attention_backend(config.attention_backend, resolve_device(config.device))
+        resolve_backend_name(config.attention_backend, resolve_device(config.device))
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"kvfleet worker: {exc}") from None
 

@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.wire import SamplingParams
-from worker.engine.attention import CONTEXT_KWARG, paged_attention_forward
+from worker.engine.attention import (CONTEXT_KWARG, paged_attention_forward,
+                                     resolve_attention_backend)
 from worker.engine.kv_cache import KVCachePool, KVLayout
 from worker.engine.kv_format import resolve_kv_format
 from worker.engine.model_runner import ModelRunner, plan_step
@@ -74,7 +75,7 @@ def run_case(case: PagedCase, device: torch.device,
         vocab_size=128))
     total = sum(c.num_tokens for c in case.chunks)
     dtype = case.model_dtype
-    model.to(dtype)  # the runner picks its attention path by the model's dtype
+    model.to(dtype)  # the runner builds the SDPA masks in the model's dtype
     # [1, H, T, D] as transformers hands it over: a transposed view of [1, T, H, D]
     query = torch.randn(1, total, num_heads, case.head_dim, device=device).to(dtype).transpose(1, 2)
     # K/V already as the pool will hold them: the SDPA path attends a chunk that starts at 0 to
@@ -83,8 +84,9 @@ def run_case(case: PagedCase, device: torch.device,
     value = as_stored(pool, torch.randn(1, NUM_KV_HEADS, total, case.head_dim, device=device), dtype)
     outputs = []
     for name in ("sdpa", backend):
-        runner = ModelRunner(model, pool, attention_backend=name)
-        runner.device = device
+        resolved = resolve_attention_backend(name, device, dtype, kv_format, case.head_dim)
+        # the runner builds the metadata on the pool's device, wherever the model is
+        runner = ModelRunner(model, pool, attention_backend=resolved)
         context = runner.prepare(plan_step(sched, pool.block_size)[0]).context
         # writing the step's K/V again stores the same codes, so both runs see one cache
         out, _ = paged_attention_forward(_Layer(), query, key, value, None,

@@ -14,7 +14,9 @@ from shared.cpu_features import cpu_features
 from tests.engine.paged_cases import CASES, NUM_KV_HEADS, ChunkSpec, PagedCase, run_case
 from tests.engine.tiny_models import VOCAB, greedy, random_prompt, run_to_completion
 from worker.engine import cpu_attention, cpu_kernels, cpu_linear
-from worker.engine.device import resolve_attention_backend
+from worker.engine.attention import resolve_attention_backend, resolve_backend_name
+from worker.engine.attention.cpu_backend import CpuBackend
+from worker.engine.attention.sdpa_backend import SdpaBackend
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVCachePool, KVLayout
 from worker.engine.kv_format import resolve_kv_format
@@ -108,7 +110,7 @@ def test_engine_greedy_equals_hf_generate_on_either_cpu_backend(tiny_llama, back
     """float32, 6 streams of ragged lengths decoding together over blocks of 4: token for token
     what HF `generate` produces, with the kernel and with gather + SDPA."""
     engine = tiny_llama.engine(attention_backend=backend, max_batched_tokens=64)
-    assert engine.runner.cpu_decode_kernel is (backend == "cpu")
+    assert isinstance(engine.runner.attention_backend, CpuBackend) is (backend == "cpu")
     prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate([3, 9, 16, 25, 33, 50])]
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, greedy(24))
@@ -134,7 +136,7 @@ def test_prefill_chunks_take_the_kernel_where_the_cpu_has_avx512(tiny_llama):
     assert not cpu_attention.prefill_supported(pool("int8", torch.bfloat16), torch.bfloat16, 64)
     assert not cpu_attention.prefill_supported(pool("bf16", torch.float32), torch.float32, 64)
     for engine in (tiny_llama.engine(), tiny_llama.engine(dtype="bfloat16")):  # head_dim 16
-        assert not engine.runner.cpu_prefill_kernel
+        assert not engine.attention_backend.prefill_kernel
         assert "(decode kernel; prefill chunks on SDPA); linears in " in engine.device_report()
 
 
@@ -158,7 +160,7 @@ def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound
     engine = Engine(model, EngineConfig(device="cpu", dtype=str(dtype).removeprefix("torch."),
                                         num_blocks=64, block_size=16, max_batched_tokens=64))
     has_kernel = flag in cpu_features().flags
-    assert engine.runner.cpu_prefill_kernel is has_kernel
+    assert engine.attention_backend.prefill_kernel is has_kernel
     assert ("attention cpu (decode and prefill kernels);" if has_kernel
             else "attention cpu (decode kernel; prefill chunks on SDPA);") in engine.device_report()
     engine.add_request("neighbour", random_prompt(20, seed=1), greedy(40))
@@ -177,10 +179,20 @@ def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound
 
 def test_auto_picks_the_kernel_on_a_cpu_that_builds_it():
     assert cpu_attention.unavailable_reason() is None  # this machine has a C++ compiler
-    assert resolve_attention_backend("auto", CPU) == "cpu"
-    assert resolve_attention_backend("cpu", CPU) == "cpu"
+    assert resolve_backend_name("auto", CPU) == "cpu"
+    assert resolve_backend_name("cpu", CPU) == "cpu"
+    fp32 = resolve_kv_format("auto", torch.float32)
+    backend = resolve_attention_backend("auto", CPU, torch.float32, fp32, 64)
+    assert isinstance(backend, CpuBackend) and backend.cpu_kernel
+    assert backend.prefill_kernel is ("avx512f" in cpu_features().flags)
+    # the kernels read plain K/V in the model's dtype: another format keeps gather + SDPA
+    fp8_format = resolve_kv_format("fp8", torch.float32)
+    fp8 = resolve_attention_backend("cpu", CPU, torch.float32, fp8_format, 64)
+    assert isinstance(fp8, SdpaBackend) and fp8.name == "cpu" and not fp8.cpu_kernel
     with pytest.raises(ValueError, match="'cpu' runs on the CPU only"):
-        resolve_attention_backend("cpu", torch.device("cuda"))
+        resolve_backend_name("cpu", torch.device("cuda"))
+    with pytest.raises(ValueError, match="'cpu' runs on the CPU only"):
+        resolve_attention_backend("cpu", torch.device("cuda"), torch.float32, fp32, 64)
 
 
 def test_the_build_is_cached_per_source_and_cpu(tmp_path):
@@ -205,11 +217,11 @@ def no_compiler(monkeypatch, tmp_path):
 def test_without_a_compiler_auto_keeps_sdpa_and_cpu_is_refused(no_compiler, tiny_llama):
     reason = cpu_attention.unavailable_reason()
     assert reason is not None and "no-such-compiler-kvfleet" in reason
-    assert resolve_attention_backend("auto", CPU) == "sdpa"
+    assert resolve_backend_name("auto", CPU) == "sdpa"
     with pytest.raises(ValueError, match="needs its C\\+\\+ kernel.*no-such-compiler-kvfleet"):
-        resolve_attention_backend("cpu", CPU)
+        resolve_backend_name("cpu", CPU)
     engine = tiny_llama.engine()
-    assert engine.attention_backend == "sdpa"
+    assert isinstance(engine.attention_backend, SdpaBackend) and engine.attention_backend.name == "sdpa"
     assert "no-such-compiler-kvfleet" in engine.device_report()  # the log says why
     assert engine.device_report().endswith("; linears in oneDNN, weights packed")  # float32
 
@@ -229,7 +241,7 @@ def test_the_start_up_report_names_the_attention_path(tiny_llama):
     # float32's products: kvfleet's on AVX-512 CPUs without AMX, else oneDNN's (cpu_linear.py)
     assert report.endswith("; linears " + cpu_linear.products_report(torch.float32))
     fp8 = tiny_llama.engine(kv_dtype="fp8")
-    assert not fp8.runner.cpu_decode_kernel
+    assert not fp8.attention_backend.cpu_kernel and fp8.attention_backend.name == "cpu"
     assert "attention cpu (gather + SDPA for --kv-dtype fp8" in fp8.device_report()
     assert "attention sdpa (the C++ decode kernel: not asked for)" in tiny_llama.engine(
         attention_backend="sdpa").device_report()

@@ -11,9 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from worker.engine.attention import resolve_attention_backend, resolve_backend_name
+from worker.engine.attention.sdpa_backend import SdpaBackend
 from worker.engine.device import (
-    CPU_BF16_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, DeviceFailure, is_sticky_device_error, place_model,
-    resolve_attention_backend, resolve_block_size)
+    CPU_BF16_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, DeviceFailure, is_cpu, is_cuda,
+    is_sticky_device_error, place_model, resolve_block_size)
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kv_cache import KVLayout
 from worker.engine.kv_format import resolve_kv_format
@@ -22,6 +24,11 @@ from tests.engine.tiny_models import (
     MODEL_FACTORIES, greedy, random_prompt, save_tiny_llama, tokens_before_divergence)
 
 ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered"
+
+
+def test_the_device_kind_predicates():
+    assert is_cpu(torch.device("cpu")) and not is_cuda(torch.device("cpu"))
+    assert is_cuda(torch.device("cuda", 1)) and not is_cpu(torch.device("cuda"))
 
 
 def test_place_model_keeps_fp32_buffers():
@@ -112,8 +119,12 @@ def test_an_ordinary_forward_error_fails_only_its_requests(tiny_llama):
 
 def test_attention_backend_and_graph_settings():
     cpu = torch.device("cpu")
-    assert resolve_attention_backend("auto", cpu) == "cpu"  # the C++ kernel builds here
-    assert resolve_attention_backend("triton", cpu) == "triton"  # under the tests' interpreter
+    assert resolve_backend_name("auto", cpu) == "cpu"  # the C++ kernel builds here
+    assert resolve_backend_name("triton", cpu) == "triton"  # under the tests' interpreter
+    fp32 = resolve_kv_format("auto", torch.float32)
+    assert resolve_attention_backend("triton", cpu, torch.float32, fp32, 64).name == "triton"
+    with pytest.raises(ValueError, match="must be one of auto, sdpa, cpu, triton; got 'flash'"):
+        resolve_attention_backend("flash", cpu, torch.float32, fp32, 64)
     with pytest.raises(ValueError):
         EngineConfig(attention_backend="flash")
     with pytest.raises(ValueError):
@@ -123,13 +134,12 @@ def test_attention_backend_and_graph_settings():
 def test_the_block_size_is_64_for_bf16_on_the_cpu_kernel_and_16_elsewhere_unless_set(tiny_llama):
     bf16, fp32, codes = torch.bfloat16, torch.float32, torch.uint8
     assert (CPU_BF16_BLOCK_SIZE, DEFAULT_BLOCK_SIZE) == (64, 16)
-    assert resolve_block_size(None, "cpu", bf16, bf16) == 64
-    assert resolve_block_size(None, "cpu", fp32, fp32) == 16
-    assert resolve_block_size(None, "cpu", bf16, codes) == 16  # an 8-bit pool: gather + SDPA
-    assert resolve_block_size(None, "cpu", fp32, bf16) == 16  # K/V not in the model's dtype
-    assert resolve_block_size(None, "sdpa", bf16, bf16) == 16
-    assert resolve_block_size(None, "triton", bf16, bf16) == 16
-    assert resolve_block_size(8, "cpu", bf16, bf16) == 8
+    assert resolve_block_size(None, True, bf16, bf16) == 64  # read by the C++ CPU kernel
+    assert resolve_block_size(None, True, fp32, fp32) == 16
+    assert resolve_block_size(None, True, bf16, codes) == 16  # an 8-bit pool
+    assert resolve_block_size(None, True, fp32, bf16) == 16  # K/V not in the model's dtype
+    assert resolve_block_size(None, False, bf16, bf16) == 16  # gather + SDPA, Triton
+    assert resolve_block_size(8, True, bf16, bf16) == 8
     with pytest.raises(ValueError):
         EngineConfig(block_size=0)
     for dtype, backend, given, size in (("bfloat16", "cpu", None, 64), ("float32", "cpu", None, 16),
@@ -150,7 +160,7 @@ def test_the_profiling_step_has_the_largest_shape(tiny_llama, max_batched_tokens
     model = tiny_llama.engine().model
     layout = KVLayout.from_model_config(model.config, resolve_kv_format("auto", torch.float32))
     profile = profile_step(model, layout, 4, max_batched_tokens, max_running,
-                           torch.device("cpu"), "sdpa")
+                           torch.device("cpu"), SdpaBackend())
     assert (profile.num_tokens, profile.num_logits_rows) == (
         max_batched_tokens, min(max_running, max_batched_tokens))
     assert profile.peak_bytes == 0  # measured on CUDA only
@@ -161,10 +171,10 @@ def test_the_triton_backend_on_a_cpu_is_refused_when_the_engine_is_built(tiny_ll
     pairing when it is built, instead of failing every request at its first step."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="'triton' runs on CUDA devices only.*cpu"):
-        resolve_attention_backend("triton", torch.device("cpu"))
+        resolve_backend_name("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="CUDA devices only"):
         tiny_llama.engine(attention_backend="triton")
-    assert tiny_llama.engine(attention_backend="auto").attention_backend == "cpu"
+    assert tiny_llama.engine(attention_backend="auto").attention_backend.name == "cpu"
 
 
 def test_a_worker_asked_for_triton_on_a_cpu_exits_before_loading_its_model(tmp_path):

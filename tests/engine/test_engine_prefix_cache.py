@@ -132,7 +132,7 @@ def test_masked_prefill_after_a_cached_prefix_never_asks_sdpa_for_gqa(tiny_llama
     pair runs the math kernel, which materialises every score). Tokens stay HF's."""
     import torch.nn.functional as F
 
-    from worker.engine import attention
+    from worker.engine.attention import sdpa_backend
 
     calls = []
     sdpa = F.scaled_dot_product_attention
@@ -141,7 +141,7 @@ def test_masked_prefill_after_a_cached_prefix_never_asks_sdpa_for_gqa(tiny_llama
         calls.append((attn_mask is not None, q.shape[-3] != k.shape[-3] or kwargs.get("enable_gqa")))
         return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(sdpa_backend.F, "scaled_dot_product_attention", spy)
     engine = tiny_llama.engine(block_size=BS, max_batched_tokens=6)  # chunked prefill too
     shared = random_prompt(12, seed=5)
     first, second = shared + random_prompt(5, seed=6), shared + random_prompt(9, seed=7)

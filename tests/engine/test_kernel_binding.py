@@ -20,7 +20,7 @@ from worker.engine import cpu_kernels, cpu_linear
 from worker.engine.cpu_attention import KernelUnavailable
 from worker.engine.cpu_kernels import KERNELS, KernelSource, build_and_bind
 from worker.engine.cpu_layers import rms_norm
-from worker.engine.device import resolve_attention_backend
+from worker.engine.attention import resolve_backend_name
 from worker.engine.kernel_binding import HeaderError, parse_header, read_header
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ def test_a_broken_layer_ops_source_leaves_attention_and_products(broken, tiny_ll
     with pytest.raises(KernelUnavailable):
         rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
     engine = tiny_llama.engine(attention_backend="cpu")
-    assert engine.runner.cpu_decode_kernel and engine.runner.num_fused_layers == 0  # HF layers
+    assert engine.runner.attention_backend.cpu_kernel and engine.runner.num_fused_layers == 0  # HF layers
     prompt = random_prompt(12, seed=3)
     engine.add_request("r", prompt, greedy(10))
     assert run_to_completion(engine)["r"] == tiny_llama.reference(prompt, 10)
@@ -167,7 +167,7 @@ def test_a_broken_layer_ops_source_leaves_attention_and_products(broken, tiny_ll
 def test_a_broken_decode_source_leaves_the_other_kernels(broken):
     broken("decode")
     assert "compiling cpu_attention.cpp failed" in cpu_kernels.unavailable_reason("decode")
-    assert resolve_attention_backend("auto", CPU) == "sdpa"
+    assert resolve_backend_name("auto", CPU) == "sdpa"
     x, weight = torch.randn(3, 16), torch.randn(16)
     expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
     assert torch.allclose(rms_norm(x, weight, 1e-5), expected, atol=1e-5)

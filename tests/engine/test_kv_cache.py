@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shared.cpu_features import CpuFeatures, cpu_features
-from worker.engine.kv_cache import KVCachePool, KVLayout, plan_budget, resolve_device, resolve_dtype
+from worker.engine.device import resolve_device, resolve_dtype
+from worker.engine.kv_cache import KVCachePool, KVLayout, plan_budget
 from worker.engine.kv_format import resolve_kv_format
 
 FP32 = resolve_kv_format("fp32", torch.float32)

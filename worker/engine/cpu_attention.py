@@ -26,6 +26,7 @@ import torch
 from worker.engine import cpu_kernels
 from worker.engine.cpu_kernels import decode_kernel, layer_ops_kernel, prefill_kernel
 from worker.engine.kernel_build import KernelUnavailable
+from worker.engine.device import is_cpu
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.torch_private import named_while_profiling
 
@@ -63,7 +64,7 @@ def supports(pool: KVCachePool, dtype: torch.dtype) -> bool:
     """The kernel reads plain float K/V in the model's own dtype (float32 or bfloat16); 8-bit
     formats and a K/V dtype other than the model's keep gather + SDPA."""
     fmt = pool.kv_format
-    return (pool.device.type == "cpu" and dtype in DTYPE_CODES and not fmt.is_quantized
+    return (is_cpu(pool.device) and dtype in DTYPE_CODES and not fmt.is_quantized
             and fmt.storage == dtype and pool.rotation(dtype) is None)
 
 
@@ -122,7 +123,7 @@ def paged_prefill(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuP
 def write_kv(pool: KVCachePool, layer: int, key: torch.Tensor, value: torch.Tensor,
              rows: torch.Tensor) -> None:
     """The step's K and V ([T, KVH, D] views of one buffer, same strides, last two dims dense)
-    into the pool at `rows` ([KVH * T] int64: h * slots + slot, AttentionContext.write_index),
+    into the pool at `rows` ([KVH * T] int64: h * slots + slot, AttentionMetadata.write_index),
     copied by the kernel library: no intermediate copy, no index_copy_."""
     assert key.stride() == value.stride() and key.stride(2) == 1 and key.stride(1) == key.shape[2]
     assert key.dtype == pool.kv_format.storage and rows.dtype == torch.int64 and rows.is_contiguous()

@@ -130,7 +130,7 @@ def can_fuse(layer: torch.nn.Module) -> bool:
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     dtypes = {getattr(getattr(m, "weight", None), "dtype", None) for m in linears}
-    if not (all(type(m) is torch.nn.Linear and m.weight.device.type == "cpu" for m in linears)
+    if not (all(type(m) is torch.nn.Linear and m.weight.is_cpu for m in linears)
             and len(dtypes) == 1 and dtypes <= set(FUSED_DTYPES)):
         return False
     config = getattr(attn, "config", None)

@@ -81,7 +81,7 @@ def product(linear: torch.nn.Linear) -> torch.nn.Module:
     """The module that computes `linear` fastest here: KernelLinear where own_product, else
     PackedLinear where its dtype packs, else the linear itself (F.linear: MKL's own path for
     float32, no reorder)."""
-    if linear.weight.device.type == "cpu" and own_product(linear.weight.dtype):
+    if linear.weight.is_cpu and own_product(linear.weight.dtype):
         return KernelLinear(linear)
     return PackedLinear(linear) if packing_available(linear.weight.dtype) else linear
 
@@ -127,7 +127,7 @@ class KernelLinear(torch.nn.Module):
         return _copy_sharing_packed_weight(self, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.dtype != self.dtype or x.device.type != "cpu":
+        if x.dtype != self.dtype or not x.is_cpu:
             raise TypeError(f"this linear takes {self.dtype} CPU input, got {x.dtype} on {x.device}")
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
@@ -189,7 +189,7 @@ def pack_cpu_linears(model: torch.nn.Module, shared: bool = False) -> int:
         for param in module.parameters(recurse=False):
             counts[param.data_ptr()] = counts.get(param.data_ptr(), 0) + 1
     targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
+               if type(module) is torch.nn.Linear and module.weight.is_cpu
                and packs(module.weight.dtype)
                and (shared or counts[module.weight.data_ptr()] == 1)]
     for name, module in targets:
@@ -261,7 +261,7 @@ def fuse_sibling_linears(model: torch.nn.Module) -> int:
     for module in list(model.modules()):
         for names in SIBLING_GROUPS:
             linears = [getattr(module, name, None) for name in names]
-            if not all(type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
+            if not all(type(m) is torch.nn.Linear and m.weight.is_cpu
                        and packs(m.weight.dtype) for m in linears):
                 continue
             if (len({m.in_features for m in linears}) != 1

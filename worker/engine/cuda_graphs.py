@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.attention import CONTEXT_KWARG, AttentionContext
+from worker.engine.attention import CONTEXT_KWARG
+from worker.engine.attention.triton_backend import TritonBackend, TritonMetadata
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk
 from worker.engine.triton_attention import PagedAttentionPlan, queries_per_tile
@@ -62,6 +63,7 @@ class DecodeGraphs:
                                 * pool.num_blocks * bs).unsqueeze(1)  # [KVH, 1]
         self._block_q = queries_per_tile(model.config.num_attention_heads, num_kv_heads,
                                          has_prefill=False)
+        self._backend = TritonBackend()  # the metadata's: the paged kernel takes every row
 
     def can_run(self, chunks: list[ScheduledChunk]) -> bool:
         return 0 < len(chunks) <= self.buckets[-1] and all(c.num_tokens == 1 for c in chunks)
@@ -103,7 +105,7 @@ class DecodeGraphs:
             q_start=self.q_start[:size], q_len=self.q_len[:size], ctx_len=self.ctx_len[:size],
             block_tables=self.block_tables[:size], tile_seq=self.q_start[:size],
             tile_q0=self.tile_q0[:size], block_q=self._block_q)
-        context = AttentionContext(self.pool, write_index, kernel_plan=plan)
+        context = TritonMetadata(self._backend, self.pool, write_index, plan)
         output = self.model(
             input_ids=self.input_ids[:, :size], position_ids=self.positions[:, :size],
             use_cache=False, logits_to_keep=0, **{CONTEXT_KWARG: context})

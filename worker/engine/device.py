@@ -1,22 +1,21 @@
-"""The engine's device: selecting it, putting a model on it without losing its fp32 buffers, the
-attention backend it runs, and telling an error that poisons the device from one that fails a
-request."""
+"""The engine's device and dtype: resolving and selecting them, telling what kind a device is,
+putting a model on it without losing its fp32 buffers, the KV block size, and telling an error
+that poisons the device from one that fails a request. The one place that compares device types
+(the `is_*` predicates)."""
 
 from __future__ import annotations
 
 import torch
 
-from worker.engine import cpu_attention
-from worker.engine.triton_attention import interpreting, triton_available
+from shared.cpu_features import CpuFeatures, cpu_features
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "cpu", "triton")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tokens per KV block by default. The C++ CPU decode kernel reads a bf16 pool page by page, and a
-# page of 16 rows of one KV head (2 KB) is too short for the CPU's prefetchers: once a
-# long-running pool's free blocks are in no order, every page start waits on memory. Pages of 64
-# rows measured 8-13% faster bf16 decode steps at 32-64 streams, float32 only 3% (docs/
-# BENCHMARKS.md, "KV blocks of 64 tokens for the bf16 CPU kernel"): too little for coarser prefix
-# reuse where float32 is the default (AVX2-only CPUs, not measured). Everywhere else (float32
-# pools, 8-bit pools, Triton on CUDA, gather + SDPA) 16.
+# page of 16 rows of one KV head is too short for the CPU's prefetchers: once a long-running
+# pool's free blocks are in no order, every page start waits on memory. Pages of 64 rows make
+# bf16 decode steps faster (docs/BENCHMARKS.md, "KV blocks of 64 tokens for the bf16 CPU
+# kernel"); for float32 the gain is too small to give up finer prefix reuse. Everywhere else
+# (float32 pools, 8-bit pools, Triton on CUDA, gather + SDPA) 16.
 CPU_BF16_BLOCK_SIZE = 64
 DEFAULT_BLOCK_SIZE = 16
 
@@ -45,10 +44,41 @@ def is_sticky_device_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(marker in text for marker in _STICKY_MARKERS)
 
 
+def is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def is_cpu(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> the first CUDA device when there is one, else the CPU; 'cuda' -> cuda:<current>."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if is_cuda(device) and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, cpu: CpuFeatures | None = None) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512-BF16), else float32
+    (where bf16 is emulated it is slower than float32). `cpu` defaults to this machine's."""
+    if name == "auto":
+        if is_cuda(device):
+            return torch.bfloat16
+        native = (cpu or cpu_features()).native_bf16 if is_cpu(device) else False
+        return torch.bfloat16 if native else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
 def select_device(device: torch.device) -> None:
     """Make `device` the current CUDA device, so that `cuda:N` holds for every allocation, stream
     and kernel launch that names no device (Triton launches on the current device)."""
-    if device.type == "cuda":
+    if is_cuda(device):
         torch.cuda.set_device(device)
 
 
@@ -68,43 +98,14 @@ def place_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
     return model
 
 
-def resolve_block_size(block_size: int | None, attention_backend: str, dtype: torch.dtype,
+def resolve_block_size(block_size: int | None, cpu_kernel: bool, dtype: torch.dtype,
                        kv_storage: torch.dtype) -> int:
-    """The KV block size: the one configured, else the default for the resolved attention
-    backend, the model's dtype and the pool's element type (`kv_storage`: uint8 for 8-bit
-    formats; the CPU kernel reads a pool of the model's own dtype only)."""
+    """The KV block size: the one configured, else the default for the attention backend
+    (`cpu_kernel`: it reads the pool page by page through the C++ kernel, AttentionBackend's
+    property), the model's dtype and the pool's element type (`kv_storage`: uint8 for 8-bit
+    formats)."""
     if block_size is not None:
         return block_size
-    if attention_backend == "cpu" and kv_storage == dtype == torch.bfloat16:
+    if cpu_kernel and kv_storage == dtype == torch.bfloat16:
         return CPU_BF16_BLOCK_SIZE
     return DEFAULT_BLOCK_SIZE
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """'auto' -> the Triton paged kernel on CUDA when triton is importable; on a CPU the C++
-    decode kernel when it builds here (cpu_attention.py), else gather + SDPA.
-
-    'triton' on a device the compiled kernel cannot run on is refused here, at start-up, rather
-    than failing every request at its first step; only Triton's interpreter (TRITON_INTERPRET=1,
-    which the tests set) runs the kernel on CPU tensors.
-    """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
-                         f"got {name!r}")
-    if name == "auto":
-        if device.type == "cuda" and triton_available():
-            return "triton"
-        if device.type == "cpu" and cpu_attention.unavailable_reason() is None:
-            return "cpu"
-        return "sdpa"
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"attention_backend 'cpu' runs on the CPU only, and the device is {device}")
-    if name == "cpu" and (reason := cpu_attention.unavailable_reason()) is not None:
-        raise ValueError(f"attention_backend 'cpu' needs its C++ kernel, which is unavailable: "
-                         f"{reason}")
-    if name == "triton" and not triton_available():
-        raise ValueError("attention_backend 'triton' needs the `triton` package")
-    if name == "triton" and device.type != "cuda" and not interpreting():
-        raise ValueError(f"attention_backend 'triton' runs on CUDA devices only, and the device is "
-                         f"{device}: use 'auto' or 'sdpa' there")
-    return name

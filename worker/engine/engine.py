@@ -13,16 +13,16 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from shared.cpu_features import cpu_features
 from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.attention import resolve_attention_backend
 from worker.engine.device import (
-    DeviceFailure, is_sticky_device_error, place_model, resolve_attention_backend,
-    resolve_block_size, select_device)
-from worker.engine.kv_cache import (
-    HostBlocks, KVCachePool, KVLayout, format_bytes, plan_budget, resolve_device, resolve_dtype)
+    DeviceFailure, is_cpu, is_cuda, is_sticky_device_error, place_model, resolve_block_size,
+    resolve_device, resolve_dtype, select_device)
+from worker.engine.kv_cache import HostBlocks, KVCachePool, KVLayout, format_bytes, plan_budget
 from worker.engine.kv_format import resolve_kv_format
 from worker.engine.memory_profile import profile_step
 from worker.engine.model_runner import ModelRunner, StepLogits, plan_step
 from worker.engine.preemption import PreemptionCostModel, SwapSpace
-from worker.engine import cpu_attention, cpu_linear
+from worker.engine import cpu_linear
 from worker.engine.prompt_logprobs import compute_prompt_logprobs
 from worker.engine.sampler import Sampler, SamplerInput
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
@@ -131,13 +131,14 @@ class Engine:
         self.model = model
         self.max_model_len = max_model_len_of(model.config)
         self.kv_format = layout.kv_format
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        config = self.config = replace(
-            config, block_size=resolve_block_size(config.block_size, self.attention_backend,
-                                                  self.dtype, layout.kv_format.storage))
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, self.device, self.dtype, layout.kv_format, layout.head_dim)
+        block_size = resolve_block_size(config.block_size, self.attention_backend.cpu_kernel,
+                                        self.dtype, layout.kv_format.storage)
+        config = self.config = replace(config, block_size=block_size)
         graphs_mode = self._graphs_mode()
         step_peak_bytes = 0
-        if self.device.type == "cuda" and config.num_blocks is None:
+        if is_cuda(self.device) and config.num_blocks is None:
             step_peak_bytes = profile_step(
                 model, layout, config.block_size, config.max_batched_tokens, config.max_running,
                 self.device, self.attention_backend, num_heads=num_heads).peak_bytes
@@ -193,13 +194,13 @@ class Engine:
     def _graphs_mode(self) -> str | None:
         """'capture' (CUDA graphs), 'eager' (their static buffers, no capture) or None (off)."""
         mode = self.config.cuda_graphs
-        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+        if mode == "off" or (mode == "auto" and not is_cuda(self.device)):
             return None
         if self.ranks is not None:  # a step's collectives are not captured: ranks run eagerly
             if mode == "auto":
                 return None
             raise ValueError("cuda_graphs 'eager' is not supported with tensor parallelism")
-        if self.attention_backend != "triton":
+        if not self.attention_backend.decode_graphs:
             if mode == "auto":
                 return None
             raise ValueError("cuda_graphs 'eager' needs the triton attention backend")
@@ -223,7 +224,7 @@ class Engine:
         blocks = list(range(min(8, self.pool.num_blocks)))
         start = time.perf_counter()
         self.pool.copy_in(self.pool.copy_out(blocks), blocks)
-        if self.device.type == "cuda":
+        if is_cuda(self.device):
             torch.cuda.synchronize(self.device)
         seconds = max(time.perf_counter() - start, 1e-6)
         return 2 * len(blocks) * self.pool.block_bytes / seconds
@@ -231,7 +232,7 @@ class Engine:
     def _prior_prefill_s_per_token(self, model) -> float:
         """2 FLOPs per weight per token at a modest rate for the device, until steps are timed."""
         num_params = sum(p.numel() for p in model.parameters())
-        flops_per_s = 2e13 if self.device.type == "cuda" else 5e10
+        flops_per_s = 2e13 if is_cuda(self.device) else 5e10
         return 2 * num_params / flops_per_s
 
     # ---- requests -----------------------------------------------------------------------------
@@ -364,7 +365,7 @@ class Engine:
             host = self._swapped.pop(req_id)
             self.pool.copy_in(host, blocks)
             moved += host.num_bytes
-        if self.device.type == "cuda":
+        if is_cuda(self.device):
             torch.cuda.synchronize(self.device)
         self.preemption.observe_swap(moved, time.perf_counter() - start)
 
@@ -466,18 +467,10 @@ class Engine:
     def device_report(self) -> str:
         """Device, dtype (and what --dtype said), and on CPU the model and ISA behind `auto`."""
         line = f"{self.device}, {str(self.dtype).removeprefix('torch.')} (--dtype {self.config.dtype})"
-        if self.device.type == "cpu":
+        if is_cpu(self.device):
             line += f"; CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads"
-        line += f"; attention {self.attention_backend}"
-        if self.device.type == "cpu" and self.attention_backend == "sdpa":
-            reason = cpu_attention.unavailable_reason()
-            line += f" (the C++ decode kernel: {reason or 'not asked for'})"
-        elif self.attention_backend == "cpu" and not self.runner.cpu_decode_kernel:
-            line += f" (gather + SDPA for --kv-dtype {self.config.kv_dtype}: the kernel reads plain K/V)"
-        elif self.attention_backend == "cpu":
-            line += (" (decode and prefill kernels)" if self.runner.cpu_prefill_kernel
-                     else " (decode kernel; prefill chunks on SDPA)")
-        if self.device.type == "cpu":
+        line += f"; attention {self.attention_backend.describe()}"
+        if is_cpu(self.device):
             line += f"; linears {cpu_linear.products_report(self.dtype)}"
         return line
 

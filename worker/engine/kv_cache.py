@@ -7,12 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_features import CpuFeatures, cpu_features
+from worker.engine.device import is_cpu, is_cuda
 from worker.engine.kv_format import SCALE_DTYPE, KVFormat, rotation_matrix
 
 GB = 1e9
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -35,7 +33,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     to each 2 MB page of the pool (a prefill's K/V) stops the step while the kernel clears that
     page, 9% of the prefill steps' time on a fresh 2-core worker (Zen 5), and a pool the machine
     cannot back would fail mid-request instead of at start-up."""
-    if device.type != "cpu":
+    if not is_cpu(device):
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = dtype.itemsize
     for size in shape:
@@ -50,29 +48,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     except OSError:  # an older kernel: write the zeros, which faults the pages in as well
         tensor.zero_()
     return tensor.view(dtype).view(shape)
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> the first CUDA device when there is one, else the CPU; 'cuda' -> cuda:<current>."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device, cpu: CpuFeatures | None = None) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 (AMX or AVX512-BF16), else float32
-    (where bf16 is emulated it is slower than float32). `cpu` defaults to this machine's."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        native = (cpu or cpu_features()).native_bf16 if device.type == "cpu" else False
-        return torch.bfloat16 if native else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
-    return _DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -148,7 +123,7 @@ def plan_budget(model: torch.nn.Module, layout: KVLayout, block_size: int, max_m
     block_bytes = layout.bytes_per_token * block_size
     if num_blocks is not None:
         source = "num_blocks given"
-    elif device.type == "cuda":
+    elif is_cuda(device):
         # utilisation is of the card's total: what is in use now (weights, the CUDA context, other
         # processes) and the peak of the largest step (activation_reserve_bytes, profiled) come off
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
@@ -204,7 +179,7 @@ class KVCachePool:
         self._scales = (torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
                         if self.kv_format.is_quantized else None)
         # host copies are pinned when the pool is on an accelerator, so swaps can overlap
-        self._pin = device.type == "cuda"
+        self._pin = is_cuda(device)
         self._rotation = (rotation_matrix(layout.head_dim).to(device)
                           if self.kv_format.rotate else None)
         self._rotations: dict[torch.dtype, torch.Tensor] = {}
@@ -281,7 +256,7 @@ class KVCachePool:
             self._scales.index_copy_(3, index, host.scales.to(self.device, non_blocking=True))
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type == "cpu":
+        if tensor.is_cpu:
             return tensor  # index_select already made a copy
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
         host.copy_(tensor)

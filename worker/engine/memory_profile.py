@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from shared.wire import SamplingParams
+from worker.engine.attention import AttentionBackend
+from worker.engine.device import is_cuda
 from worker.engine.kv_cache import KVCachePool, KVLayout
 from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import Sampler, SamplerInput
@@ -46,12 +48,12 @@ def blocks_for(step: SchedulerOutput) -> int:
 
 
 def profile_step(model: torch.nn.Module, layout: KVLayout, block_size: int, max_batched_tokens: int,
-                 max_running: int, device: torch.device, attention_backend: str,
+                 max_running: int, device: torch.device, attention_backend: AttentionBackend,
                  num_heads: int | None = None) -> StepProfile:
     """Run the largest step through a throwaway pool, then sample it the most expensive way
     (top-p's full sort, penalties, logprobs); report the peak memory it took."""
     step = largest_step(max_batched_tokens, max_running, block_size)
-    measuring = device.type == "cuda"
+    measuring = is_cuda(device)
     if measuring:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()

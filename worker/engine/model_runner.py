@@ -4,20 +4,18 @@ token is sampled (and at the prompt positions of requests that asked for prompt 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 import torch
 
 from worker.engine.attention import (
-    CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
-from worker.engine import cpu_attention
-from worker.engine.cpu_attention import CpuDecodePlan, CpuPrefillPlan
+    CONTEXT_KWARG, AttentionBackend, AttentionMetadata, StepGeometry, register_paged_attention)
+from worker.engine.attention.sdpa_backend import SdpaBackend
 from worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
 from worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
+from worker.engine.device import is_cpu
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
-from worker.engine.triton_attention import build_plan, queries_per_tile
 
 
 @dataclass
@@ -106,35 +104,28 @@ class StepInputs:
     input_ids: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64
     logits_indices: torch.Tensor  # [K] int64: flattened positions of the emitting chunks' rows
-    context: AttentionContext
+    context: AttentionMetadata  # the attention backend's, for every layer
 
 
 class ModelRunner:
     """Owns the model and the KV pool; turns a SchedulerOutput into logits."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVCachePool, decode_group_cost_tokens: int = 512,
-                 attention_backend: str = "sdpa", decode_graphs=None, num_heads: int | None = None):
+    def __init__(self, model: torch.nn.Module, pool: KVCachePool,
+                 attention_backend: AttentionBackend | None = None, decode_graphs=None,
+                 num_heads: int | None = None):
         self.model = model
         # query heads this runner's attention computes (a tensor-parallel rank's share)
         self.num_heads = num_heads or model.config.num_attention_heads
-        # "sdpa" (gather + SDPA) | "cpu" (C++ decode kernel, SDPA prefill) | "triton" (paged kernel)
-        self.attention_backend = attention_backend
+        # resolved once at start-up (attention.resolve_attention_backend); gather + SDPA if none
+        self.attention_backend = attention_backend or SdpaBackend()
         # cuda_graphs.DecodeGraphs or None: decode-only steps run from its static buffers
         self.decode_graphs = decode_graphs
         self.pool = pool
         self.block_size = pool.block_size
-        # a decode group costs about as much as gathering this many padded tokens (call overhead)
-        self.decode_group_cost_tokens = decode_group_cost_tokens
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        self.dtype = dtype  # attention masks are built additive in it (see _additive)
-        # the CPU kernel reads plain K/V in the model's dtype; other formats keep gather + SDPA
-        self.cpu_decode_kernel = (attention_backend == "cpu" and cpu_attention.supports(pool, dtype))
-        # and prefill chunks through the C++ prefill kernel where it computes them (AVX-512;
-        # bf16 with AVX512-BF16): no dense copy of cached prefixes, and SDPA's bf16 products run
-        # as converted fp32 sgemm on CPUs without AMX
-        self.cpu_prefill_kernel = (self.cpu_decode_kernel and cpu_attention.prefill_supported(
-            pool, dtype, pool.layout.head_dim))
+        self.dtype = dtype
+        self.geometry = StepGeometry.of(pool, self.num_heads, dtype)
         # on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
         # tensor parallelism, whose ranks hold sharded layers), other layers' q/k/v and gate/up
         # as one product each, every linear's weight packed once where its dtype packs here
@@ -143,16 +134,13 @@ class ModelRunner:
         # second copy of the embedding matrix (vocab x hidden; 113 MB for the default model in
         # float32) for 2.2-2.8x on the head's product at decode sizes. CUDA keeps HF's layers.
         self.num_fused_layers = 0
-        if self.device.type == "cpu":
-            if (dtype in FUSED_DTYPES and self.cpu_decode_kernel
+        if is_cpu(self.device):
+            if (dtype in FUSED_DTYPES and self.attention_backend.cpu_kernel
                     and self.num_heads == model.config.num_attention_heads):
                 self.num_fused_layers = fuse_decoder_layers(model)
             fuse_sibling_linears(model)  # q/k/v and gate/up: one product each, where they pack
             pack_cpu_linears(model, shared=True)  # the tied LM head too (a second copy)
         num_kv_heads = pool.layout.num_kv_heads
-        self._group_size = self.num_heads // num_kv_heads  # query heads per KV head
-        # row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...] block view
-        self._head_block_rows = (torch.arange(2 * num_kv_heads) * pool.num_blocks).unsqueeze(1)
         self._head_slot_rows = (torch.arange(num_kv_heads) * pool.num_blocks * pool.block_size).unsqueeze(1)
         model.set_attn_implementation(register_paged_attention())
         model.eval()
@@ -186,7 +174,7 @@ class ModelRunner:
         return output.logits[0]
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        """Build every index and mask the layers share (decodes grouped by context length)."""
+        """Build every index the layers share; the backend builds its own metadata."""
         decodes = [c for c in plan.chunks if c.num_tokens == 1]
         prefills = [c for c in plan.chunks if c.num_tokens > 1]
         positions: list[int] = []
@@ -203,114 +191,13 @@ class ModelRunner:
             if chunk.emits_token:
                 logits_indices.append(num_tokens - 1)
         write_index = (self._head_slot_rows + torch.tensor(slots, dtype=torch.int64)).view(-1)
-        write_index = write_index.to(self.device, non_blocking=True)
-        if self.attention_backend == "triton":
-            context = AttentionContext(self.pool, write_index,
-                                       kernel_plan=self._kernel_plan(decodes, prefills))
-        elif self.cpu_prefill_kernel:
-            context = AttentionContext(
-                pool=self.pool, write_index=write_index, cpu_decode=self._cpu_decode_plan(decodes),
-                cpu_prefill=self._cpu_prefill_plan(prefills, q_start=len(decodes)), cpu_kernel=True)
-        elif self.cpu_decode_kernel:
-            context = AttentionContext(
-                pool=self.pool, write_index=write_index, cpu_decode=self._cpu_decode_plan(decodes),
-                prefills=self._prefill_chunks(prefills, q_start=len(decodes)), cpu_kernel=True)
-        else:
-            context = AttentionContext(
-                pool=self.pool, write_index=write_index,
-                decode_groups=self._decode_groups(decodes),
-                prefills=self._prefill_chunks(prefills, q_start=len(decodes)))
+        write_index = write_index.to(self.geometry.device, non_blocking=True)
+        context = self.attention_backend.build_metadata(self.geometry, write_index, decodes,
+                                                        prefills)
         return StepInputs(
             input_ids=self._tensor(plan.token_ids).unsqueeze(0),
             position_ids=self._tensor(positions).unsqueeze(0),
             logits_indices=self._tensor(logits_indices), context=context)
-
-    def _kernel_plan(self, decodes: list[PlannedChunk], prefills: list[PlannedChunk]):
-        """The Triton kernel's metadata: every chunk in flattened order, its blocks so far."""
-        chunks = decodes + prefills
-        bs = self.block_size
-        block_q = queries_per_tile(self.num_heads, self.pool.layout.num_kv_heads,
-                                   has_prefill=bool(prefills))
-        return build_plan([c.num_tokens for c in chunks], [c.end for c in chunks],
-                          [c.block_table[:-(-c.end // bs)] for c in chunks], block_q, self.device)
-
-    def _padded_tables(self, chunks: list[PlannedChunk]) -> torch.Tensor:
-        """[len(chunks), width] int32: each chunk's pages up to its last key, padded with its
-        first page to the longest."""
-        bs = self.block_size
-        width = max(-(-c.end // bs) for c in chunks)
-        rows = [c.block_table[:width] for c in chunks]
-        return torch.tensor([row + [c.block_table[0]] * (width - len(row))
-                             for c, row in zip(chunks, rows)], dtype=torch.int32)
-
-    def _cpu_decode_plan(self, decodes: list[PlannedChunk]) -> CpuDecodePlan | None:
-        """Every decode's block table and context length."""
-        if not decodes:
-            return None
-        return CpuDecodePlan(len(decodes), self._padded_tables(decodes),
-                             torch.tensor([c.end for c in decodes], dtype=torch.int32))
-
-    def _cpu_prefill_plan(self, prefills: list[PlannedChunk], q_start: int) -> CpuPrefillPlan | None:
-        """Every prefill chunk's block table, rows and keys."""
-        if not prefills:
-            return None
-        lens = [c.num_tokens for c in prefills]
-        starts = list(accumulate(lens[:-1], initial=q_start))
-        return CpuPrefillPlan(self._padded_tables(prefills),
-                              torch.tensor(starts, dtype=torch.int32),
-                              torch.tensor(lens, dtype=torch.int32),
-                              torch.tensor([c.end for c in prefills], dtype=torch.int32))
-
-    def _decode_groups(self, decodes: list[PlannedChunk]) -> list[DecodeGroup]:
-        """Split the decodes (sorted by length) where that saves more padding than a call costs."""
-        bs = self.block_size
-        num_blocks = [-(-c.end // bs) for c in decodes]
-        groups, q_start = [], 0
-        for first, last in split_sorted(num_blocks, self.decode_group_cost_tokens // bs):
-            members = decodes[first:last + 1]
-            width = num_blocks[last]  # blocks per sequence after padding
-            blocks: list[int] = []
-            for chunk, used in zip(members, num_blocks[first:last + 1]):
-                blocks.extend(chunk.block_table[:used])
-                blocks.extend([chunk.block_table[0]] * (width - used))  # padding, masked out
-            length = width * bs
-            lengths = torch.tensor([c.end for c in members], dtype=torch.int64)
-            mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
-            groups.append(DecodeGroup(
-                q_start=q_start, num_seqs=len(members), context_len=length,
-                gather_index=self._gather_index(blocks),
-                mask=self._additive(mask.view(1, len(members), 1, length))))
-            q_start += len(members)
-        return groups
-
-    def _prefill_chunks(self, prefills: list[PlannedChunk], q_start: int) -> list[PrefillChunk]:
-        bs = self.block_size
-        result = []
-        for chunk in prefills:
-            q_end = q_start + chunk.num_tokens
-            if chunk.start == 0:
-                result.append(PrefillChunk(q_start, q_end, chunk.end, None, None))
-            else:
-                query_pos = torch.arange(chunk.start, chunk.end).unsqueeze(1)  # [n, 1]
-                mask = torch.arange(chunk.end).unsqueeze(0) <= query_pos  # [n, ctx]
-                mask = mask.repeat(self._group_size, 1)  # [n_rep * n, ctx]: per packed head
-                blocks = chunk.block_table[:-(-chunk.end // bs)]
-                result.append(PrefillChunk(q_start, q_end, chunk.end, self._gather_index(blocks),
-                                           self._additive(mask)))
-            q_start = q_end
-        return result
-
-    def _additive(self, keep: torch.Tensor) -> torch.Tensor:
-        """A bool mask (True where a key takes part) as SDPA's additive mask in the model's dtype:
-        0 or -inf. SDPA converts a bool mask to exactly this on every call; built once a step,
-        every layer reuses it."""
-        mask = torch.zeros(keep.shape, dtype=self.dtype).masked_fill_(~keep, float("-inf"))
-        return mask.to(self.device, non_blocking=True)
-
-    def _gather_index(self, blocks: list[int]) -> torch.Tensor:
-        """Rows of K then V of every KV head for `blocks`: [2 * KVH * len(blocks)]."""
-        rows = self._head_block_rows + torch.tensor(blocks, dtype=torch.int64)
-        return rows.view(-1).to(self.device, non_blocking=True)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -327,26 +214,3 @@ def _prompt_span(chunk: ScheduledChunk, row: int) -> PromptSpan | None:
     if first >= end:
         return None
     return PromptSpan(seq, first, end - first, row)
-
-
-def split_sorted(sizes: list[int], group_cost: int) -> list[tuple[int, int]]:
-    """Split ascending `sizes` into runs [first, last] minimising padded total + cost per run.
-
-    A run is padded to its last (largest) size: cost(run) = sizes[last] * len(run) + group_cost.
-    O(n^2) dynamic programme; n is at most the running group.
-    """
-    n = len(sizes)
-    if n == 0:
-        return []
-    best = [0] + [None] * n  # best[i]: cheapest split of sizes[:i]
-    cut = [0] * (n + 1)
-    for end in range(1, n + 1):
-        for start in range(end):
-            cost = best[start] + sizes[end - 1] * (end - start) + group_cost
-            if best[end] is None or cost < best[end]:
-                best[end], cut[end] = cost, start
-    runs, end = [], n
-    while end > 0:
-        runs.append((cut[end], end - 1))
-        end = cut[end]
-    return runs[::-1]

@@ -275,7 +275,7 @@ def _top_p_cutoff(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     depends on that row alone and both give the same value.
     """
     num_candidates = min(_TOP_P_CANDIDATES, probs.shape[1])
-    if probs.device.type != "cpu" or num_candidates == probs.shape[1]:
+    if not probs.is_cpu or num_candidates == probs.shape[1]:
         return _sorted_cutoff(probs.sort(dim=-1, descending=True).values, top_p)
     candidates = probs.topk(num_candidates, dim=-1).values  # [R, C], descending
     cutoff = _sorted_cutoff(candidates, top_p)

@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from worker.engine.device import DeviceFailure
+from worker.engine.device import DeviceFailure, is_cuda
 from worker.engine.model_runner import PlannedChunk, StepPlan
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def rank_device(device_name: str, rank: int) -> torch.device:
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device_name)
-    if device.type != "cuda":
+    if not is_cuda(device):
         return device
     return torch.device("cuda", (device.index or 0) + rank)
 
@@ -129,8 +129,8 @@ class RankGroup:
         if self._children:
             threading.Thread(target=self._watch_children, daemon=True,
                              name="tp-rank-watch").start()
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":  # NCCL binds each rank's communicator to the current device
+        backend = "nccl" if is_cuda(device) else "gloo"
+        if is_cuda(device):  # NCCL binds each rank's communicator to the current device
             torch.cuda.set_device(device)
         # a rank that dies before the rendezvous is caught by the watcher, not by a timeout
         dist.init_process_group(backend, init_method=init_method, rank=rank,

@@ -1,0 +1,107 @@
+"""The CPU's C++ kernels (cpu_attention.py): decodes read K/V in place through their block tables
+in one call a layer; prefill chunks take the prefill kernel where it runs here (AVX-512; bf16
+with AVX512-BF16; head_dim 64 or 128), else gather + SDPA (sdpa_backend.py). The kernels read
+plain K/V in the model's dtype: the registry picks this backend only for such a pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
+
+from worker.engine.attention.backend import AttentionBackend, AttentionMetadata, StepGeometry
+from worker.engine.attention.sdpa_backend import PrefillChunk, prefill_attention, prefill_chunks
+from worker.engine.cpu_attention import (CpuDecodePlan, CpuPrefillPlan, paged_decode,
+                                         paged_prefill, write_kv)
+
+
+@dataclass
+class CpuMetadata(AttentionMetadata):
+    decode: CpuDecodePlan | None = None  # every decode row; None in a step without decodes
+    prefill: CpuPrefillPlan | None = None  # every prefill chunk, where the prefill kernel runs
+    prefills: list[PrefillChunk] = field(default_factory=list)  # else these, on SDPA
+
+
+class CpuBackend(AttentionBackend):
+    name = "cpu"
+    cpu_kernel = True
+
+    def __init__(self, prefill_kernel: bool):
+        # the prefill kernel computes this pool's chunks here: no dense copy of cached prefixes,
+        # and SDPA's bf16 products run as converted fp32 sgemm on CPUs without AMX
+        self.prefill_kernel = prefill_kernel
+
+    def describe(self) -> str:
+        return ("cpu (decode and prefill kernels)" if self.prefill_kernel
+                else "cpu (decode kernel; prefill chunks on SDPA)")
+
+    def build_metadata(self, geometry: StepGeometry, write_index: torch.Tensor,
+                       decodes: list, prefills: list) -> CpuMetadata:
+        bs = geometry.block_size
+        metadata = CpuMetadata(self, geometry.pool, write_index, decode=decode_plan(decodes, bs))
+        if self.prefill_kernel:
+            metadata.prefill = prefill_plan(prefills, bs, q_start=len(decodes))
+        else:
+            metadata.prefills = prefill_chunks(geometry, prefills, q_start=len(decodes))
+        return metadata
+
+    def forward(self, layer, query, key, value, metadata: CpuMetadata, scaling, out) -> None:
+        pool = metadata.pool
+        head_dim = query.shape[3]
+        pool.write(layer, metadata.write_index, key[0].reshape(-1, head_dim),
+                   value[0].reshape(-1, head_dim))
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        if metadata.decode is not None:
+            paged_decode(query[0], pool, layer, metadata.decode, scale, out)
+        if metadata.prefill is not None:
+            paged_prefill(query[0], pool, layer, metadata.prefill, scale, out)
+        for chunk in metadata.prefills:
+            prefill_attention(chunk, query, key, value, pool, layer, scaling, out)
+
+    def fused_forward(self, layer, query, key, value, metadata: CpuMetadata,
+                      scaling) -> torch.Tensor:
+        """The new K/V go into the pool in one C++ copy (no intermediate copy), the rows through
+        the kernels. -> [T, H, D]"""
+        pool = metadata.pool
+        write_kv(pool, layer, key, value, metadata.write_index)
+        out = query.new_empty(query.shape)
+        if metadata.decode is not None:
+            paged_decode(query.transpose(0, 1), pool, layer, metadata.decode, scaling, out)
+        if metadata.prefill is not None:
+            paged_prefill(query.transpose(0, 1), pool, layer, metadata.prefill, scaling, out)
+        if metadata.prefills:
+            # [1, heads, T, D], as transformers hands them over
+            q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            for chunk in metadata.prefills:
+                prefill_attention(chunk, q4, k4, v4, pool, layer, scaling, out)
+        return out
+
+
+def padded_tables(chunks: list, block_size: int) -> torch.Tensor:
+    """[len(chunks), width] int32: each chunk's pages up to its last key, padded with its first
+    page to the longest."""
+    width = max(-(-c.end // block_size) for c in chunks)
+    rows = [c.block_table[:width] for c in chunks]
+    return torch.tensor([row + [c.block_table[0]] * (width - len(row))
+                         for c, row in zip(chunks, rows)], dtype=torch.int32)
+
+
+def decode_plan(decodes: list, block_size: int) -> CpuDecodePlan | None:
+    """Every decode's block table and context length."""
+    if not decodes:
+        return None
+    return CpuDecodePlan(len(decodes), padded_tables(decodes, block_size),
+                         torch.tensor([c.end for c in decodes], dtype=torch.int32))
+
+
+def prefill_plan(prefills: list, block_size: int, q_start: int) -> CpuPrefillPlan | None:
+    """Every prefill chunk's block table, rows and keys."""
+    if not prefills:
+        return None
+    lens = [c.num_tokens for c in prefills]
+    starts = list(accumulate(lens[:-1], initial=q_start))
+    return CpuPrefillPlan(padded_tables(prefills, block_size),
+                          torch.tensor(starts, dtype=torch.int32),
+                          torch.tensor(lens, dtype=torch.int32),
+                          torch.tensor([c.end for c in prefills], dtype=torch.int32))
