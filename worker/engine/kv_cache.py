@@ -27,11 +27,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """torch.zeros; on the CPU in anonymous memory the kernel backs with 2 MB pages where it can
     (MADV_HUGEPAGE; transparent huge pages are often `madvise`-only). Decode attention reads each
     sequence's blocks at scattered places in the pool: with 4 KB pages nearly every block costs a
-    TLB miss, and the C++ kernel reads K/V about 20% faster from huge pages.
+    TLB miss, and the C++ kernel reads K/V measurably faster from huge pages.
 
     Every page is faulted in here, at start-up, as torch.zeros would: otherwise the first write
     to each 2 MB page of the pool (a prefill's K/V) stops the step while the kernel clears that
-    page, 9% of the prefill steps' time on a fresh 2-core worker (Zen 5), and a pool the machine
+    page (a visible share of a fresh worker's prefill steps), and a pool the machine
     cannot back would fail mid-request instead of at start-up."""
     if not is_cpu(device):
         return torch.zeros(shape, dtype=dtype, device=device)

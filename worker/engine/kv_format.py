@@ -10,7 +10,7 @@ tokens; 1.97x at head_dim 128. Attention dequantises on read, in the model's dty
 int8 rows are rotated before quantising (`rows @ R`, R orthonormal: a Hadamard matrix, or a
 seeded random rotation when head_dim is not a power of two). Keys carry a few outlier channels
 that set every row's max and leave the other channels few codes; rotating spreads them over all
-channels, which halved the int8 error of SmolLM2's keys (1.07% -> 0.56% relative, measured).
+channels, which cuts the int8 error of such keys (docs/BENCHMARKS.md, "KV cache formats").
 Attention never un-rotates the cache: since R is orthonormal, q.k = (qR).(kR), so it rotates the
 queries and un-rotates the output (p.V = (p.VR)R^T), a [T, D] x [D, D] product per call. fp8 is
 not rotated: its error is relative to each value, and rotating made it slightly worse.

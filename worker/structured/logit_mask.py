@@ -2,7 +2,7 @@
 
 Unconstrained rows are untouched, so constrained and free requests share one batch and one
 sampler call; the only per-step cost is one bitmask row per constrained request (computed on
-CPU by llguidance, ~10 µs for a 49k vocabulary) and one masked fill on the device.
+CPU by llguidance, small beside a step) and one masked fill on the device.
 """
 
 from __future__ import annotations
