@@ -12,8 +12,6 @@ from worker.engine.attention import (
     CONTEXT_KWARG, AttentionContext, DecodeGroup, PrefillChunk, register_paged_attention)
 from worker.engine import cpu_attention
 from worker.engine.cpu_attention import CpuDecodePlan, CpuPrefillPlan
-from worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
-from worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
@@ -110,7 +108,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model and the KV pool; turns a SchedulerOutput into logits."""
+    """Owns the model and the KV pool; turns a SchedulerOutput into logits.
+
+    `model` is the engine's prepared copy (model_prep.py: sharded, placed, fused and packed
+    there); the runner installs its paged attention on it and changes nothing else."""
 
     def __init__(self, model: torch.nn.Module, pool: KVCachePool, decode_group_cost_tokens: int = 512,
                  attention_backend: str = "sdpa", decode_graphs=None, num_heads: int | None = None):
@@ -135,20 +136,6 @@ class ModelRunner:
         # as converted fp32 sgemm on CPUs without AMX
         self.cpu_prefill_kernel = (self.cpu_decode_kernel and cpu_attention.prefill_supported(
             pool, dtype, pool.layout.head_dim))
-        # on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
-        # tensor parallelism, whose ranks hold sharded layers), other layers' q/k/v and gate/up
-        # as one product each, every linear's weight packed once where its dtype packs here
-        # (cpu_linear.py: kvfleet's own product on AVX-512 CPUs without AMX, bf16 with
-        # AVX512-BF16; else oneDNN's: float32 always, bf16 with native bf16). A tied LM head is packed too: a
-        # second copy of the embedding matrix (vocab x hidden; 113 MB for the default model in
-        # float32) for 2.2-2.8x on the head's product at decode sizes. CUDA keeps HF's layers.
-        self.num_fused_layers = 0
-        if self.device.type == "cpu":
-            if (dtype in FUSED_DTYPES and self.cpu_decode_kernel
-                    and self.num_heads == model.config.num_attention_heads):
-                self.num_fused_layers = fuse_decoder_layers(model)
-            fuse_sibling_linears(model)  # q/k/v and gate/up: one product each, where they pack
-            pack_cpu_linears(model, shared=True)  # the tied LM head too (a second copy)
         num_kv_heads = pool.layout.num_kv_heads
         self._group_size = self.num_heads // num_kv_heads  # query heads per KV head
         # row offsets of K (then V) of each KV head in the pool's [2 * KVH * NB, ...] block view
