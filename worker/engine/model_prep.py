@@ -18,7 +18,9 @@ replaces one: packed, sibling, fused layer products, row-parallel) is a `LinearP
 x @ A @ B * scale) to its output, per row, until the returned handle is removed. In a fused layer
 q/k/v are one product (`qkv`, outputs side by side) and gate/up another (`gate_up`): a term for
 one of them is zero outside its columns. Terms are torch forward hooks: a linear without one costs
-nothing more, and a CUDA graph captured before a term was added replays without it.
+nothing more, and a CUDA graph captured before a term was added replays without it. KV computed
+under a term goes into the prefix cache like any other: per-request adapters need its block
+hashes keyed by the adapter.
 """
 
 from __future__ import annotations
