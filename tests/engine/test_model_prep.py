@@ -156,3 +156,19 @@ def test_prepare_model_keeps_the_model_on_its_device(tiny):
     prepared = prepare_model(model, torch.device("cpu"), torch.float32)
     assert prepared.shard is None and prepared.num_heads == model.config.num_attention_heads
     assert prepared.module is not model
+
+
+def test_a_term_on_a_packed_linear_outside_a_model():
+    """oneDNN's packed linear, which the engine picks where kvfleet's product does not build."""
+    from worker.engine.cpu_linear import packing_available
+
+    if not packing_available(torch.float32):
+        pytest.skip("oneDNN does not pack here")
+    torch.manual_seed(4)
+    linear = PackedLinear(torch.nn.Linear(16, 8))
+    x, a, b = torch.randn(3, 16), torch.randn(16, 2), torch.randn(2, 8)
+    before = linear(x).clone()
+    handle = add_linear_term(linear, lambda rows: rows @ a @ b)
+    assert torch.allclose(linear(x), before + x @ a @ b, atol=1e-5)
+    handle.remove()
+    assert torch.equal(linear(x), before)
