@@ -1,21 +1,21 @@
 """The engine the worker service drives: add requests, step, abort; plus offline `generate`.
 
 `Engine` composes the parts, each in its own module: the model's preparation (model_prep.py),
-the KV budget and the preemption priors (budget.py), scheduling (scheduler.py), the forward
-(model_runner.py; on tensor-parallel ranks tp_steps.py), swapped-out KV (swapping.py), sampling
-(step_sampling.py), output constraints (worker/structured/requests.py) and the operator's
-reports and counters (reports.py).
+the KV budget and the preemption priors (budget.py), the checks and outputs of a request
+(request_io.py), scheduling (scheduler.py), the forward (model_runner.py; on tensor-parallel
+ranks tp_steps.py), swapped-out KV (swapping.py), sampling (step_sampling.py), output
+constraints (worker/structured/requests.py) and the operator's reports and counters (reports.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from shared.wire import RequestStatus, SamplingParams, TokenLogprob
+from shared.wire import RequestStatus, SamplingParams
 from worker.engine import cpu_attention, reports
 from worker.engine.block_manager import BlockManager
 from worker.engine.budget import plan_kv_budget, preemption_cost_model
@@ -29,11 +29,13 @@ from worker.engine.model_prep import (
 from worker.engine.model_runner import ModelRunner, StepLogits
 from worker.engine.preemption import SwapSpace
 from worker.engine.reports import EngineStats
+from worker.engine.request_io import (
+    RequestOutput, check_request, emission_output, request_output)
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
 from worker.engine.sequence import Sequence
 from worker.engine.step_sampling import (
-    Failures, raise_if_sticky, record_prompt_logprobs, sample_rows)
+    Failures, advance_constrained, raise_if_sticky, record_prompt_logprobs, sample_rows)
 from worker.engine.stopping import StopChecker
 from worker.engine.swapping import SwappedKV
 from worker.engine.tp_group import RankGroup
@@ -44,20 +46,6 @@ from worker.structured.requests import ConstrainedRequests
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "load_pretrained"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    req_id: str
-    new_token_ids: list[int]  # tokens produced this step (usually 0 or 1)
-    new_logprobs: list[TokenLogprob] | None
-    num_output_tokens: int  # total generated, including resumed ones
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
-    finish_reason: str | None  # RequestStatus.finish_reason when finished
-    error: str | None = None  # what went wrong, when finish_reason == "error"
-    # prompt token i + 1's logprob at i; in the request's first output only (prompt_logprobs)
-    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Engine:
@@ -170,21 +158,7 @@ class Engine:
         """Queue a request; `output_token_ids` resumes one (sampling continues at their count)."""
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is already in the engine")
-        if not prompt_token_ids:
-            raise ValueError(f"request {req_id!r}: the prompt is empty")
-        if params.max_tokens < 0:
-            raise ValueError(f"request {req_id!r}: max_tokens must be >= 0")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {req_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                f"({params.max_tokens}) = {total} exceeds the model context of {self.max_model_len}")
-        # the last sampled token's KV is never computed (max_tokens 0: the prompt's all is)
-        blocks = self.block_manager.blocks_for_tokens(max(total - 1, len(prompt_token_ids)))
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request {req_id!r}: needs {blocks} KV blocks but the pool has only "
-                f"{self.block_manager.num_blocks}")
+        check_request(req_id, prompt_token_ids, params, self.max_model_len, self.block_manager)
         # a resumed request replays its tokens through its grammar: same masks as before the crash
         self.constrained.add(req_id, params.constraint, output_token_ids or [])
         # resumed past its first output: its prompt logprobs went out with that output
@@ -202,7 +176,7 @@ class Engine:
         if self.swapped.discard(req_id) and self.ranks is not None:
             self.ranks.discard_swapped(req_id)
         self.constrained.discard(req_id)
-        return self._output(seq, [], None)
+        return request_output(seq, [], None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -245,24 +219,7 @@ class Engine:
         outputs = self._fail(failed)
         emissions = self.scheduler.update(sched, samples)
         outputs += [self._emission_output(e) for e in emissions]
-        return outputs + self._advance_constrained(emissions)
-
-    def _advance_constrained(self, emissions: list[TokenEmission]) -> list[RequestOutput]:
-        """Move each constrained request's grammar past its new token; a token the grammar
-        refuses (it cannot be sampled: the mask forbids it) fails the request."""
-        if not len(self.constrained):
-            return []
-        failed = []
-        for emission in emissions:
-            req_id = emission.seq.req_id
-            if emission.token_id is not None and not emission.finished:
-                try:
-                    self.constrained.advance(req_id, emission.token_id)
-                except ValueError as exc:
-                    failed.append((emission.seq, exc))
-            if emission.finished:
-                self.constrained.discard(req_id)
-        return self._fail(failed)
+        return outputs + self._fail(advance_constrained(self.constrained, emissions))
 
     def _fail(self, failures: Failures) -> list[RequestOutput]:
         """Finish each failed request with FINISHED_ERROR; its blocks return at once."""
@@ -275,29 +232,14 @@ class Engine:
         return outputs
 
     def _emission_output(self, emission: TokenEmission) -> RequestOutput:
-        seq = emission.seq
         if emission.finished:
-            self._seqs.pop(seq.req_id, None)
-        logprobs = [emission.logprob] if emission.logprob is not None else None
-        output = self._output(seq, [] if emission.token_id is None else [emission.token_id],
-                              logprobs)
-        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
-            seq.prompt_logprobs_sent = True  # once, with the first output
-            output.prompt_logprobs = list(seq.prompt_logprobs)
-        return output
+            self._seqs.pop(emission.seq.req_id, None)
+        return emission_output(emission)
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         self._seqs.pop(seq.req_id, None)
         self.constrained.discard(seq.req_id)
-        return self._output(seq, [], None)
-
-    @staticmethod
-    def _output(seq: Sequence, new_token_ids: list[int], logprobs) -> RequestOutput:
-        return RequestOutput(
-            req_id=seq.req_id, new_token_ids=new_token_ids, new_logprobs=logprobs,
-            num_output_tokens=seq.num_output_tokens, num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens, finish_reason=seq.status.finish_reason,
-            error=seq.error)
+        return request_output(seq, [], None)
 
     # ---- introspection ------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """From a forward's logits to tokens: the batch sampled at once (under its requests' grammar
-masks), row by row when that fails so that only the culprits fail, and the prompt logprobs
-appended to their sequences."""
+masks), row by row when that fails so that only the culprits fail; the prompt logprobs appended
+to their sequences; the grammars moved past the new tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from worker.engine.device import DeviceFailure, is_sticky_device_error
 from worker.engine.model_runner import StepLogits
 from worker.engine.prompt_logprobs import compute_prompt_logprobs
 from worker.engine.sampler import Sampler, SamplerInput
-from worker.engine.scheduler import ScheduledChunk
+from worker.engine.scheduler import ScheduledChunk, TokenEmission
 from worker.engine.sequence import Sequence
 from worker.structured.requests import ConstrainedRequests
 
@@ -71,3 +71,21 @@ def record_prompt_logprobs(step: StepLogits) -> Failures:
                                  f"{span.first_position}, {len(seq.prompt_logprobs)} held")
         seq.prompt_logprobs.extend(entries)
     return []
+
+
+def advance_constrained(constrained: ConstrainedRequests, emissions: list[TokenEmission]) -> Failures:
+    """Move each constrained request's grammar past its new token; a token the grammar refuses
+    (it cannot be sampled: the mask forbids it) fails the request."""
+    if not len(constrained):
+        return []
+    failed = []
+    for emission in emissions:
+        req_id = emission.seq.req_id
+        if emission.token_id is not None and not emission.finished:
+            try:
+                constrained.advance(req_id, emission.token_id)
+            except ValueError as exc:
+                failed.append((emission.seq, exc))
+        if emission.finished:
+            constrained.discard(req_id)
+    return failed
