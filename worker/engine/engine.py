@@ -87,7 +87,17 @@ class Engine:
         self.swap_space = SwapSpace(config.swap_space_bytes // self.pool.block_bytes)
         self.preemption = preemption_cost_model(config.preemption, self.pool, placed.module)
         self.swapped = SwappedKV(self.pool, self.preemption)
-        eos = eos_token_ids_of(placed.module)
+        self._start_scheduling(placed.module, tokenizer)
+        self._start_runner(placed, draft_model, graphs_mode)
+        self._seqs: dict[str, Sequence] = {}
+        if ranks is None or ranks.is_driver:
+            log.info("engine: %s", self.device_report())
+            for line in self.budget_report():
+                log.info("KV budget: %s", line)
+
+    def _start_scheduling(self, model: torch.nn.Module, tokenizer) -> None:
+        """The scheduler and its stop rules, the sampler, the output constraints."""
+        config, eos = self.config, eos_token_ids_of(model)
         self.scheduler = Scheduler(
             self.block_manager, StopChecker(eos, self.max_model_len, tokenizer),
             config.max_batched_tokens, config.max_running, config.watermark,
@@ -95,13 +105,17 @@ class Engine:
         self.sampler = Sampler(eos)
         # Structured outputs: one grammar matcher per constrained request (needs the tokenizer).
         self.constrained = ConstrainedRequests(
-            GrammarCompiler(tokenizer, placed.module.config.vocab_size, eos, config.grammar_cache_size)
+            GrammarCompiler(tokenizer, model.config.vocab_size, eos, config.grammar_cache_size)
             if tokenizer is not None else None)
+
+    def _start_runner(self, placed: PreparedModel, draft_model: torch.nn.Module | None,
+                      graphs_mode: str | None) -> None:
+        """The model (and draft) packed for the device, the runner, its decode graphs."""
         # fused layers where the C++ attention kernel reads this pool
         fuse_layers = self.attention_backend == "cpu" and cpu_attention.supports(self.pool, self.dtype)
         self.prepared = pack_for_cpu(placed, fuse_layers)
         self.draft: PreparedModel | None = None if draft_model is None else pack_for_cpu(
-            prepare_model(draft_model, self.device, self.dtype, ranks), fuse_layers)
+            prepare_model(draft_model, self.device, self.dtype, self.ranks), fuse_layers)
         self.model = self.prepared.module
         self.runner = ModelRunner(self.model, self.pool, attention_backend=self.attention_backend,
                                   decode_graphs=self._decode_graphs(graphs_mode),
@@ -111,11 +125,6 @@ class Engine:
             self.runner.decode_graphs.capture()
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
                      self.runner.decode_graphs.buckets, time.perf_counter() - started)
-        self._seqs: dict[str, Sequence] = {}
-        if ranks is None or ranks.is_driver:
-            log.info("engine: %s", self.device_report())
-            for line in self.budget_report():
-                log.info("KV budget: %s", line)
 
     def _graphs_mode(self) -> str | None:
         """'capture' (CUDA graphs), 'eager' (their static buffers, no capture) or None (off)."""

@@ -1,4 +1,5 @@
-"""Tensor-parallel sharding of a Llama/Qwen2-style decoder (Megatron layout), in place.
+"""Tensor-parallel sharding of a Llama/Qwen2-style decoder (Megatron layout), in place on the
+engine's own copy of the model (model_prep.py).
 
 Each rank keeps:
 - q/k/v projections column-parallel: the rows of its query heads and of the KV heads those
