@@ -72,28 +72,29 @@ def test_silu_times_up(dtype):
 def test_the_engine_fuses_llama_family_layers_with_the_cpu_kernel(tiny, dtype):
     layers = tiny.model.config.num_hidden_layers
     engine = tiny.engine(dtype=dtype)
-    assert engine.runner.num_fused_layers == layers
+    assert engine.prepared.num_fused_layers == layers
     assert all(type(m) is FusedDecoderLayer for m in engine.model.model.layers)
     assert type(engine.model.model.norm) is FusedRMSNorm
     # 8-bit K/V and gather + SDPA keep HF's layers
-    assert tiny.engine(dtype=dtype, kv_dtype="fp8").runner.num_fused_layers == 0
-    assert tiny.engine(dtype=dtype, attention_backend="sdpa").runner.num_fused_layers == 0
+    assert tiny.engine(dtype=dtype, kv_dtype="fp8").prepared.num_fused_layers == 0
+    assert tiny.engine(dtype=dtype, attention_backend="sdpa").prepared.num_fused_layers == 0
 
 
-def test_a_model_fused_by_one_engine_runs_under_an_8bit_pool(tiny):
+def test_engines_on_one_model_each_prepare_their_own_copy(tiny):
     """Engines built one after another on the same model object (as a benchmark or a test does):
-    the first fuses its layers in place; a later one with an 8-bit pool, which the C++ kernel
-    does not read, must still write and read its K/V through the generic path."""
+    the first fuses the layers of its own copy; the model keeps HF's layers, so a later engine
+    with an 8-bit pool, which the C++ kernel does not read, runs HF's layers on it."""
     model = copy.deepcopy(tiny.model)  # the fixture's model stays as it is
     prompts = [random_prompt(n, seed=90 + i) for i, n in enumerate([5, 23])]
     produced = {}
     for kv_dtype in ("fp32", "int8"):
         engine = Engine(model, EngineConfig(device="cpu", dtype="float32", kv_dtype=kv_dtype,
                                             num_blocks=32, block_size=8))
-        assert engine.runner.num_fused_layers == (model.config.num_hidden_layers
-                                                  if kv_dtype == "fp32" else 0)
+        fused = kv_dtype == "fp32"
+        assert engine.prepared.num_fused_layers == (model.config.num_hidden_layers if fused else 0)
+        assert all((type(m) is FusedDecoderLayer) == fused for m in engine.model.model.layers)
         produced[kv_dtype] = engine.generate(prompts, greedy(12))
-    assert all(type(m) is FusedDecoderLayer for m in model.model.layers)
+    assert not any(type(m) is FusedDecoderLayer for m in model.model.layers)
     agreed = sum(tokens_before_divergence(a, b) for a, b in zip(produced["fp32"], produced["int8"]))
     assert agreed >= 0.75 * 2 * 12, produced
 

@@ -158,7 +158,7 @@ def test_a_broken_layer_ops_source_leaves_attention_and_products(broken, tiny_ll
     with pytest.raises(KernelUnavailable):
         rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
     engine = tiny_llama.engine(attention_backend="cpu")
-    assert engine.runner.attention_backend.cpu_kernel and engine.runner.num_fused_layers == 0  # HF layers
+    assert engine.runner.attention_backend.cpu_kernel and engine.prepared.num_fused_layers == 0  # HF layers
     prompt = random_prompt(12, seed=3)
     engine.add_request("r", prompt, greedy(10))
     assert run_to_completion(engine)["r"] == tiny_llama.reference(prompt, 10)

@@ -88,7 +88,7 @@ def test_aborting_preempted_streams_then_serving_on(case):
     while engine.stats().num_preemptions == before:
         engine.step()
     preempted = [s.req_id for s in engine.scheduler.waiting if s.num_output_tokens]
-    assert preempted and bool(engine._swapped) == (preemption == "swap")
+    assert preempted and bool(engine.swapped.held) == (preemption == "swap")
     for req_id in preempted:
         assert engine.abort(req_id).finish_reason == "abort"
     assert engine.stats().swap_used_bytes == 0

@@ -10,8 +10,6 @@ import torch
 from worker.engine.attention import (
     CONTEXT_KWARG, AttentionBackend, AttentionMetadata, StepGeometry, register_paged_attention)
 from worker.engine.attention.sdpa_backend import SdpaBackend
-from worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
-from worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
 from worker.engine.device import is_cpu
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -108,7 +106,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model and the KV pool; turns a SchedulerOutput into logits."""
+    """Owns the model and the KV pool; turns a SchedulerOutput into logits.
+
+    `model` is the engine's prepared copy (model_prep.py: sharded, placed, fused and packed
+    there); the runner installs its paged attention on it and changes nothing else."""
 
     def __init__(self, model: torch.nn.Module, pool: KVCachePool,
                  attention_backend: AttentionBackend | None = None, decode_graphs=None,
@@ -126,20 +127,6 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
         self.geometry = StepGeometry.of(pool, self.num_heads, dtype)
-        # on CPU: Llama-family layers fused around the C++ kernels (cpu_layers.py; not under
-        # tensor parallelism, whose ranks hold sharded layers), other layers' q/k/v and gate/up
-        # as one product each, every linear's weight packed once where its dtype packs here
-        # (cpu_linear.py: kvfleet's own product on AVX-512 CPUs without AMX, bf16 with
-        # AVX512-BF16; else oneDNN's: float32 always, bf16 with native bf16). A tied LM head is packed too: a
-        # second copy of the embedding matrix (vocab x hidden; 113 MB for the default model in
-        # float32) for 2.2-2.8x on the head's product at decode sizes. CUDA keeps HF's layers.
-        self.num_fused_layers = 0
-        if is_cpu(self.device):
-            if (dtype in FUSED_DTYPES and self.attention_backend.cpu_kernel
-                    and self.num_heads == model.config.num_attention_heads):
-                self.num_fused_layers = fuse_decoder_layers(model)
-            fuse_sibling_linears(model)  # q/k/v and gate/up: one product each, where they pack
-            pack_cpu_linears(model, shared=True)  # the tied LM head too (a second copy)
         num_kv_heads = pool.layout.num_kv_heads
         self._head_slot_rows = (torch.arange(num_kv_heads) * pool.num_blocks * pool.block_size).unsqueeze(1)
         model.set_attn_implementation(register_paged_attention())

@@ -1,4 +1,5 @@
-"""Tensor-parallel sharding of a Llama/Qwen2-style decoder (Megatron layout), in place.
+"""Tensor-parallel sharding of a Llama/Qwen2-style decoder (Megatron layout), in place on the
+engine's own copy of the model (model_prep.py).
 
 Each rank keeps:
 - q/k/v projections column-parallel: the rows of its query heads and of the KV heads those
@@ -16,6 +17,7 @@ forward: each rank's attention sees its local heads, and the paged attention its
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -67,12 +69,21 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, start: int, size: int, group, comm_timer=None):
         super().__init__()
+        self.in_features, self.out_features = size, linear.out_features
         self.weight = nn.Parameter(linear.weight.data[:, start:start + size].clone(),
                                    requires_grad=False)  # [out, size]
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.data.clone(), requires_grad=False))
         self.group = group
         self.comm_timer = comm_timer  # CommTimer or None: seconds spent in the all_reduce
+
+    def __deepcopy__(self, memo) -> RowParallelLinear:
+        """A copy that sums over the same process group, timed by the same timer."""
+        memo[id(self.group)], memo[id(self.comm_timer)] = self.group, self.comm_timer
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)  # [..., out]: this rank's partial sum

@@ -1,0 +1,98 @@
+"""What the engine tells its operator: counters for the metrics (`EngineStats`) and the start-up
+lines on its device and its KV budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.cpu_features import cpu_features
+from worker.engine import cpu_linear
+from worker.engine.attention import AttentionBackend
+from worker.engine.block_manager import BlockManager
+from worker.engine.device import is_cpu
+from worker.engine.kv_cache import KVCachePool, KVLayout, MemoryBudget, format_bytes
+from worker.engine.kv_format import resolve_kv_format
+from worker.engine.model_runner import ModelRunner
+from worker.engine.preemption import PreemptionCostModel, SwapSpace
+from worker.engine.scheduler import Scheduler
+from worker.structured.requests import ConstrainedRequests
+
+
+@dataclass
+class EngineStats:
+    num_blocks_total: int
+    num_blocks_free: int  # incl. evictable prefix-cache blocks
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_cached_blocks: int
+    num_generated_tokens: int
+    num_prefill_tokens_computed: int
+    num_swap_preemptions: int = 0  # of num_preemptions, those that swapped the KV out
+    swap_used_bytes: int = 0  # host memory held by swapped-out streams
+    num_constrained: int = 0  # requests with an output constraint
+    grammar_compiles: int = 0  # constraints compiled (cache misses)
+    grammar_cache_hits: int = 0
+    num_cuda_graph_steps: int = 0  # decode steps replayed from a captured CUDA graph
+
+
+def engine_stats(bm: BlockManager, sched: Scheduler, runner: ModelRunner, swap_used_bytes: int,
+                 constrained: ConstrainedRequests) -> EngineStats:
+    graphs, compiler = runner.decode_graphs, constrained.compiler
+    return EngineStats(
+        num_blocks_total=bm.num_blocks, num_blocks_free=bm.num_free_blocks,
+        num_running=len(sched.running), num_waiting=len(sched.waiting),
+        num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queried_tokens,
+        prefix_hit_tokens=bm.prefix_hit_tokens, num_cached_blocks=bm.num_cached_blocks,
+        num_generated_tokens=sched.num_generated_tokens,
+        num_prefill_tokens_computed=sched.num_prefill_tokens_computed,
+        num_swap_preemptions=sched.num_swap_preemptions, swap_used_bytes=swap_used_bytes,
+        num_constrained=len(constrained),
+        grammar_compiles=compiler.misses if compiler else 0,
+        grammar_cache_hits=compiler.hits if compiler else 0,
+        num_cuda_graph_steps=graphs.num_replays if graphs is not None else 0)
+
+
+def device_report(device: torch.device, dtype: torch.dtype, backend: AttentionBackend,
+                  dtype_name: str) -> str:
+    """Device, dtype (and what --dtype said), and on CPU the model and ISA behind `auto`."""
+    line = f"{device}, {str(dtype).removeprefix('torch.')} (--dtype {dtype_name})"
+    if is_cpu(device):
+        line += f"; CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads"
+    line += f"; attention {backend.describe()}"
+    if is_cpu(device):
+        line += f"; linears {cpu_linear.products_report(dtype)}"
+    return line
+
+
+def budget_report(budget: MemoryBudget, pool: KVCachePool, dtype: torch.dtype,
+                  swap_space: SwapSpace, preemption: PreemptionCostModel,
+                  world_size: int | None = None) -> list[str]:
+    """The KV budget's lines, what the same bytes hold in each format, preemption and swap."""
+    swap = swap_space.capacity_blocks * pool.block_bytes
+    lines = budget.report()
+    if world_size is not None:
+        lines.insert(0, f"tensor parallel over {world_size} ranks: weights, KV cache, bytes per "
+                        f"token and swap space are rank 0's (each rank holds its own share); "
+                        f"blocks and tokens are the worker's")
+    return lines + [
+        "tokens that fit by --kv-dtype: " + " · ".join(
+            f"{name} {tokens:,}" for name, tokens in tokens_by_kv_dtype(budget, pool, dtype).items()),
+        f"preemption: {preemption.mode}; host swap space {format_bytes(swap)} = "
+        f"{swap_space.capacity_blocks} blocks"]
+
+
+def tokens_by_kv_dtype(budget: MemoryBudget, pool: KVCachePool,
+                       dtype: torch.dtype) -> dict[str, int]:
+    """What the same KV bytes would hold in each storage format, for a model in `dtype`."""
+    layout = pool.layout
+    result = {}
+    for name in ("fp32", "bf16", "fp8", "int8"):
+        per_token = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                             resolve_kv_format(name, dtype)).bytes_per_token
+        result[name] = budget.kv_bytes // (per_token * budget.block_size) * budget.block_size
+    return result
