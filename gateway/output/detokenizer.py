@@ -100,14 +100,19 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
 
 
+# what one token's text is taken to hold at most after a stop string it completes
+_LAST_TOKEN_CHARS = 16
+
+
 class StopStringRenderer:
     """Renders where the worker stopped the answer; it never decides it (the worker does, on the
     text as the client sees it, min_tokens included: see `shared.wire.TokenEvent`).
 
     While the answer streams, `feed` holds back the longest tail of the text that is a proper
-    prefix of a stop string: the worker may yet stop at it, so no text past a stop is ever sent.
-    A complete stop string in text that did not end the answer is text (the worker did not stop
-    there). `finish` cuts what is left where the worker's final event says.
+    prefix of a stop string, and a complete stop string ending in the last few characters: the
+    worker may yet stop (or have stopped) there, so no text past a stop is ever sent. A complete
+    stop string followed by more text that did not end the answer is text (the worker did not
+    stop there: min_tokens). `finish` cuts what is left where the worker's final event says.
     """
 
     def __init__(self, stop: Sequence[str], include_stop: bool = False):
@@ -120,7 +125,7 @@ class StopStringRenderer:
         if not self._stop:
             return text
         buffer = self._held + text
-        hold = self._longest_partial_match(buffer)
+        hold = max(self._longest_partial_match(buffer), self._recent_complete_match(buffer))
         self._held = buffer[len(buffer) - hold:] if hold else ""
         return buffer[:len(buffer) - hold]
 
@@ -148,6 +153,18 @@ class StopStringRenderer:
             return buffer
         start, end = min(hits)
         return buffer[:end if self._include_stop else start]
+
+    def _recent_complete_match(self, buffer: str) -> int:
+        """The tail from a complete stop string that ends in the last few characters: the
+        token that completed it may be the last one, its final event not read yet (a stream
+        re-attached while the request ends reads those tokens from the checkpoint first). Held
+        until later text shows the worker went on (min_tokens), or the final event cuts it."""
+        tail_start = len(buffer)
+        for stop in self._stop:
+            start = buffer.find(stop, max(0, len(buffer) - len(stop) - _LAST_TOKEN_CHARS))
+            if start != -1:
+                tail_start = min(tail_start, start)
+        return len(buffer) - tail_start
 
     def _longest_partial_match(self, buffer: str) -> int:
         longest = 0

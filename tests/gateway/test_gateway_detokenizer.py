@@ -43,12 +43,26 @@ def test_text_that_may_become_a_stop_string_is_held_back():
 
 
 def test_a_complete_stop_string_the_worker_did_not_stop_at_is_text():
-    """The worker decides (min_tokens, special tokens the client sees): a non-final event's stop
-    string goes out, and only a possible new start of one is held."""
+    """The worker decides (min_tokens, special tokens the client sees): a stop string that more
+    text of the answer follows goes out; one that ends the text so far is held, since the token
+    that completed it may be the last (its final event not read yet)."""
     stops = StopStringRenderer(["STOP"])
-    assert stops.feed("ab STOP cd ST") == "ab STOP cd "
-    assert stops.feed("OP ef") == "STOP ef"
+    assert stops.feed("ab STOP") == "ab "
+    assert stops.feed(" cd, and the answer goes on ST") == "STOP cd, and the answer goes on "
+    assert stops.feed("OP ef") == ""
+    assert stops.finish("", "length") == "STOP ef"
     assert StopStringRenderer([]).feed("anything") == "anything"
+
+
+def test_a_stop_read_before_its_final_event_is_cut_by_that_event():
+    """A stream re-attached while the request ends reads the tokens up to the stop from the
+    checkpoint, then gets the final event with nothing new: no text past the stop is sent."""
+    stops = StopStringRenderer(["STOP"])
+    assert stops.feed(" alpha beta STOP") == " alpha beta "
+    assert stops.finish("", "stop", "STOP", 0) == ""
+    stops = StopStringRenderer(["STOP"])
+    assert stops.feed(" alpha beta STOP.") == " alpha beta "
+    assert stops.finish("", "stop", "STOP", 1) == ""
 
 
 @pytest.mark.parametrize("include, expected", [(False, "one two "), (True, "one two STOP")])
@@ -63,7 +77,7 @@ def test_the_workers_stop_wins_over_an_earlier_occurrence():
     """The first "ab" was inside min_tokens (text, already sent); the worker stopped at the last."""
     stops = StopStringRenderer(["ab"])
     sent = stops.feed("xab ya")
-    assert sent == "xab y"
+    assert sent == "x"  # "ab" ends near the end of the text so far: held until the next event
     assert sent + stops.finish("b z", "stop", "ab", 2) == "xab y"
     stops = StopStringRenderer(["ab", "b"])  # the worker's choice among several, as it said
     assert stops.finish("ab", "stop", "b", 0) == "a"
