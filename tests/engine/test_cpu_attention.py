@@ -223,7 +223,8 @@ def test_without_a_compiler_auto_keeps_sdpa_and_cpu_is_refused(no_compiler, tiny
     engine = tiny_llama.engine()
     assert isinstance(engine.attention_backend, SdpaBackend) and engine.attention_backend.name == "sdpa"
     assert "no-such-compiler-kvfleet" in engine.device_report()  # the log says why
-    assert engine.device_report().endswith("; linears in oneDNN, weights packed")  # float32
+    assert "; linears in oneDNN, weights packed;" in engine.device_report()  # float32
+    assert "decode unavailable: " in engine.device_report()  # each kernel's own verdict
 
 
 def test_a_failed_build_says_why_and_leaves_no_file(tmp_path):
@@ -239,7 +240,8 @@ def test_the_start_up_report_names_the_attention_path(tiny_llama):
     report = tiny_llama.engine().device_report()  # float32
     assert "; attention cpu (decode kernel; prefill chunks on SDPA)" in report
     # float32's products: kvfleet's on AVX-512 CPUs without AMX, else oneDNN's (cpu_linear.py)
-    assert report.endswith("; linears " + cpu_linear.products_report(torch.float32))
+    assert "; linears " + cpu_linear.products_report(torch.float32) + "; " in report
+    assert report.endswith("kernels loaded: decode, prefill, layer_ops, matmul")
     fp8 = tiny_llama.engine(kv_dtype="fp8")
     assert not fp8.attention_backend.cpu_kernel and fp8.attention_backend.name == "cpu"
     assert "attention cpu (gather + SDPA for --kv-dtype fp8" in fp8.device_report()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.cpu_features import cpu_features
-from worker.engine import cpu_linear
+from worker.engine import cpu_kernels, cpu_linear
 from worker.engine.attention import AttentionBackend
 from worker.engine.block_manager import BlockManager
 from worker.engine.device import is_cpu
@@ -65,7 +65,7 @@ def device_report(device: torch.device, dtype: torch.dtype, backend: AttentionBa
         line += f"; CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads"
     line += f"; attention {backend.describe()}"
     if is_cpu(device):
-        line += f"; linears {cpu_linear.products_report(dtype)}"
+        line += f"; linears {cpu_linear.products_report(dtype)}; {cpu_kernels.report()}"
     return line
 
 
