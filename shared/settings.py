@@ -41,6 +41,12 @@ class CommonSettings(BaseSettings):
                                            "`~/.cache/kvfleet/models`"},
         description="where the default model is converted to safetensors")
     log_level: str = Field("INFO", description="logging level: DEBUG, INFO, WARNING, ERROR")
+    routing: Literal["affinity", "shared"] = Field("affinity", description=(
+        "`affinity`: workers announce the blocks of their prefix cache and gateways send a "
+        "request to the own stream of the worker holding most of its prompt (load permitting), "
+        "from which any other worker takes it after a bounded wait; `shared`: every request to "
+        "the model's shared streams, taken by whichever worker has room (docs/ARCHITECTURE.md, "
+        "\"Prefix-affinity routing\")"))
 
     def keys(self) -> Keys:
         """The fleet's key names (prefix and stream shards)."""
@@ -83,6 +89,15 @@ class GatewaySettings(BatchApiSettings):
         "message per worker step with the events of all its requests there, one subscription "
         "per inbox. off: one subscription and one message per request on its own channel, only "
         "for a rolling upgrade from workers older than inboxes (docs/DEPLOY.md)"))
+    affinity_balance: float = Field(1.25, ge=1.0, description=(
+        "`--routing affinity`: a worker is chosen for the prompt blocks it holds only while its "
+        "load (requests running, waiting and routed to it) stays within this factor of the "
+        "fleet's mean load (or one request above the least loaded worker); beyond it, load "
+        "wins over affinity"))
+    affinity_min_blocks: int = Field(1, ge=1, description=(
+        "`--routing affinity`: a request goes to a worker's own stream only when that worker "
+        "holds at least this many of its prompt's leading blocks; else to the shared streams, "
+        "where the first worker with room takes it"))
     max_body_bytes: int = Field(1_000_000, description=(
         "a request body larger than this many bytes is refused (413)"))
     default_max_tokens: int | None = Field(None, json_schema_extra={
@@ -188,6 +203,13 @@ class WorkerSettings(EngineSettings):
         "with several stream shards: read the home shards of this worker's place among the live "
         "workers first, the others only for entries that waited this long (an idle worker takes "
         "any entry at once), so a worker's requests sit on one primary; 0: every shard alike"))
+    affinity_steal_after_ms: int = Field(250, ge=0, description=(
+        "take an entry routed to another worker's own stream once it has waited this long "
+        "(at once when that worker's heartbeat is gone or its free KV cannot hold it): a "
+        "request never waits on a busy worker longer than this while this one has room"))
+    resume_prefer_ms: int = Field(1000, ge=0, description=(
+        "a dead worker's request is taken over at once by the live worker holding most of its "
+        "prefix (by the announced blocks), by the others only this much later"))
     metrics_port: int = Field(0, description=(
         "port of this worker's Prometheus /metrics: 0 = a free port, -1 = off"))
     metrics_host: str = Field("0.0.0.0", description="address of this worker's /metrics")

@@ -29,6 +29,9 @@ class Heartbeat:
     prefix_hit_tokens: int = 0  # ... and found there
     tokens_per_s: float = 0.0  # output tokens per second, recent
     metrics_url: str = ""  # the worker's Prometheus endpoint ("" = none)
+    block_size: int = 0  # token positions per KV block (the router hashes prompts by it)
+    max_running: int = 0  # the most requests it runs at once (0: unknown)
+    own_queue: int = 0  # entries waiting in its own streams (routed to it, not yet taken)
 
     def encode(self) -> dict[str, str | int | float]:
         """The HSET mapping; an empty metrics_url is left out."""

@@ -83,6 +83,41 @@ class Keys:
         """Sorted set: the same gateways scored by when each was last seen (same slot)."""
         return f"{self.prefix}{{gateways}}:roster:seen"
 
+    # Prefix-affinity routing (docs/ARCHITECTURE.md, "Prefix-affinity routing"): a model's
+    # block announcements share the model's tag (one slot: ANNOUNCE_BLOCKS, PREFIX_SNAPSHOT and
+    # PREFIX_MATCH touch them together); each worker's own request streams have a tag of their
+    # own, so on a cluster they spread over the primaries.
+
+    def kv_blocks(self, model: str, worker_id: str) -> str:
+        """Set: the announce ids (shared/wire/prefix_hash.py) of the blocks in one worker's
+        prefix cache. Expires with the worker's announcements (heartbeat TTL)."""
+        return f"{self.prefix}{{{model}}}:kv:{worker_id}"
+
+    def kv_workers(self, model: str) -> str:
+        """Sorted set: the workers announcing blocks for `model`, scored by the time (ms) of
+        their last announcement; those older than the heartbeat TTL are dropped."""
+        return f"{self.prefix}{{{model}}}:kv:workers"
+
+    def kv_events(self, model: str) -> str:
+        """Stream of KvEvent: the block announcements of every worker of `model`, in order (the
+        gateways' in-memory index follows it)."""
+        return f"{self.prefix}{{{model}}}:kv:events"
+
+    def worker_queue(self, model: str, worker_id: str, priority: str = "interactive") -> str:
+        """A worker's own request stream (entries: QueueEntry): requests routed to it for its
+        prefix cache; it reads them first, any other worker after a bounded wait."""
+        name = f"{self.prefix}{{{model}@{worker_id}}}:q"
+        return name if priority == "interactive" else f"{name}:{priority}"
+
+    def worker_queues(self, model: str, worker_id: str) -> list[str]:
+        """A worker's own streams in the order they are served (one slot, as `queues`)."""
+        return [self.worker_queue(model, worker_id, priority) for priority in PRIORITIES]
+
+    def worker_queue_owners(self, model: str) -> str:
+        """Set: the workers of `model` that have own streams (created at a worker's start; a
+        member is removed once its worker is gone and its streams hold nothing pending)."""
+        return f"{self.prefix}{{{model}}}:wq"
+
     def dead_letter(self, model: str) -> str:
         """Stream of requests delivered too many times (entries: DeadLetterEntry)."""
         return f"{self._model(model)}:dlq"

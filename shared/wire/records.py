@@ -38,20 +38,29 @@ class QueueEntry:
     ID: ClassVar[str] = "id"
     PAYLOAD: ClassVar[str] = "payload"  # GenerationRequest.pack()
     PROMPT_LEN: ClassVar[str] = "prompt_len"  # prompt tokens, decimal
+    # In a worker's own stream: the prompt tokens the router expects that worker to find in its
+    # prefix cache (decimal); its admission counts only the rest (READ_IF_FITS, `use_cached`).
+    CACHED: ClassVar[str] = "cached"
 
     request: GenerationRequest
+    cached_tokens: int = 0
 
     def encode(self) -> dict[str, bytes | str | int]:
         """The XADD field mapping (what the ENQUEUE script writes, for callers without it)."""
-        return {self.ID: self.request.req_id, self.PAYLOAD: self.request.pack(),
-                self.PROMPT_LEN: len(self.request.prompt_token_ids)}
+        fields: dict[str, bytes | str | int] = {
+            self.ID: self.request.req_id, self.PAYLOAD: self.request.pack(),
+            self.PROMPT_LEN: len(self.request.prompt_token_ids)}
+        if self.cached_tokens:
+            fields[self.CACHED] = self.cached_tokens
+        return fields
 
     @classmethod
     def decode(cls, raw: RawFields) -> QueueEntry:
         payload = field_value(raw, cls.PAYLOAD)
         if payload is None:
             raise ValueError("a request stream entry without a payload")
-        return cls(GenerationRequest.unpack(payload))
+        cached = text(field_value(raw, cls.CACHED))
+        return cls(GenerationRequest.unpack(payload), int(cached) if cached.isdigit() else 0)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ NAMES = {
     "req_status": RequestRecord.STATUS, "req_worker": RequestRecord.WORKER,
     "req_watched": RequestRecord.WATCHED,
     "entry_id": QueueEntry.ID, "entry_payload": QueueEntry.PAYLOAD,
-    "entry_prompt_len": QueueEntry.PROMPT_LEN,
+    "entry_prompt_len": QueueEntry.PROMPT_LEN, "entry_cached": QueueEntry.CACHED,
 }
 
 ENQUEUE = LuaScript.build(
@@ -64,8 +64,13 @@ def enqueue(keys: Keys, request: GenerationRequest, *, ttl_s: int) -> ScriptCall
                         [ttl_s, request.pack(), RequestStatus.QUEUED.value])
 
 
-def queue_entry(keys: Keys, request: GenerationRequest) -> tuple[str, dict]:
-    """(stream, fields) of the request's stream entry: its model's shard chosen by its id."""
+def queue_entry(keys: Keys, request: GenerationRequest, worker_id: str = "",
+                cached_tokens: int = 0) -> tuple[str, dict]:
+    """(stream, fields) of the request's stream entry: its model's shard chosen by its id, or
+    `worker_id`'s own stream (prefix-affinity routing) with the cached tokens expected there."""
+    if worker_id:
+        stream = keys.worker_queue(request.model, worker_id, request.priority)
+        return stream, QueueEntry(request, cached_tokens).encode()
     stream = keys.queue(request.model, request.priority, keys.shard_of(request.req_id))
     return stream, QueueEntry(request).encode()
 
@@ -78,14 +83,20 @@ READ_IF_FITS = LuaScript.build(
           "budget: the most prompt tokens the worker can admit now (summed over the entries "
           "delivered)", "the most entries to deliver",
           "minimum age, ms: only entries added at least this long ago (by this node's clock, "
-          "which stamped their ids) are looked at; 0 = every entry"],
+          "which stamped their ids) are looked at; 0 = every entry",
+          "1: an entry's need is its prompt length less its `cached` field (the worker reads "
+          "its own streams); 0: the prompt length",
+          "the owner's room, tokens (-1: none given): an entry whose need exceeds it is looked "
+          "at whatever its age (a worker stealing from another's own stream that cannot hold "
+          "it)"],
     returns="{too-large stream index (1-based; 0: none), its head's prompt length (0: none), "
             "then for each entry delivered (XREADGROUP: pending for this consumer), in order: "
             "stream index, entry id, {field, value, ...}}. Entries are taken in priority order "
             "while they fit what is left of the budget; the first undelivered entry that does "
             "not fit ends the read and stays (head of line) for a worker with room. An entry "
             "without a prompt length (an older writer) counts as fitting. Younger entries "
-            "than the minimum age are left as if absent.",
+            "than the minimum age are left as if absent (unless they exceed the owner's room); "
+            "the first such entry ends the read.",
     names=NAMES,
     source="""
 local function last_delivered(stream, group)
@@ -101,11 +112,15 @@ local function last_delivered(stream, group)
 end
 
 local budget, want = tonumber(ARGV[3]), tonumber(ARGV[4])
-local newest = '+'
+local use_cached = ARGV[6] == '1'
+local owner_room = tonumber(ARGV[7] or '-1')
+local newest, newest_ms = '+', nil
 if tonumber(ARGV[5]) > 0 then
   local now = redis.call('TIME')
-  newest = tostring(tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-                    - tonumber(ARGV[5]))
+  newest_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[5])
+  newest = tostring(newest_ms)
+  -- entries too large for their owner are looked at whatever their age
+  if owner_room >= 0 then newest = '+' end
 end
 local out = {0, 0}
 for i, stream in ipairs(KEYS) do
@@ -117,9 +132,18 @@ for i, stream in ipairs(KEYS) do
     if last ~= '0-0' then start = '(' .. last end
     local fit = 0
     for _, entry in ipairs(redis.call('XRANGE', stream, start, newest, 'COUNT', want)) do
-      local fields, prompt_len = entry[2], 0
+      local fields, prompt_len, cached = entry[2], 0, 0
       for j = 1, #fields, 2 do
         if fields[j] == '${entry_prompt_len}' then prompt_len = tonumber(fields[j + 1]) or 0 end
+        if use_cached and fields[j] == '${entry_cached}' then
+          cached = tonumber(fields[j + 1]) or 0
+        end
+      end
+      prompt_len = math.max(prompt_len - cached, 0)
+      if newest_ms and owner_room >= 0 and prompt_len <= owner_room then
+        -- young and its owner can hold it: not ours yet (nor anything behind it)
+        local ms = tonumber(string.match(entry[1], '^(%d+)'))
+        if ms > newest_ms then break end
       end
       if prompt_len > budget then
         out[1], out[2] = i, prompt_len
@@ -147,8 +171,10 @@ return out
 
 
 def read_if_fits(streams: list[str], group: str, consumer: str, budget_tokens: int,
-                 max_entries: int = 1, min_age_ms: int = 0) -> ScriptCall:
-    return READ_IF_FITS.bind(streams, [group, consumer, budget_tokens, max_entries, min_age_ms])
+                 max_entries: int = 1, min_age_ms: int = 0, *, use_cached: bool = False,
+                 owner_room: int = -1) -> ScriptCall:
+    return READ_IF_FITS.bind(streams, [group, consumer, budget_tokens, max_entries, min_age_ms,
+                                       int(use_cached), owner_room])
 
 
 ROSTER = LuaScript.build(

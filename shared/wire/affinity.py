@@ -1,0 +1,160 @@
+"""The wire contract of prefix-affinity routing (docs/ARCHITECTURE.md, "Prefix-affinity
+routing"): workers announce the blocks their prefix cache stores and evicts; gateways keep an
+index of who holds what and route a request to the worker holding most of its prompt.
+
+- ANNOUNCE_BLOCKS: one call per worker step that changed its cache (and one per heartbeat to
+  stay listed): the worker's set of announce ids (`Keys.kv_blocks`) is updated, its place in
+  `Keys.kv_workers` refreshed, and the change appended to `Keys.kv_events` — one script, so
+  the set and the event stream never disagree about an event's effect.
+- PREFIX_SNAPSHOT: the gateway's start (or a gap in the events it read): the last event id and
+  every listed worker's set, read at one moment; the gateway applies the events after that id.
+- PREFIX_MATCH: how many leading blocks of a prompt each listed worker holds (a worker resuming
+  a dead worker's request defers to the one holding most of it).
+All keys of one model's announcements share the model's tag: one slot, one node on a cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from shared.wire.keys import Keys
+from shared.wire.lua import LuaScript, ScriptCall
+from shared.wire.prefix_hash import ANNOUNCE_BYTES, unpack_ids
+from shared.wire.records import RawFields, field_value, text
+
+KV_EVENTS_MAXLEN = 100_000  # approximate cap of a model's event stream (entries)
+KV_EVENTS_TTL_MS = 3_600_000  # the event stream of a model no worker announces for expires
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    """One entry of `Keys.kv_events`: what one worker's step changed in its prefix cache."""
+
+    WORKER: ClassVar[str] = "w"
+    STORED: ClassVar[str] = "s"  # packed announce ids (prefix_hash.pack_ids)
+    REMOVED: ClassVar[str] = "r"
+    CLEARED: ClassVar[str] = "c"  # "1": the worker's set was emptied first (a new start)
+
+    worker_id: str
+    stored: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+    cleared: bool = False
+
+    @classmethod
+    def decode(cls, raw: RawFields) -> KvEvent:
+        def ids(name: str) -> tuple[bytes, ...]:
+            value = field_value(raw, name) or b""
+            return tuple(unpack_ids(value if isinstance(value, bytes) else value.encode()))
+        return cls(text(field_value(raw, cls.WORKER)), ids(cls.STORED), ids(cls.REMOVED),
+                   text(field_value(raw, cls.CLEARED)) == "1")
+
+
+NAMES = {"w": KvEvent.WORKER, "s": KvEvent.STORED, "r": KvEvent.REMOVED,
+         "c": KvEvent.CLEARED, "n": str(ANNOUNCE_BYTES)}
+
+ANNOUNCE_BLOCKS = LuaScript.build(
+    "announce_blocks",
+    keys=["the worker's block set (Keys.kv_blocks)", "the model's announcing workers "
+          "(Keys.kv_workers)", "the model's event stream (Keys.kv_events)"],
+    argv=["worker id", "TTL of the worker's set and listing, ms (the heartbeat TTL)",
+          "1: empty the set first (a worker's first announcement)",
+          "stored announce ids, packed", "removed announce ids, packed",
+          "approximate cap of the event stream", "TTL of the event stream, ms"],
+    returns="{size of the worker's set, the event's id ('' when nothing changed)}",
+    names=NAMES,
+    source="""
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+local function apply(command, packed)
+  local batch = {}
+  for i = 1, #packed - ${n} + 1, ${n} do
+    batch[#batch + 1] = string.sub(packed, i, i + ${n} - 1)
+    if #batch == 1000 then
+      redis.call(command, KEYS[1], unpack(batch))
+      batch = {}
+    end
+  end
+  if #batch > 0 then redis.call(command, KEYS[1], unpack(batch)) end
+end
+local cleared = ARGV[3] == '1'
+if cleared then redis.call('DEL', KEYS[1]) end
+apply('SREM', ARGV[5])
+apply('SADD', ARGV[4])
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ttl) end
+redis.call('ZADD', KEYS[2], ms, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (ms - ttl))
+redis.call('PEXPIRE', KEYS[2], ttl)
+local id = ''
+if cleared or #ARGV[4] > 0 or #ARGV[5] > 0 then
+  local fields = {'${w}', ARGV[1]}
+  if #ARGV[4] > 0 then fields[#fields + 1] = '${s}'; fields[#fields + 1] = ARGV[4] end
+  if #ARGV[5] > 0 then fields[#fields + 1] = '${r}'; fields[#fields + 1] = ARGV[5] end
+  if cleared then fields[#fields + 1] = '${c}'; fields[#fields + 1] = '1' end
+  id = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', unpack(fields))
+  redis.call('PEXPIRE', KEYS[3], ARGV[7])
+end
+return {redis.call('SCARD', KEYS[1]), id}
+""")
+
+
+def announce_blocks(keys: Keys, model: str, worker_id: str, *, ttl_ms: int, stored: bytes = b"",
+                    removed: bytes = b"", clear: bool = False) -> ScriptCall:
+    """A worker's announcement: `stored` and `removed` are packed announce ids (a net change:
+    an id is in at most one of them)."""
+    return ANNOUNCE_BLOCKS.bind(
+        [keys.kv_blocks(model, worker_id), keys.kv_workers(model), keys.kv_events(model)],
+        [worker_id, ttl_ms, int(clear), stored, removed, KV_EVENTS_MAXLEN, KV_EVENTS_TTL_MS])
+
+
+PREFIX_SNAPSHOT = LuaScript.build(
+    "prefix_snapshot",
+    keys=["the model's announcing workers (Keys.kv_workers)", "the model's event stream "
+          "(Keys.kv_events)", "then the block set (Keys.kv_blocks) of each worker wanted"],
+    variadic_keys=True,
+    argv=["TTL of a listing, ms: workers not seen this long are left out"],
+    returns="{id of the last event ('0-0': none), {worker id, ...} listed now, then for each set "
+            "given: {announce id, ...}}. A caller that finds a listed worker whose set it did "
+            "not pass calls again with it.",
+    source="""
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local out = {'0-0', redis.call('ZRANGEBYSCORE', KEYS[1], ms - tonumber(ARGV[1]), '+inf')}
+if #last > 0 then out[1] = last[1][1] end
+for i = 3, #KEYS do out[#out + 1] = redis.call('SMEMBERS', KEYS[i]) end
+return out
+""")
+
+
+def prefix_snapshot(keys: Keys, model: str, worker_ids: Sequence[str], *,
+                    ttl_ms: int) -> ScriptCall:
+    return ScriptCall([keys.kv_workers(model), keys.kv_events(model),
+                       *(keys.kv_blocks(model, w) for w in worker_ids)], [ttl_ms])
+
+
+PREFIX_MATCH = LuaScript.build(
+    "prefix_match",
+    keys=["block sets (Keys.kv_blocks) of the workers to compare"],
+    variadic_keys=True,
+    argv=["a prompt's announce ids in order, packed"],
+    returns="{for each set: how many leading ids of the prompt it holds}",
+    names=NAMES,
+    source="""
+local out = {}
+for k, key in ipairs(KEYS) do
+  local count = 0
+  for i = 1, #ARGV[1] - ${n} + 1, ${n} do
+    if redis.call('SISMEMBER', key, string.sub(ARGV[1], i, i + ${n} - 1)) == 0 then break end
+    count = count + 1
+  end
+  out[k] = count
+end
+return out
+""")
+
+
+def prefix_match(keys: Keys, model: str, worker_ids: Sequence[str], packed: bytes) -> ScriptCall:
+    return PREFIX_MATCH.bind([keys.kv_blocks(model, w) for w in worker_ids], [packed])
