@@ -252,6 +252,7 @@ GLOSSARY_TERMS = (
     "attempt", "block", "checkpoint", "claim / takeover", "dead-letter", "fencing",
     "gateway shares", "heartbeat", "home shard", "inbox", "preemption: swap / recompute",
     "prefix cache", "reply channel", "roster", "steal / steal-after", "stream shard", "watched",
+    "announce id", "own stream", "prefix index", "routing: affinity / shared",
 )
 
 
@@ -263,9 +264,10 @@ def keys_names() -> list[str]:
 
 def script_names() -> list[str]:
     """The module-level names of the Lua scripts of the wire contract."""
-    from shared.wire import batch_scripts, scripts
+    from shared.wire import affinity, batch_scripts, scripts
     from shared.wire.lua import LuaScript
-    return sorted(name for module in (scripts, batch_scripts) for name, value in vars(module).items()
+    return sorted(name for module in (scripts, batch_scripts, affinity)
+                  for name, value in vars(module).items()
                   if isinstance(value, LuaScript))
 
 
