@@ -158,6 +158,10 @@ class BlockManager:
             count += 1
         return count
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache now (a worker's whole announcement, at its start)."""
+        return list(self._cached)
+
     def drain_announcements(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """(stored, removed): the hashes published to and evicted from the cache since the last
         drain, as a net change (a hash published and evicted in between is in neither)."""

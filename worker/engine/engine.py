@@ -204,6 +204,10 @@ class Engine:
         """Leading full blocks of `token_ids` in the prefix cache now."""
         return self.block_manager.num_cached_leading_blocks(token_ids)
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash in the prefix cache now."""
+        return self.block_manager.cached_hashes()
+
     def drain_block_announcements(self) -> tuple[list[bytes], list[bytes]]:
         """(stored, removed) block hashes of the prefix cache since the last call (net change)."""
         return self.block_manager.drain_announcements()
