@@ -8,7 +8,8 @@ it when the request ends here; other workers take entries over only once our hea
 Prefix-affinity routing (`--routing affinity`): after every turn that changed the prefix cache
 the loop announces the change (ANNOUNCE_BLOCKS; only the loop drains the engine's record of it),
 at every (re)connect the whole cache with `clear` (Redis may have lost it); the heartbeat thread
-only keeps the announced set listed. A dead worker's request is resumed preferably by the worker
+only keeps the announced set listed, and has the loop announce it whole again when it finds the
+set gone from Redis. A dead worker's request is resumed preferably by the worker
 holding most of its prompt (`ResumePreference`).
 """
 
@@ -74,6 +75,8 @@ class WorkerService:
         engine.set_prefix_root(self.prefix_root)
         self._unannounced = NetChange()
         self._announced = False
+        self._indexed = 0  # the size of the announced set as the loop's last announcement left it
+        self._resync = False  # set by the heartbeat thread: Redis lost the set, announce it all
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -141,7 +144,9 @@ class WorkerService:
             self._publish_outputs(outputs)
             self.metrics.step_done(outputs, self.engine.stats(), step_time_s)
         self._snapshot_stats()
-        if self.affinity:
+        if self.affinity and self._resync:
+            self._announce_all()
+        elif self.affinity:
             self._announce()
 
     def _handle_cancels(self) -> None:
@@ -365,7 +370,7 @@ class WorkerService:
     def _announce_all(self) -> None:
         """At a (re)connect: the whole cache, replacing whatever Redis holds (a process's first
         announcement; after an outage Redis may have lost or missed some)."""
-        self._announced = False
+        self._announced = self._resync = False
         self.engine.drain_block_announcements()  # the whole cache covers every change so far
         self._unannounced.drain()
         self._send_announcement(self.engine.cached_block_hashes(), [], clear=True)
@@ -375,6 +380,7 @@ class WorkerService:
         indexed = self.protocol.announce(stored, removed, clear=clear,
                                          ttl_s=self.settings.heartbeat_ttl_s)
         self.metrics.blocks_announced(len(stored), len(removed), indexed)
+        self._indexed = indexed
 
     # ---- heartbeat -------------------------------------------------------------------------
 
@@ -413,8 +419,11 @@ class WorkerService:
         self.protocol.heartbeat(beat, self.settings.heartbeat_ttl_s)
         self.protocol.refresh_pending(entries)
         if self.affinity and self._announced:  # stay listed with the set the loop announced
-            self.metrics.indexed_blocks.set(
-                self.protocol.announce([], [], clear=False, ttl_s=self.settings.heartbeat_ttl_s))
+            indexed = self.protocol.announce([], [], clear=False,
+                                             ttl_s=self.settings.heartbeat_ttl_s)
+            self.metrics.indexed_blocks.set(indexed)
+            if indexed == 0 and self._indexed > 0:  # expired (this thread stalled) or Redis lost it
+                self._resync = True
         if self.protocol.uses_homes:  # this worker's place among the live ones: its home shards
             self.protocol.update_roster(self.settings.heartbeat_ttl_s)
 
