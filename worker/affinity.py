@@ -84,6 +84,7 @@ class OwnStreamOwners:
         self.refresh_s = refresh_s  # how often the owners and their heartbeats are read
         self.gone_grace_s = gone_grace_s  # an owner without heartbeat this long is cleaned up
         self.heartbeats: dict[str, Heartbeat | None] = {}  # owner -> heartbeat (None: gone)
+        self.listed = True  # whether the last refresh found this worker among the owners
         self._refreshed_at = -1e9
         self._gone_since: dict[str, float] = {}
         self._read_at: dict[str, float] = {}  # owner -> when a fill last read its streams
@@ -95,13 +96,15 @@ class OwnStreamOwners:
 
     def refresh(self, force: bool = False) -> None:
         """Read the owners and their heartbeats (at most once per `refresh_s` unless `force`);
-        drop the streams of owners gone for `gone_grace_s` that hold nothing."""
+        drop the streams of owners gone for `gone_grace_s` that hold nothing. `listed` says
+        whether this worker is still an owner."""
         now = time.monotonic()
         if not force and now - self._refreshed_at < self.refresh_s:
             return
         self._refreshed_at = now
         members = sorted(text(m) for m in self.client.smembers(
             self.keys.worker_queue_owners(self.model)))
+        self.listed = self.worker_id in members
         members = [m for m in members if m != self.worker_id]
         pipe = self.client.pipeline(transaction=False)
         for owner in members:

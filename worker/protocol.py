@@ -217,15 +217,25 @@ class WorkerProtocol:
                        self._read_if_fits, self._roster, self._announce, self._prefix_match,
                        self.owners.drop_script):
             self.client.script_load(script.script)  # every primary of a cluster
-        for stream in self.streams + self.own_streams:
+        self._create_groups(self.streams)
+        self._ensure_own_streams()
+
+    def _create_groups(self, streams: list[str]) -> None:
+        for stream in streams:
             try:
                 # id 0: entries added before any worker existed are delivered too.
                 self.client.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
-        # listed after its streams and group exist: others read them once listed
+
+    def _ensure_own_streams(self) -> None:
+        """This worker's own streams with their group, and its place among the owners (listed
+        after its streams exist: others read them once listed). Again whenever it finds itself
+        unlisted: another worker took it for gone (a long stall) and dropped its empty streams."""
+        self._create_groups(self.own_streams)
         self.client.sadd(self.keys.worker_queue_owners(self.model), self.worker_id)
+        self.owners.listed = True
 
     def read_if_fits(self, budget_tokens: int) -> Delivery | TooLarge | None:
         """Take the next new request, highest priority first, if its prompt is at most
@@ -268,13 +278,18 @@ class WorkerProtocol:
         """The reads of one fill, in order: own streams (any age, cached tokens discounted),
         the shared shards (`_read_order`), then the other owners' own streams that are due
         (`OwnStreamOwners.due_reads`)."""
-        self.owners.refresh()
+        self._refresh_owners()
         plan = [_Read(self.own_streams, 0, "own", use_cached=True)]
         plan += [_Read(self.keys.queues(self.model, shard), min_age_ms, "shared")
                  for shard, min_age_ms in self._read_order()]
         plan += [_Read(self.keys.worker_queues(self.model, read.owner), read.min_age_ms, "other",
                        owner_room=read.owner_room) for read in self.owners.due_reads()]
         return plan
+
+    def _refresh_owners(self) -> None:
+        self.owners.refresh()
+        if not self.owners.listed:
+            self._ensure_own_streams()
 
     def blocking_streams(self) -> list[str]:
         """The interactive stream of each shard, in rotation (what an idle worker blocks on,
@@ -306,9 +321,16 @@ class WorkerProtocol:
         """Take the next new request of each of `streams` (one slot) that has one, whatever their
         sizes, in one XREADGROUP that waits at most `block_ms` for the first: for an idle
         worker."""
-        reply = self.client.xreadgroup(self.keys.group, self.worker_id,
-                                       {stream: ">" for stream in streams}, count=1,
-                                       block=block_ms)
+        try:
+            reply = self.client.xreadgroup(self.keys.group, self.worker_id,
+                                           {stream: ">" for stream in streams}, count=1,
+                                           block=block_ms)
+        except redis.ResponseError as exc:
+            # own streams dropped by a worker that took this one for gone: make them again
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_groups()
+            return []
         deliveries = []
         for stream, entries in reply or []:
             stream = text(stream)
@@ -334,10 +356,15 @@ class WorkerProtocol:
         With `prefer`, a worker that holds less of the entry's prompt than another live worker
         claims it only once it has been idle `prefer.prefer_ms` longer (`resume_min_idle_ms`).
         """
-        self.owners.refresh()
+        self._refresh_owners()
         for stream in self.streams + self.own_streams + self.owners.streams():
-            pending = self.client.xpending_range(stream, self.keys.group, "-", "+",
-                                                 ORPHAN_SCAN_COUNT, idle=min_idle_ms)
+            try:
+                pending = self.client.xpending_range(stream, self.keys.group, "-", "+",
+                                                     ORPHAN_SCAN_COUNT, idle=min_idle_ms)
+            except redis.ResponseError as exc:  # another owner's streams, dropped meanwhile
+                if "NOGROUP" not in str(exc):
+                    raise
+                continue
             if not pending:
                 continue
             alive = self._consumers_alive({text(p["consumer"]) for p in pending})

@@ -222,6 +222,28 @@ def test_a_gone_owners_empty_streams_are_dropped_and_busy_ones_kept(redis_client
     assert redis_client.exists(keys.worker_queue(MODEL, "busy"))
 
 
+def test_a_worker_whose_streams_were_dropped_makes_them_again(redis_client):
+    """A worker taken for gone (here: it never beat) loses its empty own streams; it makes them
+    again when it finds itself unlisted, or when a read finds no group, and an entry routed to
+    it in between is served."""
+    worker, cleaner = protocol_of(redis_client, "w1"), protocol_of(redis_client, "cleaner", 0, 0)
+    owners = worker.keys.worker_queue_owners(MODEL)
+    cleaner.owners.refresh()
+    assert not redis_client.sismember(owners, "w1")
+    enqueue(redis_client, worker.keys, "own-1", owner="w1")  # a stream without group
+    [delivery] = worker.read_batch(1000, 10).deliveries
+    assert (delivery.request.req_id, delivery.source) == ("own-1", "own")
+    assert redis_client.sismember(owners, "w1")
+
+    worker.ack(delivery.stream, delivery.entry_id)  # served: the streams hold nothing again
+    cleaner.owners.refresh(force=True)
+    assert not redis_client.sismember(owners, "w1")
+    assert worker.read_new_any(worker.blocking_reads()[0], None) == []  # NOGROUP: made again
+    enqueue(redis_client, worker.keys, "own-2", owner="w1")
+    assert [d.request.req_id for d in worker.read_new_any(worker.blocking_reads()[0], None)] \
+        == ["own-2"]
+
+
 def test_an_idle_worker_wakes_for_its_own_stream(redis_client):
     protocol = protocol_of(redis_client, "w1")
     streams = protocol.blocking_reads()[0]
