@@ -357,14 +357,16 @@ class WorkerProtocol:
         claims it only once it has been idle `prefer.prefer_ms` longer (`resume_min_idle_ms`).
         """
         self._refresh_owners()
-        for stream in self.streams + self.own_streams + self.owners.streams():
-            try:
-                pending = self.client.xpending_range(stream, self.keys.group, "-", "+",
-                                                     ORPHAN_SCAN_COUNT, idle=min_idle_ms)
-            except redis.ResponseError as exc:  # another owner's streams, dropped meanwhile
-                if "NOGROUP" not in str(exc):
-                    raise
-                continue
+        streams = self.streams + self.own_streams + self.owners.streams()
+        pipe = self.client.pipeline(transaction=False)  # one round trip (one per node)
+        for stream in streams:
+            pipe.xpending_range(stream, self.keys.group, "-", "+", ORPHAN_SCAN_COUNT,
+                                idle=min_idle_ms)
+        for stream, pending in zip(streams, pipe.execute(raise_on_error=False)):
+            if isinstance(pending, redis.ResponseError):
+                if "NOGROUP" not in str(pending):
+                    raise pending
+                continue  # another owner's streams, dropped meanwhile
             if not pending:
                 continue
             alive = self._consumers_alive({text(p["consumer"]) for p in pending})

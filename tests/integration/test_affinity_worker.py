@@ -273,6 +273,19 @@ def test_a_service_counts_where_its_requests_came_from(redis_url, client, tiny):
     assert 'kvfleet_worker_steal_wait_seconds_count{model="tiny",worker="w1"} 1.0' in text
 
 
+def test_an_entry_taken_from_another_workers_own_stream_is_claimed_once_its_taker_is_gone(
+        redis_client):
+    owner = protocol_of(redis_client, "owner")
+    beat(owner)
+    enqueue(redis_client, owner.keys, "routed", owner="owner")
+    assert taken(protocol_of(redis_client, "thief")) == [("routed", "other")]  # steal delay 0
+    rescuer = protocol_of(redis_client, "rescuer")
+    time.sleep(0.15)  # idle past the claim's minimum; the thief never had a heartbeat
+    delivery = rescuer.claim_orphan(100)
+    assert (delivery.request.req_id, delivery.source, delivery.times_delivered) == \
+        ("routed", "other", 2)
+
+
 # ---- resume ----------------------------------------------------------------------------------
 
 def test_a_dead_workers_request_is_resumed_first_by_the_worker_holding_its_prefix(
