@@ -81,7 +81,10 @@ def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
                      health_check_interval=30)
     protocol = WorkerProtocol(client, settings.keys(), served_model_id(settings.model),
                               worker_id, result_ttl_s=settings.result_ttl_s,
-                              steal_after_ms=settings.steal_after_ms)
+                              steal_after_ms=settings.steal_after_ms,
+                              affinity_steal_after_ms=settings.affinity_steal_after_ms,
+                              owners_refresh_s=settings.heartbeat_interval_s,
+                              owner_gone_grace_s=settings.heartbeat_ttl_s)
     metrics = WorkerMetrics(worker_id, protocol.model, settings.cost_per_hour)
     metrics_url = None
     if settings.metrics_port >= 0:

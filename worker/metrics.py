@@ -149,6 +149,18 @@ class WorkerMetrics:
         self.requests_stolen = self._counter(
             p + "requests_stolen", "Requests admitted from a stream shard other than this "
             "worker's home shards (entries that had waited --steal-after-ms).")
+        self._taken = Counter(
+            p + "requests_taken", "Requests admitted from a request stream, by source: own (this "
+            "worker's own streams, routed to it for its prefix cache), shared (the model's "
+            "shared streams), other (another worker's own streams, after "
+            "--affinity-steal-after-ms or at once when that worker is gone or full).",
+            LABELS + ("source",), registry=self.registry)
+        self._announced_blocks = Counter(
+            p + "kv_announced_blocks", "Prefix-cache blocks announced to the fleet's index, by "
+            "change (stored, removed).", LABELS + ("change",), registry=self.registry)
+        self.announcements = self._counter(
+            p + "kv_announcements", "Announcements that carried a change of the prefix cache "
+            "(one per step that changed it; the heartbeat's refreshes not counted).")
         self.prompt_tokens = self._counter(
             p + "prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits excluded).")
         self.output_tokens = self._counter(p + "output_tokens", "Output tokens generated.")
@@ -194,6 +206,9 @@ class WorkerMetrics:
         self.hit_rate = self._gauge(
             p + "prefix_cache_hit_ratio",
             "Prefix-cache hit rate since start: hit / queried tokens.")
+        self.indexed_blocks = self._gauge(
+            p + "kv_indexed_blocks", "This worker's blocks in the fleet's prefix index (the size "
+            "of its announced set in Redis, as the last announcement returned).")
         tokens_per_s = self._gauge(
             p + "tokens_per_second", "Output tokens/s over the last rate window (default 10 s).")
         tokens_per_s.set_function(self._rate.per_s)
@@ -214,6 +229,10 @@ class WorkerMetrics:
             p + "step_duration_seconds",
             "Wall time of one engine step (schedule, forward, sample).",
             LABELS, buckets=STEP_TIME_BUCKETS_S, registry=self.registry).labels(**self._labels())
+        self.steal_wait = Histogram(
+            p + "steal_wait_seconds", "Time an entry taken from another worker's own stream had "
+            "waited there (from its stream id's time to its admission here).",
+            LABELS, buckets=QUEUE_WAIT_BUCKETS_S, registry=self.registry).labels(**self._labels())
 
     # ---- what the service loop calls -----------------------------------------------------
 
@@ -227,6 +246,20 @@ class WorkerMetrics:
     def stolen(self, count: int) -> None:
         """`count` requests were admitted from shards that are not this worker's home."""
         self.requests_stolen.inc(count)
+
+    def taken(self, source: str, steal_wait_s: float | None = None) -> None:
+        """A request was admitted from a stream of `source` (own, shared, other); from another
+        worker's own stream, `steal_wait_s` is how long it had waited there."""
+        self._taken.labels(source=source, **self._labels()).inc()
+        if steal_wait_s is not None:
+            self.steal_wait.observe(max(steal_wait_s, 0.0))
+
+    def blocks_announced(self, stored: int, removed: int, indexed: int) -> None:
+        """An announcement with a change went out; `indexed`: the set's size it returned."""
+        self.announcements.inc()
+        self._announced_blocks.labels(change="stored", **self._labels()).inc(stored)
+        self._announced_blocks.labels(change="removed", **self._labels()).inc(removed)
+        self.indexed_blocks.set(indexed)
 
     def takeover(self) -> None:
         """A request of a dead worker was claimed to resume here."""

@@ -22,8 +22,16 @@ Ordering guarantees (docs/ARCHITECTURE.md, "The Redis protocol"):
   serving its home shard sends a step's events to one node. Within each group the first shard
   rotates from read to read so none waits behind another; priority holds within a shard. On a
   cluster token events and cancels travel by sharded pub/sub (SPUBLISH/SSUBSCRIBE).
+- Own streams (prefix-affinity routing, worker/affinity.py): a gateway may route a request to
+  the own stream of the worker holding most of its prompt. A fill reads this worker's own streams
+  first (an entry counts its prompt less the tokens the router expects cached here), then the
+  shared shards, then the other owners' own streams for entries that waited
+  `affinity_steal_after_ms` (at once when the owner is gone or its free KV cannot hold them).
+  Every worker creates its own streams and group at start, whatever its routing setting, so no
+  entry routed to it is stranded.
 - `claim_orphan` takes over an entry only when the worker holding it has no heartbeat key; the
   holder keeps its entries' idle time low (`refresh_pending`) from the moment each is delivered.
+  With a `ResumePreference` the worker holding most of the entry's prompt claims it first.
 """
 
 from __future__ import annotations
@@ -46,9 +54,12 @@ from shared.wire import (
     decode_checkpoint,
 )
 from shared.redis_connect import is_cluster
-from shared.wire import scripts
+from shared.wire import affinity, scripts
 from shared.wire.lua import run_per_node, run_pipelined
+from shared.wire.prefix_hash import BlockHash, pack_ids
 from shared.wire.records import text
+from worker.affinity import (
+    OwnStreamOwners, ResumePreference, resume_min_idle_ms, undelivered_entries)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +76,8 @@ class Delivery:
     stream: str
     entry_id: str
     times_delivered: int = 1
+    source: str = "shared"  # "own" (this worker's own streams), "shared", "other" (another's own)
+    cached_tokens: int = 0  # from its own stream: the tokens the router expects cached here
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,17 @@ class Admission:
     too_large: TooLarge | None = None
 
 
+@dataclass(frozen=True)
+class _Read:
+    """One READ_IF_FITS call of a fill."""
+
+    streams: list[str]
+    min_age_ms: int
+    source: str  # Delivery.source of what it takes
+    use_cached: bool = False
+    owner_room: int = -1
+
+
 @dataclass
 class Publication:
     """What one step produced for one request, to be checkpointed and published."""
@@ -102,7 +126,9 @@ class WorkerProtocol:
     """Redis operations of one worker, for one model."""
 
     def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str,
-                 result_ttl_s: int = 3600, steal_after_ms: int = 0):
+                 result_ttl_s: int = 3600, steal_after_ms: int = 0, *,
+                 affinity_steal_after_ms: int = 250, owners_refresh_s: float = 1.0,
+                 owner_gone_grace_s: float = 5.0):
         self.client = client
         self.keys = keys
         self.model = model
@@ -114,6 +140,8 @@ class WorkerProtocol:
         self._publish_step = scripts.PUBLISH_STEP.register(client)
         self._read_if_fits = scripts.READ_IF_FITS.register(client)
         self._roster = scripts.ROSTER.register(client)
+        self._announce = affinity.ANNOUNCE_BLOCKS.register(client)
+        self._prefix_match = affinity.PREFIX_MATCH.register(client)
         self._next_shard = 0
         # Home shards (read first, entries of any age); the others' entries only once they have
         # waited steal_after_ms. Every shard is home until update_roster places this worker.
@@ -123,6 +151,11 @@ class WorkerProtocol:
         self._foreign_read_at: dict[int, float] = {}  # shard -> when a fill last read it
         self._stream_shard = {stream: shard for shard in range(keys.queue_shards)
                               for stream in keys.queues(model, shard)}
+        # This worker's own streams (read first) and the other owners' (read after a wait).
+        self.own_streams = keys.worker_queues(model, worker_id)
+        self.owners = OwnStreamOwners(client, keys, model, worker_id,
+                                      steal_after_ms=affinity_steal_after_ms,
+                                      refresh_s=owners_refresh_s, gone_grace_s=owner_gone_grace_s)
 
     @property
     def uses_homes(self) -> bool:
@@ -142,6 +175,12 @@ class WorkerProtocol:
     def streams(self) -> list[str]:
         """Every request stream of the model, shard by shard, interactive before batch."""
         return self.keys.all_queues(self.model)
+
+    def source_of(self, stream: str) -> str:
+        """Delivery.source of an entry of `stream`."""
+        if stream in self.own_streams:
+            return "own"
+        return "shared" if stream in self._stream_shard else "other"
 
     def from_home(self, delivery: Delivery) -> bool:
         """Whether `delivery` came from one of this worker's home shards."""
@@ -175,15 +214,28 @@ class WorkerProtocol:
 
     def ensure_groups(self) -> None:
         for script in (self._start_attempt, self._publish, self._publish_step,
-                       self._read_if_fits, self._roster):
+                       self._read_if_fits, self._roster, self._announce, self._prefix_match,
+                       self.owners.drop_script):
             self.client.script_load(script.script)  # every primary of a cluster
-        for stream in self.streams:
+        self._create_groups(self.streams)
+        self._ensure_own_streams()
+
+    def _create_groups(self, streams: list[str]) -> None:
+        for stream in streams:
             try:
                 # id 0: entries added before any worker existed are delivered too.
                 self.client.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+
+    def _ensure_own_streams(self) -> None:
+        """This worker's own streams with their group, and its place among the owners (listed
+        after its streams exist: others read them once listed). Again whenever it finds itself
+        unlisted: another worker took it for gone (a long stall) and dropped its empty streams."""
+        self._create_groups(self.own_streams)
+        self.client.sadd(self.keys.worker_queue_owners(self.model), self.worker_id)
+        self.owners.listed = True
 
     def read_if_fits(self, budget_tokens: int) -> Delivery | TooLarge | None:
         """Take the next new request, highest priority first, if its prompt is at most
@@ -193,58 +245,128 @@ class WorkerProtocol:
 
     def read_batch(self, budget_tokens: int, max_requests: int) -> Admission:
         """Take up to `max_requests` new requests whose prompts together fit `budget_tokens`,
-        highest priority first, with one READ_IF_FITS call per shard visited: home shards, then
-        the others' entries that waited `steal_after_ms` (`_read_order`), until `max_requests`
-        are taken. A shard stops at its first request that does
-        not fit what is left of the budget (it stays queued, head of line); `too_large` names the
-        first such request when nothing at all was taken."""
+        highest priority first, with one READ_IF_FITS call per stream group visited
+        (`_fill_plan`): this worker's own streams, the home shards, the other shards' entries
+        that waited `steal_after_ms`, the other owners' own streams, until `max_requests` are
+        taken. A request from the own streams needs its prompt less its `cached` tokens. A group
+        stops at its first request that does not fit what is left of the budget (it stays
+        queued, head of line); `too_large` names the first such request when nothing at all was
+        taken."""
         deliveries: list[Delivery] = []
         too_large = None
-        for shard, min_age_ms in self._read_order():
+        for read in self._fill_plan():
             want = max_requests - len(deliveries)
             if want <= 0:
                 break
-            streams = self.keys.queues(self.model, shard)
-            call = scripts.read_if_fits(streams, self.keys.group, self.worker_id, budget_tokens,
-                                        want, min_age_ms)
+            call = scripts.read_if_fits(read.streams, self.keys.group, self.worker_id,
+                                        budget_tokens, want, read.min_age_ms,
+                                        use_cached=read.use_cached, owner_room=read.owner_room)
             reply = self._read_if_fits(keys=call.keys, args=call.args)
             for i in range(2, len(reply), 3):
                 flat = reply[i + 2]
-                request = QueueEntry.decode(dict(zip(flat[::2], flat[1::2]))).request
-                deliveries.append(Delivery(request, streams[int(reply[i]) - 1],
-                                           text(reply[i + 1])))
-                budget_tokens -= len(request.prompt_token_ids)
+                entry = QueueEntry.decode(dict(zip(flat[::2], flat[1::2])))
+                cached = entry.cached_tokens if read.use_cached else 0
+                deliveries.append(Delivery(entry.request, read.streams[int(reply[i]) - 1],
+                                           text(reply[i + 1]), source=read.source,
+                                           cached_tokens=cached))
+                budget_tokens -= max(len(entry.request.prompt_token_ids) - cached, 0)
             if int(reply[0]) and too_large is None:
-                too_large = TooLarge(streams[int(reply[0]) - 1], int(reply[1]))
+                too_large = TooLarge(read.streams[int(reply[0]) - 1], int(reply[1]))
         return Admission(deliveries, None if deliveries else too_large)
 
+    def _fill_plan(self) -> list[_Read]:
+        """The reads of one fill, in order: own streams (any age, cached tokens discounted),
+        the shared shards (`_read_order`), then the other owners' own streams that are due
+        (`OwnStreamOwners.due_reads`)."""
+        self._refresh_owners()
+        plan = [_Read(self.own_streams, 0, "own", use_cached=True)]
+        plan += [_Read(self.keys.queues(self.model, shard), min_age_ms, "shared")
+                 for shard, min_age_ms in self._read_order()]
+        plan += [_Read(self.keys.worker_queues(self.model, read.owner), read.min_age_ms, "other",
+                       owner_room=read.owner_room) for read in self.owners.due_reads()]
+        return plan
+
+    def _refresh_owners(self) -> None:
+        self.owners.refresh()
+        if not self.owners.listed:
+            self._ensure_own_streams()
+
     def blocking_streams(self) -> list[str]:
-        """The interactive stream of each shard, in rotation: an idle worker blocks on them in
-        turn (a blocking read cannot span slots)."""
+        """The interactive stream of each shard, in rotation (what an idle worker blocks on,
+        beside its own stream: `blocking_reads`)."""
         return [self.keys.queue(self.model, "interactive", shard) for shard in self._shard_order()]
+
+    def blocking_reads(self) -> list[list[str]]:
+        """What an idle worker blocks on, one XREADGROUP per list: its own interactive stream
+        and each shard's interactive stream (in rotation). On a single Redis all in one call,
+        which wakes for whichever gets an entry first; on a cluster one call each in turn (a
+        blocking read spans one slot)."""
+        shared = self.blocking_streams()
+        if self.sharded:
+            return [[self.own_streams[0]]] + [[stream] for stream in shared]
+        return [[self.own_streams[0], *shared]]
+
+    def idle_streams(self) -> list[str]:
+        """The streams an idle worker looks at without blocking: the batch ones, own first."""
+        blocking = {s for streams in self.blocking_reads() for s in streams}
+        return [s for s in self.own_streams + self.streams if s not in blocking]
 
     def read_new(self, stream: str, block_ms: int | None) -> Delivery | None:
         """Take one new request from `stream` (XREADGROUP) whatever its size, waiting at most
         `block_ms`: for an idle worker, whose whole pool is free."""
-        reply = self.client.xreadgroup(self.keys.group, self.worker_id, {stream: ">"}, count=1,
-                                       block=block_ms)
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                return Delivery(QueueEntry.decode(fields).request, stream, text(entry_id))
-        return None
+        deliveries = self.read_new_any([stream], block_ms)
+        return deliveries[0] if deliveries else None
 
-    def claim_orphan(self, min_idle_ms: int, held: frozenset[str] = frozenset()) -> Delivery | None:
+    def read_new_any(self, streams: list[str], block_ms: int | None) -> list[Delivery]:
+        """Take the next new request of each of `streams` (one slot) that has one, whatever their
+        sizes, in one XREADGROUP that waits at most `block_ms` for the first: for an idle
+        worker."""
+        try:
+            reply = self.client.xreadgroup(self.keys.group, self.worker_id,
+                                           {stream: ">" for stream in streams}, count=1,
+                                           block=block_ms)
+        except redis.ResponseError as exc:
+            # own streams dropped by a worker that took this one for gone: make them again
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_groups()
+            return []
+        deliveries = []
+        for stream, entries in reply or []:
+            stream = text(stream)
+            source = self.source_of(stream)
+            for entry_id, fields in entries:
+                entry = QueueEntry.decode(fields)
+                deliveries.append(Delivery(
+                    entry.request, stream, text(entry_id), source=source,
+                    cached_tokens=entry.cached_tokens if source == "own" else 0))
+        return deliveries
+
+    def claim_orphan(self, min_idle_ms: int, held: frozenset[str] = frozenset(),
+                     prefer: ResumePreference | None = None) -> Delivery | None:
         """Claim one entry whose worker is gone, oldest first; None when there is none.
 
         An entry is an orphan when it has sat idle at least `min_idle_ms` *and* its consumer has
         no heartbeat key — or the consumer is this worker's own id and the entry is not in `held`
         (a process that ran under the same id before this one). Idle time alone proves nothing:
         a live worker in a long step may be late refreshing. XCLAIM's own min-idle check makes the
-        claim atomic against the owner's refresh and against other claimers.
+        claim atomic against the owner's refresh and against other claimers. The shared shards,
+        this worker's own streams and every other owner's are scanned.
+
+        With `prefer`, a worker that holds less of the entry's prompt than another live worker
+        claims it only once it has been idle `prefer.prefer_ms` longer (`resume_min_idle_ms`).
         """
-        for stream in self.streams:
-            pending = self.client.xpending_range(stream, self.keys.group, "-", "+",
-                                                 ORPHAN_SCAN_COUNT, idle=min_idle_ms)
+        self._refresh_owners()
+        streams = self.streams + self.own_streams + self.owners.streams()
+        pipe = self.client.pipeline(transaction=False)  # one round trip (one per node)
+        for stream in streams:
+            pipe.xpending_range(stream, self.keys.group, "-", "+", ORPHAN_SCAN_COUNT,
+                                idle=min_idle_ms)
+        for stream, pending in zip(streams, pipe.execute(raise_on_error=False)):
+            if isinstance(pending, redis.ResponseError):
+                if "NOGROUP" not in str(pending):
+                    raise pending
+                continue  # another owner's streams, dropped meanwhile
             if not pending:
                 continue
             alive = self._consumers_alive({text(p["consumer"]) for p in pending})
@@ -254,7 +376,10 @@ class WorkerProtocol:
                     continue
                 if consumer != self.worker_id and alive[consumer]:
                     continue
-                delivery = self._claim_entry(stream, entry_id, min_idle_ms,
+                claim_idle_ms = min_idle_ms if prefer is None else resume_min_idle_ms(
+                    self.client, self._prefix_match, self.keys, self.model, self.worker_id,
+                    stream, entry_id, consumer, min_idle_ms, prefer)
+                delivery = self._claim_entry(stream, entry_id, claim_idle_ms,
                                              entry["times_delivered"] + 1)
                 if delivery is not None:
                     return delivery
@@ -279,7 +404,8 @@ class WorkerProtocol:
         if not fields:  # trimmed away (Redis 6 still returns it): nothing to resume
             self.client.xack(stream, self.keys.group, entry_id)
             return None
-        return Delivery(QueueEntry.decode(fields).request, stream, entry_id, times_delivered)
+        return Delivery(QueueEntry.decode(fields).request, stream, entry_id, times_delivered,
+                        source=self.source_of(stream))
 
     def ack(self, stream: str, entry_id: str) -> None:
         """Acknowledge an entry this worker will not serve (a duplicate of one it serves)."""
@@ -374,13 +500,26 @@ class WorkerProtocol:
         pipe.execute()
 
     def heartbeat(self, beat: Heartbeat, ttl_s: float) -> None:
-        """Write `beat` (stamped with this worker's model and the time now) with a TTL."""
+        """Write `beat` (stamped with this worker's model, the time now and the entries waiting
+        in its own streams) with a TTL."""
         key = self.keys.worker(self.worker_id)
-        beat = dataclasses.replace(beat, model=self.model, ts=time.time())
+        own_queue = undelivered_entries(self.client, self.own_streams, self.keys.group)
+        beat = dataclasses.replace(beat, model=self.model, ts=time.time(), own_queue=own_queue)
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(key, mapping=beat.encode())
         pipe.pexpire(key, int(ttl_s * 1000))
         pipe.execute()
+
+    def announce(self, stored: list[BlockHash], removed: list[BlockHash], *, clear: bool,
+                 ttl_s: float) -> int:
+        """ANNOUNCE_BLOCKS: a net change of this worker's prefix cache (empty: only stay listed
+        for another `ttl_s`; `clear`: the set starts over, a new start). Returns the size of its
+        set in Redis."""
+        call = affinity.announce_blocks(self.keys, self.model, self.worker_id,
+                                        ttl_ms=int(ttl_s * 1000), stored=pack_ids(stored),
+                                        removed=pack_ids(removed), clear=clear)
+        size, _ = self._announce(keys=call.keys, args=call.args)
+        return int(size)
 
     def remove_heartbeat(self) -> None:
         self.client.delete(self.keys.worker(self.worker_id))

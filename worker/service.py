@@ -4,6 +4,13 @@ One thread runs the loop (engine steps and the protocol's writes); a second thre
 (from a stats snapshot the loop leaves it) and keeps this worker's stream entries fresh, so a long
 step never lets either lapse. An entry joins the refreshed set the moment it is delivered and leaves
 it when the request ends here; other workers take entries over only once our heartbeat is gone.
+
+Prefix-affinity routing (`--routing affinity`): after every turn that changed the prefix cache
+the loop announces the change (ANNOUNCE_BLOCKS; only the loop drains the engine's record of it),
+at every (re)connect the whole cache with `clear` (Redis may have lost it); the heartbeat thread
+only keeps the announced set listed, and has the loop announce it whole again when it finds the
+set gone from Redis. A dead worker's request is resumed preferably by the worker
+holding most of its prompt (`ResumePreference`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ import redis
 from shared.redis_connect import REDIS_FAILURES, TRANSIENT_FAILURES
 from shared.settings import WorkerSettings
 from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
+from shared.wire.prefix_hash import root_hash
+from worker.affinity import ResumePreference
 from worker.coalescing import EventCoalescer
+from worker.engine.block_manager import NetChange
 from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
 from worker.metrics import WorkerMetrics
@@ -57,6 +67,16 @@ class WorkerService:
         self._lock = threading.Lock()
         self._pubsub = None
         self._last_orphan_check = 0.0
+        # Prefix-affinity routing: blocks hash from the served model's root (the router's);
+        # the cache's changes not yet announced; whether this process announced its whole cache
+        # since it last (re)connected (until then the heartbeat thread does not refresh the set).
+        self.affinity = settings.routing == "affinity"
+        self.prefix_root = root_hash(protocol.model)
+        engine.set_prefix_root(self.prefix_root)
+        self._unannounced = NetChange()
+        self._announced = False
+        self._indexed = 0  # the size of the announced set as the loop's last announcement left it
+        self._resync = False  # set by the heartbeat thread: Redis lost the set, announce it all
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -95,6 +115,8 @@ class WorkerService:
         self._snapshot_stats()
         self._beat()
         self.protocol.ensure_groups()
+        if self.affinity:
+            self._announce_all()
         self._pubsub = self.protocol.subscribe_cancels()
 
     def _shutdown(self) -> None:
@@ -122,6 +144,10 @@ class WorkerService:
             self._publish_outputs(outputs)
             self.metrics.step_done(outputs, self.engine.stats(), step_time_s)
         self._snapshot_stats()
+        if self.affinity and self._resync:
+            self._announce_all()
+        elif self.affinity:
+            self._announce()
 
     def _handle_cancels(self) -> None:
         while (req_id := self.protocol.next_cancel(self._pubsub)) is not None:
@@ -153,39 +179,58 @@ class WorkerService:
             return
         admission = self.protocol.read_batch(budget_tokens, want)
         if admission.deliveries:
-            if self.protocol.uses_homes:
-                self.metrics.stolen(sum(not self.protocol.from_home(d)
-                                        for d in admission.deliveries))
+            self._count_taken(admission.deliveries)
             self._start_many(admission.deliveries)
         elif admission.too_large is None and block and not self.inflight:
             self._wait_for_work()
         # else: the next request is left in its stream for a worker with room
 
     def _wait_for_work(self) -> None:
-        """Idle: block briefly (below the socket timeout) until a request arrives."""
-        delivery = None
-        # Each shard's interactive stream blocks for a share of the wait (a blocking read spans
-        # one slot), the batch streams are looked at without waiting; the wait stays short so
-        # cancels and orphans stay timely.
-        blocking = self.protocol.blocking_streams()
-        block_ms = max(1, self.settings.read_block_ms // len(blocking))
-        for stream in blocking + [s for s in self.protocol.streams if s not in blocking]:
-            delivery = self.protocol.read_new(stream, block_ms=block_ms
-                                              if stream in blocking else None)
-            if delivery:
+        """Idle: block briefly (below the socket timeout) until a request arrives in this
+        worker's own interactive stream or a shard's."""
+        # One blocking read over all of them on a single Redis; on a cluster each blocks for a
+        # share of the wait (a blocking read spans one slot). The batch streams are looked at
+        # without waiting; the wait stays short so cancels and orphans stay timely.
+        deliveries = []
+        reads = self.protocol.blocking_reads()
+        block_ms = max(1, self.settings.read_block_ms // len(reads))
+        for streams in reads:
+            if deliveries := self.protocol.read_new_any(streams, block_ms):
                 break
-        if delivery is not None:  # the pool is idle: whatever fits at all fits now
-            if self.protocol.uses_homes and not self.protocol.from_home(delivery):
-                self.metrics.stolen(1)
-            self._start(delivery)
+        else:
+            for stream in self.protocol.idle_streams():
+                if deliveries := self.protocol.read_new_any([stream], None):
+                    break
+        # The pool is idle: whatever fits at all fits now (one blocking read over several
+        # streams may bring one entry of each; a second that does not fit waits in the engine).
+        if deliveries:
+            self._count_taken(deliveries)
+            self._start_many(deliveries)
+
+    def _count_taken(self, deliveries: list[Delivery]) -> None:
+        """Admission metrics: each delivery's source, the wait of those taken from another
+        worker's own stream, and (with home shards) those taken from a shard not home."""
+        now_ms = time.time() * 1000
+        for delivery in deliveries:
+            waited_s = None
+            if delivery.source == "other":  # a stream id starts with its XADD time, ms
+                waited_s = (now_ms - int(delivery.entry_id.split("-")[0])) / 1000
+            self.metrics.taken(delivery.source, waited_s)
+        if self.protocol.uses_homes:
+            self.metrics.stolen(sum(d.source == "shared" and not self.protocol.from_home(d)
+                                    for d in deliveries))
 
     def _claim_orphans(self) -> None:
         """Resume requests of workers whose heartbeat expired (their entries idle past the TTL)."""
         min_idle_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        # The worker holding most of a request's prompt resumes it; the others a little later.
+        prefer = ResumePreference(self.settings.resume_prefer_ms, self.engine_block_size(),
+                                  self.prefix_root, self.engine.num_cached_prefix_blocks) \
+            if self.affinity else None
         while self.engine.can_admit(self.engine_block_size()):
             with self._lock:
                 held = frozenset(e for ids in self._held_entries.values() for e in ids)
-            delivery = self.protocol.claim_orphan(min_idle_ms, held)
+            delivery = self.protocol.claim_orphan(min_idle_ms, held, prefer)
             if delivery is None:
                 return
             log.warning("took over %s from a worker whose heartbeat is gone (delivery %d)",
@@ -310,6 +355,33 @@ class WorkerService:
                 del self.inflight[item.req_id]
                 self.metrics.request_finished("abort")
 
+    # ---- prefix-cache announcements (loop thread only) --------------------------------------
+
+    def _announce(self) -> None:
+        """Announce what the prefix cache stored and evicted since the last announcement; what
+        a failed call did not send stays and merges into the next."""
+        self._unannounced.merge(*self.engine.drain_block_announcements())
+        if not self._unannounced:
+            return
+        stored, removed = self._unannounced.peek()
+        self._send_announcement(stored, removed, clear=False)
+        self._unannounced.drain()
+
+    def _announce_all(self) -> None:
+        """At a (re)connect: the whole cache, replacing whatever Redis holds (a process's first
+        announcement; after an outage Redis may have lost or missed some)."""
+        self._announced = self._resync = False
+        self.engine.drain_block_announcements()  # the whole cache covers every change so far
+        self._unannounced.drain()
+        self._send_announcement(self.engine.cached_block_hashes(), [], clear=True)
+        self._announced = True
+
+    def _send_announcement(self, stored: list[bytes], removed: list[bytes], clear: bool) -> None:
+        indexed = self.protocol.announce(stored, removed, clear=clear,
+                                         ttl_s=self.settings.heartbeat_ttl_s)
+        self.metrics.blocks_announced(len(stored), len(removed), indexed)
+        self._indexed = indexed
+
     # ---- heartbeat -------------------------------------------------------------------------
 
     def _hold(self, delivery: Delivery) -> None:
@@ -334,7 +406,8 @@ class WorkerService:
             generated_tokens=stats.num_generated_tokens,
             prefix_queried_tokens=stats.prefix_queried_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
-            tokens_per_s=round(self.metrics.tokens_per_s(), 2), metrics_url=self.metrics_url or "")
+            tokens_per_s=round(self.metrics.tokens_per_s(), 2), metrics_url=self.metrics_url or "",
+            block_size=self.engine_block_size(), max_running=self.settings.max_running)
         with self._lock:
             self._stats_snapshot = beat
 
@@ -345,6 +418,12 @@ class WorkerService:
             entries = {stream: sorted(ids) for stream, ids in self._held_entries.items() if ids}
         self.protocol.heartbeat(beat, self.settings.heartbeat_ttl_s)
         self.protocol.refresh_pending(entries)
+        if self.affinity and self._announced:  # stay listed with the set the loop announced
+            indexed = self.protocol.announce([], [], clear=False,
+                                             ttl_s=self.settings.heartbeat_ttl_s)
+            self.metrics.indexed_blocks.set(indexed)
+            if indexed == 0 and self._indexed > 0:  # expired (this thread stalled) or Redis lost it
+                self._resync = True
         if self.protocol.uses_homes:  # this worker's place among the live ones: its home shards
             self.protocol.update_roster(self.settings.heartbeat_ttl_s)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.block_manager import BlockManager, hash_block
+from shared.wire.prefix_hash import hash_block, root_hash
+from worker.engine.block_manager import BlockManager
 
 BS = 4
 
@@ -39,10 +40,12 @@ def test_allocation_returns_none_and_changes_nothing_when_short():
 
 
 def test_hash_chain_depends_on_every_earlier_token():
-    a = hash_block(None, [1, 2, 3, 4])
-    assert a == hash_block(None, [1, 2, 3, 4])
-    assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [1, 2, 3, 9]), [5, 6, 7, 8])
-    assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [4, 3, 2, 1])
+    root = root_hash()
+    a = hash_block(root, [1, 2, 3, 4])
+    assert a == hash_block(root, [1, 2, 3, 4])
+    assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(root, [1, 2, 3, 9]), [5, 6, 7, 8])
+    assert hash_block(root, [1, 2, 3, 4]) != hash_block(root, [4, 3, 2, 1])
+    assert hash_block(root_hash("other"), [1, 2, 3, 4]) != a
     assert len(a) == 16
 
 

@@ -300,18 +300,25 @@ def test_a_busy_worker_reads_other_shards_at_most_every_half_steal_delay(redis_s
         script, shards_read = protocol._read_if_fits, []
 
         def recording(keys, args):
-            shards_read.append(next(shard for shard in range(3)
-                                    if keys[0] in protocol.keys.queues(MODEL, shard)))
+            if keys == protocol.own_streams:
+                shards_read.append("own")
+            else:
+                shards_read.append(next(shard for shard in range(3)
+                                        if keys[0] in protocol.keys.queues(MODEL, shard)))
             return script(keys=keys, args=args)
+
+        def shared_read():
+            return [shard for shard in shards_read if shard != "own"]
 
         protocol._read_if_fits = recording
         for _ in range(3):
             assert protocol.read_batch(100, 10).deliveries == []
-        assert sorted(shards_read[:3]) == [0, 1, 2] and shards_read[0] == 0
-        assert shards_read[3:] == [0, 0]  # then the home shard alone
+        assert sorted(shared_read()[:3]) == [0, 1, 2] and shared_read()[0] == 0
+        assert shared_read()[3:] == [0, 0]  # then the home shard alone
         time.sleep(0.55)
         protocol.read_batch(100, 10)
-        assert shards_read[5] == 0 and sorted(shards_read[5:]) == [0, 1, 2]
+        assert shared_read()[5] == 0 and sorted(shared_read()[5:]) == [0, 1, 2]
+        assert shards_read.count("own") == 4 and shards_read[0] == "own"  # once per fill, first
     finally:
         client.close()
         redis_server.flush()

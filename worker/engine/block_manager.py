@@ -3,28 +3,64 @@
 Pure bookkeeping over block ids `0 .. num_blocks-1` (the tensors live in `kv_cache.py`); no torch.
 
 Prefix caching: a *full* block whose KV is computed is published under a hash chained from its
-parent block's hash and its own token ids, so equal hashes mean equal token prefixes (an edit
-anywhere earlier changes every later hash). A block whose reference count drops to 0 keeps its
-hash and content and waits in an LRU list; it is evicted only when a new block is needed and no
-never-cached block is free. Blocks are shared only when full and are never written again, so a
-sequence never changes KV another sequence reads.
+parent block's hash and its own token ids (shared/wire/prefix_hash.py, from a root naming the
+served model: the gateways' router hashes prompts the same way), so equal hashes mean equal token
+prefixes (an edit anywhere earlier changes every later hash). A block whose reference count drops
+to 0 keeps its hash and content and waits in an LRU list; it is evicted only when a new block is
+needed and no never-cached block is free. Blocks are shared only when full and are never written
+again, so a sequence never changes KV another sequence reads.
+
+Announcements (prefix-affinity routing): every hash published to or evicted from the cache is
+recorded as a net change since the last `drain_announcements`, which the worker sends to Redis.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 
-BlockHash = bytes
+from shared.wire.prefix_hash import BlockHash, hash_block, root_hash
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    """Chained 128-bit BLAKE2b over the parent block's digest and this block's token ids."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0" * 16)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+class NetChange:
+    """The net change of a set of hashes since the last drain: an item added and then removed
+    (or removed and then added) in between cancels out. Callers add only items not in the set
+    and remove only items in it, so each item is in at most one of the two lists drained."""
+
+    def __init__(self) -> None:
+        self._pending: dict[BlockHash, bool] = {}  # hash -> True: added, False: removed
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def add(self, item: BlockHash) -> None:
+        if self._pending.get(item) is False:
+            del self._pending[item]
+        else:
+            self._pending[item] = True
+
+    def remove(self, item: BlockHash) -> None:
+        if self._pending.get(item) is True:
+            del self._pending[item]
+        else:
+            self._pending[item] = False
+
+    def merge(self, added: list[BlockHash], removed: list[BlockHash]) -> None:
+        """Apply a later net change on top of this one."""
+        for item in added:
+            self.add(item)
+        for item in removed:
+            self.remove(item)
+
+    def peek(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(added, removed), without clearing."""
+        return ([h for h, added in self._pending.items() if added],
+                [h for h, added in self._pending.items() if not added])
+
+    def drain(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(added, removed) since the last drain; starts over empty."""
+        change = self.peek()
+        self._pending.clear()
+        return change
 
 
 class BlockManager:
@@ -34,10 +70,12 @@ class BlockManager:
     scheduler's job. Every block a sequence holds comes back with `free(req_id)`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 root: BlockHash | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.root = root_hash() if root is None else root  # parent of every first block
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._free_uncached: deque[int] = deque(range(num_blocks))  # ref 0, no hash
@@ -48,6 +86,9 @@ class BlockManager:
         self._num_published: dict[str, int] = {}  # leading blocks of a table already in the cache
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        # hashes published to / evicted from the cache since the last drain_announcements;
+        # bounded: without drains only published ones, at most num_blocks
+        self._announcements = NetChange()
 
     # ---- counts -------------------------------------------------------------------------------
 
@@ -91,8 +132,40 @@ class BlockManager:
         memo = self._hash_memo.setdefault(req_id, [])
         bs = self.block_size
         for i in range(len(memo), len(token_ids) // bs):
-            memo.append(hash_block(memo[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs]))
+            memo.append(hash_block(memo[i - 1] if i else self.root,
+                                   token_ids[i * bs:(i + 1) * bs]))
         return memo
+
+    def set_root(self, root: BlockHash) -> None:
+        """Hash from another root (the served model's: `prefix_hash.root_hash(model)`). Only
+        while nothing was hashed yet, since hashes of the old root would never match again."""
+        if root == self.root:
+            return
+        if self._cached or self._hash_memo:
+            raise ValueError("the prefix root can change only before any block is hashed")
+        self.root = root
+
+    def num_cached_leading_blocks(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of `token_ids` the cache holds now (no lookup is
+        recorded and nothing is memoised: a question about a prompt that is not here)."""
+        if not self.enable_prefix_caching:
+            return 0
+        count, parent, bs = 0, self.root, self.block_size
+        for i in range(len(token_ids) // bs):
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            if parent not in self._cached:
+                break
+            count += 1
+        return count
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache now (a worker's whole announcement, at its start)."""
+        return list(self._cached)
+
+    def drain_announcements(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed): the hashes published to and evicted from the cache since the last
+        drain, as a net change (a hash published and evicted in between is in neither)."""
+        return self._announcements.drain()
 
     def find_cached_prefix(self, req_id: str, token_ids: list[int]) -> list[int]:
         """Blocks holding the longest cached prefix of `token_ids`.
@@ -157,6 +230,7 @@ class BlockManager:
         block_hash = self._block_hash[block]
         if self._cached.get(block_hash) == block:
             del self._cached[block_hash]
+            self._announcements.remove(block_hash)
         self._block_hash[block] = None
         return block
 
@@ -175,6 +249,7 @@ class BlockManager:
             if block_hash not in self._cached and self._block_hash[block] is None:
                 self._cached[block_hash] = block
                 self._block_hash[block] = block_hash
+                self._announcements.add(block_hash)
         self._num_published[req_id] = end
 
     def free(self, req_id: str, forget: bool = True) -> int:

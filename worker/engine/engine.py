@@ -193,6 +193,25 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- prefix cache, as the fleet sees it ---------------------------------------------------
+
+    def set_prefix_root(self, root: bytes) -> None:
+        """Hash prefix-cache blocks from `root` (`prefix_hash.root_hash(served model id)`, what
+        the gateways' router uses); before the first request. Offline use keeps the default."""
+        self.block_manager.set_root(root)
+
+    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """Leading full blocks of `token_ids` in the prefix cache now."""
+        return self.block_manager.num_cached_leading_blocks(token_ids)
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash in the prefix cache now."""
+        return self.block_manager.cached_hashes()
+
+    def drain_block_announcements(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed) block hashes of the prefix cache since the last call (net change)."""
+        return self.block_manager.drain_announcements()
+
     def can_admit(self, num_prompt_tokens: int) -> bool:
         """Whether free blocks (incl. evictable cached ones) hold this prompt beside the watermark."""
         bm = self.block_manager

@@ -1,0 +1,205 @@
+"""A worker's Redis I/O of prefix-affinity routing (docs/ARCHITECTURE.md, "Prefix-affinity
+routing"), beside `WorkerProtocol`, which uses it:
+
+- `OwnStreamOwners`: the model's workers that have own streams (`Keys.worker_queue_owners`) and
+  their heartbeats, read about once a heartbeat interval: whose own streams a fill reads after
+  its own and the shared ones, with what minimum age and owner's room (READ_IF_FITS ARGV 5, 7),
+  and the cleanup of a gone owner's empty streams.
+- `resume_min_idle_ms`: how long an orphaned entry must have been idle before this worker claims
+  it: the heartbeat TTL when this worker holds at least as much of its prompt as any other live
+  announcing worker, else `prefer_ms` longer (the best holder claims it first).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from shared.wire import Heartbeat, Keys, QueueEntry
+from shared.wire import affinity
+from shared.wire.lua import LuaScript
+from shared.wire.prefix_hash import BlockHash, block_hashes, pack_ids
+from shared.wire.records import text
+
+_GROUP_STATE = """
+local function group_state(stream, group)
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for j = 1, #info, 2 do fields[info[j]] = info[j + 1] end
+    if fields['name'] == group then return fields end
+  end
+  return nil
+end
+"""
+
+DROP_OWN_STREAMS = LuaScript.build(
+    "drop_own_streams",
+    keys=["a gone worker's own streams (Keys.worker_queues)"],
+    variadic_keys=True,
+    argv=["consumer group"],
+    returns="1 when the streams held nothing (no entry pending, none undelivered) and were "
+            "deleted; 0 when they hold work (left as they are)",
+    source=_GROUP_STATE + """
+for _, stream in ipairs(KEYS) do
+  if redis.call('EXISTS', stream) == 1 then
+    local group = group_state(stream, ARGV[1])
+    if group == nil then
+      if redis.call('XLEN', stream) > 0 then return 0 end
+    else
+      if tonumber(group['pending']) > 0 then return 0 end
+      local last = group['last-delivered-id']
+      local start = '-'
+      if last ~= '0-0' then start = '(' .. last end
+      if #redis.call('XRANGE', stream, start, '+', 'COUNT', 1) > 0 then return 0 end
+    end
+  end
+end
+redis.call('DEL', unpack(KEYS))
+return 1
+""")
+
+
+@dataclass(frozen=True)
+class ForeignRead:
+    """One READ_IF_FITS over another worker's own streams."""
+
+    owner: str
+    min_age_ms: int  # its entries that waited this long (0: the owner is gone, any entry)
+    owner_room: int  # the owner's free KV tokens (-1: unknown): a larger entry is taken at once
+
+
+class OwnStreamOwners:
+    """The other workers of the model with own streams, as this worker last read them."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str, *,
+                 steal_after_ms: int, refresh_s: float, gone_grace_s: float):
+        self.client = client
+        self.keys = keys
+        self.model = model
+        self.worker_id = worker_id
+        self.steal_after_ms = steal_after_ms
+        self.refresh_s = refresh_s  # how often the owners and their heartbeats are read
+        self.gone_grace_s = gone_grace_s  # an owner without heartbeat this long is cleaned up
+        self.heartbeats: dict[str, Heartbeat | None] = {}  # owner -> heartbeat (None: gone)
+        self.listed = True  # whether the last refresh found this worker among the owners
+        self._refreshed_at = -1e9
+        self._gone_since: dict[str, float] = {}
+        self._read_at: dict[str, float] = {}  # owner -> when a fill last read its streams
+        self.drop_script = DROP_OWN_STREAMS.register(client)
+
+    def streams(self) -> list[str]:
+        """Every other owner's own streams (where a dead worker's entries may be pending)."""
+        return [s for owner in self.heartbeats for s in self.keys.worker_queues(self.model, owner)]
+
+    def refresh(self, force: bool = False) -> None:
+        """Read the owners and their heartbeats (at most once per `refresh_s` unless `force`);
+        drop the streams of owners gone for `gone_grace_s` that hold nothing. `listed` says
+        whether this worker is still an owner."""
+        now = time.monotonic()
+        if not force and now - self._refreshed_at < self.refresh_s:
+            return
+        self._refreshed_at = now
+        members = sorted(text(m) for m in self.client.smembers(
+            self.keys.worker_queue_owners(self.model)))
+        self.listed = self.worker_id in members
+        members = [m for m in members if m != self.worker_id]
+        pipe = self.client.pipeline(transaction=False)
+        for owner in members:
+            pipe.hgetall(self.keys.worker(owner))
+        beats = pipe.execute() if members else []
+        self.heartbeats = {owner: Heartbeat.decode(raw) if raw else None
+                           for owner, raw in zip(members, beats)}
+        for owner, beat in list(self.heartbeats.items()):
+            if beat is not None:
+                self._gone_since.pop(owner, None)
+            elif now - self._gone_since.setdefault(owner, now) >= self.gone_grace_s:
+                self._clean_up(owner)
+
+    def _clean_up(self, owner: str) -> None:
+        """Forget a gone owner whose streams hold nothing (best effort: any worker may do it).
+        The grace before it lets gateways stop routing there; the script checks and deletes in
+        one step, so an entry added before it stays and the owner stays listed."""
+        streams = self.keys.worker_queues(self.model, owner)
+        if not int(self.drop_script(keys=streams, args=[self.keys.group])):
+            return
+        self.client.srem(self.keys.worker_queue_owners(self.model), owner)
+        del self.heartbeats[owner]
+        self._gone_since.pop(owner, None)
+        self._read_at.pop(owner, None)
+
+    def due_reads(self) -> list[ForeignRead]:
+        """The owners whose streams a fill reads now: those no fill read in the last
+        steal_after_ms / 2 (their entries become takeable only after steal_after_ms, so reading
+        more often finds nothing new), with the age and room rules of each."""
+        now = time.monotonic()
+        reads = []
+        for owner, beat in self.heartbeats.items():
+            if now - self._read_at.get(owner, -1e9) < self.steal_after_ms / 2000:
+                continue
+            self._read_at[owner] = now
+            if beat is None:
+                reads.append(ForeignRead(owner, 0, -1))
+            else:
+                room = beat.blocks_free * beat.block_size if beat.block_size > 0 else -1
+                reads.append(ForeignRead(owner, self.steal_after_ms, room))
+        return reads
+
+
+@dataclass(frozen=True)
+class ResumePreference:
+    """What `resume_min_idle_ms` needs of this worker."""
+
+    prefer_ms: int  # the extra idle time before a worker that is not the best holder claims
+    block_size: int  # this worker's: prompts are hashed by it
+    root: BlockHash  # prefix_hash.root_hash(served model)
+    cached_blocks: Callable[[list[int]], int]  # leading blocks of a prompt cached here now
+
+
+def resume_min_idle_ms(client: redis.Redis, prefix_match, keys: Keys, model: str,
+                       worker_id: str, stream: str, entry_id: str, dead_consumer: str,
+                       min_idle_ms: int, prefer: ResumePreference) -> int:
+    """`min_idle_ms` if this worker holds at least as many leading blocks of the entry's prompt
+    as every other live announcing worker (listed in `Keys.kv_workers` within `min_idle_ms`,
+    the heartbeat TTL; the entry's dead consumer left out), else `min_idle_ms + prefer_ms`.
+    `prefix_match`: PREFIX_MATCH registered on `client`."""
+    found = client.xrange(stream, min=entry_id, max=entry_id)
+    if not found:  # trimmed: the claim finds nothing to resume
+        return min_idle_ms
+    prompt = QueueEntry.decode(found[0][1]).request.prompt_token_ids
+    hashes = block_hashes(prompt, prefer.block_size, prefer.root)
+    if not hashes:
+        return min_idle_ms
+    listed = client.zrangebyscore(keys.kv_workers(model), time.time() * 1000 - min_idle_ms, "+inf")
+    others = [w for w in (text(m) for m in listed) if w not in (worker_id, dead_consumer)]
+    if not others:
+        return min_idle_ms
+    call = affinity.prefix_match(keys, model, others, pack_ids(hashes))
+    best_other = max(int(n) for n in prefix_match(keys=call.keys, args=call.args))
+    mine = prefer.cached_blocks(prompt)
+    return min_idle_ms if mine >= best_other else min_idle_ms + prefer.prefer_ms
+
+
+def undelivered_entries(client: redis.Redis, streams: list[str], group: str) -> int:
+    """Entries of `streams` not yet delivered to any consumer of `group` (one round trip; the
+    streams share a slot). A missing stream counts 0, a stream without the group every entry."""
+    pipe = client.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xinfo_groups(stream)
+        pipe.xlen(stream)
+    replies = pipe.execute(raise_on_error=False)
+    total = 0
+    for stream, groups, length in zip(streams, replies[::2], replies[1::2]):
+        if isinstance(groups, Exception):  # no such stream
+            continue
+        state = next((g for g in groups if text(g["name"]) == group), None)
+        if state is None:
+            total += int(length)
+        elif state.get("lag") is not None:
+            total += int(state["lag"])
+        else:  # Redis cannot tell the lag (entries deleted or trimmed): count them
+            last = text(state.get("last-delivered-id")) or "0-0"
+            total += len(client.xrange(stream, min=f"({last}" if last != "0-0" else "-"))
+    return total
