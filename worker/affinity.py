@@ -20,47 +20,8 @@ import redis
 
 from shared.wire import Heartbeat, Keys, QueueEntry
 from shared.wire import affinity
-from shared.wire.lua import LuaScript
 from shared.wire.prefix_hash import BlockHash, block_hashes, pack_ids
 from shared.wire.records import text
-
-_GROUP_STATE = """
-local function group_state(stream, group)
-  for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-    local fields = {}
-    for j = 1, #info, 2 do fields[info[j]] = info[j + 1] end
-    if fields['name'] == group then return fields end
-  end
-  return nil
-end
-"""
-
-DROP_OWN_STREAMS = LuaScript.build(
-    "drop_own_streams",
-    keys=["a gone worker's own streams (Keys.worker_queues)"],
-    variadic_keys=True,
-    argv=["consumer group"],
-    returns="1 when the streams held nothing (no entry pending, none undelivered) and were "
-            "deleted; 0 when they hold work (left as they are)",
-    source=_GROUP_STATE + """
-for _, stream in ipairs(KEYS) do
-  if redis.call('EXISTS', stream) == 1 then
-    local group = group_state(stream, ARGV[1])
-    if group == nil then
-      if redis.call('XLEN', stream) > 0 then return 0 end
-    else
-      if tonumber(group['pending']) > 0 then return 0 end
-      local last = group['last-delivered-id']
-      local start = '-'
-      if last ~= '0-0' then start = '(' .. last end
-      if #redis.call('XRANGE', stream, start, '+', 'COUNT', 1) > 0 then return 0 end
-    end
-  end
-end
-redis.call('DEL', unpack(KEYS))
-return 1
-""")
-
 
 @dataclass(frozen=True)
 class ForeignRead:
@@ -88,7 +49,7 @@ class OwnStreamOwners:
         self._refreshed_at = -1e9
         self._gone_since: dict[str, float] = {}
         self._read_at: dict[str, float] = {}  # owner -> when a fill last read its streams
-        self.drop_script = DROP_OWN_STREAMS.register(client)
+        self.drop_script = affinity.DROP_OWN_STREAMS.register(client)
 
     def streams(self) -> list[str]:
         """Every other owner's own streams (where a dead worker's entries may be pending)."""

@@ -10,6 +10,8 @@ index of who holds what and route a request to the worker holding most of its pr
   every listed worker's set, read at one moment; the gateway applies the events after that id.
 - PREFIX_MATCH: how many leading blocks of a prompt each listed worker holds (a worker resuming
   a dead worker's request defers to the one holding most of it).
+- DROP_OWN_STREAMS: a gone worker's own streams are deleted only when they hold nothing (no
+  entry pending, none undelivered), checked and done in one step.
 All keys of one model's announcements share the model's tag: one slot, one node on a cluster.
 """
 
@@ -158,3 +160,41 @@ return out
 
 def prefix_match(keys: Keys, model: str, worker_ids: Sequence[str], packed: bytes) -> ScriptCall:
     return PREFIX_MATCH.bind([keys.kv_blocks(model, w) for w in worker_ids], [packed])
+
+
+_GROUP_STATE = """
+local function group_state(stream, group)
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for j = 1, #info, 2 do fields[info[j]] = info[j + 1] end
+    if fields['name'] == group then return fields end
+  end
+  return nil
+end
+"""
+
+DROP_OWN_STREAMS = LuaScript.build(
+    "drop_own_streams",
+    keys=["a gone worker's own streams (Keys.worker_queues)"],
+    variadic_keys=True,
+    argv=["consumer group"],
+    returns="1 when the streams held nothing (no entry pending, none undelivered) and were "
+            "deleted; 0 when they hold work (left as they are)",
+    source=_GROUP_STATE + """
+for _, stream in ipairs(KEYS) do
+  if redis.call('EXISTS', stream) == 1 then
+    local group = group_state(stream, ARGV[1])
+    if group == nil then
+      if redis.call('XLEN', stream) > 0 then return 0 end
+    else
+      if tonumber(group['pending']) > 0 then return 0 end
+      local last = group['last-delivered-id']
+      local start = '-'
+      if last ~= '0-0' then start = '(' .. last end
+      if #redis.call('XRANGE', stream, start, '+', 'COUNT', 1) > 0 then return 0 end
+    end
+  end
+end
+redis.call('DEL', unpack(KEYS))
+return 1
+""")
