@@ -65,6 +65,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     async def lifespan(_app: FastAPI):
         processor.prepare_offload()  # before the first request, not on its way
         await client.start()
+        if getattr(client, "router", None) is not None:  # its index ready by the first request
+            client.router.follow(served_id)
         for sampler in samplers:
             sampler.start()
         try:
@@ -88,6 +90,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
         metrics.watch_shard_shares(client.homes)
     if getattr(client, "fanout", None) is not None:  # a Redis fleet
         metrics.watch_fanout(client.fanout)
+    if getattr(client, "router", None) is not None:  # --routing affinity
+        metrics.watch_router(client.router)
     app.state.client = client
     app.state.model = model_info
     app.state.metrics = metrics

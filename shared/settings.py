@@ -92,7 +92,7 @@ class GatewaySettings(BatchApiSettings):
     affinity_balance: float = Field(1.25, ge=1.0, description=(
         "`--routing affinity`: a worker is chosen for the prompt blocks it holds only while its "
         "load (requests running, waiting and routed to it) stays within this factor of the "
-        "fleet's mean load (or one request above the least loaded worker); beyond it, load "
+        "fleet's mean load (or two requests above the least loaded worker); beyond it, load "
         "wins over affinity"))
     affinity_min_blocks: int = Field(1, ge=1, description=(
         "`--routing affinity`: a request goes to a worker's own stream only when that worker "

@@ -27,6 +27,9 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
                  0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0,
                  120.0, 180.0, 300.0, 600.0)
+# Routing one request (prefix-affinity): 10 us .. 50 ms.
+ROUTING_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
+                     0.05)
 # Paths whose answers count as requests, and their `endpoint` label.
 GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 # Pace of one stream after its first token, tokens/s (the seed's "tokens/s per stream").
@@ -127,6 +130,51 @@ class _FanoutCollector:
         return out
 
 
+class _RouterCollector:
+    """Reads a Router's stats and prefix indexes (gateway/fleet/router.py) when scraped."""
+
+    def __init__(self, model: str, router):
+        self._model = model
+        self._router = router
+
+    def collect(self):
+        router, model = self._router, self._model
+        routed = CounterMetricFamily(
+            "kvfleet_gateway_routed", "Requests by where the router sent them: `affinity` (the "
+            "own stream of the worker holding most of the prompt), `shared` (no worker holds "
+            "enough of it, or no index yet).", labels=["model", "route"])
+        for reason in ("affinity", "shared"):
+            routed.add_metric([model, reason], router.stats.routed.get(reason, 0))
+        by_worker = CounterMetricFamily(
+            "kvfleet_gateway_routed_to_worker", "Requests this gateway routed to a worker's own "
+            "stream, by worker.", labels=["model", "worker"])
+        for worker_id, count in sorted(router.stats.by_worker.items()):
+            by_worker.add_metric([model, worker_id], count)
+        prompt = CounterMetricFamily(
+            "kvfleet_gateway_routed_prompt_tokens", "Prompt tokens of the requests routed.",
+            labels=["model"])
+        prompt.add_metric([model], router.stats.prompt_tokens)
+        cached = CounterMetricFamily(
+            "kvfleet_gateway_routed_cached_tokens", "Of those, the tokens the router expected "
+            "the chosen worker to find in its prefix cache.", labels=["model"])
+        cached.add_metric([model], router.stats.cached_tokens)
+        blocks = GaugeMetricFamily(
+            "kvfleet_gateway_prefix_index_blocks", "Blocks in this gateway's prefix index (summed "
+            "over the workers holding them), per model followed.", labels=["model", "index"])
+        events = CounterMetricFamily(
+            "kvfleet_gateway_prefix_index_events", "Announcement events applied to the prefix "
+            "index; its rate is the fleet's announcements per second.", labels=["model", "index"])
+        snapshots = CounterMetricFamily(
+            "kvfleet_gateway_prefix_index_snapshots", "Snapshots the prefix index took: one at "
+            "start, more after a Redis failure or when it fell behind the trimmed event stream.",
+            labels=["model", "index"])
+        for followed, index in sorted(router.indexes.items()):
+            blocks.add_metric([model, followed], index.num_blocks)
+            events.add_metric([model, followed], index.events_applied)
+            snapshots.add_metric([model, followed], index.snapshots)
+        return [routed, by_worker, prompt, cached, blocks, events, snapshots]
+
+
 class GatewayMetrics:
     """Client-side latency and traffic of one gateway; one instance per app."""
 
@@ -162,11 +210,20 @@ class GatewayMetrics:
             ["model", "endpoint", "outcome"], registry=self.registry)
         self.in_flight = Gauge(p + "requests_in_flight", "Requests being answered right now.",
                                ["model"], registry=self.registry).labels(**labels)
+        self.routing = Histogram(
+            p + "routing_seconds", "Time the router spent choosing a request's stream (hashing "
+            "its prompt's blocks, reading the prefix index and the loads).", ["model"],
+            buckets=ROUTING_BUCKETS_S, registry=self.registry).labels(**labels)
 
     def watch_shard_shares(self, homes) -> None:
         """Export a GatewayHomes' place and shares at each scrape: this gateway's share of new
         requests per stream shard, and the live gateways it counted (0 while it has no place)."""
         self.registry.register(_ShardSharesCollector(self.model, homes))
+
+    def watch_router(self, router) -> None:
+        """Export a Router's decisions and prefix indexes at each scrape, and time its routes."""
+        self.registry.register(_RouterCollector(self.model, router))
+        router.observe = self.routing.observe
 
     def watch_fanout(self, fanout) -> None:
         """Export a TokenFanout's channels, connections and message counts at each scrape."""

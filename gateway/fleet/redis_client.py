@@ -23,6 +23,7 @@ from gateway.fleet.homes import GatewayHomes
 from gateway.fleet.inboxes import Inboxes
 from gateway.fleet.load import read_heartbeats, stream_depth
 from gateway.fleet.redis_context import RedisContext
+from gateway.fleet.router import Route, Router
 from gateway.fleet.tasks import stop_task
 from shared.redis_connect import REDIS_FAILURES
 from shared.settings import GatewaySettings
@@ -34,6 +35,7 @@ from shared.wire import (
     decode_checkpoint,
     scripts,
 )
+from shared.wire.records import text
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +147,7 @@ class RedisEngineClient(EngineClient):
                  request_timeout_s: float = 600.0, first_event_timeout_s: float = 600.0,
                  stream_reconnect_s: float = 15.0, shard_shares: bool = True,
                  owns_context: bool = False, gateway_id: str | None = None,
-                 inboxes: bool = True):
+                 inboxes: bool = True, router: Router | None = None):
         self.context = context
         self.keys = context.keys
         self.redis = context.redis
@@ -169,6 +171,8 @@ class RedisEngineClient(EngineClient):
                                    command_timeout_s=self._command_timeout_s)
                       if shard_shares and self.keys.queue_shards > 1 else None)
         self._homes_task: asyncio.Task | None = None
+        # Prefix-affinity routing (None: every request to the shared streams).
+        self.router = router
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings, context: RedisContext) -> RedisEngineClient:
@@ -177,7 +181,10 @@ class RedisEngineClient(EngineClient):
                    first_event_timeout_s=settings.first_event_timeout_s,
                    stream_reconnect_s=settings.stream_reconnect_s,
                    shard_shares=settings.gateway_shard_shares,
-                   inboxes=settings.gateway_inboxes)
+                   inboxes=settings.gateway_inboxes,
+                   router=Router(context.redis, context.keys, balance=settings.affinity_balance,
+                                 min_blocks=settings.affinity_min_blocks)
+                   if settings.routing == "affinity" else None)
 
     @classmethod
     def from_url(cls, redis_url: str, keys: Keys, *, connect_timeout_s: float = 2.0,
@@ -194,6 +201,8 @@ class RedisEngineClient(EngineClient):
             self._homes_task = asyncio.create_task(self.homes.run(), name="gateway-roster")
 
     async def close(self) -> None:
+        if self.router is not None:
+            await self.router.close()
         if self._homes_task is not None:
             await stop_task(self._homes_task)
             self._homes_task = None
@@ -233,7 +242,9 @@ class RedisEngineClient(EngineClient):
         the marker is removed (best effort) so that a retry under the same id can enqueue."""
         ttl_s = int(self._request_timeout_s + RESULT_GRACE_S)
         call = scripts.enqueue(self.keys, request, ttl_s=ttl_s)
-        stream, fields = scripts.queue_entry(self.keys, request)
+        route = self.route(request)
+        stream, fields = scripts.queue_entry(self.keys, request, route.worker or "",
+                                             route.cached_tokens)
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
                 if not await self._enqueue(keys=call.keys, args=call.args):
@@ -248,6 +259,14 @@ class RedisEngineClient(EngineClient):
             await self._forget(request.req_id)
             raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
         return True
+
+    def route(self, request: GenerationRequest) -> Route:
+        """The worker whose own stream the request goes to (None: the shared streams); the
+        router follows a model from its first request on."""
+        if self.router is None:
+            return Route(None, 0, "shared")
+        self.router.follow(request.model)
+        return self.router.route(request.model, request.prompt_token_ids)
 
     async def _forget(self, req_id: str) -> None:
         try:
@@ -317,7 +336,10 @@ class RedisEngineClient(EngineClient):
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
                 undelivered = 0
-                for stream in self.keys.all_queues(model):
+                owners = await self.redis.smembers(self.keys.worker_queue_owners(model))
+                own = [q for w in sorted(text(o) for o in owners)
+                       for q in self.keys.worker_queues(model, w)]
+                for stream in self.keys.all_queues(model) + own:
                     depth, _pending = await stream_depth(self.redis, stream, self.keys.group)
                     undelivered += depth
                 beats = await read_heartbeats(self.redis, self.keys)

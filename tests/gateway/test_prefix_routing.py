@@ -1,0 +1,199 @@
+"""Prefix-affinity routing in the gateway against a real Redis and a real Redis Cluster: the prefix
+index follows the workers' announcements (made here with the workers' own script), takes a
+snapshot again when its position was trimmed away, forgets dead workers; the router sends a
+request to the worker holding most of its prompt unless load outweighs it, and to the shared
+streams when no worker holds enough; enqueue writes the chosen worker's own stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.fleet.prefix_index import PrefixIndex
+from gateway.fleet.redis_client import RedisEngineClient
+from gateway.fleet.router import Router
+from shared.redis_connect import connect
+from shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
+from shared.wire.affinity import ANNOUNCE_BLOCKS, announce_blocks
+from shared.wire.prefix_hash import block_hashes, pack_ids, root_hash
+
+pytestmark = pytest.mark.topologies
+
+MODEL = "tiny-model"
+BLOCK = 16
+TTL_MS = 10_000
+
+
+@pytest.fixture
+def keys(redis_topology) -> Keys:
+    return Keys("kvr:", queue_shards=3 if redis_topology == "cluster" else 1)
+
+
+@pytest.fixture
+def sync(redis_url):
+    connection = connect(redis_url)
+    yield connection
+    connection.close()
+
+
+def prompt_of(tenant: int, length: int) -> list[int]:
+    return [1000 * tenant + i for i in range(length)]
+
+
+def hashes(prompt: list[int]) -> list[bytes]:
+    return block_hashes(prompt, BLOCK, root_hash(MODEL))
+
+
+def announce(sync, keys, worker: str, stored=(), removed=(), clear=False) -> None:
+    call = announce_blocks(keys, MODEL, worker, ttl_ms=TTL_MS, stored=pack_ids(stored),
+                           removed=pack_ids(removed), clear=clear)
+    ANNOUNCE_BLOCKS.register(sync)(keys=call.keys, args=call.args)
+
+
+def beat(sync, keys, worker: str, *, running=0, blocks_free=1000, ttl_s=30) -> None:
+    """A live worker with its own streams, as a worker's start and heartbeat leave it."""
+    heartbeat = Heartbeat(model=MODEL, ts=time.time(), blocks_total=1000,
+                          blocks_free=blocks_free, running=running, block_size=BLOCK,
+                          max_running=32)
+    sync.hset(keys.worker(worker), mapping=heartbeat.encode())
+    sync.expire(keys.worker(worker), ttl_s)
+    sync.sadd(keys.worker_queue_owners(MODEL), worker)
+
+
+async def eventually(check, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def router(redis_url, keys):
+    engine = RedisEngineClient.from_url(redis_url, keys, shard_shares=False,
+                                        router=None)
+    router = Router(engine.redis, keys, listing_ttl_ms=TTL_MS)
+    yield router
+    await router.close()
+    await engine.close()
+
+
+async def test_the_index_starts_from_a_snapshot_and_follows_the_events(router, sync, keys):
+    a = hashes(prompt_of(1, 128))
+    announce(sync, keys, "w-a", stored=a[:3], clear=True)  # before the gateway looks
+    router.follow(MODEL)
+    index = router.indexes[MODEL]
+    await eventually(lambda: index.synced)
+    assert index.leading("w-a", [h[:8] for h in a]) == 3
+    announce(sync, keys, "w-a", stored=a[3:4], removed=a[1:2])
+    announce(sync, keys, "w-b", stored=a[:2], clear=True)
+    await eventually(lambda: index.leading("w-b", [h[:8] for h in a]) == 2)
+    assert index.leading("w-a", [h[:8] for h in a]) == 1  # its second block was evicted
+    assert index.sets["w-a"] == {h[:8] for h in (a[0], a[2], a[3])}
+    announce(sync, keys, "w-a", stored=a[5:6], clear=True)  # a restart under the same id
+    await eventually(lambda: index.sets["w-a"] == {a[5][:8]})
+    index.forget_except({"w-b"})
+    assert "w-a" not in index.sets and index.leading("w-b", [h[:8] for h in a]) == 2
+
+
+async def test_an_index_behind_a_trimmed_stream_takes_a_snapshot_again(redis_url, sync, keys):
+    engine = RedisEngineClient.from_url(redis_url, keys, shard_shares=False)
+    try:
+        index = PrefixIndex(engine.redis, keys, MODEL, listing_ttl_ms=TTL_MS, block_ms=10)
+        a = hashes(prompt_of(2, 160))
+        announce(sync, keys, "w-a", stored=a[:1], clear=True)
+        await index.take_snapshot()
+        assert not await index.position_lost()
+        for block in a[1:]:  # events the index has not read ...
+            announce(sync, keys, "w-a", stored=[block])
+        sync.xtrim(keys.kv_events(MODEL), maxlen=2, approximate=False)  # ... trimmed away but for the last two
+        assert await index.position_lost()
+        index.last_id = None
+        await index.take_snapshot()
+        assert index.sets["w-a"] == {h[:8] for h in a} and not await index.position_lost()
+    finally:
+        await engine.close()
+
+
+async def synced_router(router, sync, keys, workers) -> Router:
+    router.follow(MODEL)
+    await router.refresh_loads(MODEL)
+    await eventually(lambda: router.indexes[MODEL].synced)
+    assert sorted(router.loads[MODEL].beats) == sorted(workers)
+    return router
+
+
+async def test_the_router_picks_the_worker_holding_the_longest_prefix(router, sync, keys):
+    tenant, other = prompt_of(3, 200), prompt_of(4, 200)
+    for worker in ("w-a", "w-b", "w-c"):
+        beat(sync, keys, worker)
+    announce(sync, keys, "w-a", stored=hashes(tenant)[:4], clear=True)
+    announce(sync, keys, "w-b", stored=hashes(tenant)[:9], clear=True)
+    announce(sync, keys, "w-c", stored=hashes(other)[:12], clear=True)
+    await synced_router(router, sync, keys, ["w-a", "w-b", "w-c"])
+    await eventually(lambda: router.indexes[MODEL].num_blocks == 25)
+    route = router.route(MODEL, tenant)
+    assert (route.worker, route.cached_tokens, route.reason) == ("w-b", 9 * BLOCK, "affinity")
+    # A prompt nobody holds goes to the shared streams.
+    route = router.route(MODEL, prompt_of(5, 200))
+    assert (route.worker, route.reason) == (None, "shared")
+    # The last prompt token is always computed: a prompt of exactly 4 blocks reuses at most 3.
+    assert router.route(MODEL, tenant[:4 * BLOCK]).cached_tokens == 3 * BLOCK
+    assert router.stats.routed == {"affinity": 2, "shared": 1}
+
+
+async def test_load_wins_over_affinity_when_the_holder_is_busy(router, sync, keys):
+    tenant = prompt_of(6, 200)
+    beat(sync, keys, "w-hot", running=6)
+    beat(sync, keys, "w-cold")
+    beat(sync, keys, "w-warm")
+    announce(sync, keys, "w-hot", stored=hashes(tenant)[:10], clear=True)
+    announce(sync, keys, "w-warm", stored=hashes(tenant)[:2], clear=True)
+    await synced_router(router, sync, keys, ["w-hot", "w-cold", "w-warm"])
+    await eventually(lambda: router.indexes[MODEL].num_blocks == 12)
+    # 6 running against a mean of 7/3: the holder of 10 blocks is past the balance; the holder
+    # of 2 takes it.
+    assert router.route(MODEL, tenant).worker == "w-warm"
+    # Requests this gateway routed since the heartbeat count as load: loads (6, 0, 4) after
+    # three more, with a mean of 11/3 after the next one, whose 1.25x the warm worker's 5 would
+    # pass; then no eligible worker holds enough: the shared streams.
+    routes = [router.route(MODEL, tenant) for _ in range(5)]
+    assert [r.worker for r in routes] == ["w-warm", "w-warm", "w-warm", None, None]
+    assert router.stats.by_worker == {"w-warm": 4}
+
+
+async def test_a_worker_whose_free_kv_cannot_hold_the_prompt_is_passed_over(router, sync, keys):
+    tenant = prompt_of(7, 400)
+    beat(sync, keys, "w-full", blocks_free=3)  # 48 tokens free
+    beat(sync, keys, "w-roomy")
+    announce(sync, keys, "w-full", stored=hashes(tenant)[:12], clear=True)
+    announce(sync, keys, "w-roomy", stored=hashes(tenant)[:5], clear=True)
+    await synced_router(router, sync, keys, ["w-full", "w-roomy"])
+    await eventually(lambda: router.indexes[MODEL].num_blocks == 17)
+    assert router.route(MODEL, tenant).worker == "w-roomy"
+
+
+async def test_enqueue_writes_the_chosen_workers_own_stream(redis_url, sync, keys):
+    tenant = prompt_of(8, 100)
+    beat(sync, keys, "w-a")
+    announce(sync, keys, "w-a", stored=hashes(tenant)[:5], clear=True)
+    engine = RedisEngineClient.from_url(redis_url, keys, shard_shares=False)
+    engine.router = Router(engine.redis, keys, listing_ttl_ms=TTL_MS)
+    await engine.start()
+    try:
+        await synced_router(engine.router, sync, keys, ["w-a"])
+        request = GenerationRequest(req_id="cmpl-affinity-1", model=MODEL,
+                                    prompt_token_ids=tenant, params=SamplingParams(max_tokens=4),
+                                    deadline=time.time() + 30, created=time.time())
+        assert await engine.enqueue(request)
+        (entry_id, fields), = sync.xrange(keys.worker_queue(MODEL, "w-a"))
+        entry = QueueEntry.decode(fields)
+        assert entry.request.req_id == request.req_id and entry.cached_tokens == 5 * BLOCK
+        assert all(sync.xlen(stream) == 0 for stream in keys.all_queues(MODEL))
+        # Backpressure counts what waits in own streams too.
+        load = await engine.queue_load(MODEL)
+        assert load.undelivered == 1
+    finally:
+        await engine.router.close()
+        await engine.close()
