@@ -36,6 +36,8 @@ from worker.protocol import Delivery, Publication, WorkerProtocol
 
 log = logging.getLogger(__name__)
 
+LOAD_BEAT_MIN_S = 0.05  # the least time between two heartbeats (a change of load beats early)
+
 
 @dataclass
 class Inflight:
@@ -65,6 +67,7 @@ class WorkerService:
         # thread refreshes them. Written by the loop, read by the heartbeat thread, under _lock.
         self._held_entries: dict[str, set[str]] = {}
         self._lock = threading.Lock()
+        self._load_changed = threading.Event()  # the loop's running/waiting changed: beat soon
         self._pubsub = None
         self._last_orphan_check = 0.0
         # Prefix-affinity routing: blocks hash from the served model's root (the router's);
@@ -409,7 +412,11 @@ class WorkerService:
             tokens_per_s=round(self.metrics.tokens_per_s(), 2), metrics_url=self.metrics_url or "",
             block_size=self.engine_block_size(), max_running=self.settings.max_running)
         with self._lock:
+            changed = (beat.running, beat.waiting) != (self._stats_snapshot.running,
+                                                       self._stats_snapshot.waiting)
             self._stats_snapshot = beat
+        if changed:
+            self._load_changed.set()
 
     def _beat(self) -> None:
         """One heartbeat: the stats snapshot, then the idle time of every held entry reset."""
@@ -428,12 +435,26 @@ class WorkerService:
             self.protocol.update_roster(self.settings.heartbeat_ttl_s)
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
+        """A full beat every heartbeat interval; between them, when the loop's requests running
+        or waiting changed, at most every LOAD_BEAT_MIN_S, only the heartbeat hash, so that the
+        gateways' routers see a worker's load (gateway/fleet/router.py) within a fraction of the
+        interval."""
+        full_at = 0.0
         while not stop.is_set():
             try:
-                self._beat()
+                if time.monotonic() - full_at >= self.settings.heartbeat_interval_s:
+                    full_at = time.monotonic()
+                    self._beat()
+                else:
+                    with self._lock:
+                        beat = self._stats_snapshot
+                    self.protocol.heartbeat(beat, self.settings.heartbeat_ttl_s)
             except REDIS_FAILURES as exc:
                 log.warning("heartbeat failed: %r", exc)
-            stop.wait(self.settings.heartbeat_interval_s)
+            left_s = self.settings.heartbeat_interval_s - (time.monotonic() - full_at)
+            self._load_changed.wait(max(left_s, 0.0))
+            self._load_changed.clear()
+            stop.wait(LOAD_BEAT_MIN_S)
 
 
 def admissible_tokens(engine: Engine) -> int:

@@ -128,6 +128,8 @@ class RedisEventStream(EventStream):
 
     async def aclose(self) -> None:
         self._fanout.release(self._channel, self.req_id, self._queue)
+        if self._client is not None and self._client.router is not None:
+            self._client.router.finished(self.req_id)
 
 
 def _snapshot(fields: list, ckpt: bytes | None) -> RequestSnapshot | None:
@@ -248,17 +250,25 @@ class RedisEngineClient(EngineClient):
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
                 if not await self._enqueue(keys=call.keys, args=call.args):
+                    self._unroute(request.req_id)
                     return False
         except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
+            self._unroute(request.req_id)
             raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
                 await self.redis.xadd(stream, fields, maxlen=self._stream_maxlen,
                                       approximate=True)
         except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
+            self._unroute(request.req_id)
             await self._forget(request.req_id)
             raise EngineUnavailable(f"cannot enqueue the request in Redis: {exc!r}") from exc
         return True
+
+    def _unroute(self, req_id: str) -> None:
+        """A routed request that was not enqueued no longer loads its worker."""
+        if self.router is not None:
+            self.router.finished(req_id)
 
     def route(self, request: GenerationRequest) -> Route:
         """The worker whose own stream the request goes to (None: the shared streams); the
@@ -266,7 +276,7 @@ class RedisEngineClient(EngineClient):
         if self.router is None:
             return Route(None, 0, "shared")
         self.router.follow(request.model)
-        return self.router.route(request.model, request.prompt_token_ids)
+        return self.router.route(request.model, request.prompt_token_ids, request.req_id)
 
     async def _forget(self, req_id: str) -> None:
         try:

@@ -5,8 +5,8 @@ worker's own stream a request goes to, or the shared streams.
 workers do (shared/wire/prefix_hash.py, the model's root, the workers' block size), reads the
 prefix index (gateway/fleet/prefix_index.py) and the workers' loads, which a background task
 refreshes from their heartbeats (only the model's own-stream owners, no SCAN). A worker's load is
-its running + waiting requests + entries in its own streams as its last heartbeat said, plus the
-requests this gateway routed to it since that heartbeat was written.
+the larger of its running + waiting requests + entries in its own streams as its last heartbeat
+said, and the requests this gateway routed to it that have not ended yet.
 
 The rule: a worker is eligible while its load after this request stays within `balance` x the
 mean (or `LEAST_LOAD_SLACK` above the least loaded worker), and its free KV holds the prompt's
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,8 +37,8 @@ log = logging.getLogger(__name__)
 # A worker may be this many requests above the least loaded one for its cache, however low the
 # fleet's mean: at low loads one request more or less costs little and a cache miss a prefill.
 LEAST_LOAD_SLACK = 2
-LOAD_REFRESH_S = 0.25  # how often the owners' heartbeats are read
-ROUTED_MEMORY_S = 30.0  # routings older than this no longer count, whatever the heartbeats say
+LOAD_REFRESH_S = 0.1
+MAX_TRACKED = 100_000  # routed requests whose end is awaited  # how often the owners' heartbeats are read
 
 
 @dataclass
@@ -63,31 +62,32 @@ class Route:
 
 
 class WorkerLoads:
-    """The live workers of one model and their loads, from heartbeats plus this gateway's own
-    routings since each heartbeat."""
+    """The live workers of one model and their loads: the larger of what a worker's heartbeat
+    last said (running + waiting + entries in its own streams: every gateway's requests, up to a
+    heartbeat interval old) and the requests this gateway routed to it that have not ended
+    (exact, at once)."""
 
     def __init__(self) -> None:
         self.beats: dict[str, Heartbeat] = {}
-        self._routed: dict[str, deque[float]] = {}  # worker -> unix times this gateway routed
+        self.in_flight: dict[str, int] = {}  # worker -> requests routed here, not yet ended
 
     def update(self, beats: dict[str, Heartbeat]) -> None:
         self.beats = beats
-        horizon = time.time() - ROUTED_MEMORY_S
-        for worker_id in list(self._routed):
-            if worker_id not in beats:
-                del self._routed[worker_id]
-                continue
-            times = self._routed[worker_id]
-            since = max(beats[worker_id].ts, horizon)
-            while times and times[0] <= since:
-                times.popleft()
 
     def routed(self, worker_id: str) -> None:
-        self._routed.setdefault(worker_id, deque()).append(time.time())
+        self.in_flight[worker_id] = self.in_flight.get(worker_id, 0) + 1
+
+    def ended(self, worker_id: str) -> None:
+        left = self.in_flight.get(worker_id, 0) - 1
+        if left > 0:
+            self.in_flight[worker_id] = left
+        else:
+            self.in_flight.pop(worker_id, None)
 
     def load(self, worker_id: str) -> int:
         beat = self.beats[worker_id]
-        return beat.running + beat.waiting + beat.own_queue + len(self._routed.get(worker_id, ()))
+        return max(beat.running + beat.waiting + beat.own_queue,
+                   self.in_flight.get(worker_id, 0))
 
 
 class Router:
@@ -105,6 +105,8 @@ class Router:
         self._roots: dict[str, bytes] = {}
         self._tasks: list[asyncio.Task] = []
         self.stats = RouterStats()
+        # request id -> (model, worker) until its stream ends; the oldest forgotten past a cap
+        self._routes: dict[str, tuple[str, str]] = {}
         self.observe: Callable[[float], None] | None = None  # each route's seconds (a histogram)
 
     def follow(self, model: str) -> None:
@@ -154,10 +156,17 @@ class Router:
         if model in self.indexes:
             self.indexes[model].forget_except(set(beats))
 
-    def route(self, model: str, prompt_token_ids: Sequence[int]) -> Route:
-        """Where a request for `model` with this prompt goes; no Redis on the way."""
+    def route(self, model: str, prompt_token_ids: Sequence[int], request_id: str = "") -> Route:
+        """Where a request for `model` with this prompt goes; no Redis on the way. A routed
+        request counts in its worker's load until `finished(request_id)`."""
         started = time.perf_counter()
         route = self._decide(model, prompt_token_ids)
+        if route.worker is not None:
+            self.loads[model].routed(route.worker)
+            if request_id:
+                self._routes[request_id] = (model, route.worker)
+                if len(self._routes) > MAX_TRACKED:  # a caller that never said `finished`
+                    self.finished(next(iter(self._routes)))
         seconds = time.perf_counter() - started
         stats = self.stats
         stats.routed[route.reason] = stats.routed.get(route.reason, 0) + 1
@@ -166,6 +175,13 @@ class Router:
         if self.observe is not None:
             self.observe(seconds)
         return Route(route.worker, route.cached_tokens, route.reason, seconds)
+
+    def finished(self, request_id: str) -> None:
+        """The request's stream ended (or it was never routed): it no longer loads its worker."""
+        routed = self._routes.pop(request_id, None)
+        if routed is not None:
+            model, worker_id = routed
+            self.loads[model].ended(worker_id)
 
     def _decide(self, model: str, prompt_token_ids: Sequence[int]) -> Route:
         index, loads = self.indexes.get(model), self.loads.get(model)
@@ -182,7 +198,6 @@ class Router:
         block_size = loads.beats[best].block_size or 1
         if cached[best] < self.min_blocks * block_size:
             return Route(None, 0, "shared")
-        loads.routed(best)
         stats = self.stats
         stats.by_worker[best] = stats.by_worker.get(best, 0) + 1
         return Route(best, cached[best], "affinity")

@@ -5,13 +5,14 @@ whichever worker that was (docs/ARCHITECTURE.md, "Prefix-affinity routing")."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
 import redis
 
 from shared.models import DEFAULT_MODEL
-from shared.wire import RequestRecord
+from shared.wire import Heartbeat, RequestRecord
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -40,6 +41,17 @@ def served_by(client: redis.Redis, fleet, completion: dict) -> str:
     return worker.decode()
 
 
+def wait_until_idle(client: redis.Redis, fleet, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        beats = [Heartbeat.decode(client.hgetall(fleet.keys.worker(w))) for w in fleet.workers]
+        if all(b.running == 0 and b.waiting == 0 for b in beats):
+            time.sleep(0.3)  # the gateway reads heartbeats every 0.1 s
+            return
+        time.sleep(0.05)
+    raise AssertionError("the workers never went idle")
+
+
 def test_a_conversations_next_turn_follows_its_cache(fleet):
     client = redis.Redis.from_url(fleet.redis_url)
     try:
@@ -53,7 +65,9 @@ def test_a_conversations_next_turn_follows_its_cache(fleet):
             thread.start()
         for thread in threads:
             thread.join(timeout=600)
-        # Turn 2, one after the other (an idle fleet: load never outweighs the cache here).
+        # Turn 2, one after the other, once the workers' heartbeats say they are idle (and the
+        # gateway has read them): load never outweighs the cache here.
+        wait_until_idle(client, fleet)
         for messages, first in zip(conversations, firsts):
             answer = first["response"]["choices"][0]["message"]["content"]
             messages += [{"role": "assistant", "content": answer},
