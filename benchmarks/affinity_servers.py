@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.http_peers import free_port, stop_session, wait_first_answer
 from benchmarks.vllm_peer import REPO
@@ -22,6 +23,8 @@ from shared.wire import Keys, RequestRecord
 SGLANG_ROUTER_HINT = ("make it with `bash benchmarks/sglang_router_env.sh` (or point "
                       "KVFLEET_SGLANG_ROUTER_VENV at one)")
 KEY_PREFIX = "kvf:"  # `kvfleet up`'s default key prefix (CommonSettings.key_prefix)
+# a worker's admissions by the stream taken from (docs/OPERATIONS.md): own, shared, other
+TAKEN_METRIC = "kvfleet_worker_requests_taken"
 
 
 class KvfleetServer:
@@ -88,6 +91,17 @@ class KvfleetServer:
             client.close()
         return {rid: worker.decode() for rid, worker in zip(response_ids, found) if worker}
 
+    def requests_taken(self) -> dict[str, int]:
+        """Requests the live workers admitted, by the stream they took them from (own, shared,
+        other), summed over the workers' /metrics; {} where workers have no such metric. A
+        worker restarted after a kill counts from its restart."""
+        rows = httpx.get(f"{self.url}/dashboard/data", timeout=10).json()["workers"]
+        taken: dict[str, int] = {}
+        for url in (row["metrics_url"] for row in rows if row["metrics_url"]):
+            for source, count in taken_by_source(httpx.get(url, timeout=10).text).items():
+                taken[source] = taken.get(source, 0) + count
+        return taken
+
     def kill_busiest_worker(self) -> str:
         """SIGKILL the worker process running the most streams now (its supervisor, `kvfleet
         up`, restarts it); returns what was killed."""
@@ -103,6 +117,19 @@ class KvfleetServer:
 
     def stop(self) -> None:
         stop_session(self.process)
+
+
+def taken_by_source(metrics_text: str) -> dict[str, int]:
+    """`kvfleet_worker_requests_taken_total` by its `source` label, from one worker's /metrics."""
+    taken: dict[str, int] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != TAKEN_METRIC:
+            continue
+        for sample in family.samples:
+            if sample.name == TAKEN_METRIC + "_total":
+                source = sample.labels.get("source", "")
+                taken[source] = taken.get(source, 0) + int(sample.value)
+    return taken
 
 
 def worker_pids(parent_pid: int) -> dict[str, int]:

@@ -127,6 +127,9 @@ class ConfigSummary:
     num_unattributed: int  # answered requests whose worker was not found
     load_skew: float | None  # max / mean of loads
     events: list[str] = field(default_factory=list)  # e.g. the kill
+    # requests the workers admitted by the stream they took them from (own / shared / other),
+    # from their /metrics; {} where they do not count it (the sglang peer: not read)
+    taken: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_lost(self) -> int:
@@ -164,7 +167,8 @@ def load_skew(loads: dict[str, int]) -> float | None:
 
 
 def summarise(config: str, name: str, turns: list[Turn], num_unsent: int, duration_s: float,
-              worker_ids: list[str], events: list[str] | None = None) -> ConfigSummary:
+              worker_ids: list[str], events: list[str] | None = None,
+              taken: dict[str, int] | None = None) -> ConfigSummary:
     answered = [t.record for t in turns if t.record.ok]
     output_tokens = sum(r.output_tokens or 0 for r in answered)
     seconds = max(duration_s, 1e-9)
@@ -177,7 +181,7 @@ def summarise(config: str, name: str, turns: list[Turn], num_unsent: int, durati
         output_tokens=output_tokens, duration_s=duration_s,
         output_tokens_per_s=output_tokens / seconds, requests_per_s=len(answered) / seconds,
         loads=loads, num_unattributed=unattributed, load_skew=load_skew(loads),
-        events=list(events or []))
+        events=list(events or []), taken=dict(taken or {}))
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,9 @@ def print_report(summaries: list[ConfigSummary]) -> None:
     for s in summaries:
         for event in s.events:
             print(f"# {s.name}: {event}")
+        if s.taken:
+            print(f"# {s.name}: requests taken from (worker metrics): "
+                  + ", ".join(f"{source} {count}" for source, count in sorted(s.taken.items())))
     print("\n| ratio | value | issue #34's target | |")
     print("|---|---:|---|---|")
     for r in ratios({s.config: s for s in summaries}):
@@ -278,9 +285,10 @@ def run_kvfleet(config: str, args, trace: list[Conversation], log_dir: Path) -> 
         during = killer(server, kill, events) if kill is not None else None
         turns, unsent, duration_s = asyncio.run(run_trace(server.url, target(args), trace, during))
         attribute(turns, [server])
+        taken = server.requests_taken()
     finally:
         server.stop()
-    return summarise(config, label, turns, unsent, duration_s, worker_ids, events)
+    return summarise(config, label, turns, unsent, duration_s, worker_ids, events, taken)
 
 
 def killer(server: KvfleetServer, at_s: float,

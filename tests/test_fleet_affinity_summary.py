@@ -10,7 +10,9 @@ import time
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from benchmarks.affinity_servers import taken_by_source
 from benchmarks.affinity_trace import TraceShape, generate_trace, history, tenant_of
 from benchmarks.fleet_affinity import (ChatTarget, ConfigSummary, Turn, chat, load_skew, ratios,
                                        summarise)
@@ -178,3 +180,15 @@ def test_ratios_against_the_issue_targets():
 def test_ratios_of_configurations_not_run_are_none():
     got = ratios({"shared": summary("shared", 0.3, 0.6, 6.0, 12.0, 1.1)})
     assert all(r.value is None and r.verdict == "" for r in got)
+
+
+def test_requests_taken_are_read_by_source_from_a_workers_metrics():
+    registry = CollectorRegistry()  # what a worker's /metrics serves (prometheus_client's text)
+    taken = Counter("kvfleet_worker_requests_taken", "by source", ("model", "worker", "source"),
+                    registry=registry)
+    taken.labels("m", "w0", "own").inc(12)
+    taken.labels("m", "w0", "other").inc(3)
+    Counter("kvfleet_worker_requests_started", "started", ("model", "worker"),
+            registry=registry).labels("m", "w0").inc(15)
+    assert taken_by_source(generate_latest(registry).decode()) == {"own": 12, "other": 3}
+    assert taken_by_source('kvfleet_worker_running{model="m",worker="w0"} 1.0\n') == {}
