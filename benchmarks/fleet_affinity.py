@@ -1,22 +1,26 @@
-"""Prefix-affinity routing (issue #34) measured: one multi-tenant, multi-turn chat trace against
-1 worker, N workers with `--routing shared`, N workers with `--routing affinity`, and SGLang's
-router (`sglang-router`, policy `cache_aware`) in front of N independent one-worker kvfleet
-servers — the same client each time.
+"""Prefix-affinity routing (issue #34) against shared routing, one worker and SGLang's router.
+
+One multi-tenant, multi-turn chat trace, the same client, against 1 worker, N workers with
+`--routing shared`, N workers with `--routing affinity`, and SGLang's router (`sglang-router`,
+policy `cache_aware`) in front of N independent one-worker kvfleet servers.
 
     .venv/bin/python -m benchmarks.fleet_affinity                   # all four, N = 3
     .venv/bin/python -m benchmarks.fleet_affinity --skew            # tenant 0: 80% of requests
     .venv/bin/python -m benchmarks.fleet_affinity --configs affinity --kill-worker-at 20
     .venv/bin/python -m benchmarks.fleet_affinity --configs shared,sglang --tenants 2 --turns 2
 
-The trace (benchmarks/affinity_trace.py, from `--seed`): tenants with ~600-token system prompts,
-conversations that resend their whole history each turn, greedy, `--max-tokens` per answer,
-streamed from /v1/chat/completions. Each configuration starts its own servers (`kvfleet up`, an
-embedded Redis each) and stops them afterwards. SGLang's router comes from its own virtualenv
-(benchmarks/sglang_router_env.sh; skipped with a message without it).
+The trace (benchmarks/affinity_trace.py, from `--seed`): 24 conversations of 4 tenants with
+~600-token system prompts, 5 turns each resending the whole history, greedy, `--max-tokens` per
+answer, streamed from /v1/chat/completions (`--conversations 8` is the issue's first
+observation). Each configuration starts its own servers (`kvfleet up`, an embedded Redis each)
+and stops them afterwards. SGLang's router comes from its own virtualenv
+(benchmarks/sglang_router_env.sh; skipped with a message without it). On one host the N workers
+share its cores (cores / N torch threads each, as `kvfleet up` gives them): N workers against 1
+measures the routing, not N machines' capacity.
 
 Per configuration: the fleet-wide share of prompt tokens served from the prefix cache (the
 responses' usage.prompt_tokens_details.cached_tokens; all turns, and turns 2.. whose history a
-worker may hold), TTFT p50/p90, output tokens/s and requests/s (first send to last answer), and
+worker may hold), TTFT p50/p90, output tokens/s and requests/s (trace start to last answer), and
 requests per worker (the worker each request's hash in the fleet's Redis names: the one that
 finished it). Then the ratios of the issue's targets. `--kill-worker-at S` SIGKILLs the busiest
 worker of the affinity fleet S seconds into its run; lost requests (any not answered in full)
@@ -174,8 +178,8 @@ def summarise(config: str, name: str, turns: list[Turn], num_unsent: int, durati
     seconds = max(duration_s, 1e-9)
     loads, unattributed = worker_loads(turns, worker_ids)
     return ConfigSummary(
-        config=config, name=name, num_workers=len(worker_ids), num_sent=len(turns), num_ok=len(answered),
-        num_unsent=num_unsent, prompt_tokens=sum(r.prompt_tokens or 0 for r in answered),
+        config=config, name=name, num_workers=len(worker_ids), num_sent=len(turns),
+        num_ok=len(answered), num_unsent=num_unsent, prompt_tokens=sum(r.prompt_tokens or 0 for r in answered),
         cached_share=cached_share(turns), cached_share_later=cached_share(turns, min_turn=2),
         ttft_s=distribution([r.ttft_s for r in answered if r.ttft_s is not None]),
         output_tokens=output_tokens, duration_s=duration_s,
@@ -348,11 +352,12 @@ def target(args) -> ChatTarget:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated, in this order: {','.join(CONFIGS)}")
+                   help=f"comma-separated, run in the order given, of: {','.join(CONFIGS)}")
     p.add_argument("--workers", type=int, default=3, help="N of the multi-worker configurations")
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--tenants", type=int, default=4)
-    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--conversations", type=int, default=TraceShape.conversations,
+                   help="concurrent chats, spread over the tenants")
+    p.add_argument("--tenants", type=int, default=TraceShape.tenants)
+    p.add_argument("--turns", type=int, default=TraceShape.turns)
     p.add_argument("--system-words", type=int, default=TraceShape.system_words,
                    help="corpus words in each tenant's system prompt (~1.2 tokens a word)")
     p.add_argument("--max-tokens", type=int, default=32, help="per answer")

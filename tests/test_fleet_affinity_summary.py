@@ -5,6 +5,7 @@ per worker and their skew, the issue's ratios)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -154,7 +155,7 @@ def summary(config: str, share: float, later: float, p90: float, tokens_per_s: f
     s = summarise(config, config, [turn(1, 100, round(100 * share), "a", ttft_s=p90),
                                    turn(2, 100, round(100 * later), "a", ttft_s=p90)],
                   0, 64 / tokens_per_s, ["a"])
-    return ConfigSummary(**{**s.__dict__, "load_skew": skew})
+    return dataclasses.replace(s, load_skew=skew)
 
 
 def test_ratios_against_the_issue_targets():
