@@ -48,7 +48,14 @@ class RequestRecord:
     output_tokens: int | None = None  # usage.completion_tokens, else the content chunk count
     prompt_tokens: int | None = None
     usage_reported: bool = False
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     finish_reason: str | None = None
+    response_id: str | None = None  # the chunks' "id"
+    content: list[str] = field(default_factory=list, repr=False)  # the content chunks' text
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
 
     @property
     def ok(self) -> bool:
@@ -79,7 +86,8 @@ def request_body(target: BenchTarget, request: TraceRequest) -> dict:
     body = {"model": target.model, "max_tokens": request.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     if target.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        body["messages"] = (list(request.messages) if request.messages is not None
+                            else [{"role": "user", "content": request.prompt}])
     else:
         body["prompt"] = request.prompt
     if target.temperature is not None:
@@ -151,6 +159,7 @@ def _handle_line(line: str, endpoint: str, record: RequestRecord, sent: float) -
 
 
 def _apply_chunk(chunk: dict, endpoint: str, record: RequestRecord, offset_s: float) -> None:
+    record.response_id = record.response_id or chunk.get("id")
     for choice in chunk.get("choices") or []:
         text = (choice.get("delta") or {}).get("content") if endpoint == "chat" \
             else choice.get("text")
@@ -158,12 +167,15 @@ def _apply_chunk(chunk: dict, endpoint: str, record: RequestRecord, offset_s: fl
             if record.ttft_s is None:
                 record.ttft_s = offset_s
             record.chunk_offsets_s.append(offset_s)
+            record.content.append(text)
         record.finish_reason = choice.get("finish_reason") or record.finish_reason
     usage = chunk.get("usage")
     if usage:
         record.usage_reported = True
         record.output_tokens = usage.get("completion_tokens")
         record.prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        record.cached_tokens = details.get("cached_tokens")
 
 
 async def _http_error(response: httpx.Response) -> str:

@@ -17,6 +17,7 @@ _ROUND_DIGITS = 6
 
 def record_to_json(record: RequestRecord) -> dict:
     document = asdict(record)
+    del document["content"]  # the answers' text is not stored: results.json holds timings
     document["chunk_offsets_s"] = [round(v, _ROUND_DIGITS) for v in record.chunk_offsets_s]
     # Per-token ITLs are not stored: they are the chunk offsets' gaps ÷ tokens_per_chunk.
     document.update(ok=record.ok, tokens_per_chunk=record.tokens_per_chunk,

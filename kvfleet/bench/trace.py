@@ -18,6 +18,9 @@ class TraceRequest:
     prompt: str
     max_tokens: int
     ignore_eos: bool = False
+    # chat messages sent instead of one user message holding `prompt` (a multi-turn chat that
+    # resends its history); traces read from a file have none
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 def load_trace(path: str | Path, num_requests: int | None = None) -> list[TraceRequest]:
