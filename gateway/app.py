@@ -110,7 +110,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.include_router(batch_router(redis, settings))
     app.include_router(metrics_route(metrics))
     if redis is not None:
-        app.include_router(dashboard_router(redis, served_id, metrics))
+        app.include_router(dashboard_router(redis, served_id, metrics,
+                                            prefix_router=getattr(client, "router", None)))
         history = FleetHistory(settings.dashboard_history_s, settings.dashboard_sample_s)
         samplers.append(HistorySampler(history, redis_snapshot_reader(redis, served_id), metrics))
         app.state.history = history

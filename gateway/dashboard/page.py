@@ -81,6 +81,8 @@ DASHBOARD_HTML = """<!doctype html>
   <div class="card"><div class="label">Running / waiting</div>
     <div class="value"><span id="total-running">–</span> / <span id="total-waiting">–</span></div>
     <div class="sub" id="total-kv">–</div></div>
+  <div class="card"><div class="label">Cached prompt</div><div class="value" id="fleet-hit">–</div>
+    <div class="sub" id="routing">–</div></div>
   <div class="card"><div class="label">TTFT p50</div><div class="value" id="ttft-p50">–</div>
     <div class="sub">recent requests</div></div>
   <div class="card"><div class="label">TTFT p99</div><div class="value" id="ttft-p99">–</div>
@@ -99,7 +101,8 @@ DASHBOARD_HTML = """<!doctype html>
 </section>
 <table>
   <thead><tr><th>worker</th><th>model</th><th>KV usage</th><th>running</th><th>waiting</th>
-    <th>tokens/s</th><th>prefix hit</th><th>preempted</th><th>heartbeat</th></tr></thead>
+    <th>tokens/s</th><th>prefix hit</th><th>indexed blocks</th><th>routed</th><th>own queue</th>
+    <th>preempted</th><th>heartbeat</th></tr></thead>
   <tbody id="workers"></tbody>
 </table>
 <div id="empty" hidden>no live workers</div>
@@ -152,6 +155,9 @@ function renderWorkers(workers) {
     cell(row, String(w.waiting));
     cell(row, fmt(w.tokens_per_s, 1));
     cell(row, w.prefix_hit_rate === null ? "–" : (w.prefix_hit_rate * 100).toFixed(1) + "%");
+    cell(row, w.indexed_blocks === null ? "–" : String(w.indexed_blocks));
+    cell(row, w.routed === null ? "–" : String(w.routed));
+    cell(row, String(w.own_queue));
     cell(row, String(w.preemptions));
     cell(row, w.heartbeat_age_s === null ? "–" : w.heartbeat_age_s.toFixed(1) + " s ago",
          w.heartbeat_age_s !== null && w.heartbeat_age_s > 3 ? "stale" : "");
@@ -172,6 +178,10 @@ function render(d) {
   $("total-running").textContent = String(d.totals.running);
   $("total-waiting").textContent = String(d.totals.waiting);
   $("total-kv").textContent = "KV " + d.totals.kv_usage_pct.toFixed(1) + "% used";
+  $("fleet-hit").textContent = d.totals.prefix_hit_rate === null ? "–"
+    : (d.totals.prefix_hit_rate * 100).toFixed(1) + "%";
+  $("routing").textContent = d.routing.mode === "affinity"
+    ? "affinity " + d.routing.affinity + " · shared " + d.routing.shared : "shared routing";
   $("ttft-p50").textContent = fmtS(d.ttft_p50_s);
   $("ttft-p99").textContent = fmtS(d.ttft_p99_s);
   $("in-flight").textContent = d.in_flight + " in flight";

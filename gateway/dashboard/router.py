@@ -18,6 +18,7 @@ from gateway.errors import error_body
 from gateway.fleet.load import read_heartbeats, stream_depth
 from gateway.fleet.redis_context import RedisContext
 from shared.wire import PRIORITIES, Heartbeat, Keys
+from shared.wire.records import text
 
 
 def worker_row(worker_id: str, beat: Heartbeat, now: float) -> dict[str, Any]:
@@ -37,7 +38,20 @@ def worker_row(worker_id: str, beat: Heartbeat, now: float) -> dict[str, Any]:
         "preemptions": beat.preemptions,
         "heartbeat_age_s": round(max(now - beat.ts, 0.0), 2) if beat.ts else None,
         "metrics_url": beat.metrics_url or None,
+        "own_queue": beat.own_queue,
+        "prefix_queried_tokens": queried,
+        "prefix_hit_tokens": beat.prefix_hit_tokens,
     }
+
+
+def add_routing(workers: list[dict[str, Any]], router, model: str) -> None:
+    """Each row's blocks in this gateway's prefix index and the requests it routed there (null
+    for both without affinity routing)."""
+    index = router.indexes.get(model) if router is not None else None
+    for row in workers:
+        held = index.sets.get(row["id"]) if index is not None else None
+        row["indexed_blocks"] = None if index is None else len(held or ())
+        row["routed"] = None if router is None else router.stats.by_worker.get(row["id"], 0)
 
 
 async def read_workers(client: Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
@@ -56,9 +70,15 @@ async def read_queue(client: Redis, keys: Keys, model: str) -> dict[str, Any]:
             row = by_priority.setdefault(priority, {"stream": stream, "depth": 0, "pending": 0})
             row["depth"] += depth
             row["pending"] += pending
-    return {"depth": sum(p["depth"] for p in by_priority.values()),
-            "pending": sum(p["pending"] for p in by_priority.values()),
-            "by_priority": by_priority}
+    own = {"depth": 0, "pending": 0}  # the workers' own streams (prefix-affinity routing)
+    owners = sorted(text(w) for w in await client.smembers(keys.worker_queue_owners(model)))
+    for stream in [q for w in owners for q in keys.worker_queues(model, w)]:
+        depth, pending = await stream_depth(client, stream, keys.group)
+        own["depth"] += depth
+        own["pending"] += pending
+    return {"depth": sum(p["depth"] for p in by_priority.values()) + own["depth"],
+            "pending": sum(p["pending"] for p in by_priority.values()) + own["pending"],
+            "by_priority": by_priority, "own_streams": own}
 
 
 def fleet_totals(workers: list[dict[str, Any]], model: str) -> dict[str, Any]:
@@ -66,22 +86,37 @@ def fleet_totals(workers: list[dict[str, Any]], model: str) -> dict[str, Any]:
     mine = [w for w in workers if w["model"] == model]
     used = sum(w["kv_blocks_used"] for w in mine)
     total = sum(w["kv_blocks_total"] for w in mine)
+    queried = sum(w["prefix_queried_tokens"] for w in mine)
     return {"workers": len(mine),
             "tokens_per_s": round(sum(w["tokens_per_s"] for w in mine), 2),
             "running": sum(w["running"] for w in mine),
             "waiting": sum(w["waiting"] for w in mine),
-            "kv_usage_pct": round(100.0 * used / total, 1) if total else 0.0}
+            "kv_usage_pct": round(100.0 * used / total, 1) if total else 0.0,
+            # the fleet-wide cached share of prompt tokens, since the workers started
+            "prefix_hit_rate": (round(sum(w["prefix_hit_tokens"] for w in mine) / queried, 4)
+                                if queried else None)}
 
 
-async def dashboard_data(client: Redis, keys: Keys, model: str,
-                         metrics: GatewayMetrics) -> dict[str, Any]:
-    """Everything the page shows, read in one go."""
+def routing_summary(router) -> dict[str, Any]:
+    """This gateway's routing mode and what its router decided since it started."""
+    if router is None:
+        return {"mode": "shared", "affinity": None, "shared": None}
+    return {"mode": "affinity", "affinity": router.stats.routed.get("affinity", 0),
+            "shared": router.stats.routed.get("shared", 0)}
+
+
+async def dashboard_data(client: Redis, keys: Keys, model: str, metrics: GatewayMetrics,
+                         router=None) -> dict[str, Any]:
+    """Everything the page shows, read in one go (`router`: the gateway's prefix-affinity
+    router, None with `--routing shared`)."""
     now = time.time()
     workers = await read_workers(client, keys, now)
+    add_routing(workers, router, model)
     queue = await read_queue(client, keys, model)
     p50, p99 = metrics.ttft_quantiles()
     return {"model": model, "workers": workers, "queue": queue,
-            "totals": fleet_totals(workers, model), "ttft_p50_s": p50, "ttft_p99_s": p99,
+            "totals": fleet_totals(workers, model), "routing": routing_summary(router),
+            "ttft_p50_s": p50, "ttft_p99_s": p99,
             "in_flight": metrics.requests_in_flight(), "updated": now}
 
 
@@ -103,8 +138,9 @@ class SnapshotCache:
 
 
 def dashboard_router(redis: RedisContext, model: str, metrics: GatewayMetrics, *,
-                     cache_s: float = 0.5) -> APIRouter:
-    """The page and its data, read through the gateway's Redis context."""
+                     cache_s: float = 0.5, prefix_router=None) -> APIRouter:
+    """The page and its data, read through the gateway's Redis context (`prefix_router`: the
+    gateway's prefix-affinity router, if any)."""
     router = APIRouter()
     page_html = render_page(model)
     cache = SnapshotCache(cache_s)
@@ -120,7 +156,8 @@ def dashboard_router(redis: RedisContext, model: str, metrics: GatewayMetrics, *
             return JSONResponse(body, headers={"Cache-Control": "no-cache"})
         try:
             body = await asyncio.wait_for(
-                dashboard_data(redis.redis, redis.keys, model, metrics), redis.command_timeout_s)
+                dashboard_data(redis.redis, redis.keys, model, metrics, prefix_router),
+                redis.command_timeout_s)
         except (RedisError, OSError, TimeoutError) as exc:
             message = f"Redis unreachable: {type(exc).__name__}: {exc}".rstrip(": ")
             return JSONResponse(error_body(message, "service_unavailable",

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from gateway.dashboard.router import add_routing, routing_summary
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.redis_client import RedisEngineClient
 from gateway.fleet.router import Router
@@ -141,6 +142,12 @@ async def test_the_router_picks_the_worker_holding_the_longest_prefix(router, sy
     # The last prompt token is always computed: a prompt of exactly 4 blocks reuses at most 3.
     assert router.route(MODEL, tenant[:4 * BLOCK]).cached_tokens == 3 * BLOCK
     assert router.stats.routed == {"affinity": 2, "shared": 1}
+    # the dashboard's rows: blocks in this gateway's index and requests routed, per worker
+    rows = [{"id": w} for w in ("w-a", "w-b", "w-c")]
+    add_routing(rows, router, MODEL)
+    # (the 3-block prompt went to w-a: both hold 3 blocks of it, w-a had no request in flight)
+    assert [(r["indexed_blocks"], r["routed"]) for r in rows] == [(4, 1), (9, 1), (12, 0)]
+    assert routing_summary(router) == {"mode": "affinity", "affinity": 2, "shared": 1}
 
 
 async def test_load_wins_over_affinity_when_the_holder_is_busy(router, sync, keys):

@@ -213,7 +213,11 @@ def test_data_json(fleet, base_url):
     assert body["queue"]["by_priority"]["batch"]["depth"] == 2
     assert (body["queue"]["depth"], body["queue"]["pending"]) == (5, 1)
     assert body["totals"] == {"workers": 2, "tokens_per_s": 160.75, "running": 4, "waiting": 2,
-                              "kv_usage_pct": round(100 * 170 / 280, 1)}
+                              "kv_usage_pct": round(100 * 170 / 280, 1),
+                              "prefix_hit_rate": round((100 + 100) / (400 + 400), 4)}
+    # this test's gateway routes every request to the shared streams
+    assert body["routing"] == {"mode": "shared", "affinity": None, "shared": None}
+    assert (a["indexed_blocks"], a["routed"], a["own_queue"]) == (None, None, 0)
     assert body["ttft_p50_s"] == pytest.approx(0.2)
     assert body["ttft_p99_s"] == pytest.approx(0.298)
     assert abs(body["updated"] - time.time()) < 30
