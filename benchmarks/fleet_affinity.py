@@ -134,6 +134,9 @@ class ConfigSummary:
     # requests the workers admitted by the stream they took them from (own / shared / other),
     # from their /metrics; {} where they do not count it (the sglang peer: not read)
     taken: dict[str, int] = field(default_factory=dict)
+    # answered requests' text by "conversation-turn": configurations of one run are compared
+    # (the history a turn resends holds the earlier answers, so one difference spreads)
+    answers: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_lost(self) -> int:
@@ -185,7 +188,14 @@ def summarise(config: str, name: str, turns: list[Turn], num_unsent: int, durati
         output_tokens=output_tokens, duration_s=duration_s,
         output_tokens_per_s=output_tokens / seconds, requests_per_s=len(answered) / seconds,
         loads=loads, num_unattributed=unattributed, load_skew=load_skew(loads),
-        events=list(events or []), taken=dict(taken or {}))
+        events=list(events or []), taken=dict(taken or {}),
+        answers={f"{t.conversation}-{t.turn}": t.record.text for t in turns if t.record.ok})
+
+
+def answers_differing(summary: ConfigSummary, reference: ConfigSummary) -> tuple[int, int]:
+    """(answers of `summary` that differ from `reference`'s, answers both have)."""
+    both = summary.answers.keys() & reference.answers.keys()
+    return sum(summary.answers[k] != reference.answers[k] for k in both), len(both)
 
 
 @dataclass(frozen=True)
@@ -256,6 +266,9 @@ def print_report(summaries: list[ConfigSummary]) -> None:
     for s in summaries:
         for event in s.events:
             print(f"# {s.name}: {event}")
+        if s is not summaries[0]:
+            differ, both = answers_differing(s, summaries[0])
+            print(f"# {s.name}: {differ} of {both} answers differ from {summaries[0].name}'s")
         if s.taken:
             print(f"# {s.name}: requests taken from (worker metrics): "
                   + ", ".join(f"{source} {count}" for source, count in sorted(s.taken.items())))

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from benchmarks.affinity_servers import taken_by_source
 from benchmarks.affinity_trace import TraceShape, generate_trace, history, tenant_of
-from benchmarks.fleet_affinity import (ChatTarget, ConfigSummary, Turn, chat, load_skew, ratios,
-                                       summarise)
+from benchmarks.fleet_affinity import (ChatTarget, ConfigSummary, Turn, answers_differing, chat,
+                                       load_skew, ratios, summarise)
 from kvfleet.bench.client import RequestRecord
 
 WORDS = [f"w{i}" for i in range(400)]  # a corpus of distinct words, to check slices exactly
@@ -193,3 +193,17 @@ def test_requests_taken_are_read_by_source_from_a_workers_metrics():
             registry=registry).labels("m", "w0").inc(15)
     assert taken_by_source(generate_latest(registry).decode()) == {"own": 12, "other": 3}
     assert taken_by_source('kvfleet_worker_running{model="m",worker="w0"} 1.0\n') == {}
+
+
+def test_answers_are_compared_by_conversation_and_turn():
+    def answered(conversation: int, number: int, text: str) -> Turn:
+        record = RequestRecord(0, 0.0, 32, done=True, prompt_tokens=10, cached_tokens=0)
+        record.content.append(text)
+        return Turn(conversation, 0, number, record, "w0")
+
+    reference = summarise("single", "1 worker", [answered(0, 1, "a"), answered(0, 2, "b"),
+                                                 answered(1, 1, "c")], 0, 1.0, ["w0"])
+    other = summarise("affinity", "affinity x3", [answered(0, 1, "a"), answered(0, 2, "B"),
+                                                  answered(2, 1, "d")], 0, 1.0, ["w0"])
+    assert other.answers == {"0-1": "a", "0-2": "B", "2-1": "d"}
+    assert answers_differing(other, reference) == (1, 2)  # conversation 2 was not in the first
