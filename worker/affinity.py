@@ -23,6 +23,12 @@ from shared.wire import affinity
 from shared.wire.prefix_hash import BlockHash, block_hashes, pack_ids
 from shared.wire.records import text
 
+# A worker takes entries that waited in another's own stream only when that owner carries at
+# least this many requests more than it does.
+STEAL_LOAD_GAP = 2
+NEVER_MS = 10 ** 12  # a minimum age no entry reaches: only the owner-room rule applies
+
+
 @dataclass(frozen=True)
 class ForeignRead:
     """One READ_IF_FITS over another worker's own streams."""
@@ -91,10 +97,15 @@ class OwnStreamOwners:
         self._gone_since.pop(owner, None)
         self._read_at.pop(owner, None)
 
-    def due_reads(self) -> list[ForeignRead]:
+    def due_reads(self, my_load: int | None = None) -> list[ForeignRead]:
         """The owners whose streams a fill reads now: those no fill read in the last
         steal_after_ms / 2 (their entries become takeable only after steal_after_ms, so reading
-        more often finds nothing new), with the age and room rules of each."""
+        more often finds nothing new), with the age and room rules of each. With `my_load`
+        (this worker's requests running and waiting), entries that merely waited are taken only
+        from an owner carrying at least STEAL_LOAD_GAP requests more (running, waiting and in
+        its own streams, by its heartbeat): a worker as busy as the owner would serve them no
+        sooner and without the owner's cache. Entries the owner cannot hold, and every entry of
+        a gone owner, are taken at once whatever the loads."""
         now = time.monotonic()
         reads = []
         for owner, beat in self.heartbeats.items():
@@ -103,9 +114,14 @@ class OwnStreamOwners:
             self._read_at[owner] = now
             if beat is None:
                 reads.append(ForeignRead(owner, 0, -1))
-            else:
-                room = beat.blocks_free * beat.block_size if beat.block_size > 0 else -1
-                reads.append(ForeignRead(owner, self.steal_after_ms, room))
+                continue
+            room = beat.blocks_free * beat.block_size if beat.block_size > 0 else -1
+            owner_load = beat.running + beat.waiting + beat.own_queue
+            if my_load is not None and my_load + STEAL_LOAD_GAP > owner_load:
+                if room >= 0:  # only what the owner cannot hold
+                    reads.append(ForeignRead(owner, NEVER_MS, room))
+                continue
+            reads.append(ForeignRead(owner, self.steal_after_ms, room))
         return reads
 
 

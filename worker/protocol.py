@@ -243,18 +243,21 @@ class WorkerProtocol:
         admission = self.read_batch(budget_tokens, 1)
         return admission.deliveries[0] if admission.deliveries else admission.too_large
 
-    def read_batch(self, budget_tokens: int, max_requests: int) -> Admission:
+    def read_batch(self, budget_tokens: int, max_requests: int,
+                   load: int | None = None) -> Admission:
         """Take up to `max_requests` new requests whose prompts together fit `budget_tokens`,
         highest priority first, with one READ_IF_FITS call per stream group visited
         (`_fill_plan`): this worker's own streams, the home shards, the other shards' entries
         that waited `steal_after_ms`, the other owners' own streams, until `max_requests` are
-        taken. A request from the own streams needs its prompt less its `cached` tokens. A group
+        taken (`load`: this worker's requests running and waiting, for the rule of taking from
+        another owner, `OwnStreamOwners.due_reads`). A request from the own streams needs its
+        prompt less its `cached` tokens. A group
         stops at its first request that does not fit what is left of the budget (it stays
         queued, head of line); `too_large` names the first such request when nothing at all was
         taken."""
         deliveries: list[Delivery] = []
         too_large = None
-        for read in self._fill_plan():
+        for read in self._fill_plan(load):
             want = max_requests - len(deliveries)
             if want <= 0:
                 break
@@ -274,7 +277,7 @@ class WorkerProtocol:
                 too_large = TooLarge(read.streams[int(reply[0]) - 1], int(reply[1]))
         return Admission(deliveries, None if deliveries else too_large)
 
-    def _fill_plan(self) -> list[_Read]:
+    def _fill_plan(self, load: int | None = None) -> list[_Read]:
         """The reads of one fill, in order: own streams (any age, cached tokens discounted),
         the shared shards (`_read_order`), then the other owners' own streams that are due
         (`OwnStreamOwners.due_reads`)."""
@@ -283,7 +286,7 @@ class WorkerProtocol:
         plan += [_Read(self.keys.queues(self.model, shard), min_age_ms, "shared")
                  for shard, min_age_ms in self._read_order()]
         plan += [_Read(self.keys.worker_queues(self.model, read.owner), read.min_age_ms, "other",
-                       owner_room=read.owner_room) for read in self.owners.due_reads()]
+                       owner_room=read.owner_room) for read in self.owners.due_reads(load)]
         return plan
 
     def _refresh_owners(self) -> None:

@@ -180,7 +180,7 @@ class WorkerService:
         want = self.settings.max_running - len(self.inflight)
         if want <= 0:
             return
-        admission = self.protocol.read_batch(budget_tokens, want)
+        admission = self.protocol.read_batch(budget_tokens, want, load=len(self.inflight))
         if admission.deliveries:
             self._count_taken(admission.deliveries)
             self._start_many(admission.deliveries)
