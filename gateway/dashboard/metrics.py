@@ -141,9 +141,10 @@ class _RouterCollector:
         router, model = self._router, self._model
         routed = CounterMetricFamily(
             "kvfleet_gateway_routed", "Requests by where the router sent them: `affinity` (the "
-            "own stream of the worker holding most of the prompt), `shared` (no worker holds "
-            "enough of it, or no index yet).", labels=["model", "route"])
-        for reason in ("affinity", "shared"):
+            "own stream of the worker holding most of the prompt), `least_loaded` (no worker "
+            "the load allows holds enough of it: the least loaded one's own stream), `shared` "
+            "(the shared streams: no index or live worker yet).", labels=["model", "route"])
+        for reason in ("affinity", "least_loaded", "shared"):
             routed.add_metric([model, reason], router.stats.routed.get(reason, 0))
         by_worker = CounterMetricFamily(
             "kvfleet_gateway_routed_to_worker", "Requests this gateway routed to a worker's own "

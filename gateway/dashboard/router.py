@@ -100,8 +100,9 @@ def fleet_totals(workers: list[dict[str, Any]], model: str) -> dict[str, Any]:
 def routing_summary(router) -> dict[str, Any]:
     """This gateway's routing mode and what its router decided since it started."""
     if router is None:
-        return {"mode": "shared", "affinity": None, "shared": None}
+        return {"mode": "shared", "affinity": None, "least_loaded": None, "shared": None}
     return {"mode": "affinity", "affinity": router.stats.routed.get("affinity", 0),
+            "least_loaded": router.stats.routed.get("least_loaded", 0),
             "shared": router.stats.routed.get("shared", 0)}
 
 

@@ -52,6 +52,7 @@ class PrefixIndex:
         self.snapshots = 0
         self._snapshot = PREFIX_SNAPSHOT.register(redis)
         self._gap_checked_at = 0.0
+        self.resync = False  # set by `apply`: take a snapshot before the next read
 
     @property
     def synced(self) -> bool:
@@ -99,6 +100,10 @@ class PrefixIndex:
         self._gap_checked_at = time.monotonic()
 
     def apply(self, event: KvEvent) -> None:
+        if event.worker_id not in self.sets and not event.cleared:
+            # a worker this index dropped (its heartbeat was missing) announces again: its
+            # changes alone would leave out what it held before; the next read takes a snapshot
+            self.resync = True
         held = self.sets.setdefault(event.worker_id, set())
         if event.cleared:
             held.clear()
@@ -140,7 +145,8 @@ class PrefixIndex:
         wait_s = RETRY_S[0]
         while True:
             try:
-                if self.last_id is None:
+                if self.last_id is None or self.resync:
+                    self.resync = False
                     await self.take_snapshot()
                 await self.read_events()
                 if time.monotonic() - self._gap_checked_at >= GAP_CHECK_S:

@@ -10,9 +10,12 @@ said, and the requests this gateway routed to it that have not ended yet.
 
 The rule: a worker is eligible while its load after this request stays within `balance` x the
 mean (or `LEAST_LOAD_SLACK` above the least loaded worker), and its free KV holds the prompt's
-uncached part; among the eligible the longest cached prefix wins, ties to the least loaded. With
-fewer than `min_blocks` blocks matched the request goes to the shared streams, where the first
-worker with room takes it.
+uncached part; among the eligible the longest cached prefix wins (`min_blocks` at least: fewer
+count as none), ties to the least loaded. A worker's prefix is what it announced plus the blocks
+of the prompts this gateway routed to it in the last `EXPECTED_S` (it is computing them): a burst
+of requests sharing a new system prompt goes to one worker, not to all of them before the first
+announcement. Only without an index or live workers does a request go to the shared streams,
+where the first worker with room takes it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ log = logging.getLogger(__name__)
 # fleet's mean: at low loads one request more or less costs little and a cache miss a prefill.
 LEAST_LOAD_SLACK = 2
 LOAD_REFRESH_S = 0.1
-MAX_TRACKED = 100_000  # routed requests whose end is awaited  # how often the owners' heartbeats are read
+MAX_TRACKED = 100_000  # routed requests whose end is awaited
+EXPECTED_S = 10.0  # how long a routed prompt's blocks count as its worker's before announced  # how often the owners' heartbeats are read
 
 
 @dataclass
@@ -57,7 +61,10 @@ class Route:
 
     worker: str | None
     cached_tokens: int  # prompt tokens the chosen worker is expected to find in its cache
-    reason: str  # "affinity" (a worker holds its prefix), "shared" (none holds enough)
+    # "affinity": the worker holds (or is about to hold) at least min_blocks of its prompt;
+    # "least_loaded": none that the load allows does, the least loaded takes it; "shared": no
+    # index or no live worker yet, the shared streams
+    reason: str
     seconds: float = 0.0  # time spent routing
 
 
@@ -105,6 +112,9 @@ class Router:
         self._roots: dict[str, bytes] = {}
         self._tasks: list[asyncio.Task] = []
         self.stats = RouterStats()
+        # model -> worker -> announce id -> until when (monotonic s): blocks of prompts routed
+        # to that worker, expected in its cache before it announces them
+        self._expected: dict[str, dict[str, dict[bytes, float]]] = {}
         # request id -> (model, worker) until its stream ends; the oldest forgotten past a cap
         self._routes: dict[str, tuple[str, str]] = {}
         self.observe: Callable[[float], None] | None = None  # each route's seconds (a histogram)
@@ -131,6 +141,7 @@ class Router:
     async def _follow_loads(self, model: str) -> None:
         while True:
             try:
+                self.forget_expired()
                 await self.refresh_loads(model)
             except asyncio.CancelledError:
                 raise
@@ -189,36 +200,70 @@ class Router:
             return Route(None, 0, "shared")
         workers = sorted(loads.beats)
         load = {w: loads.load(w) for w in workers}
-        cached = self._cached_tokens(model, index, prompt_token_ids, loads.beats)
+        ids = self._block_ids(model, prompt_token_ids, loads.beats)
+        expected = self._expected.setdefault(model, {})
+        now = time.monotonic()
+        held, cached = {}, {}  # per worker: leading tokens held or expected, held (announced)
+        for w in workers:
+            size = loads.beats[w].block_size
+            held[w] = _leading(ids.get(size, ()), index.sets.get(w, ()), expected.get(w), now) \
+                * size
+            cached[w] = index.leading(w, ids.get(size, [])) * size
         mean_after = (sum(load.values()) + 1) / len(workers)
         cap = max(self.balance * mean_after, min(load.values()) + LEAST_LOAD_SLACK)
         balanced = [w for w in workers if load[w] + 1 <= cap]
-        fitting = [w for w in balanced if _fits(loads.beats[w], len(prompt_token_ids) - cached[w])]
-        best = max(fitting or balanced, key=lambda w: (cached[w], -load[w]))
-        block_size = loads.beats[best].block_size or 1
-        if cached[best] < self.min_blocks * block_size:
-            return Route(None, 0, "shared")
+        fitting = [w for w in balanced if _fits(loads.beats[w], len(prompt_token_ids) - held[w])]
+
+        def enough(w: str) -> int:  # a worker holding fewer than min_blocks holds nothing here
+            return held[w] if held[w] >= self.min_blocks * max(loads.beats[w].block_size, 1) \
+                else 0
+
+        best = max(fitting or balanced, key=lambda w: (enough(w), -load[w]))
+        # the chosen worker will hold the prompt's blocks: the next request sharing its prefix
+        # follows it before the worker has computed and announced them
+        size = loads.beats[best].block_size
+        if size in ids:
+            mine = expected.setdefault(best, {})
+            for block_id in ids[size]:
+                mine[block_id] = now + EXPECTED_S
         stats = self.stats
         stats.by_worker[best] = stats.by_worker.get(best, 0) + 1
-        return Route(best, cached[best], "affinity")
+        return Route(best, cached[best], "affinity" if enough(best) else "least_loaded")
 
-    def _cached_tokens(self, model: str, index: PrefixIndex, prompt: Sequence[int],
-                       beats: dict[str, Heartbeat]) -> dict[str, int]:
-        """Per worker, the prompt tokens its cache holds from the first on (the last prompt token
-        is always computed, so at most `(len - 1) // block_size` blocks count)."""
-        ids_by_size: dict[int, list[bytes]] = {}
-        out = {}
-        for worker_id, beat in beats.items():
-            size = beat.block_size
-            if size <= 0:  # a worker older than the field announces nothing either
-                out[worker_id] = 0
-                continue
-            if size not in ids_by_size:
-                hashes = block_hashes(prompt, size, self._roots[model],
-                                      max_blocks=max(len(prompt) - 1, 0) // size)
-                ids_by_size[size] = [h[:ANNOUNCE_BYTES] for h in hashes]
-            out[worker_id] = index.leading(worker_id, ids_by_size[size]) * size
+    def _block_ids(self, model: str, prompt: Sequence[int],
+                   beats: dict[str, Heartbeat]) -> dict[int, list[bytes]]:
+        """The prompt's announce ids at each block size the workers use (the last prompt token is
+        always computed, so at most `(len - 1) // block_size` blocks count). A worker without a
+        block size (older than the field) announces nothing either."""
+        out: dict[int, list[bytes]] = {}
+        for size in {beat.block_size for beat in beats.values() if beat.block_size > 0}:
+            hashes = block_hashes(prompt, size, self._roots[model],
+                                  max_blocks=max(len(prompt) - 1, 0) // size)
+            out[size] = [h[:ANNOUNCE_BYTES] for h in hashes]
         return out
+
+    def forget_expired(self) -> None:
+        """Drop the expected blocks whose time is up (the workers announced them by now, or
+        never will)."""
+        now = time.monotonic()
+        for by_worker in self._expected.values():
+            for worker_id in list(by_worker):
+                mine = {b: t for b, t in by_worker[worker_id].items() if t > now}
+                if mine:
+                    by_worker[worker_id] = mine
+                else:
+                    del by_worker[worker_id]
+
+
+def _leading(ids: Sequence[bytes], held, expected: dict[bytes, float] | None,
+             now: float) -> int:
+    """How many of `ids` from the first on are in `held` or expected until after `now`."""
+    count = 0
+    for block_id in ids:
+        if block_id not in held and (expected is None or expected.get(block_id, 0.0) <= now):
+            break
+        count += 1
+    return count
 
 
 def _fits(beat: Heartbeat, uncached_tokens: int) -> bool:

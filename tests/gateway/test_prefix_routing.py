@@ -96,6 +96,9 @@ async def test_the_index_starts_from_a_snapshot_and_follows_the_events(router, s
     await eventually(lambda: index.sets["w-a"] == {a[5][:8]})
     index.forget_except({"w-b"})
     assert "w-a" not in index.sets and index.leading("w-b", [h[:8] for h in a]) == 2
+    # Dropped while its heartbeat was missing, w-a announces again: the index reads it whole.
+    announce(sync, keys, "w-a", stored=a[6:7])
+    await eventually(lambda: index.sets.get("w-a") == {a[5][:8], a[6][:8]})
 
 
 async def test_an_index_behind_a_trimmed_stream_takes_a_snapshot_again(redis_url, sync, keys):
@@ -136,18 +139,24 @@ async def test_the_router_picks_the_worker_holding_the_longest_prefix(router, sy
     await eventually(lambda: router.indexes[MODEL].num_blocks == 25)
     route = router.route(MODEL, tenant)
     assert (route.worker, route.cached_tokens, route.reason) == ("w-b", 9 * BLOCK, "affinity")
-    # A prompt nobody holds goes to the shared streams.
-    route = router.route(MODEL, prompt_of(5, 200))
-    assert (route.worker, route.reason) == (None, "shared")
-    # The last prompt token is always computed: a prompt of exactly 4 blocks reuses at most 3.
-    assert router.route(MODEL, tenant[:4 * BLOCK]).cached_tokens == 3 * BLOCK
-    assert router.stats.routed == {"affinity": 2, "shared": 1}
+    # A prompt nobody holds goes to the least loaded worker (w-b has one in flight) ...
+    fresh = prompt_of(5, 200)
+    route = router.route(MODEL, fresh)
+    assert (route.worker, route.cached_tokens, route.reason) == ("w-a", 0, "least_loaded")
+    # ... which the next request sharing its first blocks follows before any announcement.
+    route = router.route(MODEL, fresh[:100] + prompt_of(9, 100))
+    assert (route.worker, route.cached_tokens, route.reason) == ("w-a", 0, "affinity")
+    # The last prompt token is always computed: a prompt of exactly 4 blocks reuses at most 3
+    # (w-a and w-b hold them; w-b has fewer requests in flight now).
+    route = router.route(MODEL, tenant[:4 * BLOCK])
+    assert (route.worker, route.cached_tokens) == ("w-b", 3 * BLOCK)
+    assert router.stats.routed == {"affinity": 3, "least_loaded": 1}
     # the dashboard's rows: blocks in this gateway's index and requests routed, per worker
     rows = [{"id": w} for w in ("w-a", "w-b", "w-c")]
     add_routing(rows, router, MODEL)
-    # (the 3-block prompt went to w-a: both hold 3 blocks of it, w-a had no request in flight)
-    assert [(r["indexed_blocks"], r["routed"]) for r in rows] == [(4, 1), (9, 1), (12, 0)]
-    assert routing_summary(router) == {"mode": "affinity", "affinity": 2, "shared": 1}
+    assert [(r["indexed_blocks"], r["routed"]) for r in rows] == [(4, 2), (9, 2), (12, 0)]
+    assert routing_summary(router) == {"mode": "affinity", "affinity": 3, "least_loaded": 1,
+                                       "shared": 0}
 
 
 async def test_load_wins_over_affinity_when_the_holder_is_busy(router, sync, keys):
@@ -162,12 +171,14 @@ async def test_load_wins_over_affinity_when_the_holder_is_busy(router, sync, key
     # 6 running against a mean of 7/3: the holder of 10 blocks is past the balance; the holder
     # of 2 takes it.
     assert router.route(MODEL, tenant).worker == "w-warm"
-    # Requests this gateway routed since the heartbeat count as load: loads (6, 0, 4) after
-    # three more, with a mean of 11/3 after the next one, whose 1.25x the warm worker's 5 would
-    # pass; then no eligible worker holds enough: the shared streams.
+    # Requests this gateway routed count as load: loads (6, 0, 4) after three more, with a mean
+    # of 11/3 after the next one, whose 1.25x the warm worker's 5 would pass; then the least
+    # loaded worker takes it, and from then on holds the prompt too.
     routes = [router.route(MODEL, tenant) for _ in range(5)]
-    assert [r.worker for r in routes] == ["w-warm", "w-warm", "w-warm", None, None]
-    assert router.stats.by_worker == {"w-warm": 4}
+    assert [(r.worker, r.reason) for r in routes] == [
+        ("w-warm", "affinity"), ("w-warm", "affinity"), ("w-warm", "affinity"),
+        ("w-cold", "least_loaded"), ("w-cold", "affinity")]
+    assert router.stats.by_worker == {"w-warm": 4, "w-cold": 2}
 
 
 async def test_a_worker_whose_free_kv_cannot_hold_the_prompt_is_passed_over(router, sync, keys):

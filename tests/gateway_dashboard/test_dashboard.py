@@ -216,7 +216,8 @@ def test_data_json(fleet, base_url):
                               "kv_usage_pct": round(100 * 170 / 280, 1),
                               "prefix_hit_rate": round((100 + 100) / (400 + 400), 4)}
     # this test's gateway routes every request to the shared streams
-    assert body["routing"] == {"mode": "shared", "affinity": None, "shared": None}
+    assert body["routing"] == {"mode": "shared", "affinity": None, "least_loaded": None,
+                               "shared": None}
     assert (a["indexed_blocks"], a["routed"], a["own_queue"]) == (None, None, 0)
     assert body["ttft_p50_s"] == pytest.approx(0.2)
     assert body["ttft_p99_s"] == pytest.approx(0.298)
