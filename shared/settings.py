@@ -95,9 +95,8 @@ class GatewaySettings(BatchApiSettings):
         "fleet's mean load (or two requests above the least loaded worker); beyond it, load "
         "wins over affinity"))
     affinity_min_blocks: int = Field(1, ge=1, description=(
-        "`--routing affinity`: a request goes to a worker's own stream only when that worker "
-        "holds at least this many of its prompt's leading blocks; else to the shared streams, "
-        "where the first worker with room takes it"))
+        "`--routing affinity`: a worker holding fewer of a prompt's leading blocks counts as "
+        "holding none of it; a request no eligible worker holds goes to the least loaded one"))
     max_body_bytes: int = Field(1_000_000, description=(
         "a request body larger than this many bytes is refused (413)"))
     default_max_tokens: int | None = Field(None, json_schema_extra={
