@@ -89,7 +89,7 @@ class GatewaySettings(BatchApiSettings):
         "message per worker step with the events of all its requests there, one subscription "
         "per inbox. off: one subscription and one message per request on its own channel, only "
         "for a rolling upgrade from workers older than inboxes (docs/DEPLOY.md)"))
-    affinity_balance: float = Field(1.25, ge=1.0, description=(
+    affinity_balance: float = Field(1.5, ge=1.0, description=(
         "`--routing affinity`: a worker is chosen for the prompt blocks it holds only while its "
         "load (requests running, waiting and routed to it) stays within this factor of the "
         "fleet's mean load (or two requests above the least loaded worker); beyond it, load "
@@ -204,9 +204,9 @@ class WorkerSettings(EngineSettings):
         "any entry at once), so a worker's requests sit on one primary; 0: every shard alike"))
     affinity_steal_after_ms: int = Field(250, ge=0, description=(
         "take an entry routed to another worker's own stream once it has waited this long, "
-        "when that worker carries at least two requests more than this one (at once when its "
+        "when that worker carries at least twice this one's requests plus two (at once when its "
         "heartbeat is gone or its free KV cannot hold the entry): a request never waits on a "
-        "busy worker longer than this while a less busy one has room"))
+        "busy worker longer than this while an idle one has room"))
     resume_prefer_ms: int = Field(1000, ge=0, description=(
         "a dead worker's request is taken over at once by the live worker holding most of its "
         "prefix (by the announced blocks), by the others only this much later"))

@@ -100,7 +100,7 @@ class WorkerLoads:
 class Router:
     """Routes one gateway's requests; `follow` begins following Redis for a model."""
 
-    def __init__(self, redis: Redis, keys: Keys, *, balance: float = 1.25, min_blocks: int = 1,
+    def __init__(self, redis: Redis, keys: Keys, *, balance: float = 1.5, min_blocks: int = 1,
                  listing_ttl_ms: int = 10_000):
         self.redis = redis
         self.keys = keys

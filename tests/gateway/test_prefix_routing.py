@@ -74,7 +74,7 @@ async def eventually(check, timeout_s: float = 5.0) -> None:
 async def router(redis_url, keys):
     engine = RedisEngineClient.from_url(redis_url, keys, shard_shares=False,
                                         router=None)
-    router = Router(engine.redis, keys, listing_ttl_ms=TTL_MS)
+    router = Router(engine.redis, keys, balance=1.25, listing_ttl_ms=TTL_MS)
     yield router
     await router.close()
     await engine.close()

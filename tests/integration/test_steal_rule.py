@@ -1,7 +1,7 @@
 """Which other workers' own streams a fill reads, and under which rule (worker/affinity.py,
 `OwnStreamOwners.due_reads`): entries that only waited are taken from an owner carrying at least
-STEAL_LOAD_GAP requests more than the reader; entries the owner cannot hold, and a gone owner's,
-whatever the loads."""
+twice the reader's load plus STEAL_LOAD_GAP requests; entries the owner cannot hold, and a gone
+owner's, whatever the loads."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ def beat(running: int, own_queue: int = 0, blocks_free: int = 10) -> Heartbeat:
 def test_only_a_busier_owner_gives_up_entries_that_waited(redis_client):
     owners = OwnStreamOwners(redis_client, Keys("st:"), "m", "me", steal_after_ms=250,
                              refresh_s=60, gone_grace_s=60)
-    owners.heartbeats = {"busy": beat(running=3, own_queue=1), "even": beat(running=2),
+    owners.heartbeats = {"busy": beat(running=5, own_queue=1), "even": beat(running=5),
                          "gone": None, "unknown-room": Heartbeat(model="m", ts=time.time(),
                                                                  running=0)}
     reads = {r.owner: r for r in owners.due_reads(my_load=2)}
-    assert 4 >= 2 + STEAL_LOAD_GAP
+    assert 6 >= 2 * 2 + STEAL_LOAD_GAP > 5
     assert reads["busy"] == ForeignRead("busy", 250, 160)  # waited 250 ms, or too big for it
     assert reads["even"] == ForeignRead("even", NEVER_MS, 160)  # only what it cannot hold
     assert reads["gone"] == ForeignRead("gone", 0, -1)  # every entry, at once
