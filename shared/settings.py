@@ -203,10 +203,10 @@ class WorkerSettings(EngineSettings):
         "workers first, the others only for entries that waited this long (an idle worker takes "
         "any entry at once), so a worker's requests sit on one primary; 0: every shard alike"))
     affinity_steal_after_ms: int = Field(250, ge=0, description=(
-        "take an entry routed to another worker's own stream once it has waited this long, "
-        "when that worker carries at least twice this one's requests plus two (at once when its "
-        "heartbeat is gone or its free KV cannot hold the entry): a request never waits on a "
-        "busy worker longer than this while an idle one has room"))
+        "an idle worker takes an entry routed to another worker's own stream once it has "
+        "waited this long, if that worker carries two requests or more (any worker takes it at "
+        "once when its worker's heartbeat is gone or its free KV cannot hold the entry): a "
+        "request never waits on a busy worker longer than this while an idle one has room"))
     resume_prefer_ms: int = Field(1000, ge=0, description=(
         "a dead worker's request is taken over at once by the live worker holding most of its "
         "prefix (by the announced blocks), by the others only this much later"))

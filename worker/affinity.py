@@ -23,9 +23,9 @@ from shared.wire import affinity
 from shared.wire.prefix_hash import BlockHash, block_hashes, pack_ids
 from shared.wire.records import text
 
-# A worker takes entries that waited in another's own stream only when that owner carries at
-# least twice its load plus this many requests (an idle worker: from an owner with two): the
-# taker recomputes what the owner has cached, so it must be markedly less busy to be sooner.
+# A worker takes entries that only waited in another's own stream when it is idle and that
+# owner carries at least this many requests: the taker recomputes what the owner has cached, so
+# only an idle one is surely sooner (the router keeps the loads within its balance).
 STEAL_LOAD_GAP = 2
 NEVER_MS = 10 ** 12  # a minimum age no entry reaches: only the owner-room rule applies
 
@@ -102,11 +102,11 @@ class OwnStreamOwners:
         """The owners whose streams a fill reads now: those no fill read in the last
         steal_after_ms / 2 (their entries become takeable only after steal_after_ms, so reading
         more often finds nothing new), with the age and room rules of each. With `my_load`
-        (this worker's requests running and waiting), entries that merely waited are taken only
-        from an owner carrying at least 2 x my_load + STEAL_LOAD_GAP requests (running, waiting
-        and in its own streams, by its heartbeat): a worker nearly as busy as the owner would
-        serve them little sooner and without the owner's cache. Entries the owner cannot hold,
-        and every entry of a gone owner, are taken at once whatever the loads."""
+        (this worker's requests in flight), entries that merely waited are taken only by an idle
+        worker from an owner carrying at least STEAL_LOAD_GAP requests (running, waiting and in
+        its own streams, by its heartbeat): a busy worker would serve them little sooner and
+        without the owner's cache. Entries the owner cannot hold, and every entry of a gone
+        owner, are taken at once whatever the loads."""
         now = time.monotonic()
         reads = []
         for owner, beat in self.heartbeats.items():
@@ -118,7 +118,7 @@ class OwnStreamOwners:
                 continue
             room = beat.blocks_free * beat.block_size if beat.block_size > 0 else -1
             owner_load = beat.running + beat.waiting + beat.own_queue
-            if my_load is not None and owner_load < 2 * my_load + STEAL_LOAD_GAP:
+            if my_load is not None and (my_load > 0 or owner_load < STEAL_LOAD_GAP):
                 if room >= 0:  # only what the owner cannot hold
                     reads.append(ForeignRead(owner, NEVER_MS, room))
                 continue

@@ -86,9 +86,9 @@ READ_IF_FITS = LuaScript.build(
           "which stamped their ids) are looked at; 0 = every entry",
           "1: an entry's need is its prompt length less its `cached` field (the worker reads "
           "its own streams); 0: the prompt length",
-          "the owner's room, tokens (-1: none given): an entry whose need exceeds it is looked "
-          "at whatever its age (a worker stealing from another's own stream that cannot hold "
-          "it)"],
+          "the owner's room, tokens (-1: none given): an entry whose need at its owner (prompt "
+          "less `cached`) exceeds it is looked at whatever its age (a worker stealing from "
+          "another's own stream that cannot hold it)"],
     returns="{too-large stream index (1-based; 0: none), its head's prompt length (0: none), "
             "then for each entry delivered (XREADGROUP: pending for this consumer), in order: "
             "stream index, entry id, {field, value, ...}}. Entries are taken in priority order "
@@ -135,12 +135,12 @@ for i, stream in ipairs(KEYS) do
       local fields, prompt_len, cached = entry[2], 0, 0
       for j = 1, #fields, 2 do
         if fields[j] == '${entry_prompt_len}' then prompt_len = tonumber(fields[j + 1]) or 0 end
-        if use_cached and fields[j] == '${entry_cached}' then
-          cached = tonumber(fields[j + 1]) or 0
-        end
+        if fields[j] == '${entry_cached}' then cached = tonumber(fields[j + 1]) or 0 end
       end
-      prompt_len = math.max(prompt_len - cached, 0)
-      if newest_ms and owner_room >= 0 and prompt_len <= owner_room then
+      -- the owner needs only what it does not hold; this reader, unless it is the owner, all
+      local owner_need = math.max(prompt_len - cached, 0)
+      if use_cached then prompt_len = owner_need end
+      if newest_ms and owner_room >= 0 and owner_need <= owner_room then
         -- young and its owner can hold it: not ours yet (nor anything behind it)
         local ms = tonumber(string.match(entry[1], '^(%d+)'))
         if ms > newest_ms then break end
