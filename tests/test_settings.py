@@ -19,9 +19,9 @@ from shared.settings import KernelSettings, WorkerSettings
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS_MODULE = ROOT / "shared" / "settings.py"
 SCANNED = ("shared", "worker", "batch", "gateway", "kvfleet", "benchmarks")
-# Not a setting of kvfleet: where benchmarks/vllm_env.sh put vLLM's virtualenv (a shell script
-# reads it too).
-NOT_SETTINGS = {"KVFLEET_VLLM_VENV"}
+# Not settings of kvfleet: where benchmarks/vllm_env.sh and benchmarks/sglang_router_env.sh put
+# the peers' virtualenvs (the shell scripts read them too).
+NOT_SETTINGS = {"KVFLEET_VLLM_VENV", "KVFLEET_SGLANG_ROUTER_VENV"}
 
 
 @pytest.fixture
