@@ -218,7 +218,9 @@ class Router:
             return held[w] if held[w] >= self.min_blocks * max(loads.beats[w].block_size, 1) \
                 else 0
 
-        best = max(fitting or balanced, key=lambda w: (enough(w), -load[w]))
+        # ties: what a worker announced beats what it is only expected to hold (an entry
+        # another worker took computed its blocks there), then the least loaded
+        best = max(fitting or balanced, key=lambda w: (enough(w), cached[w], -load[w]))
         # the chosen worker will hold the prompt's blocks: the next request sharing its prefix
         # follows it before the worker has computed and announced them
         size = loads.beats[best].block_size

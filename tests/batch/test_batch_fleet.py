@@ -208,8 +208,11 @@ def test_a_200_line_batch_round_trips_through_the_fleet(fleet, api_url, batch_wo
              client.files.content(retrieved.output_file_id).text.splitlines()]
     assert len(lines) == NUM_LINES
     assert sorted(o["custom_id"] for o in lines) == sorted(f"req-{i}" for i in range(NUM_LINES))
-    batch_stream = Keys(fleet.prefix).queue(model, "batch")
-    assert redis.Redis.from_url(fleet.redis_url).xlen(batch_stream) >= NUM_LINES  # batch priority
+    # every line went through a batch-priority stream: the shared one, or (prefix-affinity
+    # routing, the default) the worker's own
+    keys, client = Keys(fleet.prefix), redis.Redis.from_url(fleet.redis_url)
+    batch_streams = [keys.queue(model, "batch"), keys.worker_queue(model, "w0", "batch")]
+    assert sum(client.xlen(stream) for stream in batch_streams) >= NUM_LINES
     for line in lines:
         assert line["error"] is None and line["response"]["status_code"] == 200
         body = line["response"]["body"]
