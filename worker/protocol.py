@@ -329,9 +329,12 @@ class WorkerProtocol:
                                            {stream: ">" for stream in streams}, count=1,
                                            block=block_ms)
         except redis.ResponseError as exc:
-            # own streams dropped by a worker that took this one for gone: make them again
-            if "NOGROUP" not in str(exc):
+            # a stream (or its group) deleted, before the read or while it waited (UNBLOCKED):
+            # own streams dropped by a worker that took this one for gone, keys deleted by an
+            # operator or a FLUSHALL; make them again and read at the next turn
+            if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                 raise
+            log.warning("a request stream or its group was gone (%s); creating them again", exc)
             self.ensure_groups()
             return []
         deliveries = []

@@ -257,6 +257,19 @@ def test_an_idle_worker_wakes_for_its_own_stream(redis_client):
     assert time.monotonic() - started < 4
 
 
+def test_an_idle_read_survives_its_streams_being_deleted(redis_client):
+    """A FLUSHALL (or an operator's DEL) while an idle worker waits: the read ends without a
+    request instead of failing the worker, and the streams and groups are there again."""
+    protocol = protocol_of(redis_client, "w1")
+    streams = protocol.blocking_reads()[0]
+    timer = threading.Timer(0.2, redis_client.delete, streams)
+    timer.start()
+    assert protocol.read_new_any(streams, block_ms=5000) == []
+    timer.join()
+    enqueue(redis_client, protocol.keys, "after", 3, "w1")
+    assert [d.request.req_id for d in protocol.read_new_any(streams, block_ms=1000)] == ["after"]
+
+
 def test_a_service_counts_where_its_requests_came_from(redis_url, client, tiny):
     worker = make_service(redis_url, tiny, "w1")
     enqueue(client.redis, client.keys, "own", owner="w1")
