@@ -106,9 +106,11 @@ class WorkerService:
                 log.critical("device failure: exiting; %d requests resume elsewhere",
                              len(self.inflight))
                 stop.set()
+                self._load_changed.set()  # the heartbeat thread sees `stop` at once
                 self._shutdown()
                 beat.join(timeout=2)
                 raise
+        self._load_changed.set()  # the heartbeat thread sees `stop` at once
         self._shutdown()
         beat.join(timeout=2)
 
