@@ -3,11 +3,14 @@ text stays identical to an uninterrupted run, and what the kill costs — on an 
 fleet kept at a given fraction of its measured capacity (`--load`).
 
     .venv/bin/python -m benchmarks.failover --trials 5 --requests 8 --max-tokens 120
+    .venv/bin/python -m benchmarks.failover --trials 10 --requests 8 --seeded 2 --max-tokens 300 \
+        --kill-after-chars 40 --no-calm   # issue 35's trial, at the default --deterministic
     OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 .venv/bin/python -m benchmarks.failover --trials 20 --requests 6 \\
         --max-tokens 60 --no-calm --load 0.8
 
-Each trial: 2 workers serve N streamed greedy requests; once every request has tokens, the worker
-serving most of them is SIGKILLed and a replacement started afterwards. Reported: per-request pause
+Each trial: 2 workers serve N streamed requests (greedy; the last `--seeded` of them sampled at
+temperature 0.8 with a seed each); once every request has `--kill-after-chars` characters (or 5
+checkpointed tokens), the worker serving most of them is SIGKILLed and a replacement started afterwards. Reported: per-request pause
 (largest gap between content chunks) of resumed requests, p50 and max over all trials; fraction of
 requests whose text equals the uninterrupted reference; median wall time of runs with a kill vs
 runs without one (each trial runs both, after one warm-up run).
@@ -41,9 +44,11 @@ from shared.wire.checkpoint import TOKEN_BYTES
 from tests.helpers.processes import ProcessFleet
 
 
-def run(url: str, n: int, max_tokens: int, during=None) -> tuple[list[Answer], float]:
+def run(url: str, n: int, max_tokens: int, during=None,
+        seeded: int = 0) -> tuple[list[Answer], float]:
     answers = [Answer(i, max_tokens) for i in range(n)]
-    threads = [threading.Thread(target=stream_answer, args=(url, i, max_tokens, answers[i]))
+    threads = [threading.Thread(target=stream_answer, args=(url, i, max_tokens, answers[i]),
+                                kwargs={"sampled": i >= n - seeded})
                for i in range(n)]
     start = time.monotonic()
     for t in threads:
@@ -55,12 +60,14 @@ def run(url: str, n: int, max_tokens: int, during=None) -> tuple[list[Answer], f
     return answers, time.monotonic() - start
 
 
-def kill_busiest(fleet: ProcessFleet, client: redis.Redis, answers: list[Answer]) -> float:
-    """Once every request streams, SIGKILL the worker that owns most of them; the kill's time."""
+def kill_busiest(fleet: ProcessFleet, client: redis.Redis, answers: list[Answer],
+                 min_chars: int = 0) -> float:
+    """Once every request streams (5 checkpointed tokens, `min_chars` characters received),
+    SIGKILL the worker that owns most of them; the kill's time."""
     keys = Keys(fleet.prefix)
     while True:
         ids = [a.req_id for a in answers]
-        if all(ids):
+        if all(ids) and min(a.chars for a in answers) >= min_chars:
             owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
             done = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
             if min(done) >= 5 and all(owners):
@@ -75,6 +82,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=120)
+    parser.add_argument("--seeded", type=int, default=0,
+                        help="of the requests, this many (the last) sample at temperature 0.8")
+    parser.add_argument("--kill-after-chars", type=int, default=0,
+                        help="kill once every stream has this many characters")
+    parser.add_argument("--no-deterministic", action="store_true",
+                        help="start the workers with --no-deterministic (the code before issue 35)")
     parser.add_argument("--heartbeat-ttl-s", type=float, default=2.0)
     parser.add_argument("--no-calm", action="store_true",
                         help="kill runs only (no throughput comparison): more trials per minute")
@@ -95,6 +108,8 @@ def main() -> int:
     args = parse_args()
     flags = ["--kv-memory", "512MiB", "--num-threads", "1", "--heartbeat-ttl-s",
              str(args.heartbeat_ttl_s), "--heartbeat-interval-s", "0.5"]
+    if args.no_deterministic:
+        flags.append("--no-deterministic")
     if args.load > 0:  # the load is the point: the gateway queues it instead of answering 429
         os.environ["KVFLEET_MAX_QUEUE_WAIT_S"] = "0"
     references = References()
@@ -106,7 +121,7 @@ def main() -> int:
         try:
             start_two_workers(fleet)
             # The first run warms up (and fills the prefix cache) and gives the reference texts.
-            reference, _ = run(fleet.url, args.requests, args.max_tokens)
+            reference, _ = run(fleet.url, args.requests, args.max_tokens, seeded=args.seeded)
             references.check(reference)
             if args.load > 0:
                 print("capacity (2 workers, no kill):", flush=True)
@@ -125,11 +140,13 @@ def main() -> int:
             pauses, walls, calm_walls = [], [], []
             for trial in range(args.trials):
                 if not args.no_calm:
-                    calm_walls.append(run(fleet.url, args.requests, args.max_tokens)[1])
+                    calm_walls.append(run(fleet.url, args.requests, args.max_tokens,
+                                          seeded=args.seeded)[1])
                 killed_at = []
                 answers, wall_s = run(fleet.url, args.requests, args.max_tokens,
                                       during=lambda a: killed_at.append(
-                                          kill_busiest(fleet, client, a)))
+                                          kill_busiest(fleet, client, a, args.kill_after_chars)),
+                                      seeded=args.seeded)
                 walls.append(wall_s)
                 references.check(answers)
                 for answer in answers:

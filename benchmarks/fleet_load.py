@@ -27,11 +27,15 @@ def start_two_workers(fleet: ProcessFleet) -> ProcessFleet:
     return fleet
 
 
-def chat_body(prompt: int, max_tokens: int) -> dict:
-    return {"model": DEFAULT_MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+def chat_body(prompt: int, max_tokens: int, sampled: bool = False) -> dict:
+    """Greedy, or (`sampled`) seeded sampling at temperature 0.8 with a seed of its own."""
+    body = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream_options": {"include_usage": True},
             "messages": [{"role": "user",
                           "content": f"Tell story number {prompt} about a lighthouse."}]}
+    if sampled:
+        body.update(temperature=0.8, top_p=0.95, seed=1000 + prompt)
+    return body
 
 
 @dataclass
@@ -43,6 +47,8 @@ class Answer:
     req_id: str = ""
     text: str = ""
     times: list[float] = field(default_factory=list)  # monotonic arrival of content chunks
+    chars: int = 0  # content characters received so far
+    sampled: bool = False  # seeded sampling (chat_body), not greedy
     tokens: int = 0  # completion tokens (usage)
     finish_reason: str | None = None
     error: str | None = None
@@ -56,12 +62,14 @@ class Answer:
 
 
 def stream_answer(url: str, prompt: int, max_tokens: int, answer: Answer | None = None,
-                  timeout_s: float = 900) -> Answer:
+                  timeout_s: float = 900, sampled: bool = False) -> Answer:
     """Stream one chat; fills `answer` (made here if not given) as chunks arrive."""
     answer = answer or Answer(prompt, max_tokens)
+    answer.sampled = sampled
     pieces = []
     try:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(prompt, max_tokens),
+        with httpx.stream("POST", f"{url}/v1/chat/completions",
+                          json=chat_body(prompt, max_tokens, sampled),
                           timeout=timeout_s) as response:
             if response.status_code != 200:
                 answer.error = f"HTTP {response.status_code}: {response.read()[:200]!r}"
@@ -79,6 +87,7 @@ def stream_answer(url: str, prompt: int, max_tokens: int, answer: Answer | None 
                 for choice in chunk.get("choices", []):
                     if choice["delta"].get("content"):
                         pieces.append(choice["delta"]["content"])
+                        answer.chars += len(pieces[-1])
                         answer.times.append(time.monotonic())
                     if choice.get("finish_reason"):
                         answer.finish_reason = choice["finish_reason"]
@@ -166,7 +175,8 @@ class References:
                 self.mismatches.append((answer.prompt, f"incomplete: {answer.error}"))
                 self.checked += 1
                 continue
-            want = self.text.setdefault((answer.prompt, answer.max_tokens), answer.text)
+            want = self.text.setdefault((answer.prompt, answer.max_tokens, answer.sampled),
+                                        answer.text)
             self.checked += 1
             if answer.text == want:
                 self.identical += 1

@@ -81,6 +81,12 @@ class EngineConfig:
     max_running: int = Field(64, ge=1, description="streams in the running group at most")
     enable_prefix_caching: bool = Field(True, description=(
         "reuse the KV blocks of identical prompt openings"))
+    deterministic: bool = Field(True, description=(
+        "one answer per (prompt, parameters, seed), whatever the batch it ran in, how its prompt "
+        "was chunked, prefix-cache hits, preemption, or a resume on another worker of the same "
+        "kind (docs/RELIABILITY.md): every query row is computed by batch-invariant kernels. "
+        "off: long prompts prefill faster on the CPU (its tiled prefill kernel) and a resumed "
+        "bf16 answer may differ from the uninterrupted one"))
     num_blocks: int | None = Field(None, ge=1, description=(
         "the pool's size in blocks instead of one from the memory budget"))
     watermark: float = Field(0.01, ge=0.0, lt=1.0, description=(

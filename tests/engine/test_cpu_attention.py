@@ -135,19 +135,27 @@ def test_prefill_chunks_take_the_kernel_where_the_cpu_has_avx512(tiny_llama):
         assert not cpu_attention.prefill_supported(pool("auto", dtype, 96), dtype, 96)
     assert not cpu_attention.prefill_supported(pool("int8", torch.bfloat16), torch.bfloat16, 64)
     assert not cpu_attention.prefill_supported(pool("bf16", torch.float32), torch.float32, 64)
-    for engine in (tiny_llama.engine(), tiny_llama.engine(dtype="bfloat16")):  # head_dim 16
+    for dtype in ("float32", "bfloat16"):  # head_dim 16
+        engine = tiny_llama.engine(dtype=dtype, deterministic=False)
         assert not engine.attention_backend.prefill_kernel
         assert "(decode kernel; prefill chunks on SDPA); linears in " in engine.device_report()
+        # batch-invariant (the default): every row in the decode kernel, never SDPA
+        engine = tiny_llama.engine(dtype=dtype)
+        assert not engine.attention_backend.prefill_kernel
+        assert "(every query row in the decode kernel: batch-invariant)" in engine.device_report()
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["prefill-kernel", "rows"])
 @pytest.mark.parametrize("dtype, flag, bound", [
     (torch.bfloat16, "avx512_bf16", 0.02), (torch.float32, "avx512f", 1e-4)])
-def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound):
+def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound, deterministic):
     """A Llama of head_dim 64 (the prefill kernel's shape): prompts of 150, 90 and 40 tokens
     prefilled in chunks of up to 64 tokens after their cached prefix, beside a decoding request.
     Each prompt token's logprob is that of HF's forward in the same dtype: within 0.02 in bf16
     (measured on a Zen 5: at most 0.004 through the kernel, 0.006 through SDPA), 1e-4 in float32;
-    a chunk attending to the wrong keys or rows would be off by whole units."""
+    a chunk attending to the wrong keys or rows would be off by whole units. With
+    `--no-deterministic` the chunks take the prefill kernel where it runs here; by default every
+    row takes the decode kernel (batch-invariant), which must follow HF as closely."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
@@ -158,10 +166,12 @@ def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound
         expected = [torch.log_softmax(hf(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
                     .gather(1, torch.tensor(p[1:]).unsqueeze(1)).squeeze(1) for p in prompts]
     engine = Engine(model, EngineConfig(device="cpu", dtype=str(dtype).removeprefix("torch."),
-                                        num_blocks=64, block_size=16, max_batched_tokens=64))
-    has_kernel = flag in cpu_features().flags
+                                        num_blocks=64, block_size=16, max_batched_tokens=64,
+                                        deterministic=deterministic))
+    has_kernel = flag in cpu_features().flags and not deterministic
     assert engine.attention_backend.prefill_kernel is has_kernel
-    assert ("attention cpu (decode and prefill kernels);" if has_kernel
+    assert ("attention cpu (every query row in the decode kernel: batch-invariant);"
+            if deterministic else "attention cpu (decode and prefill kernels);" if has_kernel
             else "attention cpu (decode kernel; prefill chunks on SDPA);") in engine.device_report()
     engine.add_request("neighbour", random_prompt(20, seed=1), greedy(40))
     engine.step()
@@ -237,13 +247,19 @@ def test_a_failed_build_says_why_and_leaves_no_file(tmp_path):
 
 
 def test_the_start_up_report_names_the_attention_path(tiny_llama):
-    report = tiny_llama.engine().device_report()  # float32
+    report = tiny_llama.engine(deterministic=False).device_report()  # float32
     assert "; attention cpu (decode kernel; prefill chunks on SDPA)" in report
     # float32's products: kvfleet's on AVX-512 CPUs without AMX, else oneDNN's (cpu_linear.py)
     assert "; linears " + cpu_linear.products_report(torch.float32) + "; " in report
-    assert report.endswith("kernels loaded: decode, prefill, layer_ops, matmul")
+    assert report.endswith("kernels loaded: decode, prefill, layer_ops, matmul; "
+                           "not batch-invariant: --no-deterministic")
+    report = tiny_llama.engine().device_report()  # the default: batch-invariant
+    assert "; attention cpu (every query row in the decode kernel: batch-invariant)" in report
+    assert "; linears " + cpu_linear.products_report(torch.float32, True) + "; " in report
+    assert report.endswith("kernels loaded: decode, prefill, layer_ops, matmul; batch-invariant")
     fp8 = tiny_llama.engine(kv_dtype="fp8")
     assert not fp8.attention_backend.cpu_kernel and fp8.attention_backend.name == "cpu"
     assert "attention cpu (gather + SDPA for --kv-dtype fp8" in fp8.device_report()
+    assert "; not batch-invariant: attention cpu (gather + SDPA" in fp8.device_report()
     assert "attention sdpa (the C++ decode kernel: not asked for)" in tiny_llama.engine(
         attention_backend="sdpa").device_report()

@@ -126,12 +126,14 @@ def test_a_fused_model_computes_what_the_packed_one_does_and_still_copies():
 
 # ---- kvfleet's product (cpu_matmul.cpp) ------------------------------------------------------------
 
-_BUILDS = {dtype: cpu_kernels.unavailable_reason("matmul") is None
-           and bool(cpu_kernels.kernel("matmul").kvfleet_linear_supported(code))
-           for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1))}
+_SUPPORT = {dtype: 0 if cpu_kernels.unavailable_reason("matmul") is not None
+            else int(cpu_kernels.kernel("matmul").kvfleet_linear_supported(code))
+            for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1))}
+_BUILDS = {dtype: support != 0 for dtype, support in _SUPPORT.items()}  # either form
+_FAST = {dtype: support == cpu_linear.FAST for dtype, support in _SUPPORT.items()}  # AVX-512's
 OWN_DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(
-    not _BUILDS[dtype], reason=f"kvfleet's {dtype} product needs AVX-512 (bf16: AVX512-BF16) and "
-    "a C++ compiler")) for dtype in (torch.float32, torch.bfloat16)]
+    not _BUILDS[dtype], reason="kvfleet's product needs a C++ compiler"))
+    for dtype in (torch.float32, torch.bfloat16)]
 # relative to the output's scale: a bf16 rounding step; float32 sums taken in another order
 OWN_TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}
 
@@ -225,8 +227,11 @@ def test_linears_take_kvfleets_product_on_avx512_cpus_without_amx(products_env, 
     the CPU has no AMX (oneDNN's AMX tiles win at prefill sizes); onednn turns it off; kvfleet
     forces it where it builds and is refused where it does not; anything else is refused by
     name."""
-    expected = _BUILDS[dtype] and cpu_features().isa != "AMX"
+    expected = _FAST[dtype] and cpu_features().isa != "AMX"
     assert products_env(None)(dtype) is expected
+    # batch-invariant linears (--deterministic) take it wherever it builds, AMX or not, its
+    # portable form where the CPU lacks the AVX-512 instructions
+    assert own_product(dtype, True) is _BUILDS[dtype]
     model = MODEL_FACTORIES["llama"]().to(dtype)
     pack_cpu_linears(model, shared=True)
     assert (type(model.lm_head) is KernelLinear) is expected

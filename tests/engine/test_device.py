@@ -1,4 +1,4 @@
-"""Device handling on CPU: fp32 buffers survive a bf16 cast, bf16 greedy agrees with HF generate in
+"""Device handling on CPU: fp32 buffers survive a bf16 cast, bf16 next-token choices agree with HF in
 bf16, sticky device errors are told from request errors, and the profiling step's shape."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from worker.engine.kv_cache import KVLayout
 from worker.engine.kv_format import resolve_kv_format
 from worker.engine.memory_profile import largest_step, profile_step
 from tests.engine.tiny_models import (
-    MODEL_FACTORIES, greedy, random_prompt, save_tiny_llama, tokens_before_divergence)
+    MODEL_FACTORIES, greedy, random_prompt, save_tiny_llama)
 
 ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered"
 
@@ -48,34 +48,35 @@ def saved_tiny(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def test_bf16_engine_agrees_with_hf_generate_in_bf16(saved_tiny):
-    """HF loads the model in bf16 (fp32 RoPE buffers) and generates each prompt alone; the engine
-    batches them (other matmul shapes, other bf16 rounding), so agreement is measured: the share of
-    tokens before each stream's first divergence."""
-    prompts = [random_prompt(n, seed=n) for n in (5, 37, 120, 260, 300, 410)]
-    new_tokens = 24
-    reference = AutoModelForCausalLM.from_pretrained(saved_tiny, dtype=torch.bfloat16).eval()
-    expected = []
+def test_bf16_engine_agrees_with_hf_in_bf16(saved_tiny):
+    """HF loads the model in bf16 (fp32 RoPE buffers); the engine at its defaults (batched,
+    batch-invariant kernels: other sums, other bf16 rounding) is teacher-forced over the same
+    12 sequences x 64 positions (768 next-token choices), so agreement is measured on each
+    position's own context and one early near-tie does not decide the verdict."""
+    from worker.engine.scoring import teacher_forced_logprobs
+
+    texts = [random_prompt(96, seed=seed) for seed in range(12)]
+    choices = {}
     with torch.inference_mode():
-        for prompt in prompts:
-            out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                     do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-            expected.append(out[0, len(prompt):].tolist())
-    engine = Engine.from_pretrained(saved_tiny, EngineConfig(device="cpu", dtype="bfloat16",
-                                                             num_blocks=256, block_size=16))
+        for name, dtype in (("hf_bf16", torch.bfloat16), ("fp32", torch.float32)):
+            reference = AutoModelForCausalLM.from_pretrained(saved_tiny, dtype=dtype).eval()
+            choices[name] = reference(torch.tensor(texts)).logits[:, 31:-1].argmax(-1).T
+    engine = Engine.from_pretrained(saved_tiny, EngineConfig(
+        device="cpu", dtype="bfloat16", num_blocks=256, block_size=16, enable_prefix_caching=False))
     assert engine.model.model.rotary_emb.inv_freq.dtype == torch.float32
-    produced = engine.generate(prompts, greedy(new_tokens))
-    agreed = sum(tokens_before_divergence(got, want) for got, want in zip(produced, expected))
-    agreement = agreed / (len(prompts) * new_tokens)
-    print(f"bf16 agreement with HF generate: {agreement:.1%}")
-    assert agreement >= AGREEMENT_BOUND
+    tested = torch.stack([lp for _, lp in teacher_forced_logprobs(engine, texts, 32)]).argmax(-1)
+    agreement = {name: (tested == c).float().mean().item() for name, c in choices.items()}
+    print(f"bf16 agreement: with HF bf16 {agreement['hf_bf16']:.1%}, with fp32 {agreement['fp32']:.1%}")
+    for name, bound in AGREEMENT_BOUNDS.items():
+        assert agreement[name] >= bound, f"{name}: {agreement[name]:.1%}"
 
 
-# measured on AVX-512 Zen 4/5: 100% with gather + SDPA decode attention, 88% with the C++ decode
-# kernel (one of the six streams parts at its 8th token: this random model has near-ties; on the
-# default model the kernel's teacher-forced agreement is as SDPA's, test_default_model.py); bf16
-# rounding differs by CPU kind, so a margin of one stream's early divergence
-AGREEMENT_BOUND = 0.80
+# Measured on AVX-512 Zen 4 (2026-12-04): with HF bf16 98.3 % (98.0 % with --no-deterministic),
+# with fp32 95.3 % (HF bf16 itself with fp32: 96.0 %); this random model has many near-ties. The
+# bounds sit ~8 binomial standard deviations (0.5-0.8 % at these rates over 768 positions) below,
+# so no verdict hinges on one CPU's rounding; a real defect (a lost position, bf16 RoPE angles,
+# a wrong cache read) falls far below them.
+AGREEMENT_BOUNDS = {"hf_bf16": 0.94, "fp32": 0.89}
 
 
 def test_sticky_device_errors_are_told_from_request_errors():

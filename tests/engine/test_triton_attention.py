@@ -28,3 +28,41 @@ def test_kernel_matches_gather_and_sdpa(name):
     assert torch.isfinite(actual).all()
     error = (actual.float() - expected.float()).abs().max().item()
     assert error < tolerance(case.model_dtype), f"{name}: max abs error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_tiles_give_a_prefill_row_what_its_decode_gives(dtype):
+    """--deterministic: the backend takes the decode steps' tile for every step, so a prefill
+    chunk's row (beside a decode of another sequence) gets bit for bit what the same row gets as a
+    decode step of its own, its keys up to its position."""
+    from types import SimpleNamespace
+
+    from worker.engine.attention.backend import StepGeometry
+    from worker.engine.attention.triton_backend import TritonBackend
+    from worker.engine.kv_cache import KVCachePool, KVLayout
+    from worker.engine.kv_format import resolve_kv_format
+    from worker.engine.triton_attention import paged_attention, queries_per_tile
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, bs = 4, 2, 64, 16
+    pool = KVCachePool(KVLayout(1, kv_heads, dim, resolve_kv_format("auto", dtype)), 12, bs,
+                       torch.device("cpu"))
+    rows = torch.arange(kv_heads * 12 * bs)
+    pool.write(0, rows, torch.randn(len(rows), dim).to(dtype), torch.randn(len(rows), dim).to(dtype))
+    geometry = StepGeometry.of(pool, heads, dtype)
+    backend = TritonBackend(row_invariant=True)
+    chunk = SimpleNamespace(num_tokens=20, start=70, end=90, block_table=[5, 1, 8, 3, 10, 0])
+    other = SimpleNamespace(num_tokens=1, start=40, end=41, block_table=[2, 7, 4])
+    step = backend.build_metadata(geometry, torch.zeros(0), [other], [chunk]).plan
+    assert step.block_q == queries_per_tile(heads, kv_heads, has_prefill=False)
+    assert TritonBackend().build_metadata(geometry, torch.zeros(0), [other], [chunk]).plan.block_q \
+        == queries_per_tile(heads, kv_heads, has_prefill=True)
+    query = torch.randn(heads, 21, dim).to(dtype)  # [H, T, D]: the decode row, then the chunk's
+    out = torch.empty(21, heads, dim, dtype=dtype)
+    paged_attention(query, pool, 0, step, dim ** -0.5, out)
+    for i in (0, 7, 19):
+        row = SimpleNamespace(num_tokens=1, start=70 + i, end=71 + i, block_table=chunk.block_table)
+        alone = backend.build_metadata(geometry, torch.zeros(0), [row], []).plan
+        single = torch.empty(1, heads, dim, dtype=dtype)
+        paged_attention(query[:, 1 + i:2 + i], pool, 0, alone, dim ** -0.5, single)
+        assert torch.equal(single[0], out[1 + i]), f"row {i}"

@@ -60,7 +60,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _concat(*linears: torch.nn.Linear) -> torch.nn.Module:
+def _concat(*linears: torch.nn.Linear, invariant: bool = False) -> torch.nn.Module:
     """One product over the linears' stacked weights (outputs side by side)."""
     fused = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                             bias=linears[0].bias is not None, dtype=linears[0].weight.dtype)
@@ -68,7 +68,7 @@ def _concat(*linears: torch.nn.Linear) -> torch.nn.Module:
         fused.weight.copy_(torch.cat([m.weight for m in linears]))
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([m.bias for m in linears]))
-    return product(fused)
+    return product(fused, invariant)
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -85,7 +85,7 @@ class FusedRMSNorm(torch.nn.Module):
 class FusedDecoderLayer(torch.nn.Module):
     """What an HF Llama-family decoder layer computes, from that layer's weights."""
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, invariant: bool = False):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.head_dim = attn.head_dim
@@ -93,10 +93,10 @@ class FusedDecoderLayer(torch.nn.Module):
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
         self.layer_idx = attn.layer_idx
-        self.qkv = _concat(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o_proj = product(attn.o_proj)
-        self.gate_up = _concat(mlp.gate_proj, mlp.up_proj)
-        self.down_proj = product(mlp.down_proj)
+        self.qkv = _concat(attn.q_proj, attn.k_proj, attn.v_proj, invariant=invariant)
+        self.o_proj = product(attn.o_proj, invariant)
+        self.gate_up = _concat(mlp.gate_proj, mlp.up_proj, invariant=invariant)
+        self.down_proj = product(mlp.down_proj, invariant)
         self.input_norm = FusedRMSNorm(layer.input_layernorm)
         self.post_norm = FusedRMSNorm(layer.post_attention_layernorm)
 
@@ -141,16 +141,16 @@ def can_fuse(layer: torch.nn.Module) -> bool:
             and all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms))
 
 
-def fuse_decoder_layers(model: torch.nn.Module) -> int:
+def fuse_decoder_layers(model: torch.nn.Module, invariant: bool = False) -> int:
     """Replace every layer `can_fuse` accepts (and then the final norm) where the layer ops'
-    kernel loads here; returns how many."""
+    kernel loads here, its products batch-invariant where `invariant`; returns how many."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or cpu_kernels.unavailable_reason("layer_ops") is not None:
         return 0  # without the element-wise ops HF's layers stay (the log said why)
     fused = 0
     for i, layer in enumerate(layers):
         if can_fuse(layer):
-            layers[i] = FusedDecoderLayer(layer)
+            layers[i] = FusedDecoderLayer(layer, invariant)
             fused += 1
     norm = model.model.norm
     if fused == len(layers) and hasattr(norm, "variance_epsilon"):

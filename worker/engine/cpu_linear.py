@@ -16,6 +16,12 @@ weights at about half the memory bandwidth at decode sizes, which is what decode
 by (docs/BENCHMARKS.md has the measurements). On AMX CPUs oneDNN's tiles do bf16 prefill products
 faster, so they keep oneDNN. `KVFLEET_CPU_PRODUCTS` overrides: `onednn` (oneDNN wherever it
 packs) or `kvfleet` (the own product wherever it builds).
+
+Batch-invariant products (`invariant`, the engine's `--deterministic`): kvfleet's product sums
+every output in one order whatever the rows of the call; oneDNN's and MKL's pick kernels by the
+call's shape, so a row's result can depend on how many rows came with it. Invariant engines take
+kvfleet's product wherever it builds: on AMX CPUs too, and on CPUs without AVX-512 its portable
+form (cpu_matmul.cpp), unless `KVFLEET_CPU_PRODUCTS=onednn` asks for oneDNN.
 """
 
 from __future__ import annotations
@@ -48,48 +54,53 @@ def products_choice() -> str:
     return KernelSettings().cpu_products
 
 
+FAST, PORTABLE = 1, 2  # kvfleet_linear_supported: the AVX-512 product, the portable one
+
+
 @functools.cache
-def own_product(dtype: torch.dtype) -> bool:
+def own_product(dtype: torch.dtype, invariant: bool = False) -> bool:
     """Linears of this dtype take kvfleet's product (KernelLinear) here: by default bf16 on CPUs
     whose kernel build has AVX512-BF16, float32 on AVX-512 CPUs, neither where the CPU has AMX;
+    `invariant`: wherever it builds (its portable form where the CPU has no AVX-512).
     `KVFLEET_CPU_PRODUCTS` overrides."""
     choice = products_choice()
     if choice not in PRODUCTS_CHOICES:
         raise ValueError(f"{PRODUCTS_ENV}={choice!r}: expected one of {', '.join(PRODUCTS_CHOICES)}")
     if (dtype not in DTYPE_CODES or choice == "onednn"
-            or (choice == "auto" and cpu_features().isa == "AMX")):
+            or (choice == "auto" and cpu_features().isa == "AMX" and not invariant)):
         return False
     try:
         matmul = matmul_kernel()
-        supported = bool(matmul.kvfleet_linear_supported(DTYPE_CODES[dtype]))
+        supported = int(matmul.kvfleet_linear_supported(DTYPE_CODES[dtype]))
     except KernelUnavailable as exc:
         if choice == "kvfleet":
             raise ValueError(f"{PRODUCTS_ENV}=kvfleet, but the kernel is unavailable: {exc}") from exc
         return False
     if choice == "kvfleet" and not supported:
-        raise ValueError(f"{PRODUCTS_ENV}=kvfleet, but this CPU has no {dtype} products "
-                         f"(float32 needs AVX-512, bf16 AVX512-BF16)")
-    return supported
+        raise ValueError(f"{PRODUCTS_ENV}=kvfleet, but this build has no {dtype} products")
+    return supported == FAST or (supported == PORTABLE and (invariant or choice == "kvfleet"))
 
 
-def packs(dtype: torch.dtype) -> bool:
-    """A linear of this dtype computes faster here through a packed weight (ours or oneDNN's)."""
-    return own_product(dtype) or packing_available(dtype)
+def packs(dtype: torch.dtype, invariant: bool = False) -> bool:
+    """A linear of this dtype computes faster here through a packed weight (ours or oneDNN's);
+    `invariant`: or batch-invariantly through ours."""
+    return own_product(dtype, invariant) or packing_available(dtype)
 
 
-def product(linear: torch.nn.Linear) -> torch.nn.Module:
-    """The module that computes `linear` fastest here: KernelLinear where own_product, else
-    PackedLinear where its dtype packs, else the linear itself (F.linear: MKL's own path for
-    float32, no reorder)."""
-    if linear.weight.is_cpu and own_product(linear.weight.dtype):
+def product(linear: torch.nn.Linear, invariant: bool = False) -> torch.nn.Module:
+    """The module that computes `linear` fastest here (batch-invariantly where `invariant`):
+    KernelLinear where own_product, else PackedLinear where its dtype packs, else the linear
+    itself (F.linear: MKL's own path for float32, no reorder)."""
+    if linear.weight.is_cpu and own_product(linear.weight.dtype, invariant):
         return KernelLinear(linear)
     return PackedLinear(linear) if packing_available(linear.weight.dtype) else linear
 
 
-def products_report(dtype: torch.dtype) -> str:
+def products_report(dtype: torch.dtype, invariant: bool = False) -> str:
     """What computes the linears of a CPU model in this dtype, for the start-up log."""
-    if own_product(dtype):
-        return "in kvfleet's product (cpu_matmul.cpp)"
+    if own_product(dtype, invariant):
+        portable = matmul_kernel().kvfleet_linear_supported(DTYPE_CODES[dtype]) == PORTABLE
+        return f"in kvfleet's {'portable ' if portable else ''}product (cpu_matmul.cpp)"
     if packing_available(dtype):
         return "in oneDNN, weights packed"
     return "in F.linear"
@@ -176,7 +187,8 @@ class PackedLinear(torch.nn.Module):
         return self._linear_op(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_cpu_linears(model: torch.nn.Module, shared: bool = False) -> int:
+def pack_cpu_linears(model: torch.nn.Module, shared: bool = False,
+                     invariant: bool = False) -> int:
     """Replace the model's CPU nn.Linear layers whose dtype packs by their `product` (Bf16Linear
     or PackedLinear); returns how many.
 
@@ -190,12 +202,12 @@ def pack_cpu_linears(model: torch.nn.Module, shared: bool = False) -> int:
             counts[param.data_ptr()] = counts.get(param.data_ptr(), 0) + 1
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module.weight.is_cpu
-               and packs(module.weight.dtype)
+               and packs(module.weight.dtype, invariant)
                and (shared or counts[module.weight.data_ptr()] == 1)]
     for name, module in targets:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
-        setattr(owner, attr, product(module))
+        setattr(owner, attr, product(module, invariant))
     return len(targets)
 
 
@@ -215,14 +227,14 @@ class SiblingProduct:
     cost is a large share of its time.
     """
 
-    def __init__(self, linears: list[torch.nn.Linear]):
+    def __init__(self, linears: list[torch.nn.Linear], invariant: bool = False):
         fused = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                                 bias=linears[0].bias is not None)
         with torch.no_grad():
             fused.weight = torch.nn.Parameter(torch.cat([m.weight for m in linears]), False)
             if fused.bias is not None:
                 fused.bias = torch.nn.Parameter(torch.cat([m.bias for m in linears]), False)
-        self.product = product(fused)
+        self.product = product(fused, invariant)
         self.sizes = [m.out_features for m in linears]
         self._input: torch.Tensor | None = None  # this round's input (held, so its id is unique)
         self._outputs: list[torch.Tensor | None] = []
@@ -254,7 +266,7 @@ class SiblingLinear(torch.nn.Module):
         return self.group.output(self.index, x)
 
 
-def fuse_sibling_linears(model: torch.nn.Module) -> int:
+def fuse_sibling_linears(model: torch.nn.Module, invariant: bool = False) -> int:
     """Replace each SIBLING_GROUPS set of CPU linears that pack (same input size, all biased or none)
     by SiblingLinears over one SiblingProduct; returns how many groups were fused."""
     fused = 0
@@ -262,12 +274,12 @@ def fuse_sibling_linears(model: torch.nn.Module) -> int:
         for names in SIBLING_GROUPS:
             linears = [getattr(module, name, None) for name in names]
             if not all(type(m) is torch.nn.Linear and m.weight.is_cpu
-                       and packs(m.weight.dtype) for m in linears):
+                       and packs(m.weight.dtype, invariant) for m in linears):
                 continue
             if (len({m.in_features for m in linears}) != 1
                     or len({m.bias is None for m in linears}) != 1):
                 continue
-            group = SiblingProduct(linears)
+            group = SiblingProduct(linears, invariant)
             for index, (name, m) in enumerate(zip(names, linears)):
                 setattr(module, name, SiblingLinear(group, index, m.in_features, m.out_features))
             fused += 1

@@ -17,11 +17,26 @@
 //
 // Tiles: up to 4 rows against 4 blocks (64 outputs) when x has at most 4 rows (the weight loads
 // are what costs), else 8 rows against 3 blocks (24 sums in registers: the products are).
+//
+// Where the CPU has no AVX-512 (float32) or no AVX512-BF16 (bf16), or in a build with
+// KVFLEET_MATMUL_PORTABLE (as a test makes one), a portable product of the same packed weights
+// takes that dtype: plain C++ the compiler vectorises for the
+// CPU it targets, each output summed over the columns in order with one fused multiply-add per
+// column. Slower than oneDNN there, so it computes linears only where batch-invariance is asked
+// for (`--deterministic`): its sums, too, are in one order whatever the rows or the threads.
+#if defined(KVFLEET_MATMUL_PORTABLE)
+#undef __AVX512F__
+#undef __AVX512BF16__
+#endif
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_kernels.h"
 #include "cpu_matmul.h"
 
 namespace {
@@ -181,6 +196,49 @@ void run(const void* x, int64_t m, int64_t k, int64_t x_stride, const void* pack
 }
 #endif
 
+#if !defined(__AVX512F__) || !defined(KVFLEET_BF16_PRODUCT)
+#define KVFLEET_PORTABLE_PRODUCT 1
+// The portable product: rows [row, row + R) of x against one block, summed column by column.
+template <typename T, int kPer, int R>
+void portable_tile(const T* x, int64_t x_stride, int64_t k, const T* w, int64_t block,
+                   int64_t n, const float* bias, T* y, int64_t y_stride, int64_t row) {
+    const int64_t steps = steps_of(k, kPer);
+    const T* wb = w + block * steps * kPer * kLanes;
+    float acc[R][kLanes] = {};
+    for (int64_t q = 0; q < steps; ++q)
+        for (int h = 0; h < kPer && q * kPer + h < k; ++h) {
+            float wv[kLanes];
+            for (int lane = 0; lane < kLanes; ++lane)
+                wv[lane] = kvfleet::load(wb[(q * kLanes + lane) * kPer + h]);
+            for (int r = 0; r < R; ++r) {
+                const float xv = kvfleet::load(x[(row + r) * x_stride + q * kPer + h]);
+                for (int lane = 0; lane < kLanes; ++lane)
+                    acc[r][lane] = std::fma(wv[lane], xv, acc[r][lane]);
+            }
+        }
+    const int64_t col = block * kLanes;
+    const int valid = static_cast<int>(n - col < kLanes ? n - col : kLanes);
+    for (int r = 0; r < R; ++r)
+        for (int lane = 0; lane < valid; ++lane)
+            kvfleet::store(acc[r][lane] + (bias ? bias[col + lane] : 0.f),
+                           y + (row + r) * y_stride + col + lane);
+}
+
+template <typename T, int kPer>
+void portable_product(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* w, int64_t n,
+                      const float* bias, T* y, int64_t y_stride, int threads) {
+    const int64_t num_blocks = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+    for (int64_t block = 0; block < num_blocks; ++block) {
+        int64_t row = 0;
+        for (; row + 4 <= m; row += 4)
+            portable_tile<T, kPer, 4>(x, x_stride, k, w, block, n, bias, y, y_stride, row);
+        for (; row < m; ++row)
+            portable_tile<T, kPer, 1>(x, x_stride, k, w, block, n, bias, y, y_stride, row);
+    }
+}
+#endif
+
 template <typename T>
 void pack(const T* w, int64_t n, int64_t k, int per, T* out, int threads) {
     const int64_t steps = steps_of(k, per), num_blocks = (n + kLanes - 1) / kLanes;
@@ -205,6 +263,9 @@ int kvfleet_linear_supported(int dtype) {
 #endif
 #if defined(KVFLEET_BF16_PRODUCT)
     if (dtype == 1) return 1;
+#endif
+#if defined(KVFLEET_PORTABLE_PRODUCT)
+    if (dtype == 0 || dtype == 1) return 2;
 #endif
     return 0;
 }
@@ -231,6 +292,17 @@ int kvfleet_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_str
 #endif
 #if defined(KVFLEET_BF16_PRODUCT)
     if (dtype == 1) run<Bf16>(x, m, k, x_stride, packed, n, bias, y, y_stride, threads);
+#endif
+#if defined(KVFLEET_PORTABLE_PRODUCT)
+    if (kvfleet_linear_supported(dtype) != 2) return 0;
+    if (dtype == 0)
+        portable_product<float, 1>(static_cast<const float*>(x), m, k, x_stride,
+                                   static_cast<const float*>(packed), n, bias,
+                                   static_cast<float*>(y), y_stride, threads);
+    else
+        portable_product<uint16_t, 2>(static_cast<const uint16_t*>(x), m, k, x_stride,
+                                      static_cast<const uint16_t*>(packed), n, bias,
+                                      static_cast<uint16_t*>(y), y_stride, threads);
 #endif
     (void)x, (void)k, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride,
         (void)threads;

@@ -6,8 +6,8 @@
 
 extern "C" {
 
-// 1 where this build computes products of `dtype` (0 float32: AVX-512F; 1 bf16: AVX512-BF16,
-// BW and VL), else 0.
+// 1 where this build computes products of `dtype` with AVX-512 (0 float32: AVX-512F; 1 bf16:
+// AVX512-BF16, BW and VL), 2 where with its portable product (a build without them), else 0.
 int kvfleet_linear_supported(int dtype);
 
 // w [n, k] row-major -> out: [n/16][k][16] float32 or [n/16][k/2][16][2] bf16, rows and columns

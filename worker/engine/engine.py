@@ -25,6 +25,7 @@ from worker.engine.attention import resolve_attention_backend
 from worker.engine.device import (
     is_cuda, resolve_block_size, resolve_device, resolve_dtype, select_device)
 from worker.engine.kv_cache import KVCachePool, KVLayout
+from worker.engine.invariance import invariance_gap
 from worker.engine.kv_format import resolve_kv_format
 from worker.engine.model_prep import (
     PreparedModel, eos_token_ids_of, load_pretrained, max_model_len_of, pack_for_cpu, prepare_model)
@@ -73,7 +74,8 @@ class Engine:
         self.max_model_len = max_model_len_of(placed.module.config)
         self.kv_format = layout.kv_format
         self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.device, self.dtype, layout.kv_format, layout.head_dim)
+            config.attention_backend, self.device, self.dtype, layout.kv_format, layout.head_dim,
+            deterministic=config.deterministic)
         block_size = resolve_block_size(config.block_size, self.attention_backend.cpu_kernel,
                                         self.dtype, layout.kv_format.storage)
         config = self.config = replace(config, block_size=block_size)
@@ -115,10 +117,17 @@ class Engine:
                       graphs_mode: str | None) -> None:
         """The model (and draft) packed for the device, the runner, its decode graphs."""
         # fused layers where the C++ attention kernel reads this pool
-        fuse_layers = self.attention_backend.cpu_kernel
-        self.prepared = pack_for_cpu(placed, fuse_layers)
+        fuse_layers, invariant = self.attention_backend.cpu_kernel, self.config.deterministic
+        self.prepared = pack_for_cpu(placed, fuse_layers, invariant)
         self.draft: PreparedModel | None = None if draft_model is None else pack_for_cpu(
-            prepare_model(draft_model, self.device, self.dtype, self.ranks), fuse_layers)
+            prepare_model(draft_model, self.device, self.dtype, self.ranks), fuse_layers,
+            invariant)
+        # None: every row is computed batch-invariantly (invariance.py); else why not
+        self.invariance_gap = invariance_gap(self.prepared, self.attention_backend, invariant)
+        if invariant and self.invariance_gap is not None and (self.ranks is None
+                                                               or self.ranks.is_driver):
+            log.warning("--deterministic: answers may depend on the batch here: %s",
+                        self.invariance_gap)
         self.model = self.prepared.module
         self.runner = ModelRunner(self.model, self.pool, attention_backend=self.attention_backend,
                                   decode_graphs=self._decode_graphs(graphs_mode),
@@ -281,7 +290,8 @@ class Engine:
     def device_report(self) -> str:
         """Device, dtype (and what --dtype said), and on CPU the model and ISA behind `auto`."""
         return reports.device_report(self.device, self.dtype, self.attention_backend,
-                                     self.config.dtype)
+                                     self.config.dtype, self.config.deterministic,
+                                     self.invariance_gap)
 
     def budget_report(self) -> list[str]:
         return reports.budget_report(self.budget, self.pool, self.dtype, self.swap_space,

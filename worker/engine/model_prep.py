@@ -93,20 +93,21 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype,
     return PreparedModel(place_model(module, device, dtype), device, dtype, shard)
 
 
-def pack_for_cpu(prepared: PreparedModel, fuse_layers: bool) -> PreparedModel:
+def pack_for_cpu(prepared: PreparedModel, fuse_layers: bool,
+                 invariant: bool = False) -> PreparedModel:
     """On a CPU, a copy of `prepared` with fused layers (where `fuse_layers`: the C++ attention
     kernel reads the pool; never on a tensor-parallel shard), sibling linears as one product and
-    weights packed where their dtype packs here. Elsewhere `prepared` itself: CUDA keeps HF's
-    layers."""
+    weights packed where their dtype packs here (batch-invariant products where `invariant`).
+    Elsewhere `prepared` itself: CUDA keeps HF's layers."""
     if not is_cpu(prepared.device):
         return prepared
     module = shared_copy(prepared.module)
     num_fused = 0
     if (fuse_layers and prepared.dtype in FUSED_DTYPES
             and prepared.num_heads == module.config.num_attention_heads):
-        num_fused = fuse_decoder_layers(module)
-    fuse_sibling_linears(module)  # q/k/v and gate/up: one product each, where they pack
-    pack_cpu_linears(module, shared=True)  # the tied LM head too (a second copy)
+        num_fused = fuse_decoder_layers(module, invariant)
+    fuse_sibling_linears(module, invariant)  # q/k/v and gate/up: one product each, where they pack
+    pack_cpu_linears(module, shared=True, invariant=invariant)  # the tied LM head too (a copy)
     return replace(prepared, module=module, num_fused_layers=num_fused)
 
 

@@ -58,15 +58,19 @@ def engine_stats(bm: BlockManager, sched: Scheduler, runner: ModelRunner, swap_u
 
 
 def device_report(device: torch.device, dtype: torch.dtype, backend: AttentionBackend,
-                  dtype_name: str) -> str:
-    """Device, dtype (and what --dtype said), and on CPU the model and ISA behind `auto`."""
+                  dtype_name: str, deterministic: bool = False,
+                  invariance_gap: str | None = "not asked for") -> str:
+    """Device, dtype (and what --dtype said), and on CPU the model and ISA behind `auto`; whether
+    rows are computed batch-invariantly (invariance.py)."""
     line = f"{device}, {str(dtype).removeprefix('torch.')} (--dtype {dtype_name})"
     if is_cpu(device):
         line += f"; CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads"
     line += f"; attention {backend.describe()}"
     if is_cpu(device):
-        line += f"; linears {cpu_linear.products_report(dtype)}; {cpu_kernels.report()}"
-    return line
+        line += (f"; linears {cpu_linear.products_report(dtype, deterministic)}; "
+                 f"{cpu_kernels.report()}")
+    verdict = "batch-invariant" if invariance_gap is None else f"not batch-invariant: {invariance_gap}"
+    return f"{line}; {verdict}"
 
 
 def budget_report(budget: MemoryBudget, pool: KVCachePool, dtype: torch.dtype,

@@ -1,7 +1,15 @@
 """The CPU's C++ kernels (cpu_attention.py): decodes read K/V in place through their block tables
 in one call a layer; prefill chunks take the prefill kernel where it runs here (AVX-512; bf16
 with AVX512-BF16; head_dim 64 or 128), else gather + SDPA (sdpa_backend.py). The kernels read
-plain K/V in the model's dtype: the registry picks this backend only for such a pool."""
+plain K/V in the model's dtype: the registry picks this backend only for such a pool.
+
+Batch-invariant (`--deterministic`, the default): every query row of the step, a decode's or a
+prefill chunk's, is one row of the decode kernel, over the keys its position sees. A row's
+result is then one function of its query and its keys, whatever else the step computes, however
+its prompt was chunked, whether its prefix came from the cache: the decode kernel sums every
+row's scores, normaliser and P.V in one order fixed by its context length alone. The prefill
+kernel sums in another order (queries across lanes), faster on long prompts, so it runs only
+with `--no-deterministic`."""
 
 from __future__ import annotations
 
@@ -27,18 +35,25 @@ class CpuBackend(AttentionBackend):
     name = "cpu"
     cpu_kernel = True
 
-    def __init__(self, prefill_kernel: bool):
-        # the prefill kernel computes this pool's chunks here: no dense copy of cached prefixes,
-        # and SDPA's bf16 products run as converted fp32 sgemm on CPUs without AMX
-        self.prefill_kernel = prefill_kernel
+    def __init__(self, prefill_kernel: bool, row_invariant: bool = False):
+        # every query row through the decode kernel (batch-invariant); else prefill chunks take
+        # the prefill kernel where it runs here (no dense copy of cached prefixes, and SDPA's
+        # bf16 products run as converted fp32 sgemm on CPUs without AMX), else SDPA
+        self.row_invariant = row_invariant
+        self.prefill_kernel = prefill_kernel and not row_invariant
 
     def describe(self) -> str:
+        if self.row_invariant:
+            return "cpu (every query row in the decode kernel: batch-invariant)"
         return ("cpu (decode and prefill kernels)" if self.prefill_kernel
                 else "cpu (decode kernel; prefill chunks on SDPA)")
 
     def build_metadata(self, geometry: StepGeometry, write_index: torch.Tensor,
                        decodes: list, prefills: list) -> CpuMetadata:
         bs = geometry.block_size
+        if self.row_invariant:
+            return CpuMetadata(self, geometry.pool, write_index,
+                               decode=rows_plan(decodes, prefills, bs))
         metadata = CpuMetadata(self, geometry.pool, write_index, decode=decode_plan(decodes, bs))
         if self.prefill_kernel:
             metadata.prefill = prefill_plan(prefills, bs, q_start=len(decodes))
@@ -93,6 +108,24 @@ def decode_plan(decodes: list, block_size: int) -> CpuDecodePlan | None:
         return None
     return CpuDecodePlan(len(decodes), padded_tables(decodes, block_size),
                          torch.tensor([c.end for c in decodes], dtype=torch.int32))
+
+
+def rows_plan(decodes: list, prefills: list, block_size: int) -> CpuDecodePlan | None:
+    """Every query row of the step as one decode row, in flattened order: a decode over its
+    context, a prefill chunk's row at position p over keys [0, p]."""
+    tables, ctx_lens = [], []
+    for chunk in decodes:
+        tables.append(chunk.block_table)
+        ctx_lens.append(chunk.end)
+    for chunk in prefills:
+        tables.extend([chunk.block_table] * chunk.num_tokens)
+        ctx_lens.extend(range(chunk.start + 1, chunk.end + 1))
+    if not ctx_lens:
+        return None
+    width = -(-max(ctx_lens) // block_size)
+    rows = [table[:width] + [table[0]] * (width - len(table[:width])) for table in tables]
+    return CpuDecodePlan(len(ctx_lens), torch.tensor(rows, dtype=torch.int32),
+                         torch.tensor(ctx_lens, dtype=torch.int32))
 
 
 def prefill_plan(prefills: list, block_size: int, q_start: int) -> CpuPrefillPlan | None:

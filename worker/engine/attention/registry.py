@@ -50,13 +50,14 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
-                              kv_format: KVFormat, head_dim: int) -> AttentionBackend:
+                              kv_format: KVFormat, head_dim: int,
+                              deterministic: bool = False) -> AttentionBackend:
     """The backend `name` resolves to (resolve_backend_name's errors for one that cannot run
-    here). The CPU kernels read plain K/V in the model's dtype: for another pool format 'cpu'
-    keeps gather + SDPA, and says so."""
+    here), batch-invariant where `deterministic` and it can be. The CPU kernels read plain K/V in
+    the model's dtype: for another pool format 'cpu' keeps gather + SDPA, and says so."""
     resolved = resolve_backend_name(name, device)
     if resolved == "triton":
-        return TritonBackend()
+        return TritonBackend(row_invariant=deterministic)
     if resolved == "sdpa":
         note = None
         if is_cpu(device):
@@ -68,4 +69,5 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     if not cpu_attention.supports(probe, dtype):
         return SdpaBackend("cpu", note=f"gather + SDPA for --kv-dtype {kv_format.name}: the "
                                        f"kernel reads plain K/V")
-    return CpuBackend(prefill_kernel=cpu_attention.prefill_supported(probe, dtype, head_dim))
+    return CpuBackend(prefill_kernel=cpu_attention.prefill_supported(probe, dtype, head_dim),
+                      row_invariant=deterministic)
