@@ -209,6 +209,10 @@ class WorkerMetrics:
         self.indexed_blocks = self._gauge(
             p + "kv_indexed_blocks", "This worker's blocks in the fleet's prefix index (the size "
             "of its announced set in Redis, as the last announcement returned).")
+        self.batch_invariant = self._gauge(
+            p + "batch_invariant", "1 when every query row is computed batch-invariantly "
+            "(--deterministic, and kernels that allow it: a resumed answer equals the "
+            "uninterrupted one), else 0; the start-up log says why not.")
         tokens_per_s = self._gauge(
             p + "tokens_per_second", "Output tokens/s over the last rate window (default 10 s).")
         tokens_per_s.set_function(self._rate.per_s)

@@ -56,6 +56,8 @@ class WorkerService:
                                                 settings.cost_per_hour)
         self.metrics_url = metrics_url
         self.engine = engine
+        # None: batch-invariant (worker/engine/invariance.py); else why not
+        self.metrics.batch_invariant.set(getattr(engine, "invariance_gap", "unknown") is None)
         self.client = client
         self.protocol = protocol
         self.inflight: dict[str, Inflight] = {}

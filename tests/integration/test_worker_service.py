@@ -88,13 +88,14 @@ class Client:
 
 def make_service(redis_url: str, tiny: TinyModel, worker_id: str, **settings) -> WorkerService:
     settings_tokenizer = settings.pop("tokenizer", None)
+    engine_config = settings.pop("engine_config", {})
     settings = WorkerSettings(redis_url=redis_url, model=MODEL, worker_id=worker_id,
                               heartbeat_ttl_s=settings.pop("heartbeat_ttl_s", 0.3),
                               heartbeat_interval_s=0.05, read_block_ms=10, **settings)
     client = connect(redis_url)
     protocol = WorkerProtocol(client, fleet_keys(client), MODEL, worker_id, result_ttl_s=60,
                               steal_after_ms=settings.steal_after_ms)
-    engine = tiny.engine(tokenizer=settings_tokenizer, num_blocks=64, block_size=4)
+    engine = tiny.engine(tokenizer=settings_tokenizer, num_blocks=64, block_size=4, **engine_config)
     service = WorkerService(settings, engine, client, protocol)
     service.connect()
     return service
@@ -127,6 +128,11 @@ def test_serves_a_request_token_for_token_like_generate(redis_url, client, tiny)
     text = worker.metrics.render().decode()
     assert 'kvfleet_worker_output_tokens_total{model="tiny",worker="w1"} 12.0' in text
     assert 'outcome="length"' in text
+    # the default --deterministic on kernels that allow it: batch-invariant; off: not
+    assert 'kvfleet_worker_batch_invariant{model="tiny",worker="w1"} 1.0' in text
+    other = make_service(redis_url, tiny, "w2", engine_config={"deterministic": False})
+    assert ('kvfleet_worker_batch_invariant{model="tiny",worker="w2"} 0.0'
+            in other.metrics.render().decode())
 
 
 class NumberTokenizer:
