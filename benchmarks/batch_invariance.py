@@ -114,8 +114,8 @@ def throughput(model, requests, dtype: str, modes: list[bool], rounds: int) -> N
             print(f"  round {round_ + 1}, deterministic {'on' if mode else 'off'}: "
                   f"{rates[mode][-1]:.1f} tok/s", flush=True)
     for mode in modes:
-        print(f"  deterministic {'on' if mode else 'off'}: median {statistics.median(rates[mode]):.1f} "
-              f"tok/s", flush=True)
+        print(f"  deterministic {'on' if mode else 'off'}: median "
+              f"{statistics.median(rates[mode]):.1f} tok/s", flush=True)
     if len(modes) == 2:
         ratios = [a / b for a, b in zip(rates[True], rates[False])]
         print(f"  on / off: median of the rounds' ratios {statistics.median(ratios):.3f} "

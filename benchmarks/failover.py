@@ -86,6 +86,9 @@ def parse_args() -> argparse.Namespace:
                         help="of the requests, this many (the last) sample at temperature 0.8")
     parser.add_argument("--kill-after-chars", type=int, default=0,
                         help="kill once every stream has this many characters")
+    parser.add_argument("--dtype", default="auto",
+                        help="the workers' --dtype (auto: what users get, bf16 on CPUs with "
+                             "native bf16)")
     parser.add_argument("--no-deterministic", action="store_true",
                         help="start the workers with --no-deterministic (the code before issue 35)")
     parser.add_argument("--heartbeat-ttl-s", type=float, default=2.0)
@@ -106,8 +109,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    flags = ["--kv-memory", "512MiB", "--num-threads", "1", "--heartbeat-ttl-s",
-             str(args.heartbeat_ttl_s), "--heartbeat-interval-s", "0.5"]
+    flags = ["--dtype", args.dtype, "--kv-memory", "512MiB", "--num-threads", "1",
+             "--heartbeat-ttl-s", str(args.heartbeat_ttl_s), "--heartbeat-interval-s", "0.5"]
     if args.no_deterministic:
         flags.append("--no-deterministic")
     if args.load > 0:  # the load is the point: the gateway queues it instead of answering 429

@@ -1,6 +1,8 @@
 """Chaos: SIGKILL the worker serving streamed requests mid-answer; every client's stream continues
 on the other worker with exactly the text an uninterrupted run gives — no gap, no repeat. On a
-single Redis and on a Redis Cluster (3 primaries + 3 replicas, 3 stream shards)."""
+single Redis and on a Redis Cluster (3 primaries + 3 replicas, 3 stream shards). At the default
+settings users get (`--dtype auto`: bf16 on CPUs with native bf16; `--deterministic`), not
+ProcessFleet's float32: the resumed prefill must compute what the decode steps computed."""
 
 from __future__ import annotations
 
@@ -72,8 +74,9 @@ def run_all(url: str, on_started=None) -> list[dict]:
 
 def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_url, redis_topology, tmp_path):
     fleet = ProcessFleet(redis_url, tmp_path,
-                         worker_flags=["--kv-memory", "256MiB", "--num-threads", "1",
-                                       "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"],
+                         worker_flags=["--dtype", "auto", "--kv-memory", "256MiB",
+                                       "--num-threads", "1", "--heartbeat-ttl-s", "2",
+                                       "--heartbeat-interval-s", "0.5"],
                          queue_shards=3 if redis_topology == "cluster" else 1)
     client = connect(redis_url)
     try:

@@ -28,8 +28,9 @@ BODY = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 300, "temperature"
 
 def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
     fleet = ProcessFleet(redis_server.url, tmp_path,
-                         worker_flags=["--kv-memory", "256MiB", "--num-threads", "1",
-                                       "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"])
+                         worker_flags=["--dtype", "auto", "--kv-memory", "256MiB",
+                                       "--num-threads", "1", "--heartbeat-ttl-s", "2",
+                                       "--heartbeat-interval-s", "0.5"])
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys(fleet.prefix)
     try:

@@ -138,6 +138,9 @@ def test_the_engine_reports_itself_batch_invariant_by_default(wide_heads_llama):
     engine = make_engine(wide_heads_llama, torch.bfloat16)
     assert engine.config.deterministic and engine.invariance_gap is None
     assert engine.device_report().endswith("; batch-invariant")
+    # an engine over another's prepared model (its layers already fused) says the same
+    again = Engine(engine.model, EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64))
+    assert again.invariance_gap is None
     off = make_engine(wide_heads_llama, torch.bfloat16, deterministic=False)
     assert off.invariance_gap == "--no-deterministic"
     assert "not batch-invariant: --no-deterministic" in off.device_report()

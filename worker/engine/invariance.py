@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from worker.engine.attention import AttentionBackend
+from worker.engine.cpu_layers import FusedDecoderLayer
 from worker.engine.cpu_linear import KernelLinear, SiblingLinear
 from worker.engine.device import is_cpu
 from worker.engine.model_prep import PreparedModel, linear_products
@@ -30,7 +31,8 @@ def invariance_gap(prepared: PreparedModel, backend: AttentionBackend,
         return (f"linears on {prepared.device.type} run in the vendor's library, whose kernels "
                 f"depend on the batch's shape")
     layers = getattr(getattr(prepared.module, "model", None), "layers", None)
-    if layers is None or prepared.num_fused_layers < len(layers):
+    # fused here, or already in the model it was handed (a prepared model run again)
+    if layers is None or not all(isinstance(layer, FusedDecoderLayer) for layer in layers):
         return "decoder layers in HF's torch ops (not fused around kvfleet's kernels)"
     others = sorted({type(_computing(m)).__name__
                      for m in linear_products(prepared.module).values()
