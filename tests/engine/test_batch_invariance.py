@@ -197,40 +197,55 @@ def test_without_deterministic_the_same_checks_see_a_difference(wide_heads_llama
 
 # ---- the portable product (cpu_matmul.cpp without AVX-512) -----------------------------------------
 
-@pytest.fixture(scope="module")
-def portable_matmul(tmp_path_factory) -> BoundKernel:
-    """cpu_matmul.cpp built as on a CPU without AVX-512 (KVFLEET_MATMUL_PORTABLE)."""
+def build_portable(directory, scalar: bool) -> BoundKernel:
+    """cpu_matmul.cpp built as on a CPU without AVX-512 (KVFLEET_MATMUL_PORTABLE): its AVX2 form
+    where the CPU has AVX2, or (`scalar`) its plain C++ form."""
     source = cpu_kernels.KERNELS["matmul"]
-    wrapper = tmp_path_factory.mktemp("portable") / "cpu_matmul_portable.cpp"
-    wrapper.write_text(f'#define KVFLEET_MATMUL_PORTABLE 1\n#include "{source.source}"\n')
+    wrapper = directory / f"cpu_matmul_portable{'_scalar' if scalar else ''}.cpp"
+    wrapper.write_text("#define KVFLEET_MATMUL_PORTABLE 1\n"
+                       + ("#define KVFLEET_MATMUL_SCALAR 1\n" if scalar else "")
+                       + f'#include "{source.source}"\n')
     library = build(wrapper, (source.source, source.header, *cpu_kernels.COMMON_HEADERS),
-                    compiler=cpu_kernels.compiler_name(), cache_dir=wrapper.parent)
+                    compiler=cpu_kernels.compiler_name(), cache_dir=directory)
     return BoundKernel(ctypes.CDLL(str(library)), read_header(source.header))
 
 
+@pytest.fixture(scope="module")
+def portable_matmuls(tmp_path_factory) -> list[BoundKernel]:
+    directory = tmp_path_factory.mktemp("portable")
+    return [build_portable(directory, scalar=False), build_portable(directory, scalar=True)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_portable_product_is_exact_to_a_rounding_and_batch_invariant(portable_matmul, dtype):
+def test_the_portable_product_is_exact_to_a_rounding_and_batch_invariant(portable_matmuls, dtype):
+    """Both forms (vectorised, plain C++) within a rounding of the exact product, every row's
+    result the same alone or in any batch and with 1 or 2 threads, and the two forms equal bit
+    for bit (the same fused multiply-adds in the same order)."""
     code = {torch.float32: 0, torch.bfloat16: 1}[dtype]
-    assert portable_matmul.kvfleet_linear_supported(code) == 2
     torch.manual_seed(8)
     n, k = 83, 301  # a partial last block; an odd column count (bf16: a half-empty last pair)
     weight, bias = torch.randn(n, k).to(dtype), torch.randn(n)
     per = 2 if dtype == torch.bfloat16 else 1
-    packed = torch.empty(math.ceil(n / 16) * math.ceil(k / per) * per * 16, dtype=dtype)
-    assert portable_matmul.kvfleet_pack_linear(code, weight.data_ptr(), n, k, packed.data_ptr(), 1) == 0
-
-    def product(x: torch.Tensor, threads: int) -> torch.Tensor:
-        y = torch.empty(x.shape[0], n, dtype=dtype)
-        assert portable_matmul.kvfleet_linear(code, x.data_ptr(), x.shape[0], k, k,
-                                              packed.data_ptr(), n, bias.data_ptr(),
-                                              y.data_ptr(), n, threads) == 0
-        return y
-
     x = torch.randn(13, k).to(dtype)
-    batch = product(x, 2)
     exact = x.double() @ weight.double().T + bias.double()
     tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
-    assert (batch.double() - exact).abs().max().item() <= tolerance * exact.abs().max().item()
-    for i in range(x.shape[0]):
-        assert torch.equal(product(x[i:i + 1].clone(), 1), batch[i:i + 1])
-    assert torch.equal(product(x[3:9].clone(), 2), batch[3:9])
+    results = []
+    for matmul in portable_matmuls:
+        assert matmul.kvfleet_linear_supported(code) == 2
+        packed = torch.empty(math.ceil(n / 16) * math.ceil(k / per) * per * 16, dtype=dtype)
+        assert matmul.kvfleet_pack_linear(code, weight.data_ptr(), n, k, packed.data_ptr(), 1) == 0
+
+        def product(rows: torch.Tensor, threads: int) -> torch.Tensor:
+            y = torch.empty(rows.shape[0], n, dtype=dtype)
+            assert matmul.kvfleet_linear(code, rows.data_ptr(), rows.shape[0], k, k,
+                                         packed.data_ptr(), n, bias.data_ptr(),
+                                         y.data_ptr(), n, threads) == 0
+            return y
+
+        batch = product(x, 2)
+        assert (batch.double() - exact).abs().max().item() <= tolerance * exact.abs().max().item()
+        for i in range(x.shape[0]):
+            assert torch.equal(product(x[i:i + 1].clone(), 1), batch[i:i + 1])
+        assert torch.equal(product(x[3:9].clone(), 2), batch[3:9])
+        results.append(batch)
+    assert torch.equal(results[0], results[1])

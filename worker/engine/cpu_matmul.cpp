@@ -198,7 +198,58 @@ void run(const void* x, int64_t m, int64_t k, int64_t x_stride, const void* pack
 
 #if !defined(__AVX512F__) || !defined(KVFLEET_BF16_PRODUCT)
 #define KVFLEET_PORTABLE_PRODUCT 1
-// The portable product: rows [row, row + R) of x against one block, summed column by column.
+// The portable product, R rows of x against one block of 16 outputs: for each column c in order,
+// acc[r][lane] = fma(w[lane][c], x[r][c], acc[r][lane]). With AVX2 and FMA (every x86 CPU
+// kvfleet runs on) the 16 lanes are two 8-float vectors, else (or with KVFLEET_MATMUL_SCALAR, as a
+// test builds it) plain C++; both compute the same fused multiply-adds in the same order.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVFLEET_MATMUL_SCALAR)
+#include <immintrin.h>
+
+// The 16 outputs' weights of column pair q as fp32: [lane 0-7, 8-15] of the even column (h = 0)
+// or the odd one (h = 1); float32 has one column per step.
+inline void weights16(const float* at, int, __m256& lo, __m256& hi) {
+    lo = _mm256_loadu_ps(at);
+    hi = _mm256_loadu_ps(at + 8);
+}
+inline void weights16(const uint16_t* at, int h, __m256& lo, __m256& hi) {
+    // 16 (even, odd) bf16 pairs as 32-bit words; bf16 -> fp32 is the high half of the bits
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16));
+    const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    lo = _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(a, 16) : _mm256_and_si256(a, mask));
+    hi = _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(b, 16) : _mm256_and_si256(b, mask));
+}
+
+template <typename T, int kPer, int R>
+void portable_tile(const T* x, int64_t x_stride, int64_t k, const T* w, int64_t block,
+                   int64_t n, const float* bias, T* y, int64_t y_stride, int64_t row) {
+    const int64_t steps = steps_of(k, kPer);
+    const T* wb = w + block * steps * kPer * kLanes;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t q = 0; q < steps; ++q)
+        for (int h = 0; h < kPer && q * kPer + h < k; ++h) {
+            __m256 lo, hi;
+            weights16(wb + q * kLanes * kPer, h, lo, hi);
+            for (int r = 0; r < R; ++r) {
+                const __m256 xv = _mm256_set1_ps(
+                    kvfleet::load(x[(row + r) * x_stride + q * kPer + h]));
+                acc[r][0] = _mm256_fmadd_ps(lo, xv, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(hi, xv, acc[r][1]);
+            }
+        }
+    const int64_t col = block * kLanes;
+    const int valid = static_cast<int>(n - col < kLanes ? n - col : kLanes);
+    for (int r = 0; r < R; ++r) {
+        alignas(32) float sums[kLanes];
+        _mm256_store_ps(sums, acc[r][0]);
+        _mm256_store_ps(sums + 8, acc[r][1]);
+        for (int lane = 0; lane < valid; ++lane)
+            kvfleet::store(sums[lane] + (bias ? bias[col + lane] : 0.f),
+                           y + (row + r) * y_stride + col + lane);
+    }
+}
+#else
 template <typename T, int kPer, int R>
 void portable_tile(const T* x, int64_t x_stride, int64_t k, const T* w, int64_t block,
                    int64_t n, const float* bias, T* y, int64_t y_stride, int64_t row) {
@@ -206,16 +257,13 @@ void portable_tile(const T* x, int64_t x_stride, int64_t k, const T* w, int64_t 
     const T* wb = w + block * steps * kPer * kLanes;
     float acc[R][kLanes] = {};
     for (int64_t q = 0; q < steps; ++q)
-        for (int h = 0; h < kPer && q * kPer + h < k; ++h) {
-            float wv[kLanes];
-            for (int lane = 0; lane < kLanes; ++lane)
-                wv[lane] = kvfleet::load(wb[(q * kLanes + lane) * kPer + h]);
+        for (int h = 0; h < kPer && q * kPer + h < k; ++h)
             for (int r = 0; r < R; ++r) {
                 const float xv = kvfleet::load(x[(row + r) * x_stride + q * kPer + h]);
                 for (int lane = 0; lane < kLanes; ++lane)
-                    acc[r][lane] = std::fma(wv[lane], xv, acc[r][lane]);
+                    acc[r][lane] = std::fma(kvfleet::load(wb[(q * kLanes + lane) * kPer + h]), xv,
+                                            acc[r][lane]);
             }
-        }
     const int64_t col = block * kLanes;
     const int valid = static_cast<int>(n - col < kLanes ? n - col : kLanes);
     for (int r = 0; r < R; ++r)
@@ -223,6 +271,7 @@ void portable_tile(const T* x, int64_t x_stride, int64_t k, const T* w, int64_t 
             kvfleet::store(acc[r][lane] + (bias ? bias[col + lane] : 0.f),
                            y + (row + r) * y_stride + col + lane);
 }
+#endif
 
 template <typename T, int kPer>
 void portable_product(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* w, int64_t n,
