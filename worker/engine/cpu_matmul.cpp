@@ -20,10 +20,10 @@
 //
 // Where the CPU has no AVX-512 (float32) or no AVX512-BF16 (bf16), or in a build with
 // KVFLEET_MATMUL_PORTABLE (as a test makes one), a portable product of the same packed weights
-// takes that dtype: plain C++ the compiler vectorises for the
-// CPU it targets, each output summed over the columns in order with one fused multiply-add per
-// column. Slower than oneDNN there, so it computes linears only where batch-invariance is asked
-// for (`--deterministic`): its sums, too, are in one order whatever the rows or the threads.
+// takes that dtype: AVX2 intrinsics (plain C++ without AVX2), each output summed over the
+// columns in order with one fused multiply-add per column, so its sums too are in one order
+// whatever the rows or the threads. Linears take it where batch-invariance is asked for
+// (`--deterministic`, the default) or KVFLEET_CPU_PRODUCTS=kvfleet; elsewhere oneDNN or MKL.
 #if defined(KVFLEET_MATMUL_PORTABLE)
 #undef __AVX512F__
 #undef __AVX512BF16__
