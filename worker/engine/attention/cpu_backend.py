@@ -97,9 +97,13 @@ def padded_tables(chunks: list, block_size: int) -> torch.Tensor:
     """[len(chunks), width] int32: each chunk's pages up to its last key, padded with its first
     page to the longest."""
     width = max(-(-c.end // block_size) for c in chunks)
-    rows = [c.block_table[:width] for c in chunks]
-    return torch.tensor([row + [c.block_table[0]] * (width - len(row))
-                         for c, row in zip(chunks, rows)], dtype=torch.int32)
+    return torch.tensor([padded(c.block_table, width) for c in chunks], dtype=torch.int32)
+
+
+def padded(table: list[int], width: int) -> list[int]:
+    """The first `width` pages of `table`, padded with its first page (never read) to `width`."""
+    row = table[:width]
+    return row + [table[0]] * (width - len(row))
 
 
 def decode_plan(decodes: list, block_size: int) -> CpuDecodePlan | None:
@@ -113,18 +117,15 @@ def decode_plan(decodes: list, block_size: int) -> CpuDecodePlan | None:
 def rows_plan(decodes: list, prefills: list, block_size: int) -> CpuDecodePlan | None:
     """Every query row of the step as one decode row, in flattened order: a decode over its
     context, a prefill chunk's row at position p over keys [0, p]."""
-    tables, ctx_lens = [], []
-    for chunk in decodes:
-        tables.append(chunk.block_table)
-        ctx_lens.append(chunk.end)
-    for chunk in prefills:
-        tables.extend([chunk.block_table] * chunk.num_tokens)
-        ctx_lens.extend(range(chunk.start + 1, chunk.end + 1))
-    if not ctx_lens:
+    chunks = decodes + prefills
+    if not chunks:
         return None
-    width = -(-max(ctx_lens) // block_size)
-    rows = [table[:width] + [table[0]] * (width - len(table[:width])) for table in tables]
-    return CpuDecodePlan(len(ctx_lens), torch.tensor(rows, dtype=torch.int32),
+    width = max(-(-c.end // block_size) for c in chunks)
+    tables, ctx_lens = [], []
+    for chunk in chunks:  # a chunk's table padded once, its rows sharing it
+        tables.extend([padded(chunk.block_table, width)] * chunk.num_tokens)
+        ctx_lens.extend(range(chunk.start + 1, chunk.end + 1))
+    return CpuDecodePlan(len(ctx_lens), torch.tensor(tables, dtype=torch.int32),
                          torch.tensor(ctx_lens, dtype=torch.int32))
 
 
