@@ -5,9 +5,10 @@ these fields as its own, so a worker's flags and `KVFLEET_*` variables are these
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Literal
 
-from pydantic import AliasChoices, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
 from shared.byte_size import ByteSize
@@ -19,6 +20,64 @@ CudaGraphsMode = Literal["auto", "off", "eager"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvDtype = Literal["auto", "bf16", "fp16", "fp32", "fp8", "int8"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
+
+SpeculativeMethod = Literal["ngram", "suffix", "draft_model"]
+
+
+class SpeculativeConfig(BaseModel):
+    """`--speculative-config`, in vLLM's spelling where it has one: which proposer guesses the
+    next tokens of a decoding stream and how many; the target model verifies every guess, so the
+    answer is the one plain decoding gives (docs/OPERATIONS.md, "Speculative decoding")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    method: SpeculativeMethod = Field(description=(
+        "`ngram` (prompt lookup: the tokens that followed the last match of the stream's final "
+        "n-gram in its prompt and output), `suffix` (suffix decoding: suffix trees over the "
+        "stream and over recent answers of this worker), `draft_model` (a smaller model with "
+        "the same tokenizer, `model`)"))
+    num_speculative_tokens: int = Field(5, ge=1, le=32, description=(
+        "proposed tokens per stream and step at most (fewer where acceptance or the batch "
+        "says so)"))
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: the longest n-gram matched")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram: the shortest n-gram matched")
+    model: str | None = Field(None, description=(
+        "draft_model: a model directory or local HF cache id, sharing the target's tokenizer"))
+    suffix_decoding_max_tree_depth: int = Field(24, ge=1, description=(
+        "suffix: the longest suffix matched (and depth of the trees)"))
+    suffix_decoding_max_cached_requests: int = Field(100, ge=0, description=(
+        "suffix: finished answers kept in the worker's tree (pure Python: about 0.5 MB per "
+        "500-token answer, and the garbage collector's passes grow with it)"))
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0, description=(
+        "suffix: proposals at most this many times the matched length"))
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1, description=(
+        "suffix: a proposal stops where its estimated probability falls below this"))
+    adaptive: bool = Field(True, description=(
+        "propose only where the expected accepted tokens are worth the rows they add, by each "
+        "stream's acceptance and the step cost measured as the worker runs; false: always "
+        "num_speculative_tokens where the proposer has them, as vLLM does"))
+    disable_by_batch_size: int | None = Field(None, ge=1, description=(
+        "no speculation while more streams than this decode (the step-cost rule backs off "
+        "anyway; this is a hard cap)"))
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError("`model` names a draft model: only with method draft_model")
+        return self
+
+
+def _json_object(value):
+    """A JSON text (a flag, an environment variable) as the object it spells; '' is unset."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a JSON object ({exc}): {value!r}") from None
+    return value
+
 
 # Fields a worker does not take from its settings: tests and benchmarks set them.
 ENGINE_ONLY = ("num_blocks", "watermark")
@@ -87,6 +146,12 @@ class EngineConfig:
         "kind (docs/RELIABILITY.md): every query row is computed by batch-invariant kernels. "
         "off: long prompts prefill faster on the CPU (its tiled prefill kernel) and a resumed "
         "bf16 answer may differ from the uninterrupted one"))
+    speculative_config: Annotated[SpeculativeConfig | None, BeforeValidator(_json_object)] = Field(
+        None, json_schema_extra={"default_text": "off"}, description=(
+            "speculative decoding, as JSON in vLLM's spelling: `{\"method\": \"ngram\", "
+            "\"num_speculative_tokens\": 5}`; methods `ngram`, `suffix`, `draft_model` (with "
+            "`model`); the answers stay token for token those of plain decoding "
+            "(docs/OPERATIONS.md, \"Speculative decoding\")"))
     num_blocks: int | None = Field(None, ge=1, description=(
         "the pool's size in blocks instead of one from the memory budget"))
     watermark: float = Field(0.01, ge=0.0, lt=1.0, description=(

@@ -34,6 +34,9 @@ class Behaviour:
     delay_per_inflight: bool = False  # token delay × requests in flight (a loaded GPU)
     status_code: int = 200
     num_workers: int | None = 3
+    # a kvfleet gateway's /dashboard/data: (proposed, accepted) speculative tokens per request
+    # answered, on top of counts from before the run; None: no such route
+    spec_per_request: tuple[int, int] | None = None
 
 
 class FakeServer:
@@ -47,9 +50,20 @@ class FakeServer:
         app = FastAPI()
         app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": MODEL}]})
         app.get("/health")(lambda: {"status": "ok", "workers": self.behaviour.num_workers})
+        app.get("/dashboard/data")(self._dashboard)
         app.post("/v1/chat/completions")(self._handler("chat"))
         app.post("/v1/completions")(self._handler("completions"))
         return app
+
+    def _dashboard(self):
+        spec = self.behaviour.spec_per_request
+        if spec is None:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        done = len(self.bodies)
+        workers = [{"model": MODEL, "spec_draft_tokens": 1000 + spec[0] * done,
+                    "spec_accepted_tokens": 500 + spec[1] * done},
+                   {"model": "other-model", "spec_draft_tokens": 7, "spec_accepted_tokens": 7}]
+        return {"workers": workers}
 
     def _handler(self, endpoint: str):
         async def handle(request: Request):
@@ -164,6 +178,20 @@ def test_measures_ttft_itl_usage_and_writes_files(fake, tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     table = capsys.readouterr().out
     assert "time to first token" in table and "goodput" in table and "cost per 1M" in table
+    assert results["run"]["speculation"] is None
+    assert "Speculative decoding: not reported by the server" in table
+
+
+def test_reports_the_runs_speculative_acceptance(fake, tmp_path, capsys):
+    """Against a kvfleet gateway: the proposed and accepted tokens of this run's model only,
+    counted from before the run to after it."""
+    fake.bodies.clear()
+    fake.behaviour = replace(fake.behaviour, spec_per_request=(10, 6))
+    code, results = run_bench(fake, tmp_path, "--rate", "inf", "--no-plots")
+    assert code == 0
+    assert results["run"]["speculation"] == {"proposed_tokens": 40, "accepted_tokens": 24,
+                                             "acceptance_rate": 0.6}
+    assert "60.0% of proposed tokens accepted (24 of 40)" in capsys.readouterr().out
 
 
 def test_temperature_is_sent_only_when_given(fake, tmp_path):

@@ -39,6 +39,10 @@ class FakeStats:
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
     num_cuda_graph_steps: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 class FakeClock:
@@ -72,7 +76,9 @@ def test_counters_and_gauges_follow_steps():
                       FakeStats(num_blocks_free=70, num_running=2, num_waiting=1,
                                 prefix_queried_tokens=40, prefix_hit_tokens=10,
                                 num_cached_blocks=3, num_prefill_tokens_computed=30,
-                                num_cuda_graph_steps=3),
+                                num_cuda_graph_steps=3, spec_num_drafts=4,
+                                spec_num_draft_tokens=12, spec_num_accepted_tokens=5,
+                                spec_accepted_per_position=(3, 2, 0)),
                       step_time_s=0.1)
     clock.now += 0.1
     metrics.step_done([FakeOutput("a", [3], finish_reason="stop"),
@@ -82,7 +88,9 @@ def test_counters_and_gauges_follow_steps():
                                 prefix_queried_tokens=80, prefix_hit_tokens=40,
                                 num_cached_blocks=4, num_prefill_tokens_computed=45,
                                 num_constrained=3, grammar_compiles=2, grammar_cache_hits=5,
-                                num_cuda_graph_steps=7),
+                                num_cuda_graph_steps=7, spec_num_drafts=6,
+                                spec_num_draft_tokens=18, spec_num_accepted_tokens=9,
+                                spec_accepted_per_position=(4, 3, 2)),
                       step_time_s=0.03)
 
     assert value(metrics, "kvfleet_worker_requests_started_total") == 2
@@ -106,6 +114,11 @@ def test_counters_and_gauges_follow_steps():
     assert value(metrics, "kvfleet_worker_grammar_compiles_total") == 2
     assert value(metrics, "kvfleet_worker_grammar_cache_hits_total") == 5
     assert value(metrics, "kvfleet_worker_cuda_graph_steps_total") == 7
+    assert value(metrics, "kvfleet_worker_spec_decode_num_drafts_total") == 6
+    assert value(metrics, "kvfleet_worker_spec_decode_num_draft_tokens_total") == 18
+    assert value(metrics, "kvfleet_worker_spec_decode_num_accepted_tokens_total") == 9
+    per_pos = "kvfleet_worker_spec_decode_num_accepted_tokens_per_pos_total"
+    assert [value(metrics, per_pos, position=str(i)) for i in range(3)] == [4, 3, 2]
 
 
 def test_histograms_bucket_queue_wait_and_step_time():

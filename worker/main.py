@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import signal
@@ -53,9 +54,30 @@ def build_engine(settings: WorkerSettings) -> Engine:
         torch.set_num_threads(threads)
     path = resolve_model_path(settings.model, settings.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    config = with_draft_model_path(config, tokenizer, settings.cache_dir)
     # every rank loads its own copy (with one rank: this process)
     load = functools.partial(load_pretrained, path, config.dtype, config.device)
     return launch_engine(load, config, tokenizer=tokenizer, num_threads=threads)  # logs its budget
+
+
+def with_draft_model_path(config: EngineConfig, tokenizer, cache_dir) -> EngineConfig:
+    """The draft model of `--speculative-config` resolved as `--model` is (a directory, the
+    default model, an id in the local HF cache); a draft whose tokenizer differs from the
+    model's is refused at start-up (its proposals would be other tokens)."""
+    from transformers import AutoTokenizer
+
+    spec = config.speculative_config
+    if spec is None or spec.model is None:
+        return config
+    path = resolve_model_path(spec.model, cache_dir)
+    try:
+        draft_vocab = AutoTokenizer.from_pretrained(path).get_vocab()
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"kvfleet worker: draft model {spec.model!r}: {exc}") from None
+    if draft_vocab != tokenizer.get_vocab():
+        raise SystemExit(f"kvfleet worker: draft model {spec.model!r} has another tokenizer "
+                         "than the model's")
+    return dataclasses.replace(config, speculative_config=spec.model_copy(update={"model": path}))
 
 
 def run_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> None:

@@ -51,6 +51,10 @@ class StepStats(Protocol):
     grammar_compiles: int
     grammar_cache_hits: int
     num_cuda_graph_steps: int
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    spec_accepted_per_position: tuple[int, ...]
 
 
 class TokenRate:
@@ -123,6 +127,10 @@ class WorkerMetrics:
         self._compiles = CumulativeDelta()
         self._grammar_hits = CumulativeDelta()
         self._graph_steps = CumulativeDelta()
+        self._spec_drafts = CumulativeDelta()
+        self._spec_draft_tokens = CumulativeDelta()
+        self._spec_accepted = CumulativeDelta()
+        self._spec_per_position: list[CumulativeDelta] = []
         self._server = None
         self._build_counters()
         self._build_gauges()
@@ -188,6 +196,20 @@ class WorkerMetrics:
         self.cuda_graph_steps = self._counter(
             p + "cuda_graph_steps", "Decode steps run by replaying a captured CUDA graph (0 on "
             "CPU, with --cuda-graphs off|eager, and for steps with a prefill chunk).")
+
+        # speculative decoding, in vLLM's names (vllm:spec_decode_*)
+        self.spec_drafts = self._counter(
+            p + "spec_decode_num_drafts", "Speculative decoding: a stream's step that verified "
+            "proposed tokens (one draft).")
+        self.spec_draft_tokens = self._counter(
+            p + "spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        self.spec_accepted = self._counter(
+            p + "spec_decode_num_accepted_tokens", "Proposed tokens accepted (each one a forward "
+            "saved); accepted / draft tokens is the acceptance rate.")
+        self._spec_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by their "
+            "position in the draft (0 = the first proposal).", LABELS + ("position",),
+            registry=self.registry)
 
     def _build_gauges(self) -> None:
         p = "kvfleet_worker_"
@@ -311,6 +333,15 @@ class WorkerMetrics:
         self.grammar_compiles.inc(self._compiles.step(stats.grammar_compiles))
         self.grammar_cache_hits.inc(self._grammar_hits.step(stats.grammar_cache_hits))
         self.cuda_graph_steps.inc(self._graph_steps.step(stats.num_cuda_graph_steps))
+        self.spec_drafts.inc(self._spec_drafts.step(stats.spec_num_drafts))
+        self.spec_draft_tokens.inc(self._spec_draft_tokens.step(stats.spec_num_draft_tokens))
+        self.spec_accepted.inc(self._spec_accepted.step(stats.spec_num_accepted_tokens))
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            if position == len(self._spec_per_position):
+                self._spec_per_position.append(CumulativeDelta())
+            delta = self._spec_per_position[position].step(count)
+            if delta:
+                self._spec_per_pos.labels(**self._labels(), position=str(position)).inc(delta)
 
     # ---- derived numbers -----------------------------------------------------------------
 

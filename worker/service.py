@@ -413,6 +413,8 @@ class WorkerService:
             generated_tokens=stats.num_generated_tokens,
             prefix_queried_tokens=stats.prefix_queried_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
+            spec_draft_tokens=stats.spec_num_draft_tokens,
+            spec_accepted_tokens=stats.spec_num_accepted_tokens,
             tokens_per_s=round(self.metrics.tokens_per_s(), 2), metrics_url=self.metrics_url or "",
             block_size=self.engine_block_size(), max_running=self.settings.max_running)
         with self._lock:

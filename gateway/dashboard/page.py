@@ -101,7 +101,7 @@ DASHBOARD_HTML = """<!doctype html>
 </section>
 <table>
   <thead><tr><th>worker</th><th>model</th><th>KV usage</th><th>running</th><th>waiting</th>
-    <th>tokens/s</th><th>prefix hit</th><th>indexed blocks</th><th>routed</th><th>own queue</th>
+    <th>tokens/s</th><th>prefix hit</th><th>spec accepted</th><th>indexed blocks</th><th>routed</th><th>own queue</th>
     <th>preempted</th><th>heartbeat</th></tr></thead>
   <tbody id="workers"></tbody>
 </table>
@@ -155,6 +155,8 @@ function renderWorkers(workers) {
     cell(row, String(w.waiting));
     cell(row, fmt(w.tokens_per_s, 1));
     cell(row, w.prefix_hit_rate === null ? "–" : (w.prefix_hit_rate * 100).toFixed(1) + "%");
+    cell(row, w.spec_acceptance_rate === null ? "–"
+      : (w.spec_acceptance_rate * 100).toFixed(1) + "%");
     cell(row, w.indexed_blocks === null ? "–" : String(w.indexed_blocks));
     cell(row, w.routed === null ? "–" : String(w.routed));
     cell(row, String(w.own_queue));

@@ -35,12 +35,17 @@ def worker_row(worker_id: str, beat: Heartbeat, now: float) -> dict[str, Any]:
         "waiting": beat.waiting,
         "tokens_per_s": round(beat.tokens_per_s, 2),
         "prefix_hit_rate": (round(beat.prefix_hit_tokens / queried, 4) if queried else None),
+        # speculative decoding: accepted / proposed tokens since start (null: none proposed)
+        "spec_acceptance_rate": (round(beat.spec_accepted_tokens / beat.spec_draft_tokens, 4)
+                                 if beat.spec_draft_tokens else None),
         "preemptions": beat.preemptions,
         "heartbeat_age_s": round(max(now - beat.ts, 0.0), 2) if beat.ts else None,
         "metrics_url": beat.metrics_url or None,
         "own_queue": beat.own_queue,
         "prefix_queried_tokens": queried,
         "prefix_hit_tokens": beat.prefix_hit_tokens,
+        "spec_draft_tokens": beat.spec_draft_tokens,
+        "spec_accepted_tokens": beat.spec_accepted_tokens,
     }
 
 

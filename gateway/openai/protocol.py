@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20
 MAX_CHOICES = 128
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value
+MAX_SPECULATIVE_TOKENS = 32  # SpeculativeConfig.num_speculative_tokens's limit
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -61,6 +62,9 @@ class SamplingRequest(BaseModel):
     # batch queue; the names are accepted too.
     priority: int | Literal["interactive", "batch"] = 0
     skip_prefix_cache: bool = False
+    # speculative decoding for this request: unset = the worker's setting, 0 = off, N = at most
+    # N proposed tokens a step (the worker's --speculative-config caps it); the answer is the same
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     # vLLM: the prompt tokens' logprobs and top-N alternatives, in the response's choices
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Structured outputs as vLLM takes them (at most one, and not beside `response_format`).
@@ -147,7 +151,8 @@ class SamplingRequest(BaseModel):
             skip_prefix_cache=self.skip_prefix_cache,
             constraint=constraint, logit_bias=self.token_bias(),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            num_speculative_tokens=self.num_speculative_tokens)
 
 
 class CompletionRequest(SamplingRequest):

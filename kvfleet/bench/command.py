@@ -18,8 +18,10 @@ import httpx
 from kvfleet import arg_types
 from kvfleet.bench.client import ENDPOINT_PATHS, BenchTarget
 from kvfleet.bench.load import LoadSpec, RunResult, replay
-from kvfleet.bench.probe import FleetUnreachable, count_workers, resolve_model
-from kvfleet.bench.report import summary_to_text, sweep_to_text, write_results, write_sweep
+from kvfleet.bench.probe import (
+    FleetUnreachable, count_workers, resolve_model, speculation_counts, speculation_summary)
+from kvfleet.bench.report import (
+    speculation_line, summary_to_text, sweep_to_text, write_results, write_sweep)
 from kvfleet.bench.stats import Slo, Summary, summarise
 from kvfleet.bench.sweep import SWEEP_BY_CHOICES, SweepResult, default_loads, sweep
 from kvfleet.bench.trace import TraceError, TraceRequest, load_trace
@@ -138,7 +140,10 @@ async def _bench(args: argparse.Namespace, requests: list[TraceRequest]) -> int:
 
         if args.sweep:
             return await _sweep(args, run_at, info)
+        before = await speculation_counts(client, target.model)
         result, summary = await run_at(_base_load(args))
+        info["speculation"] = speculation_summary(
+            before, await speculation_counts(client, target.model))
     return _report_run(args, result, summary, info)
 
 
@@ -198,6 +203,7 @@ def _report_run(args: argparse.Namespace, result: RunResult, summary: Summary,
                                      args.out / "throughput.png"))
     print(f"Client CPU: {info['client_cpu']}")
     print(summary_to_text(summary), end="")
+    print(speculation_line(info.get("speculation")))
     print("wrote " + ", ".join(str(path) for path in paths))
     return 0 if summary.num_ok else _all_failed(summary)
 

@@ -54,6 +54,32 @@ async def count_workers(client: httpx.AsyncClient) -> int | None:
     return None
 
 
+async def speculation_counts(client: httpx.AsyncClient, model: str) -> tuple[int, int] | None:
+    """(proposed, accepted) speculative tokens of the model's live workers since they started,
+    from a kvfleet gateway's GET /dashboard/data; None from a server that does not say."""
+    try:
+        response = await client.get("/dashboard/data")
+        workers = response.json()["workers"] if response.status_code == 200 else None
+        rows = [w for w in workers if w["model"] == model]
+        return (sum(w["spec_draft_tokens"] for w in rows),
+                sum(w["spec_accepted_tokens"] for w in rows))
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def speculation_summary(before: tuple[int, int] | None,
+                        after: tuple[int, int] | None) -> dict | None:
+    """The run's proposed and accepted tokens and their ratio (None: not reported; a worker
+    that restarted during the run makes the difference meaningless, also None)."""
+    if before is None or after is None:
+        return None
+    proposed, accepted = after[0] - before[0], after[1] - before[1]
+    if proposed < 0 or accepted < 0:
+        return None
+    return {"proposed_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / proposed, 4) if proposed else None}
+
+
 def _reason(exc: httpx.HTTPError) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

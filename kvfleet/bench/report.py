@@ -118,6 +118,17 @@ def sweep_to_text(summaries: list[Summary], loads: list[float], sweep_by: str,
     return "\n".join(lines + ["", verdict]) + "\n"
 
 
+def speculation_line(speculation: dict | None) -> str:
+    """The run's speculative decoding, as the fleet's workers counted it."""
+    if speculation is None:
+        return "Speculative decoding: not reported by the server"
+    if not speculation["proposed_tokens"]:
+        return "Speculative decoding: no tokens proposed (off, or backed off)"
+    return (f"Speculative decoding: {speculation['acceptance_rate'] * 100:.1f}% of proposed "
+            f"tokens accepted ({speculation['accepted_tokens']:,} of "
+            f"{speculation['proposed_tokens']:,})")
+
+
 def _one_decimal(value: float | None) -> str:
     return format_number(value, 1)
 

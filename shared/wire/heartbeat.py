@@ -27,6 +27,8 @@ class Heartbeat:
     generated_tokens: int = 0  # since start
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # ... and found there
+    spec_draft_tokens: int = 0  # speculative proposals verified, since start
+    spec_accepted_tokens: int = 0  # ... and accepted
     tokens_per_s: float = 0.0  # output tokens per second, recent
     metrics_url: str = ""  # the worker's Prometheus endpoint ("" = none)
     block_size: int = 0  # token positions per KV block (the router hashes prompts by it)

@@ -41,6 +41,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string / stop token's text
     # special tokens' text left out of the output (the text the worker matches stop strings on)
     skip_special_tokens: bool = True
+    # Speculative decoding for this request: None = the worker's setting; 0 = off; N = at most N
+    # proposed tokens per step (capped by the worker's). The answer is the same either way.
+    num_speculative_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -167,6 +167,18 @@ def test_the_profiling_step_has_the_largest_shape(tiny_llama, max_batched_tokens
     assert profile.peak_bytes == 0  # measured on CUDA only
 
 
+def test_with_speculation_the_profiling_step_verifies_proposals_for_every_stream(tiny_llama):
+    """Speculation makes a step emit up to 1 + k rows per stream: the profiled step has them."""
+    step = largest_step(96, 8, block_size=4, num_speculative_tokens=4)
+    assert step.num_batched_tokens == 96
+    assert [c.num_logits for c in step.chunks] == [5] * 7 + [1]
+    model = tiny_llama.engine().model
+    layout = KVLayout.from_model_config(model.config, resolve_kv_format("auto", torch.float32))
+    profile = profile_step(model, layout, 4, 96, 8, torch.device("cpu"), SdpaBackend(),
+                           num_speculative_tokens=4)
+    assert (profile.num_tokens, profile.num_logits_rows) == (96, 36)
+
+
 def test_the_triton_backend_on_a_cpu_is_refused_when_the_engine_is_built(tiny_llama, monkeypatch):
     """Without Triton's interpreter the kernel cannot run on CPU tensors: the engine refuses the
     pairing when it is built, instead of failing every request at its first step."""

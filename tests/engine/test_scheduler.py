@@ -27,7 +27,7 @@ def seq(req_id: str, prompt_len: int, max_tokens: int = 8, start: int = 10, **pa
 
 def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     out = sched.schedule()
-    samples = {c.seq.req_id: (token, None) for c in out.chunks if c.emits_token}
+    samples = {c.seq.req_id: [(token, None)] for c in out.chunks if c.emits_token}
     sched.update(out, samples)
     return out
 

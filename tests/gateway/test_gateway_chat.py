@@ -213,7 +213,7 @@ async def test_parameters_reach_the_engine(http, engine, say):
         "temperature": 0, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "stop": "END", "seed": 3,
         "min_tokens": 2, "ignore_eos": True, "priority": "batch", "skip_prefix_cache": True,
-        "user": "alice", "some_unknown_field": {"x": 1}})
+        "num_speculative_tokens": 0, "user": "alice", "some_unknown_field": {"x": 1}})
     assert response.status_code == 200, response.text
     [request] = engine.submitted
     params = request.params
@@ -222,6 +222,7 @@ async def test_parameters_reach_the_engine(http, engine, say):
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
     assert (params.stop, params.seed, params.min_tokens, params.ignore_eos) == (["END"], 3, 2, True)
     assert params.skip_prefix_cache and params.logprobs is None
+    assert params.num_speculative_tokens == 0
     assert request.priority == "batch" and request.model == MODEL
 
 

@@ -223,6 +223,19 @@ class BlockManager:
             table.append(block)
         return table
 
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Release the sequence's blocks past those covering positions `[0, num_tokens)`:
+        slots reserved for proposed tokens that were not accepted. Such a block was never
+        published (it holds no full block of computed tokens), so it is simply free again."""
+        table = self._tables.get(req_id)
+        keep = self.blocks_for_tokens(num_tokens)
+        while table is not None and len(table) > keep:
+            block = table.pop()
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                assert self._block_hash[block] is None, "a trimmed block was published"
+                self._free_uncached.append(block)
+
     def _take_free_block(self) -> int:
         if self._free_uncached:
             return self._free_uncached.popleft()

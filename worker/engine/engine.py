@@ -19,7 +19,7 @@ from shared.wire import RequestStatus, SamplingParams
 from worker.engine import reports
 from worker.engine.block_manager import BlockManager
 from worker.engine.budget import plan_kv_budget, preemption_cost_model
-from worker.engine.config import EngineConfig
+from worker.engine.config import EngineConfig, SpeculativeConfig
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.attention import resolve_attention_backend
 from worker.engine.device import (
@@ -37,6 +37,8 @@ from worker.engine.request_io import (
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import Scheduler, SchedulerOutput, TokenEmission
 from worker.engine.sequence import Sequence
+from worker.engine.speculation.draft import DraftModel
+from worker.engine.speculation.speculator import Speculator
 from worker.engine.step_sampling import (
     Failures, advance_constrained, raise_if_sticky, record_prompt_logprobs, sample_rows)
 from worker.engine.stopping import StopChecker
@@ -71,6 +73,9 @@ class Engine:
         placed = prepare_model(model, self.device, self.dtype, ranks)
         if placed.shard is not None:
             layout = replace(layout, num_kv_heads=placed.shard.num_kv_heads)
+        draft_model = self._draft_model(draft_model)
+        draft_layout = None if draft_model is None else KVLayout.from_model_config(
+            draft_model.config, layout.kv_format)
         self.max_model_len = max_model_len_of(placed.module.config)
         self.kv_format = layout.kv_format
         self.attention_backend = resolve_attention_backend(
@@ -81,8 +86,10 @@ class Engine:
         config = self.config = replace(config, block_size=block_size)
         graphs_mode = self._graphs_mode()
         self.budget = plan_kv_budget(placed, layout, config, self.max_model_len,
-                                     self.attention_backend, ranks)
+                                     self.attention_backend, ranks, draft_layout)
         self.pool = KVCachePool(layout, self.budget.num_blocks, config.block_size, self.device)
+        self.draft_pool = None if draft_layout is None else KVCachePool(
+            draft_layout, self.budget.num_blocks, config.block_size, self.device)
         # with decode graphs the pool's last block is their padding rows' scratch, never handed out
         num_usable_blocks = self.budget.num_blocks - (graphs_mode is not None)
         if num_usable_blocks < 1:
@@ -94,6 +101,7 @@ class Engine:
         self.swapped = SwappedKV(self.pool, self.preemption)
         self._start_scheduling(placed.module, tokenizer)
         self._start_runner(placed, draft_model, graphs_mode)
+        self.speculator = self._speculator()
         self._seqs: dict[str, Sequence] = {}
         if ranks is None or ranks.is_driver:
             log.info("engine: %s", self.device_report())
@@ -119,9 +127,14 @@ class Engine:
         # fused layers where the C++ attention kernel reads this pool
         fuse_layers, invariant = self.attention_backend.cpu_kernel, self.config.deterministic
         self.prepared = pack_for_cpu(placed, fuse_layers, invariant)
-        self.draft: PreparedModel | None = None if draft_model is None else pack_for_cpu(
-            prepare_model(draft_model, self.device, self.dtype, self.ranks), fuse_layers,
-            invariant)
+        self.draft: PreparedModel | None = None
+        if draft_model is not None:
+            self.draft_backend = resolve_attention_backend(
+                self.config.attention_backend, self.device, self.dtype,
+                self.draft_pool.layout.kv_format, self.draft_pool.layout.head_dim,
+                deterministic=invariant)
+            self.draft = pack_for_cpu(prepare_model(draft_model, self.device, self.dtype),
+                                      self.draft_backend.cpu_kernel, invariant)
         # None: every row is computed batch-invariantly (invariance.py); else why not
         self.invariance_gap = invariance_gap(self.prepared, self.attention_backend, invariant)
         if invariant and self.invariance_gap is not None and (self.ranks is None
@@ -137,6 +150,42 @@ class Engine:
             self.runner.decode_graphs.capture()
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
                      self.runner.decode_graphs.buckets, time.perf_counter() - started)
+
+    def _draft_model(self, draft_model: torch.nn.Module | None) -> torch.nn.Module | None:
+        """The draft model: given, or loaded from `speculative_config.model` (draft_model)."""
+        spec = self.config.speculative_config
+        if draft_model is None and spec is not None and spec.method == "draft_model":
+            if spec.model is None:
+                raise ValueError("speculative_config method draft_model needs `model`")
+            draft_model = load_pretrained(spec.model, self.config.dtype, self.config.device)
+        if draft_model is None:
+            return None
+        if self.ranks is not None:
+            raise ValueError("a draft model is not supported with tensor parallelism "
+                             "(speculate with method ngram or suffix)")
+        if spec is not None and spec.method != "draft_model":
+            raise ValueError(f"a draft model was given but speculative_config method is "
+                             f"{spec.method!r}")
+        return draft_model
+
+    def _speculator(self) -> Speculator | None:
+        """Speculative decoding's planner (`--speculative-config`, or a draft model given with
+        its defaults); None without either."""
+        spec = self.config.speculative_config
+        if spec is None and self.draft is None:
+            return None
+        spec = spec or SpeculativeConfig(method="draft_model")
+        draft = None
+        if self.draft is not None:
+            runner = ModelRunner(self.draft.module, self.draft_pool,
+                                 attention_backend=self.draft_backend,
+                                 num_heads=self.draft.num_heads)
+            vocab_size = self.model.config.vocab_size
+            if self.draft.module.config.vocab_size < vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({self.draft.module.config.vocab_size}) "
+                                 f"is smaller than the model's ({vocab_size}): not the same tokenizer")
+            draft = DraftModel(runner, vocab_size)
+        return Speculator(spec, self.max_model_len, draft)
 
     def _graphs_mode(self) -> str | None:
         """'capture' (CUDA graphs), 'eager' (their static buffers, no capture) or None (off)."""
@@ -190,9 +239,10 @@ class Engine:
 
     def abort(self, req_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks at once; None if it is not (or no longer) here."""
-        seq = self._seqs.pop(req_id, None)
+        seq = self._seqs.get(req_id)
         if seq is None:
             return None
+        self._left(seq)
         self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         if self.swapped.discard(req_id) and self.ranks is not None:
             self.ranks.discard_swapped(req_id)
@@ -231,7 +281,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs of requests that got a token or finished."""
         outputs = [self._finish_output(seq) for seq in self.scheduler.take_finished_at_add()]
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         if self.ranks is not None:
             ran = forward_on_ranks(self.ranks, self.runner, sched, self.config.block_size,
                                    self.swapped.apply)
@@ -248,14 +298,35 @@ class Engine:
             return outputs + self._fail([(c.seq, exc) for c in sched.chunks])
         return outputs + self._sample_and_update(sched, step, start)
 
+    def _schedule(self) -> SchedulerOutput:
+        """The step's work; with speculation, the decoding streams' proposals in it."""
+        if self.speculator is None:
+            return self.scheduler.schedule()
+        scheduler = self.scheduler
+        pending = sum(s.num_uncomputed_tokens for s in scheduler.running) + sum(
+            s.num_uncomputed_tokens for s in scheduler.waiting)
+        lookahead = self.speculator.plan(scheduler.decoding(),
+                                         min(pending, self.config.max_batched_tokens))
+        sched = scheduler.schedule(lookahead)
+        for req_id in sched.preempted_req_ids:
+            self.speculator.preempted(req_id)
+        self.speculator.fill(sched)
+        return sched
+
     def _sample_and_update(self, sched: SchedulerOutput, step: StepLogits,
                            start: float) -> list[RequestOutput]:
         # waits for the device
         samples, failed = sample_rows(self.sampler, self.constrained, step.emitting, step.logits)
         failed += record_prompt_logprobs(step)
-        prefill_tokens = sum(c.num_tokens for c in sched.chunks if c.num_tokens > 1)
-        self.preemption.observe_step(prefill_tokens, sched.num_batched_tokens,
-                                     time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        prefill_tokens = sum(c.num_tokens - len(c.draft) for c in sched.chunks
+                             if c.num_tokens - len(c.draft) > 1)
+        self.preemption.observe_step(prefill_tokens, sched.num_batched_tokens, seconds)
+        if self.speculator is not None:
+            self.speculator.observe_step(sched.num_batched_tokens, seconds)
+            for chunk in step.emitting:
+                if chunk.draft and chunk.seq.req_id in samples:
+                    self.speculator.observe(chunk, len(samples[chunk.seq.req_id]) - 1)
         outputs = self._fail(failed)
         emissions = self.scheduler.update(sched, samples)
         outputs += [self._emission_output(e) for e in emissions]
@@ -273,19 +344,26 @@ class Engine:
 
     def _emission_output(self, emission: TokenEmission) -> RequestOutput:
         if emission.finished:
-            self._seqs.pop(emission.seq.req_id, None)
+            self._left(emission.seq)
         return emission_output(emission, self.scheduler.stop_checker)
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
-        self._seqs.pop(seq.req_id, None)
+        self._left(seq)
         self.constrained.discard(seq.req_id)
         return request_output(seq, [], None, self.scheduler.stop_checker)
+
+    def _left(self, seq: Sequence) -> None:
+        """A request left the engine (finished, failed or aborted)."""
+        self._seqs.pop(seq.req_id, None)
+        if self.speculator is not None:
+            self.speculator.finish(seq)
 
     # ---- introspection ------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         return reports.engine_stats(self.block_manager, self.scheduler, self.runner,
-                                    self.swapped.num_bytes, self.constrained)
+                                    self.swapped.num_bytes, self.constrained,
+                                    None if self.speculator is None else self.speculator.stats)
 
     def device_report(self) -> str:
         """Device, dtype (and what --dtype said), and on CPU the model and ISA behind `auto`."""

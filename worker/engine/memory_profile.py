@@ -21,25 +21,35 @@ from worker.engine.sequence import Sequence
 @dataclass(frozen=True)
 class StepProfile:
     num_tokens: int  # tokens in the dummy step (= max_batched_tokens)
-    num_logits_rows: int  # rows sampled (as many streams as one step can emit for)
+    num_logits_rows: int  # rows sampled (every stream's, and its proposals' with speculation)
     peak_bytes: int  # device memory the step needed beyond what was allocated before it (0 on CPU)
 
 
-def largest_step(max_batched_tokens: int, max_running: int, block_size: int) -> SchedulerOutput:
-    """The step with the most tokens and the most logits rows: decodes for all streams but one,
-    whose prefill chunk takes the rest of the token budget. Block tables are 0, 1, 2, ...
-    (a dummy pool of `blocks_for(step)` blocks holds them)."""
-    num_rows = min(max_running, max_batched_tokens)
-    prefill_tokens = max_batched_tokens - (num_rows - 1)
-    lengths = [1] * (num_rows - 1) + [prefill_tokens]
+def largest_step(max_batched_tokens: int, max_running: int, block_size: int,
+                 num_speculative_tokens: int = 0) -> SchedulerOutput:
+    """The step with the most tokens and the most logits rows: decodes for all streams but one
+    (each verifying `num_speculative_tokens` proposals, with speculation), whose prefill chunk
+    takes the rest of the token budget. Block tables are 0, 1, 2, ... (a dummy pool of
+    `blocks_for(step)` blocks holds them)."""
+    per_stream = 1 + num_speculative_tokens
+    num_streams = max(1, min(max_running, max_batched_tokens // per_stream))
+    prefill_tokens = max(1, max_batched_tokens - (num_streams - 1) * per_stream)
     chunks, next_block = [], 0
     params = SamplingParams(max_tokens=1)
-    for i, length in enumerate(lengths):
+    for i in range(num_streams):
+        length = prefill_tokens if i == num_streams - 1 else per_stream
         num_blocks = -(-length // block_size)
         table = list(range(next_block, next_block + num_blocks))
         next_block += num_blocks
-        seq = Sequence(f"profile-{i}", [0] * length, params)
-        chunks.append(ScheduledChunk(seq, 0, length, table, emits_token=True))
+        if i == num_streams - 1 or not num_speculative_tokens:
+            seq = Sequence(f"profile-{i}", [0] * length, params)
+            chunks.append(ScheduledChunk(seq, 0, length, table, emits_token=True))
+        else:  # a stream verifying proposals: its last token, then the proposals
+            seq = Sequence(f"profile-{i}", [0], params)
+            chunk = ScheduledChunk(seq, 0, per_stream, table, emits_token=True,
+                                   lookahead=num_speculative_tokens)
+            chunk.set_draft([0] * num_speculative_tokens)
+            chunks.append(chunk)
     return SchedulerOutput(chunks=chunks)
 
 
@@ -49,10 +59,10 @@ def blocks_for(step: SchedulerOutput) -> int:
 
 def profile_step(model: torch.nn.Module, layout: KVLayout, block_size: int, max_batched_tokens: int,
                  max_running: int, device: torch.device, attention_backend: AttentionBackend,
-                 num_heads: int | None = None) -> StepProfile:
+                 num_heads: int | None = None, num_speculative_tokens: int = 0) -> StepProfile:
     """Run the largest step through a throwaway pool, then sample it the most expensive way
     (top-p's full sort, penalties, logprobs); report the peak memory it took."""
-    step = largest_step(max_batched_tokens, max_running, block_size)
+    step = largest_step(max_batched_tokens, max_running, block_size, num_speculative_tokens)
     measuring = is_cuda(device)
     if measuring:
         torch.cuda.synchronize(device)
@@ -64,7 +74,8 @@ def profile_step(model: torch.nn.Module, layout: KVLayout, block_size: int, max_
     emitting, logits = runner.execute(step)
     worst = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50,
                            repetition_penalty=1.1, frequency_penalty=0.1, logprobs=20, seed=0)
-    Sampler([]).sample(logits, [SamplerInput(worst, c.seq.prompt_token_ids, []) for c in emitting])
+    Sampler([]).sample(logits, [SamplerInput(worst, c.seq.prompt_token_ids, [])
+                                for c in emitting for _ in range(c.num_logits)])
     peak = 0
     if measuring:
         torch.cuda.synchronize(device)

@@ -32,8 +32,8 @@ class PromptSpan:
 class StepLogits:
     """What one forward returns: the logits of the emitting chunks, and of prompt spans."""
 
-    emitting: list[ScheduledChunk]  # the K chunks that sample a token, in logits row order
-    logits: torch.Tensor  # [K, vocab]
+    emitting: list[ScheduledChunk]  # the chunks that sample a token, in logits row order
+    logits: torch.Tensor  # [K, vocab]: `num_logits` rows per emitting chunk (1 + its proposals)
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     prompt_logits: torch.Tensor | None = None  # [sum of the spans' num_rows, vocab]
 
@@ -50,10 +50,15 @@ class PlannedChunk:
     num_tokens: int
     block_table: list[int]  # the blocks covering positions [0, end)
     emits_token: bool
+    num_draft: int = 0  # its last tokens are proposals: each of their rows is verified too
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def num_logits(self) -> int:
+        return 1 + self.num_draft if self.emits_token else 0
 
 
 @dataclass
@@ -69,9 +74,14 @@ class StepPlan:
 class StepRows:
     """Rank 0's side of a plan: which logits rows belong to whom."""
 
-    emitting: list[ScheduledChunk]  # the K chunks that sample a token, in logits row order
+    emitting: list[ScheduledChunk]  # the chunks that sample a token, in logits row order
     prompt_spans: list[PromptSpan]  # the P prompt rows after them
     prompt_indices: list[int]  # their flattened positions
+
+    @property
+    def num_logits(self) -> int:
+        """K: the emitting chunks' logits rows, before the prompt rows."""
+        return sum(c.num_logits for c in self.emitting)
 
 
 def plan_step(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, StepRows]:
@@ -83,8 +93,8 @@ def plan_step(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, StepRo
     for c in decodes + prefills:
         base = len(token_ids)  # flattened index of position c.start
         chunks.append(PlannedChunk(c.start, c.num_tokens, c.block_table[:-(-c.end // block_size)],
-                                   c.emits_token))
-        token_ids.extend(c.seq.token_ids[c.start:c.end])
+                                   c.emits_token, len(c.draft)))
+        token_ids.extend(c.token_ids)
         if c.emits_token:
             rows.emitting.append(c)
         span = _prompt_span(c, len(rows.prompt_indices))
@@ -140,7 +150,7 @@ class ModelRunner:
             return StepLogits(*self.decode_graphs.run(sched.chunks))
         plan, rows = plan_step(sched, self.block_size)
         logits = self.forward(plan, rows.prompt_indices)  # [K + P, vocab]
-        k = len(rows.emitting)
+        k = rows.num_logits
         if not rows.prompt_spans:
             return StepLogits(rows.emitting, logits)
         return StepLogits(rows.emitting, logits[:k], rows.prompt_spans, logits[k:])
@@ -175,8 +185,7 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
             num_tokens += chunk.num_tokens
-            if chunk.emits_token:
-                logits_indices.append(num_tokens - 1)
+            logits_indices.extend(range(num_tokens - chunk.num_logits, num_tokens))
         write_index = (self._head_slot_rows + torch.tensor(slots, dtype=torch.int64)).view(-1)
         write_index = write_index.to(self.geometry.device, non_blocking=True)
         context = self.attention_backend.build_metadata(self.geometry, write_index, decodes,

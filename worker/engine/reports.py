@@ -17,6 +17,7 @@ from worker.engine.kv_format import resolve_kv_format
 from worker.engine.model_runner import ModelRunner
 from worker.engine.preemption import PreemptionCostModel, SwapSpace
 from worker.engine.scheduler import Scheduler
+from worker.engine.speculation.speculator import SpeculationStats
 from worker.structured.requests import ConstrainedRequests
 
 
@@ -38,11 +39,18 @@ class EngineStats:
     grammar_compiles: int = 0  # constraints compiled (cache misses)
     grammar_cache_hits: int = 0
     num_cuda_graph_steps: int = 0  # decode steps replayed from a captured CUDA graph
+    # speculative decoding (speculation/speculator.py: SpeculationStats)
+    spec_num_drafts: int = 0  # streams' steps that verified proposals
+    spec_num_draft_tokens: int = 0  # proposals verified
+    spec_num_accepted_tokens: int = 0  # of which accepted
+    spec_accepted_per_position: tuple[int, ...] = ()  # [i]: proposals i + 1 accepted
 
 
 def engine_stats(bm: BlockManager, sched: Scheduler, runner: ModelRunner, swap_used_bytes: int,
-                 constrained: ConstrainedRequests) -> EngineStats:
+                 constrained: ConstrainedRequests,
+                 speculation: SpeculationStats | None = None) -> EngineStats:
     graphs, compiler = runner.decode_graphs, constrained.compiler
+    spec = speculation or SpeculationStats()
     return EngineStats(
         num_blocks_total=bm.num_blocks, num_blocks_free=bm.num_free_blocks,
         num_running=len(sched.running), num_waiting=len(sched.waiting),
@@ -54,7 +62,10 @@ def engine_stats(bm: BlockManager, sched: Scheduler, runner: ModelRunner, swap_u
         num_constrained=len(constrained),
         grammar_compiles=compiler.misses if compiler else 0,
         grammar_cache_hits=compiler.hits if compiler else 0,
-        num_cuda_graph_steps=graphs.num_replays if graphs is not None else 0)
+        num_cuda_graph_steps=graphs.num_replays if graphs is not None else 0,
+        spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_accepted_per_position=tuple(spec.accepted_per_position))
 
 
 def device_report(device: torch.device, dtype: torch.dtype, backend: AttentionBackend,

@@ -15,7 +15,7 @@ from worker.engine.stopping import Stop, StopChecker
 @dataclass
 class RequestOutput:
     req_id: str
-    new_token_ids: list[int]  # tokens produced this step (usually 0 or 1)
+    new_token_ids: list[int]  # tokens produced this step (0, 1, or more where speculation hit)
     new_logprobs: list[TokenLogprob] | None
     num_output_tokens: int  # total generated, including resumed ones
     num_prompt_tokens: int
@@ -60,11 +60,10 @@ def request_output(seq: Sequence, new_token_ids: list[int], logprobs,
 
 
 def emission_output(emission: TokenEmission, stop_checker: StopChecker) -> RequestOutput:
-    """A sampled token's output; the request's first carries its prompt logprobs."""
+    """A step's tokens as an output; the request's first carries its prompt logprobs."""
     seq = emission.seq
-    logprobs = [emission.logprob] if emission.logprob is not None else None
-    output = request_output(seq, [] if emission.token_id is None else [emission.token_id],
-                            logprobs, stop_checker)
+    logprobs = None if None in emission.logprobs else emission.logprobs
+    output = request_output(seq, emission.token_ids, logprobs or None, stop_checker)
     if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
         seq.prompt_logprobs_sent = True  # once, with the first output
         output.prompt_logprobs = list(seq.prompt_logprobs)

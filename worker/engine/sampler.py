@@ -377,7 +377,7 @@ def _to_host(
     chosen = logprobs.gather(1, token_ids.index_select(0, _index(rows, token_ids.device)).unsqueeze(1))
     num_tops = [min(max(inputs[i].params.logprobs or 0, 0), logprobs.shape[1]) for i in rows]
     width = max(num_tops)
-    top = logprobs.topk(width, dim=-1)  # [R, width], descending
+    top = top_logprobs(logprobs, width)  # [R, width], descending, ties by token id
     # float64 holds every token id exactly; one tensor, one read
     packed = torch.cat([token_ids.double(), chosen.squeeze(1).double(),
                         top.indices.double().flatten(), top.values.double().flatten()]).tolist()
@@ -392,6 +392,32 @@ def _to_host(
         pairs = [(int(top_ids[base + n]), top_values[base + n]) for n in range(num_tops[j])]
         results[row] = TokenLogprob(ids[row], chosen_values[j], pairs)
     return list(zip(ids, results))
+
+
+# Candidates beyond the requested alternatives that `top_logprobs` looks at for ties (bf16 logits
+# tie often); a row whose ties reach past them is sorted whole.
+_TIE_WINDOW = 16
+
+
+def top_logprobs(logprobs: torch.Tensor, width: int) -> torch.return_types.topk:
+    """The `width` highest entries of each row, ordered by value, then by token id: the same
+    list whatever the other rows (topk's order among equal values depends on the batch's shape,
+    so an alternative could change places with a tied one when a row is verified beside others)."""
+    vocab_size = logprobs.shape[1]
+    window = min(width + _TIE_WINDOW, vocab_size)
+    candidates = logprobs.topk(window, dim=-1)
+    values, indices = candidates.values, candidates.indices
+    if window < vocab_size:
+        kth = values[:, width - 1:width]
+        spill = (values[:, -1:] == kth).squeeze(1)  # ties may go on past the window
+        if spill.any():
+            full = logprobs[spill].sort(dim=-1, descending=True, stable=True)
+            values, indices = values.clone(), indices.clone()
+            values[spill], indices[spill] = full.values[:, :window], full.indices[:, :window]
+    by_id = indices.sort(dim=-1, stable=True).indices  # ids ascending, then values descending
+    values, indices = values.gather(1, by_id), indices.gather(1, by_id)
+    order = values.sort(dim=-1, descending=True, stable=True).indices[:, :width]
+    return torch.return_types.topk((values.gather(1, order), indices.gather(1, order)))
 
 
 # --- small helpers --------------------------------------------------------------------------------

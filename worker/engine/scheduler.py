@@ -9,6 +9,13 @@ its generated tokens are prefilled again together with the prompt) or by swappin
 copied to host memory before they are freed, and copied back into fresh blocks when it is
 readmitted); `PreemptionCostModel` picks one per preemption (`--preemption`).
 
+Speculative decoding (`lookahead`): a decoding sequence may reserve slots for proposed tokens
+beyond its last one (the budget counts them; a reservation never preempts anyone: without room
+the sequence decodes one token). Its step then computes the last token and the proposals, and
+`update` appends the tokens verification accepted plus the one sampled after them; the slots of
+rejected proposals are released (their KV is garbage but never read: positions are computed
+again before anything attends to them, and only blocks of accepted tokens are ever published).
+
 Only the scheduler changes a sequence's status and progress.
 """
 
@@ -36,10 +43,29 @@ class ScheduledChunk:
     num_tokens: int
     block_table: list[int]  # the sequence's blocks, covering at least start + num_tokens positions
     emits_token: bool = False  # the chunk reaches the last known token: its logits give the next
+    # speculation: slots reserved past the last known token, and the proposals that fill them
+    # (set before the forward, at most `lookahead`; `num_tokens` is then 1 + len(draft))
+    lookahead: int = 0
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: known ones, then the proposals."""
+        return self.seq.token_ids[self.start:self.end - len(self.draft)] + self.draft
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows the chunk needs: the last known token's and one per proposal."""
+        return 1 + len(self.draft) if self.emits_token else 0
+
+    def set_draft(self, token_ids: list[int]) -> None:
+        """Fill the reserved slots with proposals (fewer leave slots unused this step)."""
+        self.draft = list(token_ids[:self.lookahead])
+        self.num_tokens = 1 + len(self.draft)
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int, block_table: list[int]) -> ScheduledChunk:
@@ -74,12 +100,12 @@ class SchedulerOutput:
 
 @dataclass
 class TokenEmission:
-    """What one sequence produced in a step: a token, and/or the end of the sequence (no token:
-    a `max_tokens` 0 request whose prefill is done)."""
+    """What one sequence produced in a step: its new tokens (one, or several where speculation
+    was accepted; none for a `max_tokens` 0 request whose prefill is done), and/or its end."""
 
     seq: Sequence
-    token_id: int | None
-    logprob: TokenLogprob | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
     finished: bool
 
 
@@ -146,14 +172,20 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def decoding(self) -> list[Sequence]:
+        """Running sequences whose next step is a decode (speculation proposes for these)."""
+        return [s for s in self.running if s.num_uncomputed_tokens == 1]
+
+    def schedule(self, lookahead: dict[str, int] | None = None) -> SchedulerOutput:
+        """The next step; `lookahead`: req_id -> proposal slots a decoding sequence asks for."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_batched_tokens)
+        budget = self._schedule_running(out, self.max_batched_tokens, lookahead or {})
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          lookahead: dict[str, int]) -> int:
         decodes_behind = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -161,6 +193,11 @@ class Scheduler:
             need = seq.num_uncomputed_tokens
             if need == 1:
                 decodes_behind -= 1
+                extra = min(lookahead.get(seq.req_id, 0), budget - decodes_behind - 1)
+                if extra > 0 and self._reserve_lookahead(seq, extra, out):
+                    budget -= 1 + extra
+                    i += 1
+                    continue
             num_tokens = min(need, budget - decodes_behind) if need > 1 else 1
             if num_tokens <= 0:
                 i += 1
@@ -181,6 +218,16 @@ class Scheduler:
             budget -= num_tokens
             i += 1
         return budget
+
+    def _reserve_lookahead(self, seq: Sequence, extra: int, out: SchedulerOutput) -> bool:
+        """Schedule `seq`'s decode with `extra` proposal slots, if free blocks hold them."""
+        table = self.block_manager.allocate_slots(seq.req_id, seq.num_tokens + extra)
+        if table is None:
+            return False
+        chunk = ScheduledChunk(seq, seq.num_computed_tokens, 1 + extra, table, emits_token=True,
+                               lookahead=extra)
+        out.chunks.append(chunk)
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -265,33 +312,48 @@ class Scheduler:
     # ---- after the forward --------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput,
-               samples: dict[str, tuple[int, TokenLogprob | None]]) -> list[TokenEmission]:
+               samples: dict[str, list[tuple[int, TokenLogprob | None]]]) -> list[TokenEmission]:
         """Advance every scheduled sequence; append the sampled tokens; finish stopped ones.
 
-        `samples` maps req_id -> (token id, logprob) for every chunk that emits a token.
+        `samples` maps req_id -> [(token id, logprob)] for every chunk that emits: one token, or
+        with proposals the accepted ones and the token sampled after them (the last). A stop
+        inside them drops the tokens after it.
         """
         emissions: list[TokenEmission] = []
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.status is not RequestStatus.RUNNING:
                 continue
-            seq.num_computed_tokens = chunk.end
-            if chunk.num_tokens > 1 or not chunk.emits_token:
-                self.num_prefill_tokens_computed += chunk.num_tokens
             if not chunk.emits_token:
+                seq.num_computed_tokens = chunk.end
+                self.num_prefill_tokens_computed += chunk.num_tokens
                 self._publish(seq)
                 if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
                     self.finish(seq, RequestStatus.FINISHED_LENGTH)
-                    emissions.append(TokenEmission(seq, None, None, True))
+                    emissions.append(TokenEmission(seq, [], [], True))
                 continue
-            token_id, logprob = samples[seq.req_id]
-            seq.append_token(token_id, logprob)
-            self.num_generated_tokens += 1
+            if chunk.num_tokens - len(chunk.draft) > 1:
+                self.num_prefill_tokens_computed += chunk.num_tokens
+            emission, status = TokenEmission(seq, [], [], False), None
+            for token_id, logprob in samples[seq.req_id]:
+                seq.append_token(token_id, logprob)
+                emission.token_ids.append(token_id)
+                emission.logprobs.append(logprob)
+                self.num_generated_tokens += 1
+                status = self.stop_checker.check(seq.num_prompt_tokens, seq.output_token_ids,
+                                                 seq.params)
+                if status is not None:
+                    break
+            # every new token but the last was an input of this step (the last known token,
+            # then the accepted proposals): their KV is computed
+            seq.num_computed_tokens = seq.num_tokens - 1
+            if chunk.lookahead and status is None:  # slots of rejected proposals
+                self.block_manager.trim(seq.req_id, seq.num_tokens)
             self._publish(seq)
-            status = self.stop_checker.check(seq.num_prompt_tokens, seq.output_token_ids, seq.params)
             if status is not None:
                 self.finish(seq, status)
-            emissions.append(TokenEmission(seq, token_id, logprob, status is not None))
+                emission.finished = True
+            emissions.append(emission)
         return emissions
 
     def _publish(self, seq: Sequence) -> None:

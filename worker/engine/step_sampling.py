@@ -5,6 +5,8 @@ to their sequences; the grammars moved past the new tokens."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence as SequenceABC
+from itertools import chain
 
 import torch
 
@@ -32,26 +34,82 @@ def raise_if_sticky(error: Exception) -> None:
 
 
 def sample_rows(sampler: Sampler, constrained: ConstrainedRequests, emitting: list[ScheduledChunk],
-                logits: torch.Tensor) -> tuple[dict[str, Sample], Failures]:
-    """Sample every emitting row ([K, vocab] logits); if the batch fails, row by row."""
-    inputs = [SamplerInput(c.seq.params, c.seq.prompt_token_ids, c.seq.output_token_ids)
-              for c in emitting]
+                logits: torch.Tensor) -> tuple[dict[str, list[Sample]], Failures]:
+    """Each emitting chunk's new tokens from its logits rows ([K, vocab]: `num_logits` rows per
+    chunk); if the batch fails, chunk by chunk, so that only the culprits fail."""
     try:
-        mask = constrained.mask([c.seq.req_id for c in emitting])
-        results = sampler.sample(logits, inputs, mask)
+        results = _sample_chunks(sampler, constrained, emitting, logits)
         return {c.seq.req_id: r for c, r in zip(emitting, results)}, []
     except Exception as exc:
         raise_if_sticky(exc)
-        log.exception("sampling failed for a batch of %d; retrying row by row", len(inputs))
-    samples, failed = {}, []
-    for i, chunk in enumerate(emitting):
+        log.exception("sampling failed for a batch of %d; retrying request by request",
+                      len(emitting))
+    samples, failed, row = {}, [], 0
+    for chunk in emitting:
+        rows = logits[row:row + chunk.num_logits]
+        row += chunk.num_logits
         try:
-            mask = constrained.mask([chunk.seq.req_id])
-            samples[chunk.seq.req_id] = sampler.sample(logits[i:i + 1], inputs[i:i + 1], mask)[0]
+            samples[chunk.seq.req_id] = _sample_chunks(sampler, constrained, [chunk], rows)[0]
         except Exception as exc:
             raise_if_sticky(exc)
             failed.append((chunk.seq, exc))
     return samples, failed
+
+
+def _sample_chunks(sampler: Sampler, constrained: ConstrainedRequests,
+                   chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[list[Sample]]:
+    """Verification: row j of a chunk with proposals is sampled as plain decoding would sample
+    the token after its first j proposals (same position, so the same seeded uniform; the same
+    output so far, so the same penalties, min_tokens and grammar mask), and the proposals are
+    accepted while each equals the token sampled before it. So the tokens are the ones plain
+    decoding makes, token for token, greedy or sampled, given rows equal to plain decoding's
+    (batch-invariant numerics, --deterministic). A chunk without proposals is one row."""
+    inputs = []
+    for c in chunks:
+        seq = c.seq
+        inputs += [SamplerInput(seq.params, seq.prompt_token_ids,
+                                Continued(seq.output_token_ids, c.draft[:j]) if j else
+                                seq.output_token_ids) for j in range(c.num_logits)]
+    mask = constrained.mask_ahead([(c.seq.req_id, c.draft) for c in chunks])
+    results = sampler.sample(logits, inputs, mask)
+    accepted, row = [], 0
+    for c in chunks:
+        accepted.append(accept(c.draft, results[row:row + c.num_logits]))
+        row += c.num_logits
+    return accepted
+
+
+def accept(proposals: list[int], rows: list[Sample]) -> list[Sample]:
+    """The samples of a chunk's rows up to the first that differs from its proposal (kept: it
+    is the token plain decoding makes there), or all of them when every proposal matched."""
+    tokens = []
+    for j, sample in enumerate(rows):
+        tokens.append(sample)
+        if j == len(proposals) or sample[0] != proposals[j]:
+            break
+    return tokens
+
+
+class Continued(SequenceABC):
+    """`tokens + extra` without copying `tokens`: the output as a row that verifies proposals
+    sees it (as if they were accepted)."""
+
+    def __init__(self, tokens: list[int], extra: list[int]):
+        self._tokens, self._extra = tokens, extra
+
+    def __len__(self) -> int:
+        return len(self._tokens) + len(self._extra)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        n = len(self._tokens)
+        return self._tokens[index] if index < n else self._extra[index - n]
+
+    def __iter__(self):
+        return chain(self._tokens, self._extra)
 
 
 def record_prompt_logprobs(step: StepLogits) -> Failures:
@@ -74,16 +132,16 @@ def record_prompt_logprobs(step: StepLogits) -> Failures:
 
 
 def advance_constrained(constrained: ConstrainedRequests, emissions: list[TokenEmission]) -> Failures:
-    """Move each constrained request's grammar past its new token; a token the grammar refuses
+    """Move each constrained request's grammar past its new tokens; a token the grammar refuses
     (it cannot be sampled: the mask forbids it) fails the request."""
     if not len(constrained):
         return []
     failed = []
     for emission in emissions:
         req_id = emission.seq.req_id
-        if emission.token_id is not None and not emission.finished:
+        if emission.token_ids and not emission.finished:
             try:
-                constrained.advance(req_id, emission.token_id)
+                constrained.advance(req_id, emission.token_ids)
             except ValueError as exc:
                 failed.append((emission.seq, exc))
         if emission.finished:

@@ -75,7 +75,7 @@ class StepMessage:
         out = [len(chunks), len(self.plan.token_ids), len(self.swap_out), len(self.swap_in),
                len(self.drops)]
         for c in chunks:
-            out += [c.start, c.num_tokens, len(c.block_table), int(c.emits_token)]
+            out += [c.start, c.num_tokens, len(c.block_table), int(c.emits_token), c.num_draft]
         out += self.plan.token_ids
         for c in chunks:
             out += c.block_table
@@ -86,13 +86,14 @@ class StepMessage:
     @classmethod
     def decode(cls, values: list[int]) -> StepMessage:
         num_chunks, num_tokens, num_out, num_in, num_drops = values[:5]
-        at = 5 + 4 * num_chunks
-        records = [values[5 + 4 * i:9 + 4 * i] for i in range(num_chunks)]
+        at = 5 + 5 * num_chunks
+        records = [values[5 + 5 * i:10 + 5 * i] for i in range(num_chunks)]
         token_ids = values[at:at + num_tokens]
         at += num_tokens
         chunks = []
-        for start, n, table_len, emits in records:
-            chunks.append(PlannedChunk(start, n, values[at:at + table_len], bool(emits)))
+        for start, n, table_len, emits, num_draft in records:
+            chunks.append(PlannedChunk(start, n, values[at:at + table_len], bool(emits),
+                                       num_draft))
             at += table_len
         ops = []
         for _ in range(num_out + num_in):

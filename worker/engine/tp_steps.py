@@ -32,7 +32,7 @@ def forward_on_ranks(ranks: RankGroup, runner: ModelRunner, sched: SchedulerOutp
     except Exception as exc:
         log.critical("tensor-parallel forward failed on rank 0: %s", exc)
         raise RankFailure(f"{type(exc).__name__}: {exc}") from exc
-    k = len(rows.emitting)
+    k = rows.num_logits
     step = StepLogits(rows.emitting, logits[:k], rows.prompt_spans,
                       logits[k:] if rows.prompt_spans else None)
     return step, start

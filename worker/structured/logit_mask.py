@@ -38,6 +38,22 @@ class LogitMask:
             matchers[row].fill_bitmask(bitmask, i)
         return cls(rows, bitmask)
 
+    @classmethod
+    def ahead(cls, matchers: dict[int, tuple[RequestMatcher, list[int]]],
+              vocab_size: int) -> LogitMask | None:
+        """Masks of rows that verify proposals: first row -> (its matcher, the proposals);
+        rows first .. first + len(proposals) get the masks after each prefix of them."""
+        if not matchers:
+            return None
+        rows = [first + j for first in sorted(matchers) for j in range(len(matchers[first][1]) + 1)]
+        bitmask = torch.empty(len(rows), bitmask_words(vocab_size), dtype=torch.int32)
+        at = 0
+        for first in sorted(matchers):
+            matcher, proposals = matchers[first]
+            matcher.fill_bitmask_ahead(bitmask, at, proposals)
+            at += len(proposals) + 1
+        return cls(rows, bitmask)
+
     def allowed(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """bool [len(rows), vocab_size]: True where the token may come next."""
         shifts = torch.arange(_BITS, dtype=torch.int32, device=device)

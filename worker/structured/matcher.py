@@ -35,6 +35,22 @@ class RequestMatcher:
         come next. Once the grammar is complete only EOS is allowed."""
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
 
+    def fill_bitmask_ahead(self, bitmask: torch.Tensor, row: int, proposals: Sequence[int]) -> None:
+        """Rows `row .. row + len(proposals)`: the masks after each prefix of `proposals` (the
+        rows that verify them), the matcher left where it was. Rows past a proposal the
+        grammar refuses repeat the last mask: they are never sampled from (the refused token
+        cannot be the one sampled before them, so verification stops there)."""
+        self.fill_bitmask(bitmask, row)
+        valid = self._matcher.validate_tokens([int(t) for t in proposals])
+        for j in range(1, len(proposals) + 1):
+            if j <= valid:
+                self._matcher.consume_token(int(proposals[j - 1]))
+                self.fill_bitmask(bitmask, row + j)
+            else:
+                bitmask[row + j] = bitmask[row + j - 1]
+        if valid:
+            self._matcher.rollback(valid)
+
     @property
     def is_finished(self) -> bool:
         """The grammar consumed EOS (or cannot continue)."""

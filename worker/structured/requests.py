@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 class ConstrainedRequests:
     """req_id -> RequestMatcher for the requests in the engine that carry a constraint.
 
-    The engine calls `add` when a request enters (replaying resumed tokens), `mask` before each
-    sampling, `advance` with each sampled token and `discard` when a request leaves.
+    The engine calls `add` when a request enters (replaying resumed tokens), `mask_ahead` before
+    each sampling, `advance` with each step's new tokens and `discard` when a request leaves.
     """
 
     def __init__(self, compiler: GrammarCompiler | None):
@@ -34,17 +34,22 @@ class ConstrainedRequests:
             raise ValueError("constrained decoding needs an engine built with a tokenizer")
         self._matchers[req_id] = self.compiler.matcher(constraint, output_token_ids)
 
-    def mask(self, req_ids: Sequence[str]) -> LogitMask | None:
-        """The logit mask of a batch whose row i belongs to req_ids[i]."""
+    def mask_ahead(self, rows: Sequence[tuple[str, list[int]]]) -> LogitMask | None:
+        """The logit mask of a batch of (req_id, proposals) groups of 1 + len(proposals) rows
+        each: a group's rows are masked as if its proposals were accepted one by one."""
         if not self._matchers:
             return None
-        rows = {i: self._matchers[r] for i, r in enumerate(req_ids) if r in self._matchers}
-        return LogitMask.of(rows, self.compiler.vocab_size) if rows else None
+        groups, first = {}, 0
+        for req_id, proposals in rows:
+            if req_id in self._matchers:
+                groups[first] = (self._matchers[req_id], proposals)
+            first += 1 + len(proposals)
+        return LogitMask.ahead(groups, self.compiler.vocab_size) if groups else None
 
-    def advance(self, req_id: str, token_id: int) -> None:
+    def advance(self, req_id: str, token_ids: Sequence[int]) -> None:
         matcher = self._matchers.get(req_id)
         if matcher is not None:
-            matcher.advance([token_id])
+            matcher.advance(token_ids)
 
     def discard(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)

@@ -1,0 +1,108 @@
+"""Speculative decoding through the fleet, at the default dtype (bf16 on CPUs with native bf16)
+and `--deterministic`: workers with `--speculative-config` stream exactly the text a plain worker
+streams, and when one is SIGKILLed mid-answer the other resumes the streams (speculating too)
+and still gives plain decoding's text, greedy and seeded sampling alike."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from shared.models import DEFAULT_MODEL
+from shared.redis_connect import connect
+from shared.wire import Heartbeat, RequestRecord
+from shared.wire.checkpoint import TOKEN_BYTES
+from tests.e2e.test_failover import stream_text
+from tests.helpers.processes import ProcessFleet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MAX_TOKENS = 72
+TEXTS = [
+    "The river runs past the old mill, under the stone bridge and out to the sea. In spring "
+    "it floods the meadow; in autumn it is low and clear.",
+    "def total(prices, tax):\n    subtotal = sum(prices)\n    return subtotal + subtotal * tax\n",
+    "Bread needs flour, water, salt and yeast. Mix them, knead the dough, let it rise, shape "
+    "it, let it rise again and bake it until it sounds hollow.",
+]
+SPEC = {"method": "ngram", "num_speculative_tokens": 5}
+
+
+def request_body(i: int) -> dict:
+    text = TEXTS[i % len(TEXTS)]
+    body = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "messages": [{"role": "user",
+                          "content": f"Repeat this text exactly, twice:\n\n{text}"}]}
+    if i < len(TEXTS):
+        body["temperature"] = 0
+    else:
+        body.update(temperature=0.7, top_p=0.95, seed=500 + i)
+    return body
+
+
+def run_all(url: str, on_started=None) -> list[dict]:
+    records = [dict() for _ in range(2 * len(TEXTS))]
+    threads = [threading.Thread(target=stream_text, args=(url, request_body(i), records[i]))
+               for i in range(len(records))]
+    for thread in threads:
+        thread.start()
+    if on_started:
+        on_started(records)
+    for thread in threads:
+        thread.join(timeout=900)
+    return records
+
+
+def metric(url: str, name: str) -> float:
+    lines = httpx.get(url, timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+def test_speculating_workers_answer_as_a_plain_one_across_a_kill(redis_url, tmp_path):
+    flags = ["--dtype", "auto", "--kv-memory", "256MiB", "--num-threads", "1",
+             "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"]
+    fleet = ProcessFleet(redis_url, tmp_path, worker_flags=flags)
+    client = connect(redis_url)
+    try:
+        (plain,) = fleet.start("plain")
+        reference = run_all(fleet.url)
+        assert all(r["finish_reason"] == "length" for r in reference)
+        plain.stop()
+        plain.wait_exit()
+        fleet.worker_flags = [*flags, "--speculative-config", json.dumps(SPEC)]
+        victim = fleet.start_worker("victim")
+        keys = fleet.keys
+
+        def kill_when_streaming(records):
+            """Once the victim streams every request: start the rescuer, kill the victim."""
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                ids = [r.get("id") for r in records]
+                if all(ids):
+                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
+                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
+                    if all(o == b"victim" for o in owners) and min(progress) >= 8:
+                        fleet.start_worker("rescuer", wait=False)
+                        victim.kill()  # SIGKILL
+                        return
+                time.sleep(0.02)
+            raise AssertionError("the victim never streamed every request")
+
+        records = run_all(fleet.url, on_started=kill_when_streaming)
+        assert victim.popen.returncode == -9
+        for i, (got, want) in enumerate(zip(records, reference)):
+            assert got["finish_reason"] == "length"
+            assert got["text"] == want["text"], f"request {i}"
+        resumed = [r for r in records
+                   if client.hget(keys.request(r["id"]), RequestRecord.ATTEMPT) not in (b"1", None)]
+        assert len(resumed) == len(records)
+        beat = Heartbeat.decode(client.hgetall(keys.worker("rescuer")))
+        accepted = metric(beat.metrics_url, "kvfleet_worker_spec_decode_num_accepted_tokens_total")
+        assert accepted > 0, "the rescuer's speculation accepted nothing"
+    finally:
+        client.close()
+        fleet.stop()

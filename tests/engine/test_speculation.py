@@ -1,0 +1,214 @@
+"""Speculative decoding changes how fast an answer comes, never the answer: with proposals from
+n-gram lookup, suffix trees or a draft model, every request's tokens and logprobs are those of
+plain decoding, bit for bit, greedy and seeded sampling with penalties, logit_bias, min_tokens,
+stop tokens and max_tokens cut inside a step, in bf16 (the default on this kind of CPU) and
+float32, alone, batched, preempted, and resumed mid-answer; float32 greedy equals transformers'
+own `generate`.
+
+The draft model that proposes best is the target itself (every greedy proposal accepted), which
+makes every step verify several tokens; a smaller random draft rejects most of its proposals,
+which exercises the rollback; the n-gram and suffix proposers meet prompts that repeat a phrase
+(a random model's greedy output falls into loops they catch)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shared.wire import SamplingParams
+from tests.engine.tiny_models import VOCAB, greedy, random_prompt, run_to_completion
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.model_prep import shared_copy
+
+DTYPES = ["bfloat16", "float32"]
+PHRASE = random_prompt(12, seed=7)
+
+
+@pytest.fixture(scope="module")
+def wide_llama() -> torch.nn.Module:
+    """64-wide heads (the C++ kernels' vectorised paths) and HF's default initialisation."""
+    torch.manual_seed(4321)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                         max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+                         pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def small_draft() -> torch.nn.Module:
+    torch.manual_seed(99)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=64,
+                         vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=2,
+                         bos_token_id=1, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def requests() -> list[tuple[list[int], SamplingParams]]:
+    """Prompts that repeat a phrase (proposals hit) or not, with every sampling feature."""
+    sampled = dict(temperature=0.9, top_p=0.9, top_k=50, ignore_eos=True, logprobs=2)
+    out = []
+    for i in range(10):
+        prompt = random_prompt(5 + 3 * i, seed=i)
+        if i % 2 == 0:
+            prompt = prompt + PHRASE + random_prompt(4, seed=50 + i) + PHRASE[:6]
+        params = [
+            greedy(40, logprobs=3),
+            greedy(40, repetition_penalty=1.3),
+            SamplingParams(max_tokens=37, seed=11, **sampled),
+            SamplingParams(max_tokens=40, seed=12, presence_penalty=0.5, frequency_penalty=0.3,
+                           **sampled),
+            greedy(40, logit_bias={int(PHRASE[3]): 5.0, 17: -100.0}),
+            # EOS allowed after min_tokens; stop tokens: the answer ends inside a step
+            SamplingParams(max_tokens=60, temperature=0.0, min_tokens=5,
+                           stop_token_ids=[int(t) for t in PHRASE[8:11]]),
+            greedy(3),  # ends inside its first verified step
+            SamplingParams(max_tokens=40, seed=13, temperature=1.3, min_p=0.05, ignore_eos=True),
+            greedy(40, num_speculative_tokens=0),  # speculation off for this one
+            greedy(40, num_speculative_tokens=2),
+        ][i]
+        out.append((prompt, params))
+    return out
+
+
+def run(engine: Engine, reqs, sent: list[list[int]] | None = None
+        ) -> dict[int, tuple[list[int], list]]:
+    """Each request's tokens and logprobs (as (token, logprob, top) triples)."""
+    for i, (prompt, params) in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt, params,
+                           output_token_ids=None if sent is None else sent[i])
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(reqs))}
+    logprobs: dict[str, list] = {f"r{i}": [] for i in range(len(reqs))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.req_id].extend(out.new_token_ids)
+            logprobs[out.req_id].extend((lp.token_id, lp.logprob, lp.top)
+                                        for lp in out.new_logprobs or [])
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return {i: (tokens[f"r{i}"], logprobs[f"r{i}"]) for i in range(len(reqs))}
+
+
+def make_engine(model, dtype: str, spec: dict | None, draft=None, **config) -> Engine:
+    config = {"device": "cpu", "dtype": dtype, "block_size": 16, "num_blocks": 128,
+              "speculative_config": spec, **config}
+    return Engine(shared_copy(model), EngineConfig(**config),
+                  draft_model=None if draft is None else copy.deepcopy(draft))
+
+
+# adaptive off: every step verifies what the proposer has (the cost rule is tested on its own)
+SPECS = {
+    "ngram": ({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}, None),
+    "suffix": ({"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}, None),
+    "draft=target": ({"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
+                     "self"),
+    "small draft": ({"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
+                    "small"),
+}
+
+
+def drafts_for(name, wide_llama, small_draft):
+    spec, draft = SPECS[name]
+    return spec, {"self": wide_llama, "small": small_draft, None: None}[draft]
+
+
+@pytest.fixture(scope="module")
+def plain(wide_llama) -> dict[str, dict]:
+    """Every request's answer without speculation, per dtype (the reference)."""
+    return {dtype: run(make_engine(wide_llama, dtype, None), requests()) for dtype in DTYPES}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_answers_are_those_of_plain_decoding(wide_llama, small_draft, plain, dtype, name):
+    spec, draft = drafts_for(name, wide_llama, small_draft)
+    engine = make_engine(wide_llama, dtype, spec, draft)
+    got = run(engine, requests())
+    for i, want in plain[dtype].items():
+        assert got[i] == want, f"request {i} differs with {name} speculation at {dtype}"
+    stats = engine.speculator.stats
+    assert stats.num_drafts > 0, stats
+    if name != "small draft":  # an unrelated random draft is (almost) never right: rollbacks
+        assert stats.num_accepted_tokens > 0, stats
+    if name == "draft=target":  # a perfect draft: most steps accept several tokens
+        assert stats.num_accepted_tokens > len(requests()) * 10, stats
+        assert stats.accepted_per_position[2] > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_with_chunked_prompts_and_preemption(wide_llama, plain, dtype):
+    """A tight pool (preemption by recompute and by swap) and small prefill chunks beside the
+    verified steps: still every answer of plain decoding."""
+    for preemption in ("recompute", "swap"):
+        engine = make_engine(wide_llama, dtype, SPECS["draft=target"][0], wide_llama,
+                             num_blocks=14, max_batched_tokens=24, preemption=preemption)
+        got = run(engine, requests())
+        assert engine.scheduler.num_preemptions > 0
+        assert got == plain[dtype], preemption
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["ngram", "draft=target"])
+def test_a_resumed_request_continues_identically(wide_llama, small_draft, plain, dtype, name):
+    """Resumed on another worker mid-answer (prompt + the tokens sent), with speculation: the
+    rest of the answer is plain decoding's."""
+    reqs = requests()
+    sent = [want[0][:len(want[0]) // 2] for want in plain[dtype].values()]
+    spec, draft = drafts_for(name, wide_llama, small_draft)
+    got = run(make_engine(wide_llama, dtype, spec, draft), reqs, sent=sent)
+    for i, (tokens, _) in plain[dtype].items():
+        assert sent[i] + got[i][0] == tokens, f"request {i}"
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_float32_greedy_equals_transformers_generate(tiny_llama, small_draft, name):
+    spec, draft = SPECS[name]
+    draft = {"self": tiny_llama.model, "small": small_draft, None: None}[draft]
+    engine = Engine(copy.deepcopy(tiny_llama.model),
+                    EngineConfig(device="cpu", dtype="float32", num_blocks=256, block_size=4,
+                                 speculative_config=spec),
+                    draft_model=None if draft is None else copy.deepcopy(draft))
+    prompts = [random_prompt(6, seed=1) * 3, random_prompt(11, seed=2), PHRASE * 2]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"g{i}", prompt, greedy(48))
+    produced = run_to_completion(engine)
+    for i, prompt in enumerate(prompts):
+        assert produced[f"g{i}"] == tiny_llama.reference(prompt, 48), f"prompt {i}"
+    assert engine.speculator.stats.num_drafts > 0
+
+
+def test_speculation_never_preempts_and_frees_rejected_slots(wide_llama, small_draft):
+    """A proposal's slots are reserved only where free blocks hold them; after each step a
+    stream holds the blocks of its known tokens only."""
+    engine = make_engine(wide_llama, "float32", SPECS["small draft"][0], small_draft, num_blocks=6)
+    engine.add_request("a", PHRASE * 3, greedy(40))
+    while engine.has_unfinished():
+        engine.step()
+        seq = engine._seqs.get("a")
+        if seq is not None:
+            held = len(engine.block_manager.block_table("a"))
+            assert held == engine.block_manager.blocks_for_tokens(seq.num_tokens)
+    assert engine.scheduler.num_preemptions == 0
+
+
+def test_the_cost_rule_backs_off_in_a_large_batch():
+    """With steps that cost per row as much as they cost per step, no proposal pays; with
+    weight-bound steps (a >> b) proposals of likely streams do."""
+    from shared.engine_config import SpeculativeConfig
+    from worker.engine.speculation.speculator import Speculator, StepCost
+
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 512)
+    limits = {f"r{i}": 4 for i in range(64)}
+    for rows, seconds in [(64, 0.064), (128, 0.128), (96, 0.096)] * 5:  # 1 ms per row, no base
+        spec.cost.observe(rows, seconds)
+    assert spec._choose(limits, 64, 64) == {}
+    spec.cost = StepCost()
+    for rows, seconds in [(1, 0.020), (8, 0.021), (4, 0.0205)] * 5:  # 20 ms a step, 0.14 per row
+        spec.cost.observe(rows, seconds)
+    chosen = spec._choose({"r0": 4}, 1, 1)
+    assert chosen == {"r0": 4}
