@@ -59,10 +59,12 @@ def stream_text(url: str, body: dict, record: dict) -> None:
     record["times"] = times
 
 
-def run_all(url: str, on_started=None) -> list[dict]:
-    records = [dict() for _ in TOPICS]
-    threads = [threading.Thread(target=stream_text, args=(url, request_body(i), records[i]))
-               for i in range(len(TOPICS))]
+def run_all(url: str, on_started=None, bodies: list[dict] | None = None) -> list[dict]:
+    """Stream every body at once (default: one per topic); `on_started` runs meanwhile."""
+    bodies = bodies or [request_body(i) for i in range(len(TOPICS))]
+    records = [dict() for _ in bodies]
+    threads = [threading.Thread(target=stream_text, args=(url, body, record))
+               for body, record in zip(bodies, records)]
     for thread in threads:
         thread.start()
     if on_started:

@@ -6,7 +6,6 @@ and still gives plain decoding's text, greedy and seeded sampling alike."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
@@ -16,7 +15,7 @@ from shared.models import DEFAULT_MODEL
 from shared.redis_connect import connect
 from shared.wire import Heartbeat, RequestRecord
 from shared.wire.checkpoint import TOKEN_BYTES
-from tests.e2e.test_failover import stream_text
+from tests.e2e.test_failover import run_all as stream_all
 from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -45,16 +44,7 @@ def request_body(i: int) -> dict:
 
 
 def run_all(url: str, on_started=None) -> list[dict]:
-    records = [dict() for _ in range(2 * len(TEXTS))]
-    threads = [threading.Thread(target=stream_text, args=(url, request_body(i), records[i]))
-               for i in range(len(records))]
-    for thread in threads:
-        thread.start()
-    if on_started:
-        on_started(records)
-    for thread in threads:
-        thread.join(timeout=900)
-    return records
+    return stream_all(url, on_started, [request_body(i) for i in range(2 * len(TEXTS))])
 
 
 def metric(url: str, name: str) -> float:

@@ -16,10 +16,9 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.wire import SamplingParams
-from tests.engine.tiny_models import VOCAB, random_prompt, run_to_completion
+from tests.engine.tiny_models import build_wide_llama, random_prompt, run_to_completion
 from worker.engine import cpu_kernels
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.kernel_binding import BoundKernel, read_header
@@ -35,12 +34,7 @@ COMMON = random_prompt(40, seed=99)  # a shared opening: the prefix cache's hits
 
 @pytest.fixture(scope="module")
 def wide_heads_llama() -> torch.nn.Module:
-    torch.manual_seed(4321)
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                         max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
-                         pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
+    return build_wide_llama()
 
 
 def requests() -> list[tuple[list[int], SamplingParams]]:

@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.wire import SamplingParams
-from tests.engine.tiny_models import VOCAB, greedy, random_prompt, run_to_completion
+from tests.engine.tiny_models import VOCAB, build_wide_llama, greedy, random_prompt, run_to_completion
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.model_prep import shared_copy
 
@@ -29,13 +29,7 @@ PHRASE = random_prompt(12, seed=7)
 
 @pytest.fixture(scope="module")
 def wide_llama() -> torch.nn.Module:
-    """64-wide heads (the C++ kernels' vectorised paths) and HF's default initialisation."""
-    torch.manual_seed(4321)
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                         max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
-                         pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
+    return build_wide_llama()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,18 @@ MODEL_FACTORIES = {
 }
 
 
+def build_wide_llama() -> LlamaForCausalLM:
+    """A tiny Llama whose heads are 64 wide (the C++ kernels' vectorised paths) with
+    transformers' default initialisation, so its logits are close together as a real model's
+    are (bf16 rounding shows in them)."""
+    torch.manual_seed(4321)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                         max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+                         pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
 def build_model(family: str, **overrides):
     """The seeded tiny model, `overrides` on its config: every process that builds it gets the
     same weights (a picklable loader for tensor-parallel ranks: partial(build_model, family))."""

@@ -10,7 +10,6 @@ import torch
 from worker.engine.attention import (
     CONTEXT_KWARG, AttentionBackend, AttentionMetadata, StepGeometry, register_paged_attention)
 from worker.engine.attention.sdpa_backend import SdpaBackend
-from worker.engine.device import is_cpu
 from worker.engine.kv_cache import KVCachePool
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 from worker.engine.sequence import Sequence
