@@ -194,6 +194,7 @@ def test_the_cost_rule_backs_off_in_a_large_batch():
     """With steps that cost per row as much as they cost per step, no proposal pays; with
     weight-bound steps (a >> b) proposals of likely streams do."""
     from shared.engine_config import SpeculativeConfig
+    from worker.engine.sequence import Sequence
     from worker.engine.speculation.speculator import Speculator, StepCost
 
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 512)
@@ -201,6 +202,14 @@ def test_the_cost_rule_backs_off_in_a_large_batch():
     for rows, seconds in [(64, 0.064), (128, 0.128), (96, 0.096)] * 5:  # 1 ms per row, no base
         spec.cost.observe(rows, seconds)
     assert spec._choose(limits, 64, 64) == {}
+
+    class Unasked:  # where nothing can pay, the proposer is not even asked
+        def propose(self, *args):
+            raise AssertionError("proposed where no proposal could pay")
+
+    spec.proposer = Unasked()
+    decoding = [Sequence(f"r{i}", [5, 6, 7], greedy(100)) for i in range(64)]
+    assert spec.plan(decoding, 64) == {}
     spec.cost = StepCost()
     for rows, seconds in [(1, 0.020), (8, 0.021), (4, 0.0205)] * 5:  # 20 ms a step, 0.14 per row
         spec.cost.observe(rows, seconds)

@@ -122,6 +122,9 @@ class Speculator:
             return {}
         limits = {s.req_id: self._limit(s) for s in decoding}
         limits = {r: k for r, k in limits.items() if k > 0}
+        if limits and self.config.adaptive and not self._may_pay(limits, len(decoding),
+                                                                 num_batched):
+            return {}  # not even the likeliest stream's first proposal would: do not look
         if self.proposer is not None:
             for seq in decoding:
                 if seq.req_id in limits:
@@ -170,6 +173,12 @@ class Speculator:
             depth = max(depth, j)
             tokens, seconds = tokens + gain, seconds + cost
         return chosen
+
+    def _may_pay(self, limits: dict[str, int], num_decoding: int, num_batched: int) -> bool:
+        """The rule's first test for the likeliest stream's first proposal (`_choose`)."""
+        a, b = self.cost.coefficients()
+        seconds = a + b * max(num_batched, num_decoding)
+        return seconds <= 0 or max(self._rate(r) for r in limits) * seconds > b * num_decoding
 
     def _rate(self, req_id: str) -> float:
         stream = self._streams.get(req_id)
