@@ -215,3 +215,30 @@ def test_the_cost_rule_backs_off_in_a_large_batch():
         spec.cost.observe(rows, seconds)
     chosen = spec._choose({"r0": 4}, 1, 1)
     assert chosen == {"r0": 4}
+
+
+def test_without_deterministic_numerics_bf16_answers_drift(wide_llama):
+    """The negative control: with --no-deterministic a verified row is computed by the prefill
+    kernel, in another order than a decode row, so bf16 logprobs (and, near ties, tokens)
+    differ from plain decoding's. In float32 the greedy tokens still equal HF generate (above,
+    for the deterministic default; test_float32_greedy_without_deterministic below)."""
+    def answers(spec):
+        engine = make_engine(wide_llama, "bfloat16", spec, wide_llama if spec else None,
+                             deterministic=False)
+        return run(engine, requests())
+
+    assert answers(SPECS["draft=target"][0]) != answers(None)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft=target"])
+def test_float32_greedy_without_deterministic(tiny_llama, name):
+    spec, draft = SPECS[name]
+    engine = Engine(copy.deepcopy(tiny_llama.model),
+                    EngineConfig(device="cpu", dtype="float32", num_blocks=256, block_size=4,
+                                 deterministic=False, speculative_config=spec),
+                    draft_model=None if draft is None else copy.deepcopy(tiny_llama.model))
+    prompts = [random_prompt(6, seed=1) * 3, PHRASE * 2]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"g{i}", prompt, greedy(40))
+    produced = run_to_completion(engine)
+    assert [produced[f"g{i}"] for i in range(2)] == [tiny_llama.reference(p, 40) for p in prompts]

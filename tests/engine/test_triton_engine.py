@@ -4,7 +4,10 @@ prefill, prefix-cache hits and padded batch buckets."""
 
 from __future__ import annotations
 
+import copy
+
 from worker.engine.cuda_graphs import batch_buckets
+from worker.engine.engine import Engine, EngineConfig
 from worker.metrics import WorkerMetrics
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
 
@@ -88,3 +91,23 @@ def test_graph_replays_are_counted_and_exported(tiny_llama):
     metrics.update_stats(engine.stats())
     assert f'kvfleet_worker_cuda_graph_steps_total{{model="tiny",worker="w1"}} {float(replays)}' \
         in metrics.render().decode()
+
+
+def test_verified_proposals_on_the_triton_kernel_equal_hf_generate(tiny_llama):
+    """Speculation's steps carry several query rows per stream (its last token and the
+    proposals): the Triton kernel attends each to its own prefix, and with decode graphs on
+    those steps run eagerly beside the graph-replayed plain decodes."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False}
+    config = EngineConfig(device="cpu", dtype="float32", num_blocks=256, block_size=4,
+                          attention_backend="triton", cuda_graphs="eager",
+                          speculative_config=spec)
+    # the model as its own draft: every greedy proposal right, several rows a stream each step
+    engine = Engine(copy.deepcopy(tiny_llama.model), config,
+                    draft_model=copy.deepcopy(tiny_llama.model))
+    repeats = [random_prompt(5, seed=50) * 4, random_prompt(7, seed=51) * 3]
+    for i, prompt in enumerate(repeats):
+        engine.add_request(f"s{i}", prompt, greedy(16))
+    produced = run_to_completion(engine)
+    assert [produced[f"s{i}"] for i in range(2)] == [tiny_llama.reference(p, 16) for p in repeats]
+    stats = engine.speculator.stats
+    assert stats.num_accepted_tokens > 0 and max(stats.accepted_per_position[1:]) > 0
