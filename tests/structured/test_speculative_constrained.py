@@ -40,3 +40,25 @@ def test_constrained_answers_are_those_of_plain_decoding(make_engine, tokenizer,
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
     text = tokenizer.decode(got["r0-0"], skip_special_tokens=True)
     assert text.startswith("abc abc abc abc abc abc ")
+
+
+def test_a_stop_string_inside_a_verified_step_ends_the_answer_there(make_engine, tokenizer):
+    """Several tokens accepted in one step: the stop string is looked for after each, and the
+    tokens after the one that completes it are dropped, as plain decoding never made them."""
+    constraint = OutputConstraint("regex", r"(abc ){6}[0-9]{3}")
+
+    def answers(engine):
+        for i, (stop, max_tokens) in enumerate([
+                ([f"c {digit}" for digit in "0123456789"], 48),  # at the first digit
+                (["abc abc abc abc abc"], 48),  # after the fifth "abc"
+                ([], 9)]):  # max_tokens inside a step
+            engine.add_request(f"s{i}", PROMPT + [i], SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, constraint=constraint, stop=stop))
+        return run_to_completion(engine)
+
+    plain = answers(make_engine())
+    speculative = make_engine(speculative_config=SPEC)
+    assert answers(speculative) == plain
+    assert speculative.speculator.stats.num_accepted_tokens > 0
+    assert tokenizer.decode(plain["s1"]).endswith("abc abc abc abc abc")
+    assert len(plain["s2"]) == 9
