@@ -74,6 +74,23 @@ def test_graph_replays_equal_eager_steps(saved_tiny, gpu):
     assert outputs["auto"] == outputs["off"]
 
 
+def test_speculative_steps_replay_their_bucket_graphs_with_plain_decodings_answers(saved_tiny,
+                                                                                    gpu):
+    """The model as its own draft (every greedy proposal accepted): verified steps replay the
+    (streams, proposals) graphs and give plain decoding's tokens, at the default bf16."""
+    prompts = [random_prompt(n, seed=n) for n in (3, 17, 64, 100, 230)]
+    plain = Engine.from_pretrained(saved_tiny, EngineConfig(device=str(gpu), num_blocks=512))
+    expected = plain.generate(prompts, greedy(20))
+    spec = {"method": "draft_model", "model": saved_tiny, "num_speculative_tokens": 4,
+            "adaptive": False}
+    engine = Engine.from_pretrained(saved_tiny, EngineConfig(
+        device=str(gpu), num_blocks=512, speculative_config=spec))
+    assert {key[1] for key in engine.runner.decode_graphs.graphs} == {0, 1, 2, 4}
+    assert engine.generate(prompts, greedy(20)) == expected
+    assert engine.stats().num_cuda_graph_steps > 0
+    assert engine.speculator.stats.num_accepted_tokens > 0
+
+
 def test_tiny_bf16_greedy_agrees_with_hf_generate_on_cuda(saved_tiny, gpu):
     prompts = [random_prompt(n, seed=n) for n in (5, 37, 120, 260, 300, 410)]
     expected = hf_greedy(saved_tiny, prompts, 24, gpu)

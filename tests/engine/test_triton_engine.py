@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 
-from worker.engine.cuda_graphs import batch_buckets
+from worker.engine.cuda_graphs import batch_buckets, proposal_buckets
 from worker.engine.engine import Engine, EngineConfig
 from worker.metrics import WorkerMetrics
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
@@ -59,25 +59,27 @@ def test_batch_buckets():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(3) == [1, 2, 3]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert proposal_buckets(0) == [0] and proposal_buckets(1) == [0, 1]
+    assert proposal_buckets(5) == [0, 1, 2, 4, 5] and proposal_buckets(8) == [0, 1, 2, 4, 8]
 
 
 class EagerReplay:
     """Stands in for a captured CUDA graph on CPU: a replay runs the captured body and writes the
     bucket's logits buffer in place, as replaying the graph does."""
 
-    def __init__(self, graphs, size: int):
-        self.graphs, self.size = graphs, size
-        graphs._graph_logits[size] = graphs._forward(size)
+    def __init__(self, graphs, key: tuple[int, int]):
+        self.graphs, self.key = graphs, key
+        graphs._graph_logits[key] = graphs._forward(*key)
 
     def replay(self) -> None:
-        self.graphs._graph_logits[self.size].copy_(self.graphs._forward(self.size))
+        self.graphs._graph_logits[self.key].copy_(self.graphs._forward(*self.key))
 
 
 def test_graph_replays_are_counted_and_exported(tiny_llama):
     engine = tiny_llama.engine(attention_backend="triton", cuda_graphs="eager")
     graphs = engine.runner.decode_graphs
     for size in graphs.buckets:
-        graphs.graphs[size] = EagerReplay(graphs, size)
+        graphs.graphs[(size, 0)] = EagerReplay(graphs, (size, 0))
     decode_only_steps = []
     execute = engine.runner.execute
     engine.runner.execute = lambda sched: (
@@ -95,8 +97,8 @@ def test_graph_replays_are_counted_and_exported(tiny_llama):
 
 def test_verified_proposals_on_the_triton_kernel_equal_hf_generate(tiny_llama):
     """Speculation's steps carry several query rows per stream (its last token and the
-    proposals): the Triton kernel attends each to its own prefix, and with decode graphs on
-    those steps run eagerly beside the graph-replayed plain decodes."""
+    proposals): the Triton kernel attends each to its own prefix, through the decode graphs'
+    static buffers of a (streams, proposals) bucket, padding rows and streams included."""
     spec = {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False}
     config = EngineConfig(device="cpu", dtype="float32", num_blocks=256, block_size=4,
                           attention_backend="triton", cuda_graphs="eager",
@@ -104,10 +106,23 @@ def test_verified_proposals_on_the_triton_kernel_equal_hf_generate(tiny_llama):
     # the model as its own draft: every greedy proposal right, several rows a stream each step
     engine = Engine(copy.deepcopy(tiny_llama.model), config,
                     draft_model=copy.deepcopy(tiny_llama.model))
-    repeats = [random_prompt(5, seed=50) * 4, random_prompt(7, seed=51) * 3]
+    graphs = engine.runner.decode_graphs
+    assert graphs.proposal_buckets == [0, 1, 2, 4]
+    steps = []  # (bucket, each stream's proposals)
+    static_run = graphs.run
+    graphs.run = lambda chunks: (steps.append((graphs.bucket(chunks),
+                                               [len(c.draft) for c in chunks])),
+                                 static_run(chunks))[1]
+    repeats = [random_prompt(5, seed=50) * 4, random_prompt(7, seed=51) * 3,
+               random_prompt(4, seed=52) * 2]
     for i, prompt in enumerate(repeats):
-        engine.add_request(f"s{i}", prompt, greedy(16))
+        # 11 tokens: the last verified step of each has fewer proposals than its bucket's
+        engine.add_request(f"s{i}", prompt, greedy(11 + i))
     produced = run_to_completion(engine)
-    assert [produced[f"s{i}"] for i in range(2)] == [tiny_llama.reference(p, 16) for p in repeats]
+    assert [produced[f"s{i}"] for i in range(3)] == [
+        tiny_llama.reference(p, 11 + i) for i, p in enumerate(repeats)]
+    assert any(bucket == (4, 4) and len(drafts) == 3 for bucket, drafts in steps)  # a padding stream
+    assert any(min(drafts) < bucket[1] for bucket, drafts in steps)  # padding proposal rows
+    assert all(bucket is not None for bucket, _ in steps)
     stats = engine.speculator.stats
     assert stats.num_accepted_tokens > 0 and max(stats.accepted_per_position[1:]) > 0

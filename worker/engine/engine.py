@@ -148,8 +148,9 @@ class Engine:
         if graphs_mode == "capture":  # after the runner installed its attention on the model
             started = time.perf_counter()
             self.runner.decode_graphs.capture()
-            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
-                     self.runner.decode_graphs.buckets, time.perf_counter() - started)
+            graphs = self.runner.decode_graphs
+            log.info("captured decode CUDA graphs for batch sizes %s x proposals %s in %.1f s",
+                     graphs.buckets, graphs.proposal_buckets, time.perf_counter() - started)
 
     def _draft_model(self, draft_model: torch.nn.Module | None) -> torch.nn.Module | None:
         """The draft model: given, or loaded from `speculative_config.model` (draft_model)."""
@@ -205,8 +206,10 @@ class Engine:
     def _decode_graphs(self, graphs_mode: str | None) -> DecodeGraphs | None:
         if graphs_mode is None:
             return None
+        spec = self.config.speculative_config
         return DecodeGraphs(self.model, self.pool, scratch_block=self.budget.num_blocks - 1,
-                            max_batch=self.config.max_running, max_model_len=self.max_model_len)
+                            max_batch=self.config.max_running, max_model_len=self.max_model_len,
+                            max_proposals=0 if spec is None else spec.num_speculative_tokens)
 
     @classmethod
     def from_pretrained(cls, model_path: str, config: EngineConfig, tokenizer=None) -> Engine:
