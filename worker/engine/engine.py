@@ -74,6 +74,9 @@ class Engine:
         if placed.shard is not None:
             layout = replace(layout, num_kv_heads=placed.shard.num_kv_heads)
         draft_model = self._draft_model(draft_model)
+        # placed before the KV budget is planned: on CUDA its weights are memory in use
+        placed_draft = None if draft_model is None else prepare_model(
+            draft_model, self.device, self.dtype)
         draft_layout = None if draft_model is None else KVLayout.from_model_config(
             draft_model.config, layout.kv_format)
         self.max_model_len = max_model_len_of(placed.module.config)
@@ -100,7 +103,7 @@ class Engine:
         self.preemption = preemption_cost_model(config.preemption, self.pool, placed.module)
         self.swapped = SwappedKV(self.pool, self.preemption)
         self._start_scheduling(placed.module, tokenizer)
-        self._start_runner(placed, draft_model, graphs_mode)
+        self._start_runner(placed, placed_draft, graphs_mode)
         self.speculator = self._speculator()
         self._seqs: dict[str, Sequence] = {}
         if ranks is None or ranks.is_driver:
@@ -121,20 +124,19 @@ class Engine:
             GrammarCompiler(tokenizer, model.config.vocab_size, eos, config.grammar_cache_size)
             if tokenizer is not None else None)
 
-    def _start_runner(self, placed: PreparedModel, draft_model: torch.nn.Module | None,
+    def _start_runner(self, placed: PreparedModel, placed_draft: PreparedModel | None,
                       graphs_mode: str | None) -> None:
         """The model (and draft) packed for the device, the runner, its decode graphs."""
         # fused layers where the C++ attention kernel reads this pool
         fuse_layers, invariant = self.attention_backend.cpu_kernel, self.config.deterministic
         self.prepared = pack_for_cpu(placed, fuse_layers, invariant)
         self.draft: PreparedModel | None = None
-        if draft_model is not None:
+        if placed_draft is not None:
             self.draft_backend = resolve_attention_backend(
                 self.config.attention_backend, self.device, self.dtype,
                 self.draft_pool.layout.kv_format, self.draft_pool.layout.head_dim,
                 deterministic=invariant)
-            self.draft = pack_for_cpu(prepare_model(draft_model, self.device, self.dtype),
-                                      self.draft_backend.cpu_kernel, invariant)
+            self.draft = pack_for_cpu(placed_draft, self.draft_backend.cpu_kernel, invariant)
         # None: every row is computed batch-invariantly (invariance.py); else why not
         self.invariance_gap = invariance_gap(self.prepared, self.attention_backend, invariant)
         if invariant and self.invariance_gap is not None and (self.ranks is None
