@@ -7,6 +7,7 @@ Each engine costs a child process start-up, so one engine per case serves severa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -115,8 +116,9 @@ def test_head_shards_split_or_replicate_kv_heads():
 
 
 def test_step_message_round_trip():
-    plan = StepPlan([PlannedChunk(7, 1, [3, 4], True), PlannedChunk(0, 5, [9, 1], False)],
-                    [11, 12, 13, 14, 15, 16])
+    plan = StepPlan([PlannedChunk(7, 1, [3, 4], True), PlannedChunk(0, 5, [9, 1], False),
+                     PlannedChunk(9, 3, [8, 2, 5], True, num_draft=2)],
+                    [11, 12, 13, 14, 15, 16, 17, 18, 19])
     message = StepMessage(plan, swap_out=[(4, [5, 6])], swap_in=[(2, [7]), (3, [])], drops=[1])
     assert StepMessage.decode(message.encode()) == message
     empty = StepMessage(StepPlan([], []))
@@ -158,3 +160,19 @@ def test_prompt_logprobs_match_one_rank(case):
     for g, w in zip(got, want):
         assert (g.token_id, g.rank, [t for t, _ in g.top]) == (w.token_id, w.rank, [t for t, _ in w.top])
         assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+
+
+def test_verified_proposals_on_two_ranks_equal_hf_generate():
+    """Speculation under tensor parallelism: rank 0 proposes and verifies, every rank computes
+    the proposals' rows (the step message carries them)."""
+    tiny = TinyModel("llama")
+    config = dataclasses.replace(tp_config("recompute"), num_blocks=64, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    engine = launch_engine(functools.partial(build_model, "llama"), config, num_threads=1)
+    try:
+        prompts = [random_prompt(5, seed=60) * 3, random_prompt(4, seed=61) * 4]
+        produced = serve(engine, prompts, [24, 24])
+        assert [produced["r0"], produced["r1"]] == [tiny.reference(p, 24) for p in prompts]
+        assert engine.speculator.stats.num_drafts > 0
+    finally:
+        engine.close()

@@ -3,12 +3,16 @@ what verification taught (acceptance per stream, the step's cost per row, the co
 
 How many: a proposal is worth its row when the tokens it is expected to add are worth more than
 the time its row adds. With a step costing `a + b x rows` (fitted online from the engine's own
-steps, `StepCost`) and a stream whose proposals are accepted with probability `alpha` each, the
-j-th proposal of that stream adds `alpha^j` expected tokens for `b` seconds (and, for a draft
-model, its share of one more draft forward); it is taken while that beats the step's rate so far
-(tokens / seconds): a bigger step makes every token cheaper in time, and the rule stops proposing
-where verification would cost more than it saves. Small batches on weight-bound hardware
-(`a >> b`) speculate deeply; large batches (`b x rows ~ a`) back off by themselves.
+steps, `StepCost`), the j-th proposal of a stream is accepted with probability `p_s x c_2 x ... x
+c_j`: `p_s` the stream's own rate for a first proposal (it changes as the text goes in and out of
+passages that repeat), `c_i` the rate at which a proposal at position i is accepted once the
+ones before it were (kept over every stream: acceptance comes in runs, so deep proposals are
+likelier than a geometric model says). It adds that many expected tokens for `b` seconds (and,
+for a draft model, its share of one more draft forward), and is taken while that beats the
+step's rate so far (tokens / seconds): a bigger step makes every token cheaper in time, and the
+rule stops proposing where verification would cost more than it saves. Small batches on
+weight-bound hardware (`a >> b`) speculate deeply; large batches (`b x rows ~ a`) back off by
+themselves.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from worker.engine.speculation.proposers import Proposer, make_proposer
 
 log = logging.getLogger(__name__)
 
-# Prior acceptance of a stream's proposals until it has its own (weight in trials).
-_PRIOR_ACCEPTANCE, _PRIOR_TRIALS = 0.5, 2.0
-# A stream's acceptance forgets old steps at this rate (its text changes character).
-_ACCEPTANCE_DECAY = 0.9
+# Priors until proposals were verified: a first proposal's acceptance, and a deeper one's once
+# the ones before it were accepted (weight: trials).
+_PRIOR_FIRST, _PRIOR_DEEPER, _PRIOR_TRIALS = 0.5, 0.7, 2.0
+# A stream forgets its old steps at this rate (its text changes character); the positions'
+# rates, over every stream, more slowly.
+_STREAM_DECAY, _POSITION_DECAY = 0.8, 0.995
 
 
 class StepCost:
@@ -66,20 +72,20 @@ class StepCost:
         return a + b * rows
 
 
-@dataclass
-class Acceptance:
-    """One stream's proposals: accepted and tried, decayed (a trial is a proposal verified; the
-    first rejected one ends a step's trials)."""
+class Rate:
+    """A decayed success rate with a prior: (successes + prior x w) / (trials + w)."""
 
-    accepted: float = 0.0
-    trials: float = 0.0
+    def __init__(self, prior: float, decay: float):
+        self.prior, self.decay = prior, decay
+        self.successes = self.trials = 0.0
 
-    def rate(self, prior: float) -> float:
-        return (self.accepted + prior * _PRIOR_TRIALS) / (self.trials + _PRIOR_TRIALS)
+    def observe(self, success: bool) -> None:
+        self.successes = self.decay * self.successes + success
+        self.trials = self.decay * self.trials + 1
 
-    def observe(self, num_proposed: int, num_accepted: int) -> None:
-        self.accepted = _ACCEPTANCE_DECAY * self.accepted + num_accepted
-        self.trials = _ACCEPTANCE_DECAY * self.trials + num_accepted + (num_accepted < num_proposed)
+    def value(self, prior: float | None = None) -> float:
+        prior = self.prior if prior is None else prior
+        return (self.successes + prior * _PRIOR_TRIALS) / (self.trials + _PRIOR_TRIALS)
 
 
 @dataclass
@@ -106,8 +112,12 @@ class Speculator:
         self.proposer: Proposer | None = None if draft is not None else make_proposer(
             config.method, **config.model_dump(exclude={"method", "model"}))
         self.cost = StepCost()
-        self.global_acceptance = _PRIOR_ACCEPTANCE  # every stream's, a new stream's prior
-        self._streams: dict[str, Acceptance] = {}
+        k = config.num_speculative_tokens
+        # [0]: a first proposal's acceptance over every stream (a new stream's prior);
+        # [i]: position i + 1's once the ones before it were accepted
+        self._positions = [Rate(_PRIOR_FIRST if i == 0 else _PRIOR_DEEPER, _POSITION_DECAY)
+                           for i in range(k)]
+        self._streams: dict[str, Rate] = {}  # each stream's first-proposal acceptance
         self._proposals: dict[str, list[int]] = {}  # this step's, between plan and fill
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
@@ -158,8 +168,10 @@ class Speculator:
             return {r: 1 for r in limits}
         gains = []
         for req_id, k in limits.items():
-            alpha = self._rate(req_id)
-            gains += [(alpha ** j, j, req_id) for j in range(1, k + 1)]
+            gain = 1.0
+            for j in range(1, k + 1):
+                gain *= self._first(req_id) if j == 1 else self._positions[j - 1].value()
+                gains.append((gain, j, req_id))
         gains.sort(reverse=True)
         chosen: dict[str, int] = {}
         depth = 0
@@ -178,11 +190,13 @@ class Speculator:
         """The rule's first test for the likeliest stream's first proposal (`_choose`)."""
         a, b = self.cost.coefficients()
         seconds = a + b * max(num_batched, num_decoding)
-        return seconds <= 0 or max(self._rate(r) for r in limits) * seconds > b * num_decoding
+        return seconds <= 0 or max(self._first(r) for r in limits) * seconds > b * num_decoding
 
-    def _rate(self, req_id: str) -> float:
+    def _first(self, req_id: str) -> float:
+        """The stream's chance that its first proposal is accepted."""
+        everyone = self._positions[0].value()
         stream = self._streams.get(req_id)
-        return self.global_acceptance if stream is None else stream.rate(self.global_acceptance)
+        return everyone if stream is None else stream.value(everyone)
 
     def fill(self, sched: SchedulerOutput) -> None:
         """Put the proposals into the chunks that reserved slots for them."""
@@ -207,9 +221,10 @@ class Speculator:
         stats.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             stats.accepted_per_position[i] += 1
-        self._streams.setdefault(chunk.seq.req_id, Acceptance()).observe(proposed, num_accepted)
-        trials = num_accepted + (num_accepted < proposed)
-        self.global_acceptance += 0.05 * (num_accepted / trials - self.global_acceptance)
+        self._streams.setdefault(chunk.seq.req_id, Rate(_PRIOR_FIRST, _STREAM_DECAY)).observe(
+            num_accepted > 0)
+        for i in range(min(num_accepted + 1, proposed)):  # verified: those after an accepted
+            self._positions[i].observe(i < num_accepted)
         if self.draft is not None:
             self.draft.accepted(chunk, num_accepted)
 
