@@ -242,3 +242,4 @@ def test_float32_greedy_without_deterministic(tiny_llama, name):
         engine.add_request(f"g{i}", prompt, greedy(40))
     produced = run_to_completion(engine)
     assert [produced[f"g{i}"] for i in range(2)] == [tiny_llama.reference(p, 40) for p in prompts]
+

@@ -10,8 +10,9 @@ copied to host memory before they are freed, and copied back into fresh blocks w
 readmitted); `PreemptionCostModel` picks one per preemption (`--preemption`).
 
 Speculative decoding (`lookahead`): a decoding sequence may reserve slots for proposed tokens
-beyond its last one (the budget counts them; a reservation never preempts anyone: without room
-the sequence decodes one token). Its step then computes the last token and the proposals, and
+beyond its last one (the budget counts them; a reservation never preempts anyone: it takes only
+blocks beyond one per running stream and the watermark, and without them the sequence decodes
+one token). Its step then computes the last token and the proposals, and
 `update` appends the tokens verification accepted plus the one sampled after them; the slots of
 rejected proposals are released (their KV is garbage but never read: positions are computed
 again before anything attends to them, and only blocks of accepted tokens are ever published).
@@ -220,8 +221,16 @@ class Scheduler:
         return budget
 
     def _reserve_lookahead(self, seq: Sequence, extra: int, out: SchedulerOutput) -> bool:
-        """Schedule `seq`'s decode with `extra` proposal slots, if free blocks hold them."""
-        table = self.block_manager.allocate_slots(seq.req_id, seq.num_tokens + extra)
+        """Schedule `seq`'s decode with `extra` proposal slots, if free blocks hold them and
+        still leave a block for every running stream (and the watermark): the others' next
+        tokens come before anyone's proposals."""
+        bm = self.block_manager
+        lookahead_blocks = (bm.num_blocks_to_take(seq.req_id, seq.num_tokens + extra)
+                            - bm.num_blocks_to_take(seq.req_id, seq.num_tokens))
+        if lookahead_blocks and (bm.num_free_blocks - lookahead_blocks
+                                 < len(self.running) + self.watermark_blocks):
+            return False
+        table = bm.allocate_slots(seq.req_id, seq.num_tokens + extra)
         if table is None:
             return False
         chunk = ScheduledChunk(seq, seq.num_computed_tokens, 1 + extra, table, emits_token=True,
