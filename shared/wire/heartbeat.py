@@ -34,6 +34,9 @@ class Heartbeat:
     block_size: int = 0  # token positions per KV block (the router hashes prompts by it)
     max_running: int = 0  # the most requests it runs at once (0: unknown)
     own_queue: int = 0  # entries waiting in its own streams (routed to it, not yet taken)
+    model_source: str = ""  # what it loaded (--model: a directory or local id): gateways load
+    # the model's tokenizer from it when a request first names the model
+    loras: str = ""  # LoRA adapters held in its memory, comma-separated, most recent first
 
     def encode(self) -> dict[str, str | int | float]:
         """The HSET mapping; an empty metrics_url is left out."""

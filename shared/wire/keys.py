@@ -170,6 +170,11 @@ class Keys:
         """The worker id of a heartbeat key (the inverse of `worker`)."""
         return heartbeat_key.removeprefix(self.worker(""))
 
+    def loras(self) -> str:
+        """Hash: the fleet's LoRA adapters, name -> LoraRecord as JSON (shared/lora.py). Adapter
+        names share the `model` namespace with the served models."""
+        return f"{self.prefix}loras"
+
     def api_keys(self) -> str:
         """Hash of API keys: SHA-256 hex of the key -> ApiKeyRecord as JSON. Plaintext keys are
         never stored."""

@@ -80,6 +80,11 @@ class GenerationRequest:
     # where a worker's step sends one message with the events of all its requests from that
     # gateway; '' = the request's own channel (Keys.tokens), one message per event.
     reply_to: str = ""
+    # A LoRA adapter of `model` ('' = the base model): its registered name and directory, as the
+    # gateway resolved them at enqueue (shared/lora.py); a worker loads it from `lora_path` on
+    # first use, so a resumed request is served by the same adapter.
+    lora: str = ""
+    lora_path: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
