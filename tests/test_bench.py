@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvfleet.bench import command as bench
-from kvfleet.bench.client import RequestRecord
+from kvfleet.bench.client import BenchTarget, RequestRecord, request_body
 from kvfleet.bench.stats import Slo, meets_slo
 from kvfleet.bench.trace import load_trace
 
@@ -308,6 +308,7 @@ def test_unreachable_server_exits_2(tmp_path, capsys):
     (None, "cannot read trace"),
     ('{"t": 0, "prompt": "hi", "max_tokens": 4}\n{oops\n', ":2: not valid JSON"),
     ('{"t": 0, "prompt": "hi", "max_tokens": 0}\n', "'max_tokens' must be an integer >= 1"),
+    ('{"t": 0, "prompt": "hi", "max_tokens": 2, "model": ""}\n', "'model' must be a non-empty"),
     ("\n", "no requests in the trace"),
 ])
 def test_bad_trace_exits_2(tmp_path, capsys, content, message):
@@ -354,3 +355,17 @@ def test_trace_takes_the_first_n_lines_and_starts_at_zero(tmp_path):
                               for t in (5.0, 5.5, 7.0, 9.0)))
     requests = load_trace(path, num_requests=3)
     assert [r.arrival_s for r in requests] == [0.0, 0.5, 2.0]
+
+
+def test_a_trace_line_may_name_its_model(tmp_path):
+    """A trace spread over models or LoRA adapters: a line's `model` goes in its request's
+    body; a line without one names the run's --model."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in (
+        {"t": 1.0, "prompt": "a", "max_tokens": 2, "model": "adapter-1"},
+        {"t": 2.0, "prompt": "b", "max_tokens": 2})))
+    first, second = load_trace(path)
+    assert (first.model, second.model, second.arrival_s) == ("adapter-1", None, 1.0)
+    target = BenchTarget("base", "completions")
+    assert request_body(target, first)["model"] == "adapter-1"
+    assert request_body(target, second)["model"] == "base"

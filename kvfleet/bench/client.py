@@ -83,7 +83,7 @@ class RequestRecord:
 
 
 def request_body(target: BenchTarget, request: TraceRequest) -> dict:
-    body = {"model": target.model, "max_tokens": request.max_tokens, "stream": True,
+    body = {"model": request.model or target.model, "max_tokens": request.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     if target.endpoint == "chat":
         body["messages"] = (list(request.messages) if request.messages is not None

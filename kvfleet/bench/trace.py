@@ -1,8 +1,10 @@
 """A recorded prompt trace for load tests: one JSON object per line,
-`{"t": arrival seconds, "prompt": str, "max_tokens": int, "ignore_eos": bool}`."""
+`{"t": arrival seconds, "prompt": str, "max_tokens": int, "ignore_eos": bool, "model": str}`
+(`model` optional: the request names it instead of the run's --model, e.g. a LoRA adapter)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,9 @@ class TraceRequest:
     # chat messages sent instead of one user message holding `prompt` (a multi-turn chat that
     # resends its history); traces read from a file have none
     messages: tuple[dict[str, str], ...] | None = None
+    # the `model` this request names instead of the run's --model (a trace spread over several
+    # models or LoRA adapters); None: the run's
+    model: str | None = None
 
 
 def load_trace(path: str | Path, num_requests: int | None = None) -> list[TraceRequest]:
@@ -33,8 +38,7 @@ def load_trace(path: str | Path, num_requests: int | None = None) -> list[TraceR
         raise TraceError(f"{path}: no requests in the trace")
     requests.sort(key=lambda request: request.arrival_s)
     first_s = requests[0].arrival_s
-    return [TraceRequest(r.arrival_s - first_s, r.prompt, r.max_tokens, r.ignore_eos)
-            for r in requests]
+    return [dataclasses.replace(r, arrival_s=r.arrival_s - first_s) for r in requests]
 
 
 def _read_lines(path: str | Path) -> list[tuple[int, str]]:
@@ -64,4 +68,7 @@ def _parse_line(line: str, path: str | Path, number: int) -> TraceRequest:
         raise TraceError(f"{where}: 'max_tokens' must be an integer >= 1")
     if not isinstance(ignore_eos, bool):
         raise TraceError(f"{where}: 'ignore_eos' must be true or false")
-    return TraceRequest(float(arrival_s), prompt, max_tokens, ignore_eos)
+    model = entry.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise TraceError(f"{where}: 'model' must be a non-empty string")
+    return TraceRequest(float(arrival_s), prompt, max_tokens, ignore_eos, model=model)
