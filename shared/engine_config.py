@@ -152,10 +152,38 @@ class EngineConfig:
             "\"num_speculative_tokens\": 5}`; methods `ngram`, `suffix`, `draft_model` (with "
             "`model`); the answers stay token for token those of plain decoding "
             "(docs/OPERATIONS.md, \"Speculative decoding\")"))
+    enable_lora: bool = Field(False, description=(
+        "serve PEFT LoRA adapters of the model: a request names one (`lora`), and one step "
+        "computes requests of several adapters and of the base model together; the device "
+        "holds max_loras adapters' weights at max_lora_rank from start-up (docs/OPERATIONS.md, "
+        "\"LoRA adapters\")"))
+    max_loras: int = Field(4, ge=1, description=(
+        "adapters one step computes at most (its device slots, allocated before the KV budget "
+        "is sized); a request whose adapter finds no free slot waits, in arrival order"))
+    max_cpu_loras: int | None = Field(None, ge=1, json_schema_extra={
+        "default_text": "4 × max_loras"}, description=(
+        "adapters kept loaded in host memory, least recently used evicted first (never one a "
+        "queued or running request uses: a request whose adapter finds no room waits); at "
+        "least max_loras"))
+    max_lora_rank: int = Field(16, ge=1, le=512, description=(
+        "the largest adapter rank served (1..512): adapters of a higher rank are refused, and "
+        "every device slot is this wide"))
     num_blocks: int | None = Field(None, ge=1, description=(
         "the pool's size in blocks instead of one from the memory budget"))
     watermark: float = Field(0.01, ge=0.0, lt=1.0, description=(
         "share of the pool's blocks kept free when admitting new work"))
+
+    @model_validator(mode="after")
+    def _check_loras(self) -> EngineConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras}): a step's adapters are all loaded")
+        return self
+
+    @property
+    def lora_cache_size(self) -> int:
+        """Adapters kept loaded in host memory: max_cpu_loras, else 4 x max_loras."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
 
     @property
     def kv_memory_bytes(self) -> int:

@@ -62,6 +62,15 @@ class AdapterInfo:
     modules: dict[str, tuple[int, int, int]] = field(default_factory=dict, compare=False)
 
 
+def lora_tensor_key(name: str) -> tuple[str, str] | None:
+    """("layers.<i>.<module>", "A" or "B") of a PEFT LoRA tensor name (what `AdapterInfo.modules`
+    is keyed by); None for any other name."""
+    match = _TENSOR_NAME.match(name)
+    if match is None:
+        return None
+    return f"layers.{int(match['layer'])}.{match['module']}", match["part"]
+
+
 def linear_shapes(model_config: dict) -> dict[str, LinearShape]:
     """The decoder layer's linears of a Llama-family model, from its config.json."""
     hidden = int(model_config["hidden_size"])

@@ -4,8 +4,8 @@ Pure bookkeeping over block ids `0 .. num_blocks-1` (the tensors live in `kv_cac
 
 Prefix caching: a *full* block whose KV is computed is published under a hash chained from its
 parent block's hash and its own token ids (shared/wire/prefix_hash.py, from a root naming the
-served model: the gateways' router hashes prompts the same way), so equal hashes mean equal token
-prefixes (an edit anywhere earlier changes every later hash). A block whose reference count drops
+served model, or the model and a request's LoRA adapter: the gateways' router hashes prompts the
+same way), so equal hashes mean equal token prefixes under the same weights (an edit anywhere earlier changes every later hash). A block whose reference count drops
 to 0 keeps its hash and content and waits in an LRU list; it is evicted only when a new block is
 needed and no never-cached block is free. Blocks are shared only when full and are never written
 again, so a sequence never changes KV another sequence reads.
@@ -127,12 +127,14 @@ class BlockManager:
 
     # ---- prefix cache lookup ------------------------------------------------------------------
 
-    def block_hashes(self, req_id: str, token_ids: list[int]) -> list[BlockHash]:
-        """Chained hashes of every full block of `token_ids`, memoised per request."""
+    def block_hashes(self, req_id: str, token_ids: list[int],
+                     root: BlockHash | None = None) -> list[BlockHash]:
+        """Chained hashes of every full block of `token_ids` from `root` (a request's own, e.g.
+        its adapter's; None: `self.root`), memoised per request (one root per request)."""
         memo = self._hash_memo.setdefault(req_id, [])
         bs = self.block_size
         for i in range(len(memo), len(token_ids) // bs):
-            memo.append(hash_block(memo[i - 1] if i else self.root,
+            memo.append(hash_block(memo[i - 1] if i else (root or self.root),
                                    token_ids[i * bs:(i + 1) * bs]))
         return memo
 
@@ -145,12 +147,14 @@ class BlockManager:
             raise ValueError("the prefix root can change only before any block is hashed")
         self.root = root
 
-    def num_cached_leading_blocks(self, token_ids: list[int]) -> int:
-        """How many leading full blocks of `token_ids` the cache holds now (no lookup is
-        recorded and nothing is memoised: a question about a prompt that is not here)."""
+    def num_cached_leading_blocks(self, token_ids: list[int],
+                                  root: BlockHash | None = None) -> int:
+        """How many leading full blocks of `token_ids` (hashed from `root`, default
+        `self.root`) the cache holds now (no lookup is recorded and nothing is memoised: a
+        question about a prompt that is not here)."""
         if not self.enable_prefix_caching:
             return 0
-        count, parent, bs = 0, self.root, self.block_size
+        count, parent, bs = 0, root or self.root, self.block_size
         for i in range(len(token_ids) // bs):
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             if parent not in self._cached:
@@ -167,7 +171,8 @@ class BlockManager:
         drain, as a net change (a hash published and evicted in between is in neither)."""
         return self._announcements.drain()
 
-    def find_cached_prefix(self, req_id: str, token_ids: list[int]) -> list[int]:
+    def find_cached_prefix(self, req_id: str, token_ids: list[int],
+                           root: BlockHash | None = None) -> list[int]:
         """Blocks holding the longest cached prefix of `token_ids`.
 
         At most `(len(token_ids) - 1) // block_size` blocks: at least the last token is always
@@ -178,7 +183,7 @@ class BlockManager:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
-        for block_hash in self.block_hashes(req_id, token_ids)[:max_blocks]:
+        for block_hash in self.block_hashes(req_id, token_ids, root)[:max_blocks]:
             block = self._cached.get(block_hash)
             if block is None:
                 break
@@ -247,8 +252,10 @@ class BlockManager:
         self._block_hash[block] = None
         return block
 
-    def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Publish the sequence's full blocks whose KV is computed (first publisher wins)."""
+    def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int,
+                          root: BlockHash | None = None) -> None:
+        """Publish the sequence's full blocks whose KV is computed (first publisher wins),
+        hashed from `root` (None: `self.root`)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[req_id]
@@ -256,7 +263,7 @@ class BlockManager:
         end = min(num_computed_tokens // self.block_size, len(table))
         if end <= start:
             return
-        hashes = self.block_hashes(req_id, token_ids)
+        hashes = self.block_hashes(req_id, token_ids, root)
         for i in range(start, end):
             block, block_hash = table[i], hashes[i]
             if block_hash not in self._cached and self._block_hash[block] is None:

@@ -4,7 +4,8 @@
 the KV budget and the preemption priors (budget.py), the checks and outputs of a request
 (request_io.py), scheduling (scheduler.py), the forward (model_runner.py; on tensor-parallel
 ranks tp_steps.py), swapped-out KV (swapping.py), sampling (step_sampling.py), output
-constraints (worker/structured/requests.py) and the operator's reports and counters (reports.py).
+constraints (worker/structured/requests.py), LoRA adapters (lora/manager.py) and the operator's
+reports and counters (reports.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from worker.engine.device import (
     is_cuda, resolve_block_size, resolve_device, resolve_dtype, select_device)
 from worker.engine.kv_cache import KVCachePool, KVLayout
 from worker.engine.invariance import invariance_gap
+from worker.engine.lora import LoraLoadError, LoraRequest, LoraStats
+from worker.engine.lora.manager import LoraManager
 from worker.engine.kv_format import resolve_kv_format
 from worker.engine.model_prep import (
     PreparedModel, eos_token_ids_of, load_pretrained, max_model_len_of, pack_for_cpu, prepare_model)
@@ -48,7 +51,8 @@ from worker.engine.tp_steps import forward_on_ranks
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.requests import ConstrainedRequests
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "load_pretrained"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "LoraLoadError", "LoraRequest", "LoraStats",
+           "RequestOutput", "load_pretrained"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,9 @@ class Engine:
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.device, self.dtype, layout.kv_format, layout.head_dim,
             deterministic=config.deterministic)
+        # its slots are on the device before the KV budget is planned: memory in use on CUDA
+        self.lora = None if not config.enable_lora else LoraManager.for_engine(
+            config, model, self.dtype, self.device, self.attention_backend, ranks, placed.shard)
         block_size = resolve_block_size(config.block_size, self.attention_backend.cpu_kernel,
                                         self.dtype, layout.kv_format.storage)
         config = self.config = replace(config, block_size=block_size)
@@ -114,10 +121,13 @@ class Engine:
     def _start_scheduling(self, model: torch.nn.Module, tokenizer) -> None:
         """The scheduler and its stop rules, the sampler, the output constraints."""
         config, eos = self.config, eos_token_ids_of(model)
+        lora = self.lora
         self.scheduler = Scheduler(
             self.block_manager, StopChecker(eos, self.max_model_len, tokenizer),
             config.max_batched_tokens, config.max_running, config.watermark,
-            preemption=self.preemption, swap_space=self.swap_space)
+            preemption=self.preemption, swap_space=self.swap_space,
+            max_loras=config.max_loras if lora else 0,
+            adapter_ready=lora.is_ready if lora else None)
         self.sampler = Sampler(eos)
         # Structured outputs: one grammar matcher per constrained request (needs the tokenizer).
         self.constrained = ConstrainedRequests(
@@ -144,9 +154,11 @@ class Engine:
             log.warning("--deterministic: answers may depend on the batch here: %s",
                         self.invariance_gap)
         self.model = self.prepared.module
+        if self.lora is not None:  # before any graph is captured: captured without terms
+            self.lora.install(self.model)
         self.runner = ModelRunner(self.model, self.pool, attention_backend=self.attention_backend,
                                   decode_graphs=self._decode_graphs(graphs_mode),
-                                  num_heads=self.prepared.num_heads)
+                                  num_heads=self.prepared.num_heads, lora=self.lora)
         if graphs_mode == "capture":  # after the runner installed its attention on the model
             started = time.perf_counter()
             self.runner.decode_graphs.capture()
@@ -229,16 +241,28 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    output_token_ids: list[int] | None = None) -> None:
-        """Queue a request; `output_token_ids` resumes one (sampling continues at their count)."""
+                    output_token_ids: list[int] | None = None,
+                    lora: LoraRequest | None = None) -> None:
+        """Queue a request; `output_token_ids` resumes one (sampling continues at their count);
+        `lora`: the adapter it runs under (LoraLoadError, a ValueError, if it cannot be served)."""
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is already in the engine")
         check_request(req_id, prompt_token_ids, params, self.max_model_len, self.block_manager)
-        # a resumed request replays its tokens through its grammar: same masks as before the crash
-        self.constrained.add(req_id, params.constraint, output_token_ids or [])
+        if lora is not None:
+            if self.lora is None:
+                raise LoraLoadError(f"request {req_id!r} names adapter {lora.name!r}, but this "
+                                    "engine serves no LoRA adapters (--enable-lora)")
+            self.lora.acquire(req_id, lora)  # loaded (or waiting for room) and held from here
+        try:
+            # a resumed request replays its tokens through its grammar: same masks as before
+            self.constrained.add(req_id, params.constraint, output_token_ids or [])
+        except BaseException:
+            if self.lora is not None:
+                self.lora.release(req_id)
+            raise
         # resumed past its first output: its prompt logprobs went out with that output
         seq = Sequence(req_id, prompt_token_ids, params, output_token_ids=output_token_ids or [],
-                       prompt_logprobs_sent=bool(output_token_ids))
+                       prompt_logprobs_sent=bool(output_token_ids), lora=lora)
         self._seqs[req_id] = seq
         self.scheduler.add(seq)
 
@@ -264,9 +288,11 @@ class Engine:
         the gateways' router uses); before the first request. Offline use keeps the default."""
         self.block_manager.set_root(root)
 
-    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
-        """Leading full blocks of `token_ids` in the prefix cache now."""
-        return self.block_manager.num_cached_leading_blocks(token_ids)
+    def num_cached_prefix_blocks(self, token_ids: list[int],
+                                 prefix_root: bytes | None = None) -> int:
+        """Leading full blocks of `token_ids` in the prefix cache now (hashed from
+        `prefix_root`: an adapter's, `LoraRequest.prefix_root`; None: the engine's own)."""
+        return self.block_manager.num_cached_leading_blocks(token_ids, prefix_root)
 
     def cached_block_hashes(self) -> list[bytes]:
         """Every block hash in the prefix cache now."""
@@ -286,6 +312,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs of requests that got a token or finished."""
         outputs = [self._finish_output(seq) for seq in self.scheduler.take_finished_at_add()]
+        if self.lora is not None:  # adapters that found room since: their requests may run
+            outputs += self._fail([(self._seqs[req_id], exc)
+                                   for req_id, exc in self.lora.load_pending()])
         sched = self._schedule()
         if self.ranks is not None:
             ran = forward_on_ranks(self.ranks, self.runner, sched, self.config.block_size,
@@ -304,7 +333,14 @@ class Engine:
         return outputs + self._sample_and_update(sched, step, start)
 
     def _schedule(self) -> SchedulerOutput:
-        """The step's work; with speculation, the decoding streams' proposals in it."""
+        """The step's work; with speculation, the decoding streams' proposals in it; with
+        adapters, each chunk's slot (and the adapters loaded into slots for it)."""
+        sched = self._schedule_tokens()
+        if self.lora is not None:
+            sched.lora_loads = self.lora.assign_slots(sched.chunks)
+        return sched
+
+    def _schedule_tokens(self) -> SchedulerOutput:
         if self.speculator is None:
             return self.scheduler.schedule()
         scheduler = self.scheduler
@@ -362,6 +398,8 @@ class Engine:
         self._seqs.pop(seq.req_id, None)
         if self.speculator is not None:
             self.speculator.finish(seq)
+        if self.lora is not None:
+            self.lora.release(seq.req_id)
 
     # ---- introspection ------------------------------------------------------------------------
 
@@ -370,6 +408,10 @@ class Engine:
                                     self.swapped.num_bytes, self.constrained,
                                     None if self.speculator is None else self.speculator.stats)
 
+    def lora_stats(self) -> LoraStats:
+        """The adapters loaded (most recently used first), in slots, loads and evictions."""
+        return LoraStats() if self.lora is None else self.lora.stats()
+
     def device_report(self) -> str:
         """Device, dtype (and what --dtype said), and on CPU the model and ISA behind `auto`."""
         return reports.device_report(self.device, self.dtype, self.attention_backend,
@@ -377,9 +419,10 @@ class Engine:
                                      self.invariance_gap)
 
     def budget_report(self) -> list[str]:
-        return reports.budget_report(self.budget, self.pool, self.dtype, self.swap_space,
-                                     self.preemption,
-                                     None if self.ranks is None else self.ranks.world_size)
+        lines = reports.budget_report(self.budget, self.pool, self.dtype, self.swap_space,
+                                      self.preemption,
+                                      None if self.ranks is None else self.ranks.world_size)
+        return lines + ([self.lora.report()] if self.lora is not None else [])
 
     # ---- offline ------------------------------------------------------------------------------
 

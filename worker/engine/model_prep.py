@@ -15,7 +15,8 @@ goes through the same two steps (`Engine(draft_model=...)`).
 The seam for adapters: every linear a prepared model computes (an nn.Linear, or a module that
 replaces one: packed, sibling, fused layer products, row-parallel) is a `LinearProduct`, and
 `add_linear_term(linear, term)` adds `term(x)` ([..., in] -> [..., out], e.g. LoRA's
-x @ A @ B * scale) to its output, per row, until the returned handle is removed. In a fused layer
+x @ A @ B * scale) to its output, per row, until the returned handle is removed
+(`add_linear_update`: the same, the term added in place by the caller, or not at all). In a fused layer
 q/k/v are one product (`qkv`, outputs side by side) and gate/up another (`gate_up`): a term for
 one of them is zero outside its columns. Terms are torch forward hooks: a linear without one costs
 nothing more, and a CUDA graph captured before a term was added replays without it. KV computed
@@ -38,7 +39,7 @@ from worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
 from worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
 from worker.engine.device import is_cpu, place_model, resolve_device, resolve_dtype
 from worker.engine.tp_group import RankGroup
-from worker.engine.tp_shard import HeadShard, shard_model
+from worker.engine.tp_shard import HeadShard, RowParallelLinear, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,9 @@ class LinearProduct(Protocol):
 
 
 Term = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out], added to the product
+# (x [..., in], out [..., out]) -> the output with a term added (`out` itself, changed in place,
+# or a new tensor), or None: unchanged (what a step without an adapter costs: one call)
+Update = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 def linear_products(model: nn.Module) -> dict[str, nn.Module]:
@@ -132,13 +136,22 @@ def linear_products(model: nn.Module) -> dict[str, nn.Module]:
 
 def add_linear_term(linear: nn.Module, term: Term) -> torch.utils.hooks.RemovableHandle:
     """Add `term(x)` to what `linear` computes for input x until the handle is removed."""
+    return add_linear_update(linear, lambda x, out: out + term(x))
+
+
+def add_linear_update(linear: nn.Module, update: Update) -> torch.utils.hooks.RemovableHandle:
+    """Let `update(x, out)` add a term to what `linear` computes (in place where it likes) until
+    the handle is removed. On a row-parallel linear (tp_shard.py) x is this rank's share of the
+    input and the update applies to the partial output, before the ranks' sum."""
     if not isinstance(linear, LinearProduct):
         raise TypeError(f"{type(linear).__name__} is not a linear (no in_features/out_features)")
+    if isinstance(linear, RowParallelLinear):
+        return linear.add_partial_update(update)
 
-    def add(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return output + term(args[0])
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        return update(args[0], output)
 
-    return linear.register_forward_hook(add)
+    return linear.register_forward_hook(hook)
 
 
 def eos_token_ids_of(model: nn.Module) -> list[int]:

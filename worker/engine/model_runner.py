@@ -4,6 +4,7 @@ token is sampled (and at the prompt positions of requests that asked for prompt 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -50,6 +51,7 @@ class PlannedChunk:
     block_table: list[int]  # the blocks covering positions [0, end)
     emits_token: bool
     num_draft: int = 0  # its last tokens are proposals: each of their rows is verified too
+    lora_slot: int = -1  # its rows take the adapter in this device slot; -1: the base model
 
     @property
     def end(self) -> int:
@@ -67,6 +69,8 @@ class StepPlan:
 
     chunks: list[PlannedChunk]
     token_ids: list[int]  # every chunk's tokens, concatenated in chunk order
+    # (slot, adapter name, path): load these adapters into these slots before the forward
+    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -92,7 +96,7 @@ def plan_step(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, StepRo
     for c in decodes + prefills:
         base = len(token_ids)  # flattened index of position c.start
         chunks.append(PlannedChunk(c.start, c.num_tokens, c.block_table[:-(-c.end // block_size)],
-                                   c.emits_token, len(c.draft)))
+                                   c.emits_token, len(c.draft), c.lora_slot))
         token_ids.extend(c.token_ids)
         if c.emits_token:
             rows.emitting.append(c)
@@ -101,7 +105,16 @@ def plan_step(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, StepRo
             first = base + span.first_position - c.start
             rows.prompt_indices.extend(range(first, first + span.num_rows))
             rows.prompt_spans.append(span)
-    return StepPlan(chunks, token_ids), rows
+    return StepPlan(chunks, token_ids, list(sched.lora_loads)), rows
+
+
+class StepTerms(Protocol):
+    """What adds per-row terms to a forward's linears (the engine's LoRA adapters,
+    lora/manager.py): told each plan before its forward, and when it is over."""
+
+    def start_step(self, plan: StepPlan) -> None: ...
+
+    def end_step(self) -> None: ...
 
 
 @dataclass
@@ -122,8 +135,10 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, pool: KVCachePool,
                  attention_backend: AttentionBackend | None = None, decode_graphs=None,
-                 num_heads: int | None = None):
+                 num_heads: int | None = None, lora: StepTerms | None = None):
         self.model = model
+        # the engine's adapters (their terms are installed on `model`): told each step's plan
+        self.lora = lora
         # query heads this runner's attention computes (a tensor-parallel rank's share)
         self.num_heads = num_heads or model.config.num_attention_heads
         # resolved once at start-up (attention.resolve_attention_backend); gather + SDPA if none
@@ -144,8 +159,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepLogits:
         """Forward the step: the emitting chunks' logits [K, vocab], and the prompt logits."""
+        # graphs were captured without adapter terms: a step with adapter rows runs eagerly
         if (self.decode_graphs is not None and self.decode_graphs.can_run(sched.chunks)
-                and not any(c.seq.wants_prompt_logprobs for c in sched.chunks)):
+                and not any(c.seq.wants_prompt_logprobs or c.lora_slot >= 0
+                            for c in sched.chunks)):
             return StepLogits(*self.decode_graphs.run(sched.chunks))
         plan, rows = plan_step(sched, self.block_size)
         logits = self.forward(plan, rows.prompt_indices)  # [K + P, vocab]
@@ -164,9 +181,15 @@ class ModelRunner:
         keep = inputs.logits_indices
         if prompt_indices:
             keep = torch.cat([keep, self._tensor(list(prompt_indices))])
-        output = self.model(
-            input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
-            logits_to_keep=keep if keep_logits else keep[:0], **{CONTEXT_KWARG: inputs.context})
+        if self.lora is not None:
+            self.lora.start_step(plan)  # its adapters in their slots, its rows for the terms
+        try:
+            output = self.model(
+                input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
+                logits_to_keep=keep if keep_logits else keep[:0], **{CONTEXT_KWARG: inputs.context})
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         return output.logits[0]
 
     def prepare(self, plan: StepPlan) -> StepInputs:

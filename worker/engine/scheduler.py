@@ -17,6 +17,13 @@ one token). Its step then computes the last token and the proposals, and
 rejected proposals are released (their KV is garbage but never read: positions are computed
 again before anything attends to them, and only blocks of accepted tokens are ever published).
 
+LoRA adapters (`max_loras`): the running group's sequences use at most `max_loras` distinct
+adapters (the base model does not count), so every step's adapters fit the device's slots. A
+waiting sequence is admitted only when its adapter is loaded for it (`adapter_ready`) and is
+already the running group's or a slot is left; one that cannot be admitted keeps its place, and
+no later adapter request is admitted before it (so the next slot that frees is its adapter's, and
+no stream of requests for the running adapters starves it); base requests behind it still are.
+
 Only the scheduler changes a sequence's status and progress.
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.wire import RequestStatus, TokenLogprob
@@ -48,6 +56,7 @@ class ScheduledChunk:
     # (set before the forward, at most `lookahead`; `num_tokens` is then 1 + len(draft))
     lookahead: int = 0
     draft: list[int] = field(default_factory=list)
+    lora_slot: int = -1  # the device slot of its adapter (set before the forward); -1: base
 
     @property
     def end(self) -> int:
@@ -89,6 +98,8 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (req_id, its blocks)
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # (req_id, new blocks)
+    # (slot, adapter name, path): adapters put in slots for this step (set before the forward)
+    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -115,8 +126,12 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, stop_checker, max_batched_tokens: int = 512,
                  max_running: int = 64, watermark: float = 0.01,
-                 preemption: PreemptionCostModel | None = None, swap_space: SwapSpace | None = None):
+                 preemption: PreemptionCostModel | None = None, swap_space: SwapSpace | None = None,
+                 max_loras: int = 0, adapter_ready: Callable[[str], bool] | None = None):
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct adapters in the running group at most
+        # req_id -> its adapter is loaded for it (LoraManager.is_ready); None: always
+        self.adapter_ready = adapter_ready or (lambda req_id: True)
         self.preemption = preemption  # None: always recompute
         self.swap_space = swap_space or SwapSpace(0)
         self.stop_checker = stop_checker
@@ -267,41 +282,62 @@ class Scheduler:
         return self.preemption.choose(len(table), to_recompute, self.swap_space.can_hold(len(table)))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            if seq.num_swapped_blocks:
-                if not self._swap_in(seq, out, budget):
-                    break
-                budget -= out.chunks[-1].num_tokens
+        adapters = {s.lora.name for s in self.running if s.lora is not None}
+        adapter_blocked = False  # an earlier adapter request waits: later ones wait behind it
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[i]
+            if seq.lora is not None and (adapter_blocked or not self._adapter_fits(seq, adapters)):
+                adapter_blocked = True
+                i += 1
                 continue
-            use_cache = bm.enable_prefix_caching and seq.params.uses_prefix_cache
-            cached = bm.find_cached_prefix(seq.req_id, seq.token_ids) if use_cache else []
-            num_cached = len(cached) * bm.block_size
-            # Admit only if the whole known sequence fits beside the watermark, so a long prompt
-            # is not admitted chunk by chunk into certain preemption.
-            reserve = self.watermark_blocks if self.running else 0
-            if bm.num_blocks_to_take(seq.req_id, seq.num_tokens, cached) > bm.num_free_blocks - reserve:
+            admitted = (self._swap_in(i, out, budget) if seq.num_swapped_blocks
+                        else self._admit(i, out, budget))
+            if not admitted:
                 break
-            num_tokens = min(seq.num_tokens - num_cached, budget)
-            table = bm.allocate_slots(seq.req_id, num_cached + num_tokens, cached)
-            if table is None:
-                break
-            self.waiting.popleft()
-            if use_cache:
-                bm.record_prefix_lookup(seq.num_tokens, num_cached)
-            if not seq.admitted_once:
-                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
-                seq.admitted_once = True
-            seq.num_computed_tokens = num_cached
-            seq.status = RequestStatus.RUNNING
-            self.running.append(seq)
-            out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
-            budget -= num_tokens
+            budget -= out.chunks[-1].num_tokens
+            if seq.lora is not None:
+                adapters.add(seq.lora.name)
 
-    def _swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> bool:
-        """Readmit a swapped-out sequence into fresh blocks, if its whole KV fits."""
+    def _adapter_fits(self, seq: Sequence, adapters: set[str]) -> bool:
+        """Its adapter is loaded for it and running already, or a slot is left."""
+        return self.adapter_ready(seq.req_id) and (
+            seq.lora.name in adapters or len(adapters) < self.max_loras)
+
+    def _admit(self, index: int, out: SchedulerOutput, budget: int) -> bool:
+        """Admit waiting sequence `index` (not swapped out) with its first chunk, if its whole
+        known sequence fits."""
         bm = self.block_manager
+        seq = self.waiting[index]
+        use_cache = bm.enable_prefix_caching and seq.params.uses_prefix_cache
+        cached = (bm.find_cached_prefix(seq.req_id, seq.token_ids, seq.prefix_root)
+                  if use_cache else [])
+        num_cached = len(cached) * bm.block_size
+        # Admit only if the whole known sequence fits beside the watermark, so a long prompt
+        # is not admitted chunk by chunk into certain preemption.
+        reserve = self.watermark_blocks if self.running else 0
+        if bm.num_blocks_to_take(seq.req_id, seq.num_tokens, cached) > bm.num_free_blocks - reserve:
+            return False
+        num_tokens = min(seq.num_tokens - num_cached, budget)
+        table = bm.allocate_slots(seq.req_id, num_cached + num_tokens, cached)
+        if table is None:
+            return False
+        del self.waiting[index]
+        if use_cache:
+            bm.record_prefix_lookup(seq.num_tokens, num_cached)
+        if not seq.admitted_once:
+            seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+            seq.admitted_once = True
+        seq.num_computed_tokens = num_cached
+        seq.status = RequestStatus.RUNNING
+        self.running.append(seq)
+        out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
+        return True
+
+    def _swap_in(self, index: int, out: SchedulerOutput, budget: int) -> bool:
+        """Readmit swapped-out waiting sequence `index` into fresh blocks, if its whole KV fits."""
+        bm = self.block_manager
+        seq = self.waiting[index]
         reserve = self.watermark_blocks if self.running else 0
         if bm.num_blocks_to_take(seq.req_id, seq.num_tokens) > bm.num_free_blocks - reserve:
             return False
@@ -309,7 +345,7 @@ class Scheduler:
         table = bm.allocate_slots(seq.req_id, seq.num_computed_tokens + num_tokens)
         if table is None:
             return False
-        self.waiting.popleft()
+        del self.waiting[index]
         out.swap_in.append((seq.req_id, table[:seq.num_swapped_blocks]))
         self.swap_space.release(seq.req_id)
         seq.num_swapped_blocks = 0
@@ -367,4 +403,5 @@ class Scheduler:
 
     def _publish(self, seq: Sequence) -> None:
         if seq.params.uses_prefix_cache:
-            self.block_manager.cache_full_blocks(seq.req_id, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.cache_full_blocks(seq.req_id, seq.token_ids,
+                                                 seq.num_computed_tokens, seq.prefix_root)

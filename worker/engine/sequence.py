@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.wire import RequestStatus, SamplingParams, TokenLogprob
+from worker.engine.lora.request import LoraRequest
 
 
 @dataclass(eq=False)
@@ -33,6 +34,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     error: str | None = None
+    lora: LoraRequest | None = None  # the adapter it runs under; None: the base model
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -61,6 +63,11 @@ class Sequence:
         (the client got them with it)."""
         return (self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
                 and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    @property
+    def prefix_root(self) -> bytes | None:
+        """Parent of its first block hash: its adapter's root (None: the engine's own)."""
+        return None if self.lora is None else self.lora.prefix_root
 
     @property
     def is_finished(self) -> bool:

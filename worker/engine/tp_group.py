@@ -70,38 +70,56 @@ class StepMessage:
     drops: list[int] = field(default_factory=list)
 
     def encode(self) -> list[int]:
-        """Flat ints: counts, chunk records, tokens, block tables, swap ops, drops."""
-        chunks = self.plan.chunks
+        """Flat ints: counts, chunk records, tokens, block tables, swap ops, drops, adapter
+        loads (slot, then name and path as UTF-8 bytes, each after its length)."""
+        chunks, loads = self.plan.chunks, self.plan.lora_loads
         out = [len(chunks), len(self.plan.token_ids), len(self.swap_out), len(self.swap_in),
-               len(self.drops)]
+               len(self.drops), len(loads)]
         for c in chunks:
-            out += [c.start, c.num_tokens, len(c.block_table), int(c.emits_token), c.num_draft]
+            out += [c.start, c.num_tokens, len(c.block_table), int(c.emits_token), c.num_draft,
+                    c.lora_slot]
         out += self.plan.token_ids
         for c in chunks:
             out += c.block_table
         for handle, blocks in self.swap_out + self.swap_in:
             out += [handle, len(blocks), *blocks]
-        return out + self.drops
+        out += self.drops
+        for slot, name, path in loads:
+            out.append(slot)
+            for text in (name.encode(), path.encode()):
+                out += [len(text), *text]
+        return out
 
     @classmethod
     def decode(cls, values: list[int]) -> StepMessage:
-        num_chunks, num_tokens, num_out, num_in, num_drops = values[:5]
-        at = 5 + 5 * num_chunks
-        records = [values[5 + 5 * i:10 + 5 * i] for i in range(num_chunks)]
+        num_chunks, num_tokens, num_out, num_in, num_drops, num_loads = values[:6]
+        fields = 6  # per chunk record
+        at = 6 + fields * num_chunks
+        records = [values[6 + fields * i:6 + fields * (i + 1)] for i in range(num_chunks)]
         token_ids = values[at:at + num_tokens]
         at += num_tokens
         chunks = []
-        for start, n, table_len, emits, num_draft in records:
+        for start, n, table_len, emits, num_draft, lora_slot in records:
             chunks.append(PlannedChunk(start, n, values[at:at + table_len], bool(emits),
-                                       num_draft))
+                                       num_draft, lora_slot))
             at += table_len
         ops = []
         for _ in range(num_out + num_in):
             handle, n = values[at:at + 2]
             ops.append((handle, values[at + 2:at + 2 + n]))
             at += 2 + n
-        return cls(StepPlan(chunks, token_ids), ops[:num_out], ops[num_out:],
-                   values[at:at + num_drops])
+        drops = values[at:at + num_drops]
+        at += num_drops
+        loads = []
+        for _ in range(num_loads):
+            slot, texts = values[at], []
+            at += 1
+            for _ in range(2):
+                n = values[at]
+                texts.append(bytes(values[at + 1:at + 1 + n]).decode())
+                at += 1 + n
+            loads.append((slot, *texts))
+        return cls(StepPlan(chunks, token_ids, loads), ops[:num_out], ops[num_out:], drops)
 
 
 def rank_device(device_name: str, rank: int) -> torch.device:

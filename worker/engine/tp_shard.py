@@ -18,12 +18,15 @@ forward: each rank's attention sees its local heads, and the paged attention its
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class RowParallelLinear(nn.Module):
                      else nn.Parameter(linear.bias.data.clone(), requires_grad=False))
         self.group = group
         self.comm_timer = comm_timer  # CommTimer or None: seconds spent in the all_reduce
+        # (x, partial out) -> partial out with a term added (model_prep.add_linear_update):
+        # applied before the all_reduce, so the ranks' partial terms are summed with the product
+        self._partial_updates: OrderedDict[int, Callable] = OrderedDict()  # weakly referable
 
     def __deepcopy__(self, memo) -> RowParallelLinear:
         """A copy that sums over the same process group, timed by the same timer."""
@@ -85,8 +91,17 @@ class RowParallelLinear(nn.Module):
         clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return clone
 
+    def add_partial_update(self, update: Callable) -> RemovableHandle:
+        """Apply `update(x, partial)` to this rank's partial output before the sum."""
+        handle = RemovableHandle(self._partial_updates)
+        self._partial_updates[handle.id] = update
+        return handle
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)  # [..., out]: this rank's partial sum
+        for update in self._partial_updates.values():
+            updated = update(x, out)
+            out = out if updated is None else updated
         if self.comm_timer is None:
             dist.all_reduce(out, group=self.group)
         else:

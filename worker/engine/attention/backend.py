@@ -71,6 +71,9 @@ class AttentionBackend(ABC):
     # write their K/V into the pool directly, and a bf16 pool takes longer pages
     cpu_kernel = False
     decode_graphs = False  # decode steps can replay CUDA graphs over its metadata (cuda_graphs.py)
+    # runs Triton kernels (compiled, or Triton's interpreter in tests): the engine's other
+    # kernels (LoRA's, lora/sgmv.py) run in Triton beside it
+    triton_kernels = False
     # one query row's result depends only on its query and its keys: not on the other rows of
     # the step, their number, or how its prompt was chunked (--deterministic)
     row_invariant = False

@@ -26,6 +26,7 @@ class TritonMetadata(AttentionMetadata):
 class TritonBackend(AttentionBackend):
     name = "triton"
     decode_graphs = True
+    triton_kernels = True
 
     def __init__(self, row_invariant: bool = False):
         self.row_invariant = row_invariant
