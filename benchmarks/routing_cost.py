@@ -48,7 +48,6 @@ def build_router(workers: int, blocks: int, block_size: int, prompts: list[list[
                                      block_size=block_size, max_running=64)
                   for i in range(workers)})
     router.loads[MODEL] = loads
-    router._roots[MODEL] = root
     return router
 
 

@@ -1,4 +1,6 @@
-"""The gateway's FastAPI app, wired from settings: engine client, tokenizer, handlers, errors."""
+"""The gateway's FastAPI app, wired from settings: engine client, the served models (the default
+model's tokenizer loaded here, the others' on first use) and their handlers, the adapter
+registry, errors."""
 
 from __future__ import annotations
 
@@ -6,11 +8,12 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway.admission.admission import Admission, QueueWaitEstimator
+from gateway.admission.admission import Admission
 from gateway.admission.auth import ApiKeyAuth, ApiKeyStore
 from gateway.admission.body_limit import BodySizeLimit
 from gateway.admission.ratelimit import RateLimiter
@@ -22,7 +25,12 @@ from gateway.errors import install_error_handlers
 from gateway.fleet.client import EngineClient
 from gateway.fleet.redis_client import RedisEngineClient
 from gateway.fleet.redis_context import RedisContext
+from gateway.models.adapters import AdapterRegistry, check_startup_adapters
+from gateway.models.catalog import ModelCatalog
+from gateway.models.loader import ModelLoader, ModelServing
+from gateway.models.served import ServedModels
 from gateway.openai.batches import batch_router
+from gateway.openai.lora_routes import lora_router
 from gateway.openai.routes import router
 from gateway.openai.utility_routes import utility_router
 from gateway.request_id import RequestIdMiddleware
@@ -47,7 +55,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     dashboard and the batch routes. Without `client`, a RedisEngineClient on that context
     (connected in the lifespan). A `client` without `redis` (a fake, in tests) makes an app
     without Redis: settings' API keys only, no rate limits, no dashboard, batch routes are 503s.
-    Without `tokenizer`, the served model's; without `model_info`, read from the model's config."""
+    Without `tokenizer`, the default model's; without `model_info`, read from the model's config.
+    Start-up adapters (`lora_modules`) are checked here: a bad one raises ValueError."""
     owned_redis = None
     if client is None:
         if redis is None:
@@ -58,15 +67,21 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
         tokenizer = tokenizer or load_tokenizer(model_path)
         model_info = model_info or ModelInfo.from_pretrained(
             served_model_id(settings.model), model_path, tokenizer)
+    served_id = model_info.served_id
+    pinned = check_startup_adapters(settings, served_id)
     background = BackgroundTasks()
     samplers: list[HistorySampler] = []
+    prefix_router = getattr(client, "router", None)  # --routing affinity
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        processor.prepare_offload()  # before the first request, not on its way
+        default.processor.prepare_offload()  # before the first request, not on its way
         await client.start()
-        if getattr(client, "router", None) is not None:  # its index ready by the first request
-            client.router.follow(served_id)
+        if prefix_router is not None:  # its index ready by the first request
+            prefix_router.follow(served_id)
+        await adapters.pin(pinned)
+        await catalog.refresh()  # the live workers' models known by the first request
+        catalog.start()
         for sampler in samplers:
             sampler.start()
         try:
@@ -74,6 +89,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
         finally:
             for sampler in samplers:
                 await sampler.stop()
+            await adapters.close()
+            await catalog.close()
             try:
                 await asyncio.wait_for(background.drain(), SHUTDOWN_DRAIN_S)
             except TimeoutError:
@@ -83,35 +100,42 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
                 await owned_redis.aclose()
 
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
-    processor = PromptProcessor(tokenizer, model_info)
-    served_id = model_info.served_id
-    metrics = GatewayMetrics(served_id)
-    if getattr(client, "homes", None) is not None:  # a Redis fleet with several stream shards
-        metrics.watch_shard_shares(client.homes)
-    if getattr(client, "fanout", None) is not None:  # a Redis fleet
-        metrics.watch_fanout(client.fanout)
-    if getattr(client, "router", None) is not None:  # --routing affinity
-        metrics.watch_router(client.router)
+    metrics = _metrics(client, served_id)
     app.state.client = client
-    app.state.model = model_info
+    app.state.model = model_info  # the default model's
     app.state.metrics = metrics
     app.state.started = int(time.time())
     limiter = RateLimiter(redis, settings) if redis is not None else None
-    admission = Admission(QueueWaitEstimator(client, served_id, settings), limiter)
+    admission = Admission(client, settings, limiter)
     app.state.admission = admission
-    app.state.completions = CompletionServing(client, processor, settings, background, metrics,
-                                              admission)
-    app.state.chat = ChatServing(client, processor, settings, background, metrics, admission)
-    app.state.reattach = ReattachServing(client, processor)
+
+    def serving_of(processor: PromptProcessor) -> ModelServing:
+        """One served model's handlers (the default's here, the others' on first use)."""
+        return ModelServing(
+            processor,
+            CompletionServing(client, processor, settings, background, metrics, admission),
+            ChatServing(client, processor, settings, background, metrics, admission))
+
+    default = serving_of(PromptProcessor(tokenizer, model_info))
+    models = _served_models(settings, redis, serving_of, default, prefix_router)
+    catalog = models.catalog
+    adapters = AdapterRegistry(redis, models, settings.max_lora_rank)
+    app.state.models = models
+    app.state.adapters = adapters
+    app.state.completions = default.completions  # the default model's handlers
+    app.state.chat = default.chat
+    app.state.reattach = ReattachServing(client, models)
     app.state.background = background
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(utility_router)
+    app.include_router(lora_router)
     app.include_router(batch_router(redis, settings))
     app.include_router(metrics_route(metrics))
     if redis is not None:
+        # the dashboard shows the default model's workers, queue and latency
         app.include_router(dashboard_router(redis, served_id, metrics,
-                                            prefix_router=getattr(client, "router", None)))
+                                            prefix_router=prefix_router))
         history = FleetHistory(settings.dashboard_history_s, settings.dashboard_sample_s)
         samplers.append(HistorySampler(history, redis_snapshot_reader(redis, served_id), metrics))
         app.state.history = history
@@ -123,6 +147,31 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.add_middleware(RejectionCounter, metrics=metrics)  # sees every 413
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries X-Request-Id
     return app
+
+
+def _metrics(client: EngineClient, served_id: str) -> GatewayMetrics:
+    """The gateway's metrics, watching what the engine client has of a Redis fleet."""
+    metrics = GatewayMetrics(served_id)
+    if getattr(client, "homes", None) is not None:  # a Redis fleet with several stream shards
+        metrics.watch_shard_shares(client.homes)
+    if getattr(client, "fanout", None) is not None:  # a Redis fleet
+        metrics.watch_fanout(client.fanout)
+    if getattr(client, "router", None) is not None:  # --routing affinity
+        metrics.watch_router(client.router)
+    return metrics
+
+
+def _served_models(settings: GatewaySettings, redis: RedisContext | None,
+                   serving_of: Callable[[PromptProcessor], ModelServing], default: ModelServing,
+                   prefix_router) -> ServedModels:
+    """The default model (loaded) and the fleet's other models and adapters (read from Redis;
+    the router follows each model as soon as a live worker serves it)."""
+    catalog = ModelCatalog(default.info.served_id, settings.model, redis)
+    if prefix_router is not None:
+        catalog.on_new_model.append(prefix_router.follow)
+    loader = ModelLoader(serving_of, settings.cache_dir)
+    loader.add(default)
+    return ServedModels(catalog, loader)
 
 
 # Generation thresholds of the cyclic garbage collector while serving (CPython's: 700, 10, 10).
@@ -155,7 +204,10 @@ def serve(settings: GatewaySettings) -> None:
 
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # a setting that cannot serve (a bad --lora-modules adapter)
+        raise SystemExit(f"kvfleet gateway: {exc}") from None
     tune_gc_for_serving()
     log.info("gateway for %s on http://%s:%d", app.state.model.served_id, settings.host,
              settings.port)

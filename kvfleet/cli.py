@@ -19,9 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run a local fleet: Redis (embedded if none) + gateway + workers")
-    up.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    up.add_argument("--workers", type=int, default=1,
+                    help="worker processes of each model (--worker-models, else --model)")
     add_settings_flags(up, UpSettings)
-    add_settings_flags(up, WorkerSettings, skip=CommonSettings.model_fields)
+    # A setting both sides read (`max_lora_rank`) is one flag, and one variable for both.
+    add_settings_flags(up, WorkerSettings, skip=UpSettings.model_fields)
 
     gateway = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
     add_settings_flags(gateway, GatewaySettings)

@@ -5,6 +5,7 @@ A flag's help is its field's description and default (the README's row, kvfleet/
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from pathlib import Path
@@ -39,11 +40,20 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls, skip=()) -
         if kind is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                default=None, help=help_text)
+        elif _is_list(field):  # several values after one flag (vLLM's --lora-modules a=x b=y)
+            group.add_argument(flag, dest=name, nargs="+", default=None, help=help_text)
         elif typing.get_origin(field.annotation) is typing.Literal:
             group.add_argument(flag, dest=name, choices=typing.get_args(field.annotation),
                                default=None, help=help_text)
         else:
             group.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+
+
+def _is_list(field: FieldInfo) -> bool:
+    annotation = field.annotation
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return typing.get_origin(annotation) is list
 
 
 def _help(field: FieldInfo) -> str:
@@ -72,7 +82,9 @@ def given_flags(settings_cls, args: argparse.Namespace) -> dict[str, str]:
     env = {}
     for name in settings_cls.model_fields:
         value = getattr(args, name, None)
-        if value is not None:
+        if isinstance(value, list):  # a JSON list: what the field's variable reads back exactly
+            env[f"KVFLEET_{name.upper()}"] = json.dumps(value)
+        elif value is not None:
             env[f"KVFLEET_{name.upper()}"] = str(value).lower() if isinstance(value, bool) \
                 else str(value)
     return env

@@ -1,6 +1,6 @@
-"""`kvfleet up`: Redis (embedded when none is configured), one gateway, N workers and one batch
-worker (rq, for /v1/batches) in one process tree; Ctrl-C stops them all and removes the embedded
-Redis."""
+"""`kvfleet up`: Redis (embedded when none is configured), one gateway, N workers of each model
+(`--worker-models`, else `--model`) and one batch worker (rq, for /v1/batches) in one process tree;
+Ctrl-C stops them all and removes the embedded Redis."""
 
 from __future__ import annotations
 
@@ -27,12 +27,14 @@ WORKER_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 class LocalFleet:
     """Child processes of one local fleet; workers that die are restarted."""
 
-    def __init__(self, num_workers: int, env: dict[str, str]):
-        self.num_workers = num_workers
+    def __init__(self, num_workers: int, env: dict[str, str], models: list[str] | None = None):
+        # worker slot -> the model it serves ("": the fleet's --model, as the child reads it)
+        self.worker_models = [m for m in (models or [""]) for _ in range(num_workers)]
+        self.num_workers = len(self.worker_models)
         self.env = env
         self.gateway: subprocess.Popen | None = None
         self.batch: subprocess.Popen | None = None
-        self.workers: list[subprocess.Popen | None] = [None] * num_workers
+        self.workers: list[subprocess.Popen | None] = [None] * self.num_workers
 
     def _spawn(self, role: str, extra_env: dict[str, str]) -> subprocess.Popen:
         env = {**os.environ, **self.env, **extra_env}
@@ -41,6 +43,8 @@ class LocalFleet:
     def start_worker(self, index: int) -> None:
         threads = max(1, (os.cpu_count() or 1) // self.num_workers)
         extra = {"KVFLEET_WORKER_ID": f"{os.uname().nodename}-w{index}-{os.getpid()}"}
+        if self.worker_models[index]:
+            extra["KVFLEET_MODEL"] = self.worker_models[index]
         if not self._threads_given():
             extra["KVFLEET_NUM_THREADS"] = str(threads)
         # The workers share the host's cores with the gateway, Redis and each other: OpenMP
@@ -96,11 +100,20 @@ class LocalFleet:
                 proc.wait()
 
 
+def worker_models(settings: UpSettings) -> list[str]:
+    """The models `up` starts workers of: --worker-models, else --model."""
+    named = [m.strip() for m in settings.worker_models.split(",") if m.strip()]
+    return list(dict.fromkeys(named)) or [settings.model]
+
+
 def run_fleet(num_workers: int, env: dict[str, str]) -> int:
     if num_workers < 1:
         raise SystemExit("kvfleet up: --workers must be at least 1")
     os.environ.update(env)  # flags given to `up` reach every child as KVFLEET_* variables
     settings = UpSettings()
+    models = worker_models(settings)
+    if settings.lora_modules and "enable_lora" not in WorkerSettings().model_fields_set:
+        env = {**env, "KVFLEET_ENABLE_LORA": "true"}  # the workers serve the adapters named
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -110,15 +123,16 @@ def run_fleet(num_workers: int, env: dict[str, str]) -> int:
         os.environ["KVFLEET_REDIS_URL"] = redis_server.url
         log.info("started an embedded Redis at %s (removed on exit)", redis_server.url)
     # Convert the default model once here, so gateway and workers don't race to do it.
-    resolve_model_path(settings.model, settings.cache_dir)
-    fleet = LocalFleet(num_workers, env)
+    for model in dict.fromkeys([settings.model, *models]):
+        resolve_model_path(model, settings.cache_dir)
+    fleet = LocalFleet(num_workers, env, models)
     try:
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         gateway_url = f"http://{host}:{settings.port}"
         os.environ.setdefault("KVFLEET_GATEWAY_URL", gateway_url)  # where batch jobs send lines
         fleet.start()
-        log.info("fleet up: gateway on http://%s:%d, %d worker(s); Ctrl-C stops it",
-                 settings.host, settings.port, num_workers)
+        log.info("fleet up: gateway on http://%s:%d, %d worker(s) of each of %s; Ctrl-C stops "
+                 "it", settings.host, settings.port, num_workers, ", ".join(models))
         return fleet.supervise(stop)
     finally:
         fleet.stop()

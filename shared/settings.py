@@ -6,16 +6,19 @@ README row (kvfleet/settings_doc.py); no KVFLEET_* variable is read anywhere els
 from __future__ import annotations
 
 import copy
+import json
 import os
+import re
 import socket
 import uuid
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, ValidationInfo, create_model, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.engine_config import ENGINE_ONLY, EngineConfig
+from shared.lora import parse_lora_module
 from shared.models import DEFAULT_MODEL, default_cache_dir
 from shared.wire.keys import Keys
 
@@ -138,6 +141,29 @@ class GatewaySettings(BatchApiSettings):
     dashboard_sample_s: float = Field(5.0, description=(
         "one sample of the fleet for the dashboard's charts per this many seconds; at most "
         "dashboard_history_s"))
+    # Not a JSON-decoded variable (NoDecode): the validator reads vLLM's spellings itself.
+    lora_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, json_schema_extra={"default_text": "none"}, description=(
+            "LoRA adapters of --model registered at start, in vLLM's spelling: `name=path` "
+            "entries after the flag (`--lora-modules sql=/adapters/sql chat=/adapters/chat`) or "
+            "JSON objects `{\"name\": ..., \"path\": ..., \"base_model_name\": ...}` (the "
+            "base, if given, must be --model); the variable takes the same entries separated by "
+            "spaces or commas, or a JSON list of them. Each is checked at start (a bad one stops "
+            "the gateway) and kept registered when the gateway restarts; requests name an "
+            "adapter in `model`; more come and go at run time (POST /v1/load_lora_adapter). "
+            "`kvfleet up` starts its workers with enable_lora when adapters are named here"))
+    max_lora_rank: int = Field(16, ge=1, le=512, description=(
+        "the largest rank of a LoRA adapter (1..512): the gateway refuses to register a larger "
+        "one (400); the workers' setting of the same name, which sizes their adapter slots: "
+        "one variable sets both"))
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_lora_modules(cls, value) -> list[str]:
+        entries = split_lora_modules(value) if isinstance(value, str) else list(value or [])
+        for entry in entries:
+            parse_lora_module(entry)  # ValueError: the entry's spelling, named
+        return entries
 
     @field_validator("dashboard_sample_s")
     @classmethod
@@ -148,11 +174,38 @@ class GatewaySettings(BatchApiSettings):
         return value
 
 
+def split_lora_modules(text: str) -> list[str]:
+    """The entries of a `lora_modules` text: a JSON list of entries, or `name=path` entries and
+    JSON objects separated by spaces or commas (a path with either needs the JSON form)."""
+    text = text.strip()
+    if text.startswith("["):
+        entries = json.loads(text)
+        if not isinstance(entries, list):
+            raise ValueError("lora_modules: a JSON list of entries expected")
+        return [e if isinstance(e, str) else json.dumps(e) for e in entries]
+    entries, decoder, at = [], json.JSONDecoder(), 0
+    while True:
+        at = re.compile(r"[\s,]*").match(text, at).end()
+        if at >= len(text):
+            return entries
+        if text[at] == "{":
+            obj, end = decoder.raw_decode(text, at)
+            entries.append(json.dumps(obj))
+        else:
+            end = re.compile(r"[^\s,]+").match(text, at).end()
+            entries.append(text[at:end])
+        at = end
+
+
 class UpSettings(GatewaySettings):
     """`kvfleet up`: the gateway's settings (it starts one) and the embedded Redis."""
 
     embedded_redis_port: int = Field(0, ge=0, description=(
         "port of the Redis `kvfleet up` starts when no redis_url is set; 0: a free port"))
+    worker_models: str = Field("", json_schema_extra={"default_text": "`--model`"}, description=(
+        "the models `kvfleet up` starts workers of, comma-separated (each a model directory or "
+        "a model id in the local HF cache, as --model), --workers workers of each; the gateway "
+        "serves them all, --model being the default of requests"))
 
 
 def _engine_settings_fields() -> dict[str, tuple]:

@@ -85,14 +85,26 @@ class QueueWaitEstimator:
 
 class Admission:
     """What a request passes before its enqueue. Backpressure first: a request refused for a full
-    queue must not spend the key's rate-limit budget."""
+    queue must not spend the key's rate-limit budget. Each served model has its own queues, so
+    its own estimator (made on its first request: only models a request resolved to)."""
 
-    def __init__(self, queue: QueueWaitEstimator, limiter: RateLimiter | None = None):
-        self.queue = queue
+    def __init__(self, client: EngineClient, settings: GatewaySettings,
+                 limiter: RateLimiter | None = None):
+        self._client = client
+        self._settings = settings
+        self.queues: dict[str, QueueWaitEstimator] = {}
         self.limiter = limiter
 
+    def queue(self, model: str) -> QueueWaitEstimator:
+        """The estimator of `model`'s queues (the base model's, for an adapter's requests)."""
+        estimator = self.queues.get(model)
+        if estimator is None:
+            estimator = self.queues[model] = QueueWaitEstimator(self._client, model,
+                                                                self._settings)
+        return estimator
+
     async def admit(self, requests: list[GenerationRequest], principal: Principal | None) -> None:
-        await self.queue.check(len(requests))
+        await self.queue(requests[0].model).check(len(requests))
         if self.limiter is not None and principal is not None:
             tokens = sum(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
             await self.limiter.check(principal, tokens)

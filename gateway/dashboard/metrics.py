@@ -1,7 +1,9 @@
 """Prometheus metrics of one gateway process: latency as clients see it (TTFT, inter-token
 latency, end to end), tokens and requests by outcome, on a registry of its own, plus `/metrics`.
 
-Names start with `kvfleet_gateway_`; every series carries the served `model` label.
+Names start with `kvfleet_gateway_`; every series carries a `model` label: the model (or LoRA
+adapter) a request named, for the per-request series; the default model, for this gateway's own
+connections and shard shares.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -131,34 +134,35 @@ class _FanoutCollector:
 
 
 class _RouterCollector:
-    """Reads a Router's stats and prefix indexes (gateway/fleet/router.py) when scraped."""
+    """Reads a Router's stats per model and its prefix indexes (gateway/fleet/router.py) when
+    scraped."""
 
-    def __init__(self, model: str, router):
-        self._model = model
+    def __init__(self, router):
         self._router = router
 
     def collect(self):
-        router, model = self._router, self._model
+        router = self._router
         routed = CounterMetricFamily(
             "kvfleet_gateway_routed", "Requests by where the router sent them: `affinity` (the "
             "own stream of the worker holding most of the prompt), `least_loaded` (no worker "
             "the load allows holds enough of it: the least loaded one's own stream), `shared` "
             "(the shared streams: no index or live worker yet).", labels=["model", "route"])
-        for reason in ("affinity", "least_loaded", "shared"):
-            routed.add_metric([model, reason], router.stats.routed.get(reason, 0))
         by_worker = CounterMetricFamily(
             "kvfleet_gateway_routed_to_worker", "Requests this gateway routed to a worker's own "
             "stream, by worker.", labels=["model", "worker"])
-        for worker_id, count in sorted(router.stats.by_worker.items()):
-            by_worker.add_metric([model, worker_id], count)
         prompt = CounterMetricFamily(
             "kvfleet_gateway_routed_prompt_tokens", "Prompt tokens of the requests routed.",
             labels=["model"])
-        prompt.add_metric([model], router.stats.prompt_tokens)
         cached = CounterMetricFamily(
             "kvfleet_gateway_routed_cached_tokens", "Of those, the tokens the router expected "
             "the chosen worker to find in its prefix cache.", labels=["model"])
-        cached.add_metric([model], router.stats.cached_tokens)
+        for model, stats in sorted(router.model_stats.items()):
+            for reason in ("affinity", "least_loaded", "shared"):
+                routed.add_metric([model, reason], stats.routed.get(reason, 0))
+            for worker_id, count in sorted(stats.by_worker.items()):
+                by_worker.add_metric([model, worker_id], count)
+            prompt.add_metric([model], stats.prompt_tokens)
+            cached.add_metric([model], stats.cached_tokens)
         blocks = GaugeMetricFamily(
             "kvfleet_gateway_prefix_index_blocks", "Blocks in this gateway's prefix index (summed "
             "over the workers holding them), per model followed.", labels=["model", "index"])
@@ -170,14 +174,31 @@ class _RouterCollector:
             "start, more after a Redis failure or when it fell behind the trimmed event stream.",
             labels=["model", "index"])
         for followed, index in sorted(router.indexes.items()):
-            blocks.add_metric([model, followed], index.num_blocks)
-            events.add_metric([model, followed], index.events_applied)
-            snapshots.add_metric([model, followed], index.snapshots)
+            blocks.add_metric([followed, followed], index.num_blocks)
+            events.add_metric([followed, followed], index.events_applied)
+            snapshots.add_metric([followed, followed], index.snapshots)
         return [routed, by_worker, prompt, cached, blocks, events, snapshots]
 
 
+@dataclass
+class _ModelSeries:
+    """One model label's children of the per-model families (made once: `labels()` takes a
+    lock and a dict lookup, too much for every token)."""
+
+    ttft: Any
+    itl: Any
+    e2e: Any
+    pace: Any
+    prompt_tokens: Any
+    output_tokens: Any
+    in_flight: Any
+
+
 class GatewayMetrics:
-    """Client-side latency and traffic of one gateway; one instance per app."""
+    """Client-side latency and traffic of one gateway; one instance per app. Series carry the
+    `model` label the client named: a served model, or an adapter (its requests and tokens are
+    the adapter's own). The dashboard's recent TTFTs and in-flight count are the default
+    model's (`model`), the model the dashboard shows."""
 
     def __init__(self, model: str, *, recent_ttft_count: int = 1000,
                  recent_ttft_window_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
@@ -186,35 +207,51 @@ class GatewayMetrics:
         self.clock = clock
         self._clock = clock
         self._recent_ttft = RecentValues(recent_ttft_count, recent_ttft_window_s, clock)
+        self._series: dict[str, _ModelSeries] = {}
         p = "kvfleet_gateway_"
-        labels = {"model": model}
-        self.ttft = Histogram(
+        self._ttft = Histogram(
             p + "time_to_first_token_seconds", "Request received -> first output token sent.",
-            ["model"], buckets=TTFT_BUCKETS_S, registry=self.registry).labels(**labels)
-        self.itl = Histogram(
+            ["model"], buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self._itl = Histogram(
             p + "inter_token_latency_seconds", "Gap between consecutive output tokens of a stream "
             "(a chunk of n tokens counts n gaps of gap/n).", ["model"], buckets=ITL_BUCKETS_S,
-            registry=self.registry).labels(**labels)
-        self.e2e = Histogram(
+            registry=self.registry)
+        self._e2e = Histogram(
             p + "e2e_request_latency_seconds", "Request received -> last byte of the response.",
-            ["model"], buckets=E2E_BUCKETS_S, registry=self.registry).labels(**labels)
-        self.pace = Histogram(
+            ["model"], buckets=E2E_BUCKETS_S, registry=self.registry)
+        self._pace = Histogram(
             p + "stream_tokens_per_second", "Output tokens/s of one stream after its first token.",
-            ["model"], buckets=PACE_BUCKETS, registry=self.registry).labels(**labels)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.",
-                                     ["model"], registry=self.registry).labels(**labels)
-        self.output_tokens = Counter(p + "output_tokens", "Output tokens of finished requests.",
-                                     ["model"], registry=self.registry).labels(**labels)
+            ["model"], buckets=PACE_BUCKETS, registry=self.registry)
+        self._prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.",
+                                      ["model"], registry=self.registry)
+        self._output_tokens = Counter(p + "output_tokens", "Output tokens of finished requests.",
+                                      ["model"], registry=self.registry)
         self.requests = Counter(
             p + "requests", "Requests by endpoint and outcome: a finish reason (stop, length, "
             "abort, error) or the HTTP status of a rejected request (400, 429, 503 ...).",
             ["model", "endpoint", "outcome"], registry=self.registry)
-        self.in_flight = Gauge(p + "requests_in_flight", "Requests being answered right now.",
-                               ["model"], registry=self.registry).labels(**labels)
+        self._in_flight = Gauge(p + "requests_in_flight", "Requests being answered right now.",
+                                ["model"], registry=self.registry)
         self.routing = Histogram(
             p + "routing_seconds", "Time the router spent choosing a request's stream (hashing "
-            "its prompt's blocks, reading the prefix index and the loads).", ["model"],
-            buckets=ROUTING_BUCKETS_S, registry=self.registry).labels(**labels)
+            "its prompt's blocks, reading the prefix index and the loads), by base model.",
+            ["model"], buckets=ROUTING_BUCKETS_S, registry=self.registry)
+        self.series(model)  # the default model's series exist before its first request
+
+    def series(self, model: str | None = None) -> _ModelSeries:
+        """The children of `model`'s label (default: the default model's)."""
+        model = model or self.model
+        found = self._series.get(model)
+        if found is None:
+            found = self._series[model] = _ModelSeries(
+                *(family.labels(model=model) for family in (
+                    self._ttft, self._itl, self._e2e, self._pace, self._prompt_tokens,
+                    self._output_tokens, self._in_flight)))
+        return found
+
+    def knows(self, model: str | None) -> bool:
+        """Whether `model` has series: a label a request resolved to (not any client text)."""
+        return model in self._series
 
     def watch_shard_shares(self, homes) -> None:
         """Export a GatewayHomes' place and shares at each scrape: this gateway's share of new
@@ -223,8 +260,8 @@ class GatewayMetrics:
 
     def watch_router(self, router) -> None:
         """Export a Router's decisions and prefix indexes at each scrape, and time its routes."""
-        self.registry.register(_RouterCollector(self.model, router))
-        router.observe = self.routing.observe
+        self.registry.register(_RouterCollector(router))
+        router.observe = lambda model, seconds: self.routing.labels(model=model).observe(seconds)
 
     def watch_fanout(self, fanout) -> None:
         """Export a TokenFanout's channels, connections and message counts at each scrape."""
@@ -232,60 +269,66 @@ class GatewayMetrics:
 
     # ---- what the request handlers call --------------------------------------------------
 
-    def request_started(self, endpoint: str) -> None:
+    def request_started(self, endpoint: str, model: str | None = None) -> None:
         """A request was accepted for generation (pair with exactly one `request_finished`)."""
         del endpoint  # in-flight is counted per model; the endpoint matters at the finish
-        self.in_flight.inc()
+        self.series(model).in_flight.inc()
 
-    def first_token(self, elapsed_s: float) -> None:
+    def first_token(self, elapsed_s: float, model: str | None = None) -> None:
         """The first output token reached the client `elapsed_s` after the request arrived."""
-        self.ttft.observe(elapsed_s)
-        self._recent_ttft.add(elapsed_s)
+        self.series(model).ttft.observe(elapsed_s)
+        if model in (None, self.model):
+            self._recent_ttft.add(elapsed_s)
 
-    def tokens(self, n: int, gap_s: float) -> None:
+    def tokens(self, n: int, gap_s: float, model: str | None = None) -> None:
         """`n` more tokens arrived `gap_s` after the previous ones (not for the first chunk)."""
         if n <= 0:
             return
         per_token_s = gap_s / n
+        itl = self.series(model).itl
         for _ in range(n):
-            self.itl.observe(per_token_s)
+            itl.observe(per_token_s)
 
     def request_finished(self, endpoint: str, outcome: str, prompt_tokens: int,
                          completion_tokens: int, e2e_s: float,
-                         ttft_s: float | None = None) -> None:
+                         ttft_s: float | None = None, model: str | None = None) -> None:
         """A started request ended; `outcome` is the finish reason, `error`, or `abort` (client
         gone). With `ttft_s`, the stream's pace after its first token is observed too."""
-        self.in_flight.dec()
-        self.requests.labels(model=self.model, endpoint=endpoint, outcome=outcome).inc()
-        self.prompt_tokens.inc(max(prompt_tokens, 0))
-        self.output_tokens.inc(max(completion_tokens, 0))
-        self.e2e.observe(e2e_s)
+        series = self.series(model)
+        series.in_flight.dec()
+        self.requests.labels(model=model or self.model, endpoint=endpoint, outcome=outcome).inc()
+        series.prompt_tokens.inc(max(prompt_tokens, 0))
+        series.output_tokens.inc(max(completion_tokens, 0))
+        series.e2e.observe(e2e_s)
         if ttft_s is not None and completion_tokens > 1 and e2e_s > ttft_s:
-            self.pace.observe((completion_tokens - 1) / (e2e_s - ttft_s))
+            series.pace.observe((completion_tokens - 1) / (e2e_s - ttft_s))
 
-    def request_rejected(self, endpoint: str, status_code: int) -> None:
+    def request_rejected(self, endpoint: str, status_code: int, model: str | None = None) -> None:
         """A request answered with an error status instead of a generation (400, 413, 429,
         503 ...); `RejectionCounter` calls this for every such answer."""
-        self.requests.labels(model=self.model, endpoint=endpoint, outcome=str(status_code)).inc()
+        self.requests.labels(model=model or self.model, endpoint=endpoint,
+                             outcome=str(status_code)).inc()
 
-    def track(self, endpoint: str) -> RequestTracker:
+    def track(self, endpoint: str, model: str | None = None) -> RequestTracker:
         """A per-request helper that takes the times itself; calls `request_started` now."""
-        return RequestTracker(self, endpoint, self._clock)
+        return RequestTracker(self, endpoint, self._clock, model or self.model)
 
     # ---- reading ---------------------------------------------------------------------------
 
     def ttft_quantiles(self) -> tuple[float | None, float | None]:
-        """(p50, p99) of the recent TTFTs (last `recent_ttft_count` within the window), or Nones."""
+        """(p50, p99) of the default model's recent TTFTs (last `recent_ttft_count` within the
+        window), or Nones."""
         values = self._recent_ttft.snapshot()
         return quantile(values, 0.5), quantile(values, 0.99)
 
     def ttft_since(self, t: float) -> list[float]:
-        """TTFTs of the first tokens sent after `clock()` time `t` (the dashboard's history)."""
+        """The default model's TTFTs of first tokens sent after `clock()` time `t` (the
+        dashboard's history)."""
         return self._recent_ttft.since(t)
 
-    def requests_in_flight(self) -> int:
+    def requests_in_flight(self, model: str | None = None) -> int:
         value = self.registry.get_sample_value("kvfleet_gateway_requests_in_flight",
-                                               {"model": self.model})
+                                               {"model": model or self.model})
         return int(value or 0)
 
     def render(self) -> bytes:
@@ -300,15 +343,17 @@ class RequestTracker:
     call `finish("abort")` from a `finally` as a fallback after a normal finish.
     """
 
-    def __init__(self, metrics: GatewayMetrics, endpoint: str, clock: Callable[[], float]):
+    def __init__(self, metrics: GatewayMetrics, endpoint: str, clock: Callable[[], float],
+                 model: str | None = None):
         self._metrics = metrics
         self._clock = clock
         self.endpoint = endpoint
+        self.model = model or metrics.model  # the label: what the client named
         self.started_at = clock()
         self._last_token_at: float | None = None
         self.ttft_s: float | None = None
         self.finished = False
-        metrics.request_started(endpoint)
+        metrics.request_started(endpoint, self.model)
 
     def on_tokens(self, n: int) -> None:
         """`n` output tokens were sent to the client just now."""
@@ -317,9 +362,9 @@ class RequestTracker:
         now = self._clock()
         if self._last_token_at is None:
             self.ttft_s = now - self.started_at
-            self._metrics.first_token(self.ttft_s)
+            self._metrics.first_token(self.ttft_s, self.model)
         else:
-            self._metrics.tokens(n, now - self._last_token_at)
+            self._metrics.tokens(n, now - self._last_token_at, self.model)
         self._last_token_at = now
 
     def finish(self, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
@@ -328,7 +373,7 @@ class RequestTracker:
             return
         self.finished = True
         self._metrics.request_finished(self.endpoint, outcome, prompt_tokens, completion_tokens,
-                                       self._clock() - self.started_at, self.ttft_s)
+                                       self._clock() - self.started_at, self.ttft_s, self.model)
 
     def discard(self) -> None:
         """The handler raised instead of answering: leave in-flight, count nothing here (the
@@ -336,13 +381,15 @@ class RequestTracker:
         if self.finished:
             return
         self.finished = True
-        self._metrics.in_flight.dec()
+        self._metrics.series(self.model).in_flight.dec()
 
 
 class RejectionCounter:
     """ASGI middleware: every 4xx/5xx answer of a generation endpoint counts as a request with
     its status as the outcome, including those refused before any handler ran (invalid JSON,
-    body too large). Answers with status 200 are counted by the handlers' `RequestTracker`."""
+    body too large). Answers with status 200 are counted by the handlers' `RequestTracker`.
+    The model label is the one the route resolved the request to (`request.state.model`), else
+    the default model's (an unknown name is no label: clients would make up any number)."""
 
     def __init__(self, app: Any, metrics: GatewayMetrics,
                  endpoints: Mapping[str, str] = GENERATION_ENDPOINTS):
@@ -362,15 +409,21 @@ class RejectionCounter:
             if message["type"] == "http.response.start":
                 status_sent = True
                 if message["status"] >= 400:
-                    self.metrics.request_rejected(endpoint, message["status"])
+                    self.metrics.request_rejected(endpoint, message["status"],
+                                                  self._model(scope))
             await send(message)
 
         try:
             await self.app(scope, receive, send_counting)
         except Exception:
             if not status_sent:  # Starlette's outer error middleware will answer 500
-                self.metrics.request_rejected(endpoint, 500)
+                self.metrics.request_rejected(endpoint, 500, self._model(scope))
             raise
+
+    def _model(self, scope: dict) -> str | None:
+        """The model label the route resolved the request to (None: the default model's)."""
+        model = (scope.get("state") or {}).get("model")
+        return model if self.metrics.knows(model) else None
 
 
 def metrics_route(metrics: GatewayMetrics) -> APIRouter:

@@ -276,7 +276,8 @@ class RedisEngineClient(EngineClient):
         if self.router is None:
             return Route(None, 0, "shared")
         self.router.follow(request.model)
-        return self.router.route(request.model, request.prompt_token_ids, request.req_id)
+        return self.router.route(request.model, request.prompt_token_ids, request.req_id,
+                                 adapter=request.lora, adapter_path=request.lora_path)
 
     async def _forget(self, req_id: str) -> None:
         try:

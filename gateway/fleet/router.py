@@ -2,11 +2,12 @@
 worker's own stream a request goes to, or the shared streams.
 
 `route` runs on the request path and touches no Redis: it hashes the prompt's blocks the way the
-workers do (shared/wire/prefix_hash.py, the model's root, the workers' block size), reads the
-prefix index (gateway/fleet/prefix_index.py) and the workers' loads, which a background task
-refreshes from their heartbeats (only the model's own-stream owners, no SCAN). A worker's load is
-the larger of its running + waiting requests + entries in its own streams as its last heartbeat
-said, and the requests this gateway routed to it that have not ended yet.
+workers do (shared/wire/prefix_hash.py: from the root of the model and of the request's LoRA
+adapter, if any, so an adapter's blocks never match the base model's; the workers' block size),
+reads the prefix index (gateway/fleet/prefix_index.py) and the workers' loads, which a background
+task refreshes from their heartbeats (only the model's own-stream owners, no SCAN). A worker's
+load is the larger of its running + waiting requests + entries in its own streams as its last
+heartbeat said, and the requests this gateway routed to it that have not ended yet.
 
 The rule: a worker is eligible while its load after this request stays within `balance` x the
 mean (or `LEAST_LOAD_SLACK` above the least loaded worker), and its free KV holds the prompt's
@@ -32,7 +33,7 @@ from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.tasks import stop_task
 from shared.redis_connect import REDIS_FAILURES
 from shared.wire import Heartbeat, Keys
-from shared.wire.prefix_hash import ANNOUNCE_BYTES, block_hashes, root_hash
+from shared.wire.prefix_hash import ANNOUNCE_BYTES, block_hashes, lora_root
 from shared.wire.records import text
 
 log = logging.getLogger(__name__)
@@ -109,15 +110,17 @@ class Router:
         self.listing_ttl_ms = listing_ttl_ms
         self.indexes: dict[str, PrefixIndex] = {}
         self.loads: dict[str, WorkerLoads] = {}
-        self._roots: dict[str, bytes] = {}
+        self._roots: dict[tuple[str, str, str], bytes] = {}  # (model, adapter, path) -> root
         self._tasks: list[asyncio.Task] = []
-        self.stats = RouterStats()
+        self.stats = RouterStats()  # every model's requests
+        self.model_stats: dict[str, RouterStats] = {}  # by model (the metrics' label)
         # model -> worker -> announce id -> until when (monotonic s): blocks of prompts routed
         # to that worker, expected in its cache before it announces them
         self._expected: dict[str, dict[str, dict[bytes, float]]] = {}
         # request id -> (model, worker) until its stream ends; the oldest forgotten past a cap
         self._routes: dict[str, tuple[str, str]] = {}
-        self.observe: Callable[[float], None] | None = None  # each route's seconds (a histogram)
+        # each route's seconds, by model (a histogram)
+        self.observe: Callable[[str, float], None] | None = None
 
     def follow(self, model: str) -> None:
         """Start following the model's announcements and workers' loads (in the background;
@@ -128,7 +131,6 @@ class Router:
         index = PrefixIndex(self.redis, self.keys, model, listing_ttl_ms=self.listing_ttl_ms)
         self.indexes[model] = index
         self.loads[model] = WorkerLoads()
-        self._roots[model] = root_hash(model)
         self._tasks.append(asyncio.create_task(index.run(), name=f"prefix-index-{model}"))
         self._tasks.append(asyncio.create_task(self._follow_loads(model),
                                                name=f"worker-loads-{model}"))
@@ -167,11 +169,13 @@ class Router:
         if model in self.indexes:
             self.indexes[model].forget_except(set(beats))
 
-    def route(self, model: str, prompt_token_ids: Sequence[int], request_id: str = "") -> Route:
-        """Where a request for `model` with this prompt goes; no Redis on the way. A routed
-        request counts in its worker's load until `finished(request_id)`."""
+    def route(self, model: str, prompt_token_ids: Sequence[int], request_id: str = "",
+              adapter: str = "", adapter_path: str = "") -> Route:
+        """Where a request for `model` (and its LoRA `adapter`, if any) with this prompt goes;
+        no Redis on the way. A routed request counts in its worker's load until
+        `finished(request_id)`."""
         started = time.perf_counter()
-        route = self._decide(model, prompt_token_ids)
+        route = self._decide(model, prompt_token_ids, self._root(model, adapter, adapter_path))
         if route.worker is not None:
             self.loads[model].routed(route.worker)
             if request_id:
@@ -179,13 +183,24 @@ class Router:
                 if len(self._routes) > MAX_TRACKED:  # a caller that never said `finished`
                     self.finished(next(iter(self._routes)))
         seconds = time.perf_counter() - started
-        stats = self.stats
-        stats.routed[route.reason] = stats.routed.get(route.reason, 0) + 1
-        stats.prompt_tokens += len(prompt_token_ids)
-        stats.cached_tokens += route.cached_tokens
+        mine = self.model_stats.get(model) or self.model_stats.setdefault(model, RouterStats())
+        for stats in (self.stats, mine):
+            stats.routed[route.reason] = stats.routed.get(route.reason, 0) + 1
+            stats.prompt_tokens += len(prompt_token_ids)
+            stats.cached_tokens += route.cached_tokens
+            if route.worker is not None:
+                stats.by_worker[route.worker] = stats.by_worker.get(route.worker, 0) + 1
         if self.observe is not None:
-            self.observe(seconds)
+            self.observe(model, seconds)
         return Route(route.worker, route.cached_tokens, route.reason, seconds)
+
+    def _root(self, model: str, adapter: str, adapter_path: str) -> bytes:
+        """The hash chain's root of the model's (or its adapter's) prompts, as workers make it."""
+        root = self._roots.get((model, adapter, adapter_path))
+        if root is None:
+            root = self._roots[(model, adapter, adapter_path)] = lora_root(model, adapter,
+                                                                           adapter_path)
+        return root
 
     def finished(self, request_id: str) -> None:
         """The request's stream ended (or it was never routed): it no longer loads its worker."""
@@ -194,13 +209,13 @@ class Router:
             model, worker_id = routed
             self.loads[model].ended(worker_id)
 
-    def _decide(self, model: str, prompt_token_ids: Sequence[int]) -> Route:
+    def _decide(self, model: str, prompt_token_ids: Sequence[int], root: bytes) -> Route:
         index, loads = self.indexes.get(model), self.loads.get(model)
         if index is None or not index.synced or not loads.beats:
             return Route(None, 0, "shared")
         workers = sorted(loads.beats)
         load = {w: loads.load(w) for w in workers}
-        ids = self._block_ids(model, prompt_token_ids, loads.beats)
+        ids = self._block_ids(root, prompt_token_ids, loads.beats)
         expected = self._expected.setdefault(model, {})
         now = time.monotonic()
         held, cached = {}, {}  # per worker: leading tokens held or expected, held (announced)
@@ -228,18 +243,16 @@ class Router:
             mine = expected.setdefault(best, {})
             for block_id in ids[size]:
                 mine[block_id] = now + EXPECTED_S
-        stats = self.stats
-        stats.by_worker[best] = stats.by_worker.get(best, 0) + 1
         return Route(best, cached[best], "affinity" if enough(best) else "least_loaded")
 
-    def _block_ids(self, model: str, prompt: Sequence[int],
+    def _block_ids(self, root: bytes, prompt: Sequence[int],
                    beats: dict[str, Heartbeat]) -> dict[int, list[bytes]]:
         """The prompt's announce ids at each block size the workers use (the last prompt token is
         always computed, so at most `(len - 1) // block_size` blocks count). A worker without a
         block size (older than the field) announces nothing either."""
         out: dict[int, list[bytes]] = {}
         for size in {beat.block_size for beat in beats.values() if beat.block_size > 0}:
-            hashes = block_hashes(prompt, size, self._roots[model],
+            hashes = block_hashes(prompt, size, root,
                                   max_blocks=max(len(prompt) - 1, 0) // size)
             out[size] = [h[:ANNOUNCE_BYTES] for h in hashes]
         return out

@@ -30,6 +30,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvfleet"
+    root: str | None = None  # vLLM's: where a model loads from, an adapter's directory
+    parent: str | None = None  # vLLM's: an adapter's base model
     max_model_len: int | None = None
 
 

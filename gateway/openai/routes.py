@@ -1,4 +1,5 @@
-"""HTTP routes: thin; they hand validated schemas to the handlers and send what comes back."""
+"""HTTP routes: thin; they hand validated schemas to the handlers of the model the request names
+(gateway/models/served.py) and send what comes back."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.errors import APIError
-from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.openai.responses import ModelCard, ModelList
+from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from gateway.openai.responses import ModelList
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,22 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def _generate(request: Request, body: SamplingRequest, endpoint: str):
+    """The answer of the named model's handler (`endpoint`: `completions` or `chat`)."""
+    serving, target = await request.app.state.models.resolve(body.model)
+    request.state.model = target.name  # the metrics label, should the answer be an error
+    handler = serving.chat if endpoint == "chat" else serving.completions
+    return await handler.create(body, _principal(request), target)
+
+
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    return await _answer(request, request.app.state.completions.create(body, _principal(request)))
+    return await _answer(request, _generate(request, body, "completions"))
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _answer(request, request.app.state.chat.create(body, _principal(request)))
+    return await _answer(request, _generate(request, body, "chat"))
 
 
 @router.get("/v1/requests/{req_id}/stream")
@@ -87,9 +96,10 @@ async def resume_stream(req_id: str, request: Request,
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    model = request.app.state.model
-    return ModelList(data=[ModelCard(id=model.served_id, created=request.app.state.started,
-                                     max_model_len=model.context_length)])
+    """What the fleet serves now: the default model, the live workers' models, the adapters."""
+    models = request.app.state.models
+    await models.catalog.refresh_throttled()  # what it lists is not a second old
+    return ModelList(data=models.cards(request.app.state.started))
 
 
 @router.get("/health")

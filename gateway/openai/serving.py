@@ -1,5 +1,7 @@
-"""What the completion and chat handlers share: model check, one GenerationRequest per choice,
-submitting them, usage totals and the SSE framing."""
+"""What the completion and chat handlers share: one GenerationRequest per choice (for the served
+model or LoRA adapter the request named: its `Target`), submitting them, usage totals and the SSE
+framing. One handler object per served model (gateway/models/loader.py): its processor is that
+model's tokenizer and limits, an adapter's requests included."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 from gateway.dashboard.metrics import GatewayMetrics, RequestTracker
 from gateway.errors import bad_request, error_body, model_not_found
 from gateway.fleet.client import EngineClient, EngineError
+from gateway.models.catalog import Target
 from gateway.openai.constraints import request_constraint
 from gateway.openai.fields import check_extra_fields
 from gateway.openai.protocol import MAX_CHOICES, SamplingRequest
@@ -114,24 +117,29 @@ class OpenAIServing:
 
     endpoint = ""  # the metrics label of the route
 
-    async def create(self, request: SamplingRequest, principal: Principal | None = None):
-        """A whole response, or the SSE lines of a stream (for the route to send).
+    async def create(self, request: SamplingRequest, principal: Principal | None = None,
+                     target: Target | None = None):
+        """A whole response, or the SSE lines of a stream (for the route to send). `target`: what
+        the request's `model` resolved to (this handler's model or one of its adapters); None:
+        this handler's model, which the request must name.
 
         The steps every endpoint shares; a subclass says how it tokenises (`prompts`) and how it
         answers (`_respond`, `_stream`)."""
-        tracker = self.metrics.track(self.endpoint)
+        target = target or self.own_target(request.model)
+        tracker = self.metrics.track(self.endpoint, target.name)
         try:
-            self.check_model(request.model)
             self.check_fields(request)
             constraint = self.constraint(request)
             prompts = await self.prompts(request)
             req_hex = self.client.new_request_hex("cmpl-")
             self._log_who(request, req_hex)
-            requests = self.build_requests(req_hex, prompts, request, constraint)
+            requests = self.build_requests(req_hex, prompts, request, constraint, target)
             await self.admit(requests, principal)
             choices = await self.submit_all(requests)
-            # The response id is the request id (`kvf:req:{id}` in Redis).
-            reply = (request, choices, prompts, f"cmpl-{req_hex}", int(time.time()), tracker)
+            # The response id is the request id (`kvf:req:{id}` in Redis); the answer names the
+            # model as the client did (an adapter's name for an adapter's request, as vLLM).
+            reply = (request, choices, prompts, f"cmpl-{req_hex}", int(time.time()), tracker,
+                     target.name)
             if request.stream:
                 return stream_with_errors(self._stream(*reply))
             return await self._respond(*reply)
@@ -154,7 +162,8 @@ class OpenAIServing:
             log.info("request cmpl-%s from %s", req_hex, who)
 
     def check_fields(self, request: SamplingRequest) -> None:
-        """400 for an OpenAI field kvfleet does not implement; warn about unknown ones."""
+        """400 for an OpenAI field kvfleet does not implement; warn about unknown ones. Token ids
+        are checked against the base model's vocabulary (an adapter's is the same)."""
         check_extra_fields(request.model_extra, self.unsupported_fields, self.endpoint)
         bad = next((t for t in request.token_bias() if t >= self.processor.model.vocab_size), None)
         if bad is not None:
@@ -168,21 +177,27 @@ class OpenAIServing:
         return found[1] if found else None
 
     async def _respond(self, request, choices: list[ChoiceStream], prompts: list[list[int]],
-                       response_id: str, created: int, tracker: RequestTracker):
+                       response_id: str, created: int, tracker: RequestTracker, model: str):
         raise NotImplementedError
 
     def _stream(self, request, choices: list[ChoiceStream], prompts: list[list[int]],
-                response_id: str, created: int, tracker: RequestTracker) -> AsyncIterator[bytes]:
+                response_id: str, created: int, tracker: RequestTracker,
+                model: str) -> AsyncIterator[bytes]:
         raise NotImplementedError
 
-    def check_model(self, model: str) -> None:
+    def own_target(self, model: str) -> Target:
+        """This handler's own model as the target of a request naming `model`; 404 otherwise."""
         if model != self.served_id:
             raise model_not_found(model)
+        return Target.of_model(model)
 
     def build_requests(self, req_hex: str, prompts: list[list[int]], request: SamplingRequest,
-                       constraint: OutputConstraint | None = None) -> list[GenerationRequest]:
+                       constraint: OutputConstraint | None = None,
+                       target: Target | None = None) -> list[GenerationRequest]:
         """One GenerationRequest per choice: choice `p * n + i` is prompt p's i-th sample (with
-        `best_of`, per prompt best_of candidates instead of n)."""
+        `best_of`, per prompt best_of candidates instead of n). An adapter's requests go to its
+        base model's queues, naming the adapter and its directory for the worker."""
+        target = target or Target.of_model(self.served_id)
         per_prompt = request.num_candidates()  # n, or best_of candidates to pick n from
         num_choices = len(prompts) * per_prompt
         if num_choices > MAX_CHOICES:
@@ -202,9 +217,10 @@ class OpenAIServing:
                 params = request.to_sampling_params(max_tokens, wrap_int64(base_seed + index),
                                                     self.default_temperature, constraint)
                 requests.append(GenerationRequest(
-                    req_id=req_id, model=self.served_id, prompt_token_ids=prompt_ids,
+                    req_id=req_id, model=target.model, prompt_token_ids=prompt_ids,
                     params=params, deadline=now + self.settings.request_timeout_s,
-                    priority=request.queue_priority, created=now))
+                    priority=request.queue_priority, created=now, lora=target.lora,
+                    lora_path=target.lora_path))
         return requests
 
     async def submit_all(self, requests: list[GenerationRequest]) -> list[ChoiceStream]:

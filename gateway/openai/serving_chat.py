@@ -103,7 +103,7 @@ class ChatServing(OpenAIServing):
 
     async def _respond(self, request: ChatCompletionRequest, choices: list[ChoiceStream],
                        prompts: list[list[int]], response_id: str, created: int,
-                       tracker: RequestTracker) -> ChatCompletionResponse:
+                       tracker: RequestTracker, model: str) -> ChatCompletionResponse:
         usage = UsageTally(request.n)
         options = self._options(request, prompts[0])
         out = []
@@ -129,14 +129,14 @@ class ChatServing(OpenAIServing):
         info = usage.info()
         tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
                        info.completion_tokens)
-        return ChatCompletionResponse(id=response_id, created=created, model=self.served_id,
+        return ChatCompletionResponse(id=response_id, created=created, model=model,
                                       choices=out, usage=info)
 
     async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceStream],
                       prompts: list[list[int]], response_id: str, created: int,
-                      tracker: RequestTracker) -> AsyncIterator[bytes]:
+                      tracker: RequestTracker, model: str) -> AsyncIterator[bytes]:
         running = running_usage(request, prompts)
-        frames = ChatChunkEncoder(response_id, created, self.served_id,
+        frames = ChatChunkEncoder(response_id, created, model,
                        running.info if running else None)
         usage = UsageTally(request.n)
         options = self._options(request, prompts[0])

@@ -31,7 +31,7 @@ class CompletionServing(OpenAIServing):
 
     async def _respond(self, request: CompletionRequest, choices: list[ChoiceStream],
                        prompts: list[list[int]], response_id: str, created: int,
-                       tracker: RequestTracker) -> CompletionResponse:
+                       tracker: RequestTracker, model: str) -> CompletionResponse:
         echoes = self._echoes(request, prompts)
         per_prompt = request.num_candidates()
         usage = UsageTally(per_prompt)
@@ -60,15 +60,15 @@ class CompletionServing(OpenAIServing):
         info = usage.info()
         tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
                        info.completion_tokens)
-        return CompletionResponse(id=response_id, created=created, model=self.served_id,
+        return CompletionResponse(id=response_id, created=created, model=model,
                                   choices=out, usage=info)
 
     async def _stream(self, request: CompletionRequest, choices: list[ChoiceStream],
                       prompts: list[list[int]], response_id: str, created: int,
-                      tracker: RequestTracker) -> AsyncIterator[bytes]:
+                      tracker: RequestTracker, model: str) -> AsyncIterator[bytes]:
         echoes = self._echoes(request, prompts)
         running = running_usage(request, prompts)
-        frames = CompletionChunkEncoder(response_id, created, self.served_id,
+        frames = CompletionChunkEncoder(response_id, created, model,
                        running.info if running else None)
         usage = UsageTally(request.n)
         offsets = [len(echo) for echo in echoes]

@@ -1,6 +1,7 @@
 """GET /v1/requests/{id}/stream?after=N: re-attach to a running or finished request and stream
 its output from token N (checkpointed tokens first, then live events, never a gap or a repeat),
-through the same per-choice stream as a live request (gateway/output/choice_stream.py)."""
+through the same per-choice stream as a live request (gateway/output/choice_stream.py), decoded by
+the tokenizer of the request's own model."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from collections.abc import AsyncIterator
 
 from gateway.errors import APIError
 from gateway.fleet.client import EngineClient
+from gateway.models.served import ServedModels
 from gateway.openai.responses import ResumedChoice, ResumedChunk, chunk_json
 from gateway.openai.serving import sse, stream_with_errors
-from gateway.openai.tokenization import PromptProcessor
 from gateway.output.choice_stream import ChoiceStream, StreamStart
 
 
@@ -22,9 +23,9 @@ def request_not_found(req_id: str) -> APIError:
 class ReattachServing:
     """Streams a request's output again; never cancels it (the original client may be there)."""
 
-    def __init__(self, client: EngineClient, processor: PromptProcessor):
+    def __init__(self, client: EngineClient, models: ServedModels):
         self.client = client
-        self.processor = processor
+        self.models = models
 
     async def stream(self, req_id: str, after: int) -> AsyncIterator[str]:
         """The SSE lines; raises a 404 APIError before any byte when the request is unknown."""
@@ -32,17 +33,23 @@ class ReattachServing:
         if attached is None:
             raise request_not_found(req_id)
         snapshot, events = attached
-        params = snapshot.request.params
-        decoder = (self.processor.decoder if params.skip_special_tokens
-                   else self.processor.decoder_with_special)
-        choice = ChoiceStream(self.client, snapshot.request, events, self.processor.tokenizer,
+        generation = snapshot.request
+        try:
+            processor = (await self.models.serving(generation.model)).processor
+        except BaseException:
+            await events.aclose()
+            raise
+        decoder = (processor.decoder if generation.params.skip_special_tokens
+                   else processor.decoder_with_special)
+        choice = ChoiceStream(self.client, generation, events, processor.tokenizer,
                               decoder=decoder, start=StreamStart.resume(snapshot, after),
-                              eos_token_ids=self.processor.eos_token_ids)
-        return stream_with_errors(self._chunks(req_id, int(snapshot.request.created), choice))
+                              eos_token_ids=processor.eos_token_ids)
+        # the model as the request named it: its adapter's name, if any
+        model = generation.lora or generation.model
+        return stream_with_errors(self._chunks(req_id, int(generation.created), model, choice))
 
-    async def _chunks(self, req_id: str, created: int, choice: ChoiceStream
+    async def _chunks(self, req_id: str, created: int, model: str, choice: ChoiceStream
                       ) -> AsyncIterator[str]:
-        model = self.processor.model.served_id
         async for delta in choice:
             resumed = ResumedChoice(index=0, text=delta.text, finish_reason=delta.finish_reason,
                                     stop_reason=delta.stop_reason,

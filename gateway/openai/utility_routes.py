@@ -1,5 +1,6 @@
-"""vLLM's utility routes: POST /tokenize and /detokenize (the gateway's own tokenizer and chat
-template, so a client can count tokens exactly as a request would) and GET /version."""
+"""vLLM's utility routes: POST /tokenize and /detokenize (the named model's tokenizer and chat
+template as the gateway holds them, an adapter's being its base model's, so a client can count
+tokens exactly as a request would) and GET /version."""
 
 from __future__ import annotations
 
@@ -54,9 +55,8 @@ class DetokenizeRequest(BaseModel):
 
 @utility_router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    chat = request.app.state.chat
-    chat.check_model(body.model)
-    processor = chat.processor
+    serving, _target = await request.app.state.models.resolve(body.model)
+    chat, processor = serving.chat, serving.processor
     if body.messages is not None:
         chat_request = ChatCompletionRequest.model_validate({
             "model": body.model, "messages": [m.model_dump(exclude_none=True)
@@ -76,14 +76,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 @utility_router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
-    chat = request.app.state.chat
-    chat.check_model(body.model)
-    vocab = chat.processor.model.vocab_size
+    serving, _target = await request.app.state.models.resolve(body.model)
+    vocab = serving.info.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"Token id {bad} is out of range: the model's vocabulary has {vocab} "
                           "tokens.", param="tokens")
-    return {"prompt": chat.processor.decode(body.tokens)}
+    return {"prompt": serving.processor.decode(body.tokens)}
 
 
 @utility_router.get("/version")

@@ -3,8 +3,8 @@ router (docs/ARCHITECTURE.md, "Prefix-affinity routing").
 
 A full block of `block_size` token ids is named by a 128-bit BLAKE2b chained from its parent
 block's digest, so equal hashes mean equal token prefixes. The chain starts at a root made from
-the model (and, later, the adapter) a worker serves: the same tokens under another model never
-match. Workers announce a block by its *announce id*, the first 8 bytes of the digest (64 bits:
+the model (and the LoRA adapter, `lora_root`) a request runs under: the same tokens under another
+model or adapter never match. Workers announce a block by its *announce id*, the first 8 bytes of the digest (64 bits:
 a collision among a fleet's few million blocks is improbable and would cost one mis-routed
 request, never a wrong answer, because the worker's own cache compares full digests).
 """
@@ -28,6 +28,13 @@ def root_hash(model: str = "", adapter: str = "") -> BlockHash:
     h.update(b"\0")
     h.update(adapter.encode())
     return h.digest()
+
+
+def lora_root(model: str, lora: str = "", lora_path: str = "") -> BlockHash:
+    """The root of a request's prompt: its model's, or under a LoRA adapter the adapter's, named
+    by its registered name and directory (a name registered again from another directory is
+    another adapter: its blocks must not match the old weights' KV)."""
+    return root_hash(model, f"{lora}\0{lora_path}" if lora else "")
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

@@ -194,6 +194,29 @@ async def test_a_resumed_stream_ends_where_the_worker_stopped(gateway, redis, to
     assert got == ids[1:n] and text == expected and reason == "stop"
 
 
+async def test_an_adapters_request_is_named_by_the_adapter(gateway, redis, tokenizer):
+    """A LoRA adapter's request decodes with its base model's tokenizer and names the adapter
+    (as its live answer did); a request of a model no live worker serves is a 503."""
+    app, http = gateway
+    ids = tokenizer.encode(" adapted words")
+    worker = StandInWorker(redis, "cmpl-lora", [5])
+    worker.request.lora, worker.request.lora_path = "sql", "/adapters/sql"
+    await worker.start(RequestStatus.RUNNING)
+    await worker.step(0, ids, finish_reason="stop")
+    START[0] = 0
+    response = await http.get("/v1/requests/cmpl-lora/stream")
+    got, text, _reason = delivered(response.text)
+    assert got == ids and text == tokenizer.decode(ids)
+    assert {chunk["model"] for chunk in chunks(response.text)} == {"sql"}
+    gone = StandInWorker(redis, "cmpl-gone", [5])
+    gone.request.model = "a-model-no-worker-serves"
+    await gone.start(RequestStatus.RUNNING)
+    response = await http.get("/v1/requests/cmpl-gone/stream")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "model_unavailable"
+    assert app.state.client.fanout.num_subscribed == 0
+
+
 async def test_unknown_request_is_a_404_in_openai_shape(gateway):
     app, http = gateway
     response = await http.get("/v1/requests/cmpl-nope/stream", params={"after": 2})

@@ -18,7 +18,7 @@ from gateway.fleet.router import Router
 from shared.redis_connect import connect
 from shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
 from shared.wire.affinity import ANNOUNCE_BLOCKS, announce_blocks
-from shared.wire.prefix_hash import block_hashes, pack_ids, root_hash
+from shared.wire.prefix_hash import block_hashes, lora_root, pack_ids, root_hash
 
 pytestmark = pytest.mark.topologies
 
@@ -218,6 +218,41 @@ async def test_enqueue_writes_the_chosen_workers_own_stream(redis_url, sync, key
         # Backpressure counts what waits in own streams too.
         load = await engine.queue_load(MODEL)
         assert load.undelivered == 1
+    finally:
+        await engine.router.close()
+        await engine.close()
+
+
+async def test_an_adapters_prompts_are_routed_by_the_adapters_blocks(redis_url, sync, keys):
+    """Workers hash a LoRA adapter's blocks from lora_root(model, name, path): the router matches an
+    adapter's prompt there, never against the base model's blocks of the same tokens; the entry
+    carries the adapter's name and directory."""
+    tenant = prompt_of(10, 100)
+    beat(sync, keys, "w-base")
+    beat(sync, keys, "w-sql")
+    announce(sync, keys, "w-base", stored=hashes(tenant)[:5], clear=True)
+    announce(sync, keys, "w-sql", stored=block_hashes(tenant, BLOCK,
+                                                  lora_root(MODEL, "sql", "/adapters/sql"))[:3],
+             clear=True)
+    engine = RedisEngineClient.from_url(redis_url, keys, shard_shares=False)
+    engine.router = Router(engine.redis, keys, listing_ttl_ms=TTL_MS)
+    await engine.start()
+    try:
+        await synced_router(engine.router, sync, keys, ["w-base", "w-sql"])
+        await eventually(lambda: engine.router.indexes[MODEL].num_blocks == 8)
+        request = GenerationRequest(req_id="cmpl-lora-1", model=MODEL, prompt_token_ids=tenant,
+                                    params=SamplingParams(max_tokens=4),
+                                    deadline=time.time() + 30, created=time.time(), lora="sql",
+                                    lora_path="/adapters/sql")
+        assert await engine.enqueue(request)
+        (_entry_id, fields), = sync.xrange(keys.worker_queue(MODEL, "w-sql"))
+        entry = QueueEntry.decode(fields)
+        assert (entry.request.lora, entry.request.lora_path, entry.cached_tokens) == \
+            ("sql", "/adapters/sql", 3 * BLOCK)
+        # the base model's request of the same prompt goes to the base blocks' holder
+        route = engine.router.route(MODEL, tenant)
+        assert (route.worker, route.cached_tokens) == ("w-base", 5 * BLOCK)
+        assert engine.router.model_stats[MODEL].routed == {"affinity": 2}
     finally:
         await engine.router.close()
         await engine.close()
