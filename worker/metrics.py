@@ -131,6 +131,8 @@ class WorkerMetrics:
         self._spec_draft_tokens = CumulativeDelta()
         self._spec_accepted = CumulativeDelta()
         self._spec_per_position: list[CumulativeDelta] = []
+        self._lora_loads: dict[str, CumulativeDelta] = {}
+        self._lora_evictions: dict[str, CumulativeDelta] = {}
         self._server = None
         self._build_counters()
         self._build_gauges()
@@ -211,6 +213,21 @@ class WorkerMetrics:
             "position in the draft (0 = the first proposal).", LABELS + ("position",),
             registry=self.registry)
 
+        # LoRA adapters (label `adapter`: the registered name)
+        labels = LABELS + ("adapter",)
+        self._lora_requests = Counter(
+            p + "lora_requests", "Requests admitted under a LoRA adapter (new or resumed).",
+            labels, registry=self.registry)
+        self._lora_tokens = Counter(
+            p + "lora_output_tokens", "Output tokens generated under a LoRA adapter.", labels,
+            registry=self.registry)
+        self._lora_load_count = Counter(
+            p + "lora_loads", "LoRA adapters loaded from their directory into this worker's "
+            "memory (a first use, or a use after an eviction).", labels, registry=self.registry)
+        self._lora_eviction_count = Counter(
+            p + "lora_evictions", "LoRA adapters dropped from this worker's memory to make room "
+            "for another (--max-cpu-loras).", labels, registry=self.registry)
+
     def _build_gauges(self) -> None:
         p = "kvfleet_worker_"
         self.running = self._gauge(p + "running", "Streams in the running batch.")
@@ -235,6 +252,9 @@ class WorkerMetrics:
             p + "batch_invariant", "1 when every query row is computed batch-invariantly "
             "(--deterministic, and kernels that allow it: a resumed answer equals the "
             "uninterrupted one), else 0; the start-up log says why not.")
+        self.lora_loaded = self._gauge(
+            p + "lora_adapters_loaded", "LoRA adapters held in this worker's memory (at most "
+            "--max-cpu-loras).")
         tokens_per_s = self._gauge(
             p + "tokens_per_second", "Output tokens/s over the last rate window (default 10 s).")
         tokens_per_s.set_function(self._rate.per_s)
@@ -294,6 +314,25 @@ class WorkerMetrics:
     def events_published(self, count: int) -> None:
         """`count` token events were checkpointed and published."""
         self.token_events.inc(count)
+
+    def lora_request_started(self, adapter: str) -> None:
+        self._lora_requests.labels(**self._labels(), adapter=adapter).inc()
+
+    def lora_output_tokens(self, adapter: str, count: int) -> None:
+        if count:
+            self._lora_tokens.labels(**self._labels(), adapter=adapter).inc(count)
+
+    def update_lora(self, loads: dict[str, int], evictions: dict[str, int],
+                    num_loaded: int) -> None:
+        """The engine's cumulative loads and evictions per adapter, and how many it holds."""
+        for counts, deltas, counter in ((loads, self._lora_loads, self._lora_load_count),
+                                        (evictions, self._lora_evictions,
+                                         self._lora_eviction_count)):
+            for adapter, count in counts.items():
+                delta = deltas.setdefault(adapter, CumulativeDelta()).step(count)
+                if delta:
+                    counter.labels(**self._labels(), adapter=adapter).inc(delta)
+        self.lora_loaded.set(num_loaded)
 
     def request_finished(self, outcome: str) -> None:
         """A request left the engine (stop, length, abort, error) outside `step_done`."""

@@ -25,12 +25,13 @@ import redis
 from shared.redis_connect import REDIS_FAILURES, TRANSIENT_FAILURES
 from shared.settings import WorkerSettings
 from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
-from shared.wire.prefix_hash import root_hash
+from shared.wire.prefix_hash import lora_root, root_hash
 from worker.affinity import ResumePreference
 from worker.coalescing import EventCoalescer
 from worker.engine.block_manager import NetChange
 from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
+from worker.engine.lora import LoraRequest
 from worker.metrics import WorkerMetrics
 from worker.protocol import Delivery, Publication, WorkerProtocol
 
@@ -301,16 +302,28 @@ class WorkerService:
             return
         try:
             self.engine.add_request(req_id, request.prompt_token_ids, request.params,
-                                    output_token_ids=checkpoint or None)
-        except ValueError as exc:
+                                    output_token_ids=checkpoint or None,
+                                    **self._adapter_of(request))
+        except ValueError as exc:  # a bad adapter too (LoraLoadError): the request's error
             self.protocol.fail(delivery, attempt, seq, str(exc))
             self._release(delivery)
             self.metrics.request_finished("error")
             return
         self.inflight[req_id] = Inflight(delivery, attempt)
+        if request.lora:
+            self.metrics.lora_request_started(request.lora)
         # Queue wait only for a first delivery: a resumed request's wait is not queueing.
         first = delivery.times_delivered == 1 and request.created > 0
         self.metrics.request_started(time.time() - request.created if first else None)
+
+    def _adapter_of(self, request) -> dict:
+        """add_request's `lora` for a request under an adapter (its blocks hash from the
+        adapter's root, as the router hashes its prompt); nothing for the base model."""
+        if not request.lora:
+            return {}
+        return {"lora": LoraRequest(request.lora, request.lora_path,
+                                    lora_root(self.protocol.model, request.lora,
+                                              request.lora_path))}
 
     # ---- publishing ------------------------------------------------------------------------
 
@@ -321,6 +334,9 @@ class WorkerService:
             if inflight is None or (not output.new_token_ids and output.finish_reason is None):
                 continue
             items.append(self._publication(output, inflight))
+            if inflight.delivery.request.lora:
+                self.metrics.lora_output_tokens(inflight.delivery.request.lora,
+                                                len(output.new_token_ids))
             if output.finish_reason is not None:
                 del self.inflight[output.req_id]
         self._publish_items(self.coalescer.step(items))
@@ -416,13 +432,21 @@ class WorkerService:
             spec_draft_tokens=stats.spec_num_draft_tokens,
             spec_accepted_tokens=stats.spec_num_accepted_tokens,
             tokens_per_s=round(self.metrics.tokens_per_s(), 2), metrics_url=self.metrics_url or "",
-            block_size=self.engine_block_size(), max_running=self.settings.max_running)
+            block_size=self.engine_block_size(), max_running=self.settings.max_running,
+            model_source=self.settings.model, loras=",".join(self._lora_snapshot()))
         with self._lock:
             changed = (beat.running, beat.waiting) != (self._stats_snapshot.running,
                                                        self._stats_snapshot.waiting)
             self._stats_snapshot = beat
         if changed:
             self._load_changed.set()
+
+    def _lora_snapshot(self) -> list[str]:
+        """The adapters the engine holds, most recent first; their loads and evictions go to the
+        metrics."""
+        stats = self.engine.lora_stats()
+        self.metrics.update_lora(stats.loads_total, stats.evictions_total, len(stats.loaded))
+        return list(stats.loaded)
 
     def _beat(self) -> None:
         """One heartbeat: the stats snapshot, then the idle time of every held entry reset."""

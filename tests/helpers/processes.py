@@ -53,7 +53,7 @@ class ProcessFleet:
     `queue_shards` stream shards per model (KVFLEET_QUEUE_SHARDS)."""
 
     def __init__(self, redis_url: str, log_dir: Path, worker_flags: list[str] | None = None,
-                 queue_shards: int = 1):
+                 queue_shards: int = 1, gateway_flags: list[str] | None = None):
         self.redis_url = redis_url
         self.queue_shards = queue_shards
         self.prefix = f"e2e-{uuid.uuid4().hex[:8]}:"
@@ -64,6 +64,7 @@ class ProcessFleet:
         # and across resumes, and --dtype auto is bf16 on CPUs with native bf16
         flags = worker_flags or ["--kv-memory", "256MiB", "--num-threads", "1"]
         self.worker_flags = flags if "--dtype" in flags else ["--dtype", "float32", *flags]
+        self.gateway_flags = gateway_flags or []
         self.gateway: Proc | None = None
         self.workers: dict[str, Proc] = {}  # by worker id
 
@@ -87,7 +88,8 @@ class ProcessFleet:
         return workers
 
     def start_gateway(self, timeout_s: float = 120, wait: bool = True) -> Proc:
-        self.gateway = Proc(["gateway", "--port", str(self.port)], self.env, self.log_dir, "gateway")
+        self.gateway = Proc(["gateway", "--port", str(self.port), *self.gateway_flags], self.env,
+                            self.log_dir, "gateway")
         if wait:
             self.wait_gateway(timeout_s)
         return self.gateway
