@@ -23,6 +23,7 @@ from tests.engine.tiny_models import (
     TinyModel, greedy, random_prompt, run_to_completion, tokens_before_divergence)
 from worker.engine.block_manager import BlockManager
 from worker.engine.lora import LoraLoadError, LoraRequest
+from worker.engine.lora import manager as lora_manager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StopChecker
@@ -122,12 +123,18 @@ def mixed_work() -> list[tuple[str | None, list[int], int]]:
             for i, (name, n) in enumerate(zip(names, lengths))]
 
 
-@pytest.mark.parametrize("layers", ["fused", "hf"])
-def test_a_mixed_batch_gives_each_adapter_pefts_answer(adapters, layers):
-    # fused: the C++ CPU layers (qkv and gate_up products); hf: HF's layers (sibling linears)
+@pytest.mark.parametrize("layers, slots", [("fused", "kernel"), ("hf", "kernel"),
+                                           ("fused", "products")])
+def test_a_mixed_batch_gives_each_adapter_pefts_answer(adapters, layers, slots, monkeypatch):
+    # fused: the C++ CPU layers (qkv and gate_up products); hf: HF's layers (sibling linears);
+    # kernel: kvfleet_lora_add; products: stacked products (where that kernel is unavailable)
+    if slots == "products":
+        monkeypatch.setattr(lora_manager, "layer_ops_kernel", lambda: None)
     engine = lora_engine(adapters, max_loras=2, max_batched_tokens=16,
                          attention_backend="cpu" if layers == "fused" else "sdpa")
     assert engine.prepared.num_fused_layers == (2 if layers == "fused" else 0)
+    assert type(engine.lora.slots).__name__ == {"kernel": "KernelSlots",
+                                                 "products": "ProductSlots"}[slots]
     work = mixed_work()
     submit(engine, adapters, work)
     produced, waited = run_watching_slots(engine, max_loras=2)
@@ -320,3 +327,30 @@ def test_a_waiting_adapter_gets_the_next_free_slot_before_later_adapter_requests
     scheduler.schedule()
     assert running() == ["base"]  # c1's adapter is not loaded for it yet
     assert [s.req_id for s in scheduler.waiting] == ["c1"]
+
+
+def test_an_adapters_bf16_rows_do_not_depend_on_the_batch_or_the_slot(adapters):
+    """Under --deterministic (the default) an adapter row is computed by the same products
+    whatever else the step holds and whichever slot its adapter is in: each request's bf16
+    tokens and logprobs from a mixed, chunked batch equal those of the request alone (a resumed
+    request's prefill recomputes what the decode steps computed)."""
+    names = ["mlp16", "all8", None, "qv4", "all8", "kdown6"]
+    work = [(name, random_prompt(7 + 5 * i, seed=1000 + i), 12) for i, name in enumerate(names)]
+
+    def run(engine, items):
+        for i, (name, prompt, n) in items:
+            engine.add_request(f"r{i}", prompt, greedy(n, logprobs=2),
+                               lora=None if name is None else adapters.request(name))
+        got: dict[str, list] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.req_id, []).extend(
+                    (t, lp.logprob, tuple(lp.top)) for t, lp in zip(out.new_token_ids,
+                                                                     out.new_logprobs))
+        return got
+
+    config = {"dtype": "bfloat16", "max_loras": 3, "max_batched_tokens": 16}
+    together = run(lora_engine(adapters, **config), list(enumerate(work)))
+    for i, item in enumerate(work):
+        alone = run(lora_engine(adapters, **config), [(i, item)])
+        assert alone[f"r{i}"] == together[f"r{i}"], f"r{i} ({item[0]})"

@@ -5,7 +5,7 @@ the loaded libraries, each built and loaded on its own.
 |-----------|-------------------|------------------------------------------|-----------------------|
 | decode    | cpu_attention.cpp | kvfleet_paged_decode                     | gather + SDPA         |
 | prefill   | cpu_prefill.cpp   | kvfleet_paged_prefill (AVX-512)          | SDPA prefill          |
-| layer_ops | cpu_layer_ops.cpp | RMSNorm, RoPE, SiLU * up, K/V writes     | HF's decoder layers   |
+| layer_ops | cpu_layer_ops.cpp | RMSNorm, RoPE, SiLU * up, K/V writes, LoRA terms | HF's decoder layers; LoRA in products |
 | matmul    | cpu_matmul.cpp    | kvfleet_linear (AVX-512)                 | oneDNN or F.linear    |
 
 Each kernel is its own library (kernel_build.py), typed from its own header (kernel_binding.py):

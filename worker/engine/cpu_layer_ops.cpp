@@ -5,6 +5,8 @@
 // before the product with up), so results follow HF's own bf16 layers; float32 is plain fp32.
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "cpu_layer_ops.h"
@@ -144,5 +146,168 @@ extern "C" int kvfleet_write_kv(int dtype, const void* k, const void* v, int64_t
             std::memcpy(values + row * bytes, vs + src, bytes);
         }
     }
+    return 0;
+}
+
+namespace {
+
+constexpr int64_t kLoraColumns = 64;  // output columns of one expand block
+
+// h[k * h_stride] = A_r . x_k for the n rows of x (fp32, `in` apart), for every r < rank_total;
+// h rows are `rank_total` apart. A row's dot is the same sequence of operations whichever rows
+// it is computed beside.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {  // bf16 -> fp32 lanes
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+template <typename W>
+inline void lora_dot_rows(const float* x, int64_t n, int64_t in, const W* ar, float* h,
+                          int64_t h_stride) {
+    const int64_t full = in / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
+    int64_t k = 0;
+    for (; k + 4 <= n; k += 4) {  // four rows share each load of A: four independent chains
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        for (int64_t i = 0; i < full; i += 16) {
+            const __m512 av = load16(ar + i, 0xFFFF);
+            for (int q = 0; q < 4; ++q)
+                acc[q] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (k + q) * in + i), av, acc[q]);
+        }
+        if (tail) {
+            const __m512 av = load16(ar + full, tail);
+            for (int q = 0; q < 4; ++q)
+                acc[q] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + (k + q) * in + full),
+                                         av, acc[q]);
+        }
+        for (int q = 0; q < 4; ++q) h[(k + q) * h_stride] = _mm512_reduce_add_ps(acc[q]);
+    }
+    for (; k < n; ++k) {  // the same operations, one row
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < full; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k * in + i), load16(ar + i, 0xFFFF), acc);
+        if (tail)
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + k * in + full),
+                                  load16(ar + full, tail), acc);
+        h[k * h_stride] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+// delta[0, cols) = sum over r < width, in order, of h[r] * br[r * len + j]
+template <typename W>
+inline void lora_expand_block(const float* h, int64_t width, const W* br, int64_t len,
+                              int64_t cols, float* delta) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    __mmask16 mask[4];
+    for (int c = 0; c < 4; ++c) {
+        const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * c));
+        mask[c] = static_cast<__mmask16>((1u << left) - 1);
+    }
+    for (int64_t r = 0; r < width; ++r) {
+        if (h[r] == 0.f) continue;  // past the adapter's rank (zero rows of A)
+        const __m512 hb = _mm512_set1_ps(h[r]);
+        for (int c = 0; c < 4; ++c)
+            acc[c] = _mm512_fmadd_ps(hb, load16(br + r * len + 16 * c, mask[c]), acc[c]);
+    }
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(delta + 16 * c, acc[c]);
+}
+#else
+template <typename W>
+inline void lora_dot_rows(const float* x, int64_t n, int64_t in, const W* ar, float* h,
+                          int64_t h_stride) {
+    for (int64_t k = 0; k < n; ++k) {
+        float acc[16] = {};
+        int64_t i = 0;
+        for (; i + 16 <= in; i += 16)
+#pragma omp simd
+            for (int l = 0; l < 16; ++l) acc[l] += x[k * in + i + l] * load(ar[i + l]);
+        for (int l = 0; i + l < in; ++l) acc[l] += x[k * in + i + l] * load(ar[i + l]);
+        float sum = 0.f;
+        for (int l = 0; l < 16; ++l) sum += acc[l];
+        h[k * h_stride] = sum;
+    }
+}
+
+template <typename W>
+inline void lora_expand_block(const float* h, int64_t width, const W* br, int64_t len,
+                              int64_t cols, float* delta) {
+    for (int64_t j = 0; j < kLoraColumns; ++j) delta[j] = 0.f;
+    for (int64_t r = 0; r < width; ++r) {
+        if (h[r] == 0.f) continue;  // past the adapter's rank (zero rows of A)
+#pragma omp simd
+        for (int64_t j = 0; j < cols; ++j) delta[j] += h[r] * load(br[r * len + j]);
+    }
+}
+#endif
+
+template <typename T>
+void lora_slot(const T* x, int64_t x_stride, int64_t in, const std::vector<int64_t>& mine,
+               const T* as, int64_t rank_total, const T* b, int64_t slot, int parts,
+               int64_t width, const int64_t* part_start, const int64_t* part_len,
+               const int64_t* b_offset, T* out, int64_t out_stride) {
+    const int64_t n = static_cast<int64_t>(mine.size());
+    std::vector<float> xf(n * in), h(n * rank_total);
+    for (int64_t k = 0; k < n; ++k)
+        for (int64_t i = 0; i < in; ++i) xf[k * in + i] = load(x[mine[k] * x_stride + i]);
+    for (int64_t r = 0; r < rank_total; ++r)  // h = A_s x, every row of this slot
+        lora_dot_rows(xf.data(), n, in, as + r * in, h.data() + r, rank_total);
+    for (int p = 0; p < parts; ++p) {  // out[row, part] += B_s,p h_p
+        const int64_t len = part_len[p];
+        const T* bp = b + b_offset[p] + slot * width * len;
+        for (int64_t j0 = 0; j0 < len; j0 += kLoraColumns) {
+            const int64_t cols = std::min(kLoraColumns, len - j0);
+            for (int64_t k = 0; k < n; ++k) {
+                float delta[kLoraColumns];
+                lora_expand_block(h.data() + k * rank_total + p * width, width, bp + j0, len,
+                                  cols, delta);
+                T* o = out + mine[k] * out_stride + part_start[p] + j0;
+#pragma omp simd
+                for (int64_t j = 0; j < cols; ++j) store(load(o[j]) + delta[j], o + j);
+            }
+        }
+    }
+}
+
+template <typename T>
+void lora_add(const T* x, int64_t x_stride, int64_t rows, int64_t in, const int64_t* row_slots,
+              const T* a, int64_t rank_total, const T* b, int parts, int64_t width,
+              const int64_t* part_start, const int64_t* part_len, const int64_t* b_offset,
+              T* out, int64_t out_stride, int num_threads) {
+    int64_t num_slots = 0;
+    for (int64_t t = 0; t < rows; ++t) num_slots = std::max(num_slots, row_slots[t] + 1);
+    std::vector<std::vector<int64_t>> by_slot(num_slots);
+    for (int64_t t = 0; t < rows; ++t)
+        if (row_slots[t] >= 0) by_slot[row_slots[t]].push_back(t);
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_slots > 1)
+    for (int64_t s = 0; s < num_slots; ++s)
+        if (!by_slot[s].empty())
+            lora_slot(x, x_stride, in, by_slot[s], a + s * rank_total * in, rank_total, b, s,
+                      parts, width, part_start, part_len, b_offset, out, out_stride);
+}
+
+}  // namespace
+
+extern "C" int kvfleet_lora_add(int dtype, const void* x, int64_t x_stride, int64_t rows,
+                                int64_t in, const int64_t* row_slots, const void* a,
+                                int64_t rank_total, const void* b, int parts, int64_t width,
+                                const int64_t* part_start, const int64_t* part_len,
+                                const int64_t* b_offset, void* out, int64_t out_stride,
+                                int num_threads) {
+    if (dtype == 0)
+        lora_add(static_cast<const float*>(x), x_stride, rows, in, row_slots,
+                 static_cast<const float*>(a), rank_total, static_cast<const float*>(b), parts,
+                 width, part_start, part_len, b_offset, static_cast<float*>(out),
+                 out_stride, num_threads);
+    else if (dtype == 1)
+        lora_add(static_cast<const uint16_t*>(x), x_stride, rows, in, row_slots,
+                 static_cast<const uint16_t*>(a), rank_total, static_cast<const uint16_t*>(b),
+                 parts, width, part_start, part_len, b_offset, static_cast<uint16_t*>(out),
+                 out_stride, num_threads);
+    else
+        return 1;
     return 0;
 }

@@ -31,4 +31,17 @@ int kvfleet_write_kv(int dtype, const void* k, const void* v, int64_t row_stride
                      int num_kv_heads, int head_dim, const int64_t* rows, int64_t slots_per_kv,
                      void* pool_layer);
 
+// LoRA terms (worker/engine/lora/slots.py): for every row t of x [rows, in] (rows `x_stride`
+// elements apart) whose slot s = row_slots[t] is >= 0, h = A_s x_t in fp32 (a: [slots]
+// [rank_total][in], part p's rows at p * width), then for each part p out[t, part_start[p] + j] +=
+// sum_r h[p * width + r] * b[b_offset[p] + (s * width + r) * part_len[p] + j] (b: each part
+// [slots][width][part_len[p]]), summed in fp32 and rounded once into out (rows `out_stride`
+// apart); x, a, b and out in `dtype`.
+// Each row is computed alone by one thread in one fixed order: batch- and thread-invariant.
+int kvfleet_lora_add(int dtype, const void* x, int64_t x_stride, int64_t rows, int64_t in,
+                     const int64_t* row_slots, const void* a, int64_t rank_total,
+                     const void* b, int parts, int64_t width, const int64_t* part_start,
+                     const int64_t* part_len, const int64_t* b_offset, void* out,
+                     int64_t out_stride, int num_threads);
+
 }  // extern "C"

@@ -40,7 +40,10 @@ from worker.engine.lora.layers import LoraTarget, TargetPart, lora_targets
 from worker.engine.lora.request import LoraLoadError, LoraRequest, LoraStats
 from worker.engine.lora.sgmv import SlotRows
 from worker.engine.lora.slots import (
-    ProductSlots, SlotLoad, SlotTable, StackedSlots, slot_bytes)
+    KernelSlots, ProductSlots, SlotLoad, SlotTable, StackedSlots, slot_bytes)
+from worker.engine.cpu_attention import DTYPE_CODES
+from worker.engine.cpu_kernels import layer_ops_kernel
+from worker.engine.kernel_binding import BoundKernel
 from worker.engine.lora.weights import (
     AdapterWeights, ShardSlices, check_adapter, load_adapter)
 from worker.engine.model_prep import add_linear_update
@@ -70,10 +73,14 @@ class LoraManager:
         self.cache = AdapterCache(config.lora_cache_size, self._load)
         self.table = SlotTable(config.max_loras)
         # on the device from here on: allocated before the KV budget is planned
-        self.slots = (StackedSlots(config.max_loras, dims, config.max_lora_rank, dtype, device,
-                                   use_triton) if use_triton or is_cuda(device)
-                      else ProductSlots(config.max_loras, dims, config.max_lora_rank, dtype,
-                                        device, invariant))
+        if use_triton or is_cuda(device):
+            self.slots = StackedSlots(config.max_loras, dims, config.max_lora_rank, dtype,
+                                      device, use_triton)
+        elif dtype in DTYPE_CODES and isinstance(layer_ops_kernel(), BoundKernel):
+            self.slots = KernelSlots(config.max_loras, dims, config.max_lora_rank, dtype, device)
+        else:
+            self.slots = ProductSlots(config.max_loras, dims, config.max_lora_rank, dtype,
+                                      device, invariant)
         self.host_bytes_at_most = slot_bytes(dims, config.lora_cache_size,
                                              config.max_lora_rank, dtype)
         self._holding: dict[str, str] = {}  # req_id -> adapter name it pinned
@@ -112,8 +119,7 @@ class LoraManager:
             return None
         x2 = x.reshape(-1, x.shape[-1])  # [T, in]
         out2 = out.reshape(-1, out.shape[-1])  # [T, out]: a view of `out` where it can be
-        for part in parts:
-            self.slots.add(part.key, x2, out2[:, part.start:part.end], step)
+        self.slots.add_target(parts, x2, out2, step)
         return out2.view(out.shape)
 
     # ---- requests -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ kernels' reference in the tests, and the path where triton is not installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,36 @@ class SlotRows:
     group_len: torch.Tensor | None = None  # [G] int32
     group_slot: torch.Tensor | None = None  # [G] int32
     max_len: int = 0  # the largest group's rows (the grid's tiles)
+    # every adapter row in ascending order ([N] int64) and its slot ([N] int64)
+    ordered_rows: torch.Tensor | None = None
+    row_slots: torch.Tensor | None = None
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def all_rows(self, num_rows: int) -> torch.Tensor | None:
+        """The adapter rows of a step of `num_rows` rows to gather (ascending); None where they
+        are all of them (in order: nothing to gather)."""
+        return None if self.ordered_rows.shape[0] == num_rows else self.ordered_rows
+
+    def slot_of_row(self, num_rows: int) -> torch.Tensor:
+        """[num_rows] int64: each row's slot, -1 for the base model's rows (made once a step)."""
+        full = self._masks.get("rows")
+        if full is None or full.shape[0] != num_rows:
+            full = torch.full((num_rows,), -1, dtype=torch.int64, device=self.row_slots.device)
+            full[self.ordered_rows] = self.row_slots
+            self._masks["rows"] = full
+        return full
+
+    def slot_mask(self, num_slots: int, width: int, num_parts: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """[N, parts x slots x width]: 1 in the `width` columns of each part where a row's own
+        slot's block lies, 0 elsewhere (made once per step and shape)."""
+        key = (num_slots, width, num_parts, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            onehot = torch.nn.functional.one_hot(self.row_slots, num_slots).to(dtype)
+            mask = onehot.repeat_interleave(width, dim=1).repeat(1, num_parts)
+            self._masks[key] = mask
+        return mask
 
     @classmethod
     def of(cls, segments: list[tuple[int, int, int]], device: torch.device,
@@ -60,15 +90,19 @@ class SlotRows:
         rows = [slice(ranges[s][0][0], ranges[s][0][0] + ranges[s][0][1]) if len(ranges[s]) == 1
                 else torch.tensor(index, dtype=torch.int64).to(device, non_blocking=True)
                 for s, index in zip(slots, indices)]
+        ordered = sorted((r, slot) for start, n, slot in segments
+                         for r in range(start, start + n))
+        order = torch.tensor(ordered, dtype=torch.int64).reshape(-1, 2).to(device,
+                                                                          non_blocking=True)
         if not for_kernels:
-            return cls(slots, rows)
+            return cls(slots, rows, ordered_rows=order[:, 0], row_slots=order[:, 1])
         lengths = [len(index) for index in indices]
         starts = [sum(lengths[:g]) for g in range(len(lengths))]
         table = torch.tensor([starts, lengths, slots], dtype=torch.int32).to(device,
                                                                           non_blocking=True)
         flat = torch.tensor([r for index in indices for r in index], dtype=torch.int32)
         return cls(slots, rows, flat.to(device, non_blocking=True), table[0], table[1], table[2],
-                   max(lengths, default=0))
+                   max(lengths, default=0), order[:, 0], order[:, 1])
 
 
 def padded_rank(rank: int) -> int:
