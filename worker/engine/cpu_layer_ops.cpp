@@ -153,47 +153,14 @@ namespace {
 
 constexpr int64_t kLoraColumns = 64;  // output columns of one expand block
 
-// h[k * h_stride] = A_r . x_k for the n rows of x (fp32, `in` apart), for every r < rank_total;
-// h rows are `rank_total` apart. A row's dot is the same sequence of operations whichever rows
-// it is computed beside.
-#if defined(__AVX512F__)
+// h[k * h_stride] = A_r . x_k for the n rows of x (fp32, `in` apart) (the portable build's;
+// AVX-512 builds take lora_shrink's blocked kernel). A row's dot is the same sequence of
+// operations whichever rows it is computed beside.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 m) {  // bf16 -> fp32 lanes
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-template <typename W>
-inline void lora_dot_rows(const float* x, int64_t n, int64_t in, const W* ar, float* h,
-                          int64_t h_stride) {
-    const int64_t full = in / 16 * 16;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
-    int64_t k = 0;
-    for (; k + 4 <= n; k += 4) {  // four rows share each load of A: four independent chains
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                         _mm512_setzero_ps()};
-        for (int64_t i = 0; i < full; i += 16) {
-            const __m512 av = load16(ar + i, 0xFFFF);
-            for (int q = 0; q < 4; ++q)
-                acc[q] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (k + q) * in + i), av, acc[q]);
-        }
-        if (tail) {
-            const __m512 av = load16(ar + full, tail);
-            for (int q = 0; q < 4; ++q)
-                acc[q] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + (k + q) * in + full),
-                                         av, acc[q]);
-        }
-        for (int q = 0; q < 4; ++q) h[(k + q) * h_stride] = _mm512_reduce_add_ps(acc[q]);
-    }
-    for (; k < n; ++k) {  // the same operations, one row
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < full; i += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k * in + i), load16(ar + i, 0xFFFF), acc);
-        if (tail)
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + k * in + full),
-                                  load16(ar + full, tail), acc);
-        h[k * h_stride] = _mm512_reduce_add_ps(acc);
-    }
 }
 
 // delta[0, cols) = sum over r < width, in order, of h[r] * br[r * len + j]
@@ -215,6 +182,84 @@ inline void lora_expand_block(const float* h, int64_t width, const W* br, int64_
     }
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(delta + 16 * c, acc[c]);
 }
+
+// one h element: the same operations as each element of the blocked kernel below
+template <typename W>
+inline float lora_dot_one(const float* x, const W* ar, int64_t full, __mmask16 tail) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < full; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load16(ar + i, 0xFFFF), acc);
+    if (tail) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + full), load16(ar + full, tail),
+                                    acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+// h[k * rank_total + r] = A_r . x_k for every row k < n and r < rank_total: 4 rows x 4 ranks per
+// pass (16 independent sums, 8 loads per 16 FMAs); each element its own accumulator over i in
+// order, so blocking changes no element's operations.
+template <typename W>
+inline void lora_shrink(const float* x, int64_t n, int64_t in, const W* as, int64_t rank_total,
+                        float* h) {
+    const int64_t full = in / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (in - full)) - 1);
+    const int64_t n4 = n / 4 * 4, r4 = rank_total / 4 * 4;
+    for (int64_t r = 0; r < r4; r += 4) {
+        for (int64_t k = 0; k < n4; k += 4) {
+            __m512 acc[4][4];
+            for (int q = 0; q < 4; ++q)
+                for (int j = 0; j < 4; ++j) acc[q][j] = _mm512_setzero_ps();
+            auto step = [&](int64_t i, __mmask16 m) {
+                __m512 av[4];
+                for (int j = 0; j < 4; ++j) av[j] = load16(as + (r + j) * in + i, m);
+                for (int q = 0; q < 4; ++q) {
+                    const __m512 xv = _mm512_maskz_loadu_ps(m, x + (k + q) * in + i);
+                    for (int j = 0; j < 4; ++j) acc[q][j] = _mm512_fmadd_ps(xv, av[j], acc[q][j]);
+                }
+            };
+            for (int64_t i = 0; i < full; i += 16) step(i, 0xFFFF);
+            if (tail) step(full, tail);
+            for (int q = 0; q < 4; ++q)
+                for (int j = 0; j < 4; ++j)
+                    h[(k + q) * rank_total + r + j] = _mm512_reduce_add_ps(acc[q][j]);
+        }
+        for (int64_t k = n4; k < n; ++k)
+            for (int j = 0; j < 4; ++j)
+                h[k * rank_total + r + j] =
+                    lora_dot_one(x + k * in, as + (r + j) * in, full, tail);
+    }
+    for (int64_t r = r4; r < rank_total; ++r)
+        for (int64_t k = 0; k < n; ++k)
+            h[k * rank_total + r] = lora_dot_one(x + k * in, as + r * in, full, tail);
+}
+
+// lora_expand_block for two rows at once (8 independent sums per rank step; each row's sums are
+// the operations lora_expand_block does: a rank step both rows skip is skipped, one only row
+// skips adds 0 * b to that row's sums, which leaves them as they are)
+template <typename W>
+inline void lora_expand_block2(const float* h0, const float* h1, int64_t width, const W* br,
+                               int64_t len, int64_t cols, float* delta0, float* delta1) {
+    __m512 acc0[4], acc1[4];
+    __mmask16 mask[4];
+    for (int c = 0; c < 4; ++c) {
+        acc0[c] = acc1[c] = _mm512_setzero_ps();
+        const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * c));
+        mask[c] = static_cast<__mmask16>((1u << left) - 1);
+    }
+    for (int64_t r = 0; r < width; ++r) {
+        if (h0[r] == 0.f && h1[r] == 0.f) continue;
+        const __m512 hb0 = _mm512_set1_ps(h0[r]), hb1 = _mm512_set1_ps(h1[r]);
+        for (int c = 0; c < 4; ++c) {
+            const __m512 bv = load16(br + r * len + 16 * c, mask[c]);
+            acc0[c] = _mm512_fmadd_ps(hb0, bv, acc0[c]);
+            acc1[c] = _mm512_fmadd_ps(hb1, bv, acc1[c]);
+        }
+    }
+    for (int c = 0; c < 4; ++c) {
+        _mm512_storeu_ps(delta0 + 16 * c, acc0[c]);
+        _mm512_storeu_ps(delta1 + 16 * c, acc1[c]);
+    }
+}
+#define KVFLEET_LORA_EXPAND2 1
 #else
 template <typename W>
 inline void lora_dot_rows(const float* x, int64_t n, int64_t in, const W* ar, float* h,
@@ -242,6 +287,13 @@ inline void lora_expand_block(const float* h, int64_t width, const W* br, int64_
         for (int64_t j = 0; j < cols; ++j) delta[j] += h[r] * load(br[r * len + j]);
     }
 }
+
+template <typename W>
+inline void lora_shrink(const float* x, int64_t n, int64_t in, const W* as, int64_t rank_total,
+                        float* h) {
+    for (int64_t r = 0; r < rank_total; ++r)
+        lora_dot_rows(x, n, in, as + r * in, h + r, rank_total);
+}
 #endif
 
 template <typename T>
@@ -253,14 +305,27 @@ void lora_slot(const T* x, int64_t x_stride, int64_t in, const std::vector<int64
     std::vector<float> xf(n * in), h(n * rank_total);
     for (int64_t k = 0; k < n; ++k)
         for (int64_t i = 0; i < in; ++i) xf[k * in + i] = load(x[mine[k] * x_stride + i]);
-    for (int64_t r = 0; r < rank_total; ++r)  // h = A_s x, every row of this slot
-        lora_dot_rows(xf.data(), n, in, as + r * in, h.data() + r, rank_total);
+    lora_shrink(xf.data(), n, in, as, rank_total, h.data());  // h = A_s x, every row here
     for (int p = 0; p < parts; ++p) {  // out[row, part] += B_s,p h_p
         const int64_t len = part_len[p];
         const T* bp = b + b_offset[p] + slot * width * len;
         for (int64_t j0 = 0; j0 < len; j0 += kLoraColumns) {
             const int64_t cols = std::min(kLoraColumns, len - j0);
-            for (int64_t k = 0; k < n; ++k) {
+            int64_t k = 0;
+#if defined(KVFLEET_LORA_EXPAND2)
+            for (; k + 2 <= n; k += 2) {
+                float delta[2][kLoraColumns];
+                lora_expand_block2(h.data() + k * rank_total + p * width,
+                                   h.data() + (k + 1) * rank_total + p * width, width, bp + j0,
+                                   len, cols, delta[0], delta[1]);
+                for (int q = 0; q < 2; ++q) {
+                    T* o = out + mine[k + q] * out_stride + part_start[p] + j0;
+#pragma omp simd
+                    for (int64_t j = 0; j < cols; ++j) store(load(o[j]) + delta[q][j], o + j);
+                }
+            }
+#endif
+            for (; k < n; ++k) {
                 float delta[kLoraColumns];
                 lora_expand_block(h.data() + k * rank_total + p * width, width, bp + j0, len,
                                   cols, delta);
