@@ -96,6 +96,8 @@ class LocalFleet:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) did not stop within %.0f s: killed",
+                            " ".join(str(a) for a in proc.args[-2:]), proc.pid, timeout_s)
                 proc.kill()
                 proc.wait()
 

@@ -67,7 +67,10 @@ def test_up_with_two_ranks_serves_the_greedy_text(redis_server, tmp_path):
         assert "tensor parallel over 2 ranks" in log
         rank_pids = [int(p) for p in re.search(r"\(pids ([\d, ]+)\)", log)[1].split(", ")]
     finally:
-        fleet.kill(signal.SIGINT)  # what Ctrl-C sends
+        # what Ctrl-C sends; waited for longer than `up` waits for its children (15 s) before it
+        # kills a stuck one itself, so a slow child shows in the log, not as `up` killed here
+        fleet.popen.send_signal(signal.SIGINT)
+        fleet.wait_exit(timeout_s=40)
     assert fleet.popen.returncode == 0, fleet.log_text()[-4000:]
     assert "rank 1 stopped" in fleet.log_text()
     for pid in rank_pids:
