@@ -59,11 +59,13 @@ def stream_text(url: str, body: dict, record: dict) -> None:
     record["times"] = times
 
 
-def run_all(url: str, on_started=None, bodies: list[dict] | None = None) -> list[dict]:
-    """Stream every body at once (default: one per topic); `on_started` runs meanwhile."""
+def run_all(url: str, on_started=None, bodies: list | None = None,
+            stream=stream_text) -> list[dict]:
+    """Stream every body at once (default: one per topic) with `stream(url, body, record)`;
+    `on_started` runs meanwhile."""
     bodies = bodies or [request_body(i) for i in range(len(TOPICS))]
     records = [dict() for _ in bodies]
-    threads = [threading.Thread(target=stream_text, args=(url, body, record))
+    threads = [threading.Thread(target=stream, args=(url, body, record))
                for body, record in zip(bodies, records)]
     for thread in threads:
         thread.start()

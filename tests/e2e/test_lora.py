@@ -7,7 +7,6 @@ mid-answer another resumes every stream under its own adapter with the same text
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -19,6 +18,7 @@ from shared.models import DEFAULT_MODEL, resolve_model_path
 from shared.redis_connect import connect
 from shared.wire import Heartbeat, RequestRecord
 from shared.wire.checkpoint import TOKEN_BYTES
+from tests.e2e.test_failover import run_all as stream_all
 from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -53,15 +53,8 @@ def stream(url: str, model: str, record: dict) -> None:
 
 
 def run_all(url: str, models: list[str], on_started=None) -> list[dict]:
-    records = [dict() for _ in models]
-    threads = [threading.Thread(target=stream, args=(url, m, r)) for m, r in zip(models, records)]
-    for thread in threads:
-        thread.start()
-    if on_started:
-        on_started(records)
-    for thread in threads:
-        thread.join(timeout=900)
-    return records
+    """Stream one request per model at once, through the openai client."""
+    return stream_all(url, on_started, models, stream=stream)
 
 
 def metric(url: str, name: str) -> float:
