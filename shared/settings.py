@@ -272,6 +272,28 @@ class WorkerSettings(EngineSettings):
     cost_per_hour: float | None = Field(None, description=(
         "$ per accelerator-hour, for the cost per 1M output tokens"))
 
+    role: Literal["both", "prefill", "decode"] = Field("both", description=(
+        "what this worker takes: `both` new requests and streams offered with their KV; "
+        "`prefill` new requests only, each offered with its KV to a decode worker after its "
+        "first token (it keeps decoding a stream no decode worker takes); `decode` offered "
+        "streams (and orphaned requests) only: prefill apart from decode (docs/DEPLOY.md)"))
+    drain_timeout_s: float = Field(30.0, ge=0, description=(
+        "on SIGTERM (or `POST /admin/workers/{id}/drain`) a worker stops taking work, hands its "
+        "running streams with their KV to workers with room, finishes the rest, and exits "
+        "within this many seconds; what is left then resumes elsewhere from its checkpoint. "
+        "Set the orchestrator's grace period above it (docs/RELIABILITY.md). 0: leave at once"))
+    handoff_port: int = Field(0, description=(
+        "TCP port of this worker's KV transfer plane (handoffs worker to worker): 0 = a free "
+        "port, -1 = off (no handoffs: drain and `--role prefill` fall back to checkpoint "
+        "resume)"))
+    handoff_host: str = Field("0.0.0.0", description="address the KV transfer plane listens on")
+    handoff_advertise_host: str = Field("", json_schema_extra={"default_text": "the hostname"},
+                                        description=(
+        "host put in the heartbeat and handoff offers, where peers reach the transfer plane"))
+    handoff_lease_s: float = Field(10.0, gt=0, description=(
+        "how long a source keeps a handed-off stream's KV for its taker: a taker that has not "
+        "fenced the stream by then loses it, and the source continues it itself"))
+
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: these settings' engine fields, as they are."""
         names = EngineConfig.__pydantic_fields__.keys() - set(ENGINE_ONLY)

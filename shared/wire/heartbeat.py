@@ -37,6 +37,11 @@ class Heartbeat:
     model_source: str = ""  # what it loaded (--model: a directory or local id): gateways load
     # the model's tokenizer from it when a request first names the model
     loras: str = ""  # LoRA adapters held in its memory, comma-separated, most recent first
+    role: str = "both"  # prefill | decode | both (--role): what it takes from the fleet
+    draining: int = 0  # 1 while it drains: it takes nothing new; its streams move to peers
+    handoff_addr: str = ""  # host:port of its KV transfer plane ("" = it hands nothing off)
+    handoffs_out: int = 0  # streams handed to peers with their KV, since start
+    handoffs_in: int = 0  # streams taken from peers with their KV, since start
 
     def encode(self) -> dict[str, str | int | float]:
         """The HSET mapping; an empty metrics_url is left out."""

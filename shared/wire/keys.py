@@ -170,6 +170,24 @@ class Keys:
         """The worker id of a heartbeat key (the inverse of `worker`)."""
         return heartbeat_key.removeprefix(self.worker(""))
 
+    def drain(self, worker_id: str) -> str:
+        """String, with a TTL: set (by the gateway's admin route) to ask one worker to drain:
+        stop taking work, hand its running streams to peers, finish the rest, exit."""
+        return f"{self.prefix}worker:{worker_id}:drain"
+
+    def handoff_offers(self, model: str) -> str:
+        """Hash: the model's KV handoff offers, handoff id -> HandoffOffer (msgpack): running
+        streams a worker (draining, or a prefill worker) offers to workers with room. A taker
+        removes the field it takes (TAKE_OFFER), so one offer goes to one taker."""
+        return f"{self.prefix}{{{model}}}:handoffs"
+
+    def handoff_lease(self, req_id: str) -> str:
+        """String with a TTL (`{req_id}` tag: one slot with the request's hash and checkpoint):
+        `sent:<handoff id>` while the source holds a handed-off stream's KV for its taker,
+        `taken:<handoff id>:<taker>` once the taker fenced it (START_HANDOFF). Gone: the lease
+        expired or the source took the stream back (RECLAIM_HANDOFF)."""
+        return f"{self._request(req_id)}:handoff"
+
     def loras(self) -> str:
         """Hash: the fleet's LoRA adapters, name -> LoraRecord as JSON (shared/lora.py). Adapter
         names share the `model` namespace with the served models."""
