@@ -4,8 +4,8 @@
 the KV budget and the preemption priors (budget.py), the checks and outputs of a request
 (request_io.py), scheduling (scheduler.py), the forward (model_runner.py; on tensor-parallel
 ranks tp_steps.py), swapped-out KV (swapping.py), sampling (step_sampling.py), output
-constraints (worker/structured/requests.py), LoRA adapters (lora/manager.py) and the operator's
-reports and counters (reports.py).
+constraints (worker/structured/requests.py), LoRA adapters (lora/manager.py), the operator's
+reports and counters (reports.py) and a running sequence's move to another engine (handoff.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from worker.engine.attention import resolve_attention_backend
 from worker.engine.device import (
     is_cuda, resolve_block_size, resolve_device, resolve_dtype, select_device)
 from worker.engine.kv_cache import KVCachePool, KVLayout
+from worker.engine.handoff import (
+    HandoffError, SequenceState, check_layout, host_blocks, pool_layout)
 from worker.engine.invariance import invariance_gap
 from worker.engine.lora import LoraLoadError, LoraRequest, LoraStats
 from worker.engine.lora.manager import LoraManager
@@ -108,7 +110,7 @@ class Engine:
             num_usable_blocks, config.block_size, config.enable_prefix_caching)
         self.swap_space = SwapSpace(config.swap_space_bytes // self.pool.block_bytes)
         self.preemption = preemption_cost_model(config.preemption, self.pool, placed.module)
-        self.swapped = SwappedKV(self.pool, self.preemption)
+        self.swapped = SwappedKV(self.pool, self.preemption, self.draft_pool)
         self._start_scheduling(placed.module, tokenizer)
         self._start_runner(placed, placed_draft, graphs_mode)
         self.speculator = self._speculator()
@@ -245,6 +247,17 @@ class Engine:
                     lora: LoraRequest | None = None) -> None:
         """Queue a request; `output_token_ids` resumes one (sampling continues at their count);
         `lora`: the adapter it runs under (LoraLoadError, a ValueError, if it cannot be served)."""
+        self._enter(req_id, prompt_token_ids, params, output_token_ids or [], lora)
+        # resumed past its first output: its prompt logprobs went out with that output
+        seq = Sequence(req_id, prompt_token_ids, params, output_token_ids=output_token_ids or [],
+                       prompt_logprobs_sent=bool(output_token_ids), lora=lora)
+        self._seqs[req_id] = seq
+        self.scheduler.add(seq)
+
+    def _enter(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               output_token_ids: list[int], lora: LoraRequest | None) -> None:
+        """Check a request and take what it holds here (its adapter, its grammar matcher); a
+        ValueError, with nothing taken, when it cannot be served."""
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is already in the engine")
         check_request(req_id, prompt_token_ids, params, self.max_model_len, self.block_manager)
@@ -255,16 +268,11 @@ class Engine:
             self.lora.acquire(req_id, lora)  # loaded (or waiting for room) and held from here
         try:
             # a resumed request replays its tokens through its grammar: same masks as before
-            self.constrained.add(req_id, params.constraint, output_token_ids or [])
+            self.constrained.add(req_id, params.constraint, output_token_ids)
         except BaseException:
             if self.lora is not None:
                 self.lora.release(req_id)
             raise
-        # resumed past its first output: its prompt logprobs went out with that output
-        seq = Sequence(req_id, prompt_token_ids, params, output_token_ids=output_token_ids or [],
-                       prompt_logprobs_sent=bool(output_token_ids), lora=lora)
-        self._seqs[req_id] = seq
-        self.scheduler.add(seq)
 
     def abort(self, req_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks at once; None if it is not (or no longer) here."""
@@ -273,8 +281,6 @@ class Engine:
             return None
         self._left(seq)
         self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
-        if self.swapped.discard(req_id) and self.ranks is not None:
-            self.ranks.discard_swapped(req_id)
         self.constrained.discard(req_id)
         return request_output(seq, [], None, self.scheduler.stop_checker)
 
@@ -306,6 +312,123 @@ class Engine:
         """Whether free blocks (incl. evictable cached ones) hold this prompt beside the watermark."""
         bm = self.block_manager
         return bm.blocks_for_tokens(num_prompt_tokens) <= bm.num_free_blocks - self.scheduler.watermark_blocks
+
+    # ---- handoff: a running sequence and its KV to another engine (handoff.py) ----------------
+
+    def handoff_layout(self) -> dict:
+        """What an engine taking this one's sequences must match: the model (its prefix root
+        names the served model), the geometry and format of its KV blocks, the draft model's."""
+        return {**pool_layout(self.pool), "block_size": self.config.block_size,
+                "vocab_size": self.model.config.vocab_size,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "prefix_root": self.block_manager.root.hex(),
+                "draft": None if self.draft is None else {
+                    **pool_layout(self.draft_pool),
+                    "vocab_size": self.draft.module.config.vocab_size}}
+
+    def handoff_gap(self) -> str | None:
+        """None when this engine can export and import sequences; else why not."""
+        if self.ranks is not None:
+            return "tensor parallelism (each rank holds a share of the KV heads)"
+        return None
+
+    def kv_bytes_of(self, req_id: str) -> int:
+        """Bytes `export_sequence` would move now (0: it would not export the sequence)."""
+        seq = self._exportable(req_id)
+        if seq is None:
+            return 0
+        if seq.num_swapped_blocks:
+            return self.swapped.num_bytes_of(req_id)
+        bm, draft_pool = self.block_manager, self.draft_pool
+        num_bytes = bm.blocks_for_tokens(seq.num_computed_tokens) * self.pool.block_bytes
+        if draft_pool is not None:
+            num_bytes += bm.blocks_for_tokens(self._draft_computed(seq)) * draft_pool.block_bytes
+        return num_bytes
+
+    def export_sequence(self, req_id: str) -> SequenceState | None:
+        """Take a sequence out with a host copy of its KV, to continue in another engine
+        (between steps only): a RUNNING one with computed KV (mid-prefill chunks too), or a
+        PREEMPTED one whose KV is swapped out (its host copy is the state's). It leaves as an
+        aborted one does (blocks freed; its adapter, grammar matcher and speculation released),
+        without an output. None when it is not here or holds no KV (queued, or preempted for
+        recompute), or while its prompt logprobs are computed (those so far would be lost; from
+        its first output on it can go): it then stays."""
+        seq = self._exportable(req_id)
+        if seq is None:
+            return None
+        draft_computed = self._draft_computed(seq)
+        if seq.num_swapped_blocks:
+            host, draft = self.swapped.take(req_id)
+        else:
+            bm = self.block_manager
+            table = bm.block_table(req_id)
+            host = self.pool.copy_out(table[:bm.blocks_for_tokens(seq.num_computed_tokens)])
+            draft = None if not draft_computed else self.draft_pool.copy_out(
+                table[:bm.blocks_for_tokens(draft_computed)])
+        state = SequenceState(
+            req_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.params,
+            seq.num_computed_tokens, seq.num_cached_tokens, seq.lora, self.handoff_layout(),
+            host.values, host.scales,
+            draft_values=None if draft is None else draft.values,
+            draft_scales=None if draft is None else draft.scales,
+            draft_num_computed_tokens=0 if draft is None else draft_computed)
+        self._left(seq)
+        self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        self.constrained.discard(req_id)
+        return state
+
+    def import_sequence(self, state: SequenceState) -> None:
+        """Add a sequence handed over by another engine (or given back to this one). It waits
+        as a swapped-out preempted sequence does (its host copy held here, not limited by
+        --swap-space: a handoff is not swap), is swapped into fresh blocks when its whole known
+        sequence fits beside the watermark, and continues with nothing computed again. The
+        request is checked as `add_request` checks one (its adapter acquired, its grammar
+        replayed over its output); its prompt logprobs went out with its first output.
+        HandoffError, with nothing changed, when this engine cannot take it."""
+        gap = self.handoff_gap()
+        if gap is not None:
+            raise HandoffError(f"this engine takes no handoff: {gap}")
+        check_layout(state, self.handoff_layout())
+        host, draft = host_blocks(state, self.pool, self.draft_pool)
+        req_id, prompt, output = state.req_id, state.prompt_token_ids, state.output_token_ids
+        if state.params.prompt_logprobs is not None and not output:
+            raise HandoffError(f"handoff of {req_id!r}: its prompt logprobs are not in it")
+        try:
+            self._enter(req_id, prompt, state.params, output, state.lora)
+        except ValueError as exc:  # LoraLoadError and the grammar's errors too
+            raise HandoffError(f"handoff of {req_id!r}: {exc}") from exc
+        seq = Sequence(req_id, prompt, state.params, output_token_ids=output,
+                       num_cached_tokens=state.num_cached_tokens,
+                       prompt_logprobs_sent=bool(output), lora=state.lora)
+        self._seqs[req_id] = seq
+        self.swapped.hold(req_id, host, draft)
+        if draft is not None:
+            self._draft_kv_counts()[req_id] = state.draft_num_computed_tokens
+        self.scheduler.add_swapped_out(seq, state.num_computed_tokens, host.num_blocks)
+
+    def _exportable(self, req_id: str) -> Sequence | None:
+        """The sequence, when `export_sequence` would hand it over now."""
+        seq = self._seqs.get(req_id)
+        if seq is None or self.handoff_gap() is not None or (
+                seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent):
+            return None
+        if seq.status is RequestStatus.RUNNING and seq.num_computed_tokens > 0:
+            return seq
+        if seq.status is RequestStatus.PREEMPTED and req_id in self.swapped.held:
+            return seq
+        return None
+
+    def _draft_computed(self, seq: Sequence) -> int:
+        """Leading positions of the sequence whose draft-model KV is valid (0 without one)."""
+        counts = self._draft_kv_counts()
+        return 0 if counts is None else min(counts.get(seq.req_id, 0), seq.num_computed_tokens)
+
+    def _draft_kv_counts(self) -> dict[str, int] | None:
+        """req_id -> leading positions of valid draft-model KV, the draft model's own count
+        (None without one). Read and written here because speculation/draft.py has no
+        accessor for it: a handed-over sequence's draft KV is used only once that count says so."""
+        draft = None if self.speculator is None else self.speculator.draft
+        return None if draft is None else draft._computed
 
     # ---- stepping -----------------------------------------------------------------------------
 
@@ -394,8 +517,11 @@ class Engine:
         return request_output(seq, [], None, self.scheduler.stop_checker)
 
     def _left(self, seq: Sequence) -> None:
-        """A request left the engine (finished, failed or aborted)."""
+        """A request left the engine (finished, failed, aborted or handed over)."""
         self._seqs.pop(seq.req_id, None)
+        # swapped out (or handed over and not yet in): its host copy goes with it
+        if self.swapped.discard(seq.req_id) and self.ranks is not None:
+            self.ranks.discard_swapped(seq.req_id)
         if self.speculator is not None:
             self.speculator.finish(seq)
         if self.lora is not None:

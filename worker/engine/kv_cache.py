@@ -155,6 +155,10 @@ class HostBlocks:
     scales: torch.Tensor | None  # [layers, 2, KVH, n, block_size]
 
     @property
+    def num_blocks(self) -> int:
+        return self.values.shape[3]
+
+    @property
     def num_bytes(self) -> int:
         return tensor_bytes(self.values, self.scales)
 
@@ -248,8 +252,8 @@ class KVCachePool:
 
     def copy_in(self, host: HostBlocks, blocks: list[int]) -> None:
         """Write host copies back into `blocks` (as many as were copied out)."""
-        if len(blocks) != host.values.shape[3]:
-            raise ValueError(f"{host.values.shape[3]} blocks swapped out, {len(blocks)} to fill")
+        if len(blocks) != host.num_blocks:
+            raise ValueError(f"{host.num_blocks} blocks swapped out, {len(blocks)} to fill")
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         self._storage.index_copy_(3, index, host.values.to(self.device, non_blocking=True))
         if self._scales is not None:

@@ -161,6 +161,18 @@ class Scheduler:
         seq.status = RequestStatus.QUEUED
         self.waiting.append(seq)
 
+    def add_swapped_out(self, seq: Sequence, num_computed_tokens: int, num_blocks: int) -> None:
+        """Queue a sequence handed over from another engine with the KV of its first
+        `num_computed_tokens` positions in `num_blocks` host copies. It waits as a sequence
+        preempted by swapping does, at the head of the queue (a stream mid-answer goes before
+        requests that have not started), until its whole known sequence fits; its copies are
+        not in the swap space (a handoff is not a preemption)."""
+        seq.num_computed_tokens = num_computed_tokens
+        seq.num_swapped_blocks = num_blocks
+        seq.admitted_once = True  # its prefix-cache hit was counted where it was admitted
+        seq.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence, status: RequestStatus, error: str | None = None) -> None:
         """End a sequence (abort, error or stop) and release its blocks at once."""
         if seq in self._finished_at_add:  # never ran; no output for it any more
