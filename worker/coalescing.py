@@ -87,6 +87,13 @@ class EventCoalescer:
                 self._last_sent.pop(item.req_id, None)
         return out
 
+    def take(self, req_id: str) -> Publication | None:
+        """What the request holds, to publish now (before its stream leaves this worker)."""
+        held = self._held.pop(req_id, None)
+        if held is not None and held.final_status is None:
+            self._last_sent[req_id] = self._clock()
+        return held
+
     def forget(self, req_id: str) -> None:
         """The request left this worker without a final event (fenced off by a newer attempt):
         drop what it held; its new owner regenerates those tokens."""

@@ -20,6 +20,7 @@ from worker.engine.device import resolve_device
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine, load_pretrained
 from worker.engine.tp_rank import launch_engine
+from worker.handoff.transfer import TcpTransferPlane
 from worker.metrics import WorkerMetrics
 from worker.protocol import WorkerProtocol
 from worker.service import WorkerService
@@ -80,24 +81,28 @@ def with_draft_model_path(config: EngineConfig, tokenizer, cache_dir) -> EngineC
     return dataclasses.replace(config, speculative_config=spec.model_copy(update={"model": path}))
 
 
-def run_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (or `stop` is set)."""
+def run_worker(settings: WorkerSettings, stop: threading.Event | None = None,
+               drain: threading.Event | None = None) -> None:
+    """Serve until SIGINT (at once: unfinished requests resume elsewhere from checkpoints) or
+    SIGTERM (a drain: streams move to peers with their KV, the rest finish within
+    --drain-timeout-s; a second SIGTERM stops at once), or until `stop` is set."""
     if not settings.redis_url:
         raise SystemExit("kvfleet worker: set --redis-url or KVFLEET_REDIS_URL")
     stop = stop or threading.Event()
+    drain = drain or threading.Event()
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set() if drain.is_set() else drain.set())
     worker_id = settings.resolved_worker_id()
     engine = build_engine(settings)
     try:
-        _serve(settings, engine, worker_id, stop)
+        _serve(settings, engine, worker_id, stop, drain)
     finally:
         engine.close()  # tensor-parallel ranks stop with rank 0
 
 
 def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
-           stop: threading.Event) -> None:
+           stop: threading.Event, drain: threading.Event) -> None:
     # Socket timeout above the blocking XREADGROUP's BLOCK, so a quiet stream never times out.
     client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5,
                      health_check_interval=30)
@@ -114,6 +119,15 @@ def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
         host = settings.metrics_advertise_host or socket.gethostname()
         metrics_url = f"http://{host}:{port}/metrics"
         log.info("metrics at %s", metrics_url)
-    log.info("worker %s serving %s from %s", worker_id, protocol.model, settings.redis_url)
-    WorkerService(settings, engine, client, protocol, metrics, metrics_url).run(stop)
+    plane = None
+    if settings.handoff_port >= 0:
+        plane = TcpTransferPlane(settings.handoff_host, settings.handoff_port,
+                                 settings.handoff_advertise_host)
+    log.info("worker %s (role %s) serving %s from %s", worker_id, settings.role, protocol.model,
+             settings.redis_url)
+    service = WorkerService(settings, engine, client, protocol, metrics, metrics_url, plane,
+                            drain=drain)
+    if service.handoffs.addr:
+        log.info("KV transfer plane at %s", service.handoffs.addr)
+    service.run(stop)
     log.info("worker %s stopped", worker_id)

@@ -23,6 +23,7 @@ QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 # One engine step (one forward over the batch): sub-millisecond on a tiny model .. seconds on CPU.
 STEP_TIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                        0.5, 1.0, 2.5, 5.0, 10.0)
+HANDOFF_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LABELS = ("model", "worker")
 
 
@@ -228,6 +229,22 @@ class WorkerMetrics:
             p + "lora_evictions", "LoRA adapters dropped from this worker's memory to make room "
             "for another (--max-cpu-loras).", labels, registry=self.registry)
 
+
+        # KV handoffs (worker/handoff/): streams moved worker to worker with their KV
+        self._handoffs = Counter(
+            p + "handoffs", "Streams moved with their KV, by direction: out (handed to a peer, "
+            "which fenced it), in (taken from a peer and continued here without recompute).",
+            LABELS + ("direction",), registry=self.registry)
+        self._handoff_bytes = Counter(
+            p + "handoff_bytes", "KV bytes moved by handoffs, by direction (out, in).",
+            LABELS + ("direction",), registry=self.registry)
+        self._handoff_fallbacks = Counter(
+            p + "handoff_fallbacks", "Handoffs that did not complete, by reason: lease_expired "
+            "(the source took its stream back), transfer_failed, incompatible (another layout: "
+            "resumed from the checkpoint), checkpoint_mismatch (resumed from the checkpoint), "
+            "lost (the lease was gone when the taker fenced it), given_back (left at a drain's "
+            "end for checkpoint resume elsewhere).", LABELS + ("reason",), registry=self.registry)
+
     def _build_gauges(self) -> None:
         p = "kvfleet_worker_"
         self.running = self._gauge(p + "running", "Streams in the running batch.")
@@ -255,6 +272,18 @@ class WorkerMetrics:
         self.lora_loaded = self._gauge(
             p + "lora_adapters_loaded", "LoRA adapters held in this worker's memory (at most "
             "--max-cpu-loras).")
+        self._transfer_bytes = self._gauge(
+            p + "handoff_received_payload_bytes", "KV payload bytes this worker's transfer plane "
+            "received (handoffs taken).")
+        self._transfer_seconds = self._gauge(
+            p + "handoff_received_payload_seconds", "Seconds those payloads took on the wire, "
+            "from a reply's header to its last byte (bytes / seconds: the plane's rate).")
+        self.draining = self._gauge(
+            p + "draining", "1 while this worker drains (SIGTERM or the admin route): it takes "
+            "nothing new and hands its streams to peers.")
+        self.handoff_offers = self._gauge(
+            p + "handoff_offers", "Streams this worker offers to peers now (draining, or "
+            "--role prefill after their first token).")
         tokens_per_s = self._gauge(
             p + "tokens_per_second", "Output tokens/s over the last rate window (default 10 s).")
         tokens_per_s.set_function(self._rate.per_s)
@@ -279,6 +308,11 @@ class WorkerMetrics:
             p + "steal_wait_seconds", "Time an entry taken from another worker's own stream had "
             "waited there (from its stream id's time to its admission here).",
             LABELS, buckets=QUEUE_WAIT_BUCKETS_S, registry=self.registry).labels(**self._labels())
+
+        self.handoff_time = Histogram(
+            p + "handoff_seconds", "Taker's time from taking an offer to the stream's KV in its "
+            "engine (the source's export between two steps, the transfer, the fence).",
+            LABELS, buckets=HANDOFF_BUCKETS_S, registry=self.registry).labels(**self._labels())
 
     # ---- what the service loop calls -----------------------------------------------------
 
@@ -333,6 +367,21 @@ class WorkerMetrics:
                 if delta:
                     counter.labels(**self._labels(), adapter=adapter).inc(delta)
         self.lora_loaded.set(num_loaded)
+
+    def handoff(self, direction: str, num_bytes: int, seconds: float | None = None) -> None:
+        """A stream moved with its KV (`direction` out or in); the taker reports its time."""
+        self._handoffs.labels(direction=direction, **self._labels()).inc()
+        self._handoff_bytes.labels(direction=direction, **self._labels()).inc(num_bytes)
+        if seconds is not None:
+            self.handoff_time.observe(seconds)
+
+    def transfer_totals(self, payload_bytes: int, payload_seconds: float) -> None:
+        """The transfer plane's received payload bytes and their seconds on the wire, so far."""
+        self._transfer_bytes.set(payload_bytes)
+        self._transfer_seconds.set(payload_seconds)
+
+    def handoff_fallback(self, reason: str) -> None:
+        self._handoff_fallbacks.labels(reason=reason, **self._labels()).inc()
 
     def request_finished(self, outcome: str) -> None:
         """A request left the engine (stop, length, abort, error) outside `step_done`."""

@@ -413,6 +413,12 @@ class WorkerProtocol:
         return Delivery(QueueEntry.decode(fields).request, stream, entry_id, times_delivered,
                         source=self.source_of(stream))
 
+    def claim_handed(self, stream: str, entry_id: str) -> Delivery | None:
+        """XCLAIM the entry of a stream handed to this worker with its KV (its source may still
+        refresh it for a moment: this worker's refreshes take it back), with its request; None
+        when it was acked meanwhile (nothing to serve)."""
+        return self._claim_entry(stream, entry_id, 0, 1)
+
     def ack(self, stream: str, entry_id: str) -> None:
         """Acknowledge an entry this worker will not serve (a duplicate of one it serves)."""
         self.client.xack(stream, self.keys.group, entry_id)

@@ -32,6 +32,8 @@ from worker.engine.block_manager import NetChange
 from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
 from worker.engine.lora import LoraRequest
+from worker.handoff.coordinator import OFFER_POLL_S, Handoffs
+from worker.handoff.transfer import TransferPlane
 from worker.metrics import WorkerMetrics
 from worker.protocol import Delivery, Publication, WorkerProtocol
 
@@ -44,6 +46,7 @@ LOAD_BEAT_MIN_S = 0.05  # the least time between two heartbeats (a change of loa
 class Inflight:
     delivery: Delivery
     attempt: int
+    num_output_tokens: int = 0  # published (its checkpoint's length)
 
 
 class WorkerService:
@@ -51,7 +54,8 @@ class WorkerService:
 
     def __init__(self, settings: WorkerSettings, engine: Engine, client: redis.Redis,
                  protocol: WorkerProtocol, metrics: WorkerMetrics | None = None,
-                 metrics_url: str | None = None):
+                 metrics_url: str | None = None, plane: TransferPlane | None = None, *,
+                 drain: threading.Event | None = None):
         self.settings = settings
         self.metrics = metrics or WorkerMetrics(protocol.worker_id, protocol.model,
                                                 settings.cost_per_hour)
@@ -83,11 +87,23 @@ class WorkerService:
         self._announced = False
         self._indexed = 0  # the size of the announced set as the loop's last announcement left it
         self._resync = False  # set by the heartbeat thread: Redis lost the set, announce it all
+        # KV handoffs (worker/handoff/): the role, the drain, the transfer plane
+        self.role = settings.role
+        # set by SIGTERM, or by the heartbeat thread when it finds the drain key
+        self.drain = drain or threading.Event()
+        self._drain_deadline: float | None = None  # time.monotonic() once draining
+        gap = engine.handoff_gap()
+        if plane is not None and gap is not None:
+            log.warning("KV handoffs off: %s (drain and --role prefill resume from checkpoints)",
+                        gap)
+            plane.close()
+            plane = None
+        self.handoffs = Handoffs(self, plane)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Serve until `stop` is set; survive Redis outages with backoff."""
+        """Serve until `stop` is set (or a drain ends); survive Redis outages with backoff."""
         self._snapshot_stats()
         beat = threading.Thread(target=self._heartbeat_loop, args=(stop,), daemon=True)
         beat.start()
@@ -97,6 +113,8 @@ class WorkerService:
                 if self._pubsub is None:
                     self.connect()
                 self.run_once()
+                if self._drain_deadline is not None and self._drain_done():
+                    stop.set()
                 backoff_s = 0.1
             except TRANSIENT_FAILURES as exc:  # also a cluster failing over
                 log.warning("redis unavailable (%r); retrying in %.1f s", exc, backoff_s)
@@ -116,6 +134,7 @@ class WorkerService:
         self._load_changed.set()  # the heartbeat thread sees `stop` at once
         self._shutdown()
         beat.join(timeout=2)
+        self.handoffs.close()
 
     def connect(self) -> None:
         # Heartbeat before the first read: an entry delivered to a worker without a heartbeat key
@@ -123,6 +142,7 @@ class WorkerService:
         self._snapshot_stats()
         self._beat()
         self.protocol.ensure_groups()
+        self.handoffs.redis.load_scripts()
         if self.affinity:
             self._announce_all()
         self._pubsub = self.protocol.subscribe_cancels()
@@ -140,17 +160,29 @@ class WorkerService:
     # ---- one iteration ---------------------------------------------------------------------
 
     def run_once(self) -> None:
-        """Cancel, admit, step, publish: one turn of the loop."""
+        """Cancel, hand over, admit, step, publish, offer: one turn of the loop."""
         if self._backlog:  # publish what a Redis outage held back before producing more
             self._publish_items([])
         self._handle_cancels()
-        self._admit(block=not self.engine.has_unfinished())
+        if self.drain.is_set() and self._drain_deadline is None:
+            self._begin_drain()
+        handoffs = self.handoffs
+        handoffs.serve_asks()
+        if handoffs.handed:
+            handoffs.resolve_handed()
+        if handoffs.incoming:
+            handoffs.complete_incoming()
+        if self._drain_deadline is None:
+            self._admit(block=not self.engine.has_unfinished() and not handoffs.busy)
         if self.engine.has_unfinished():
             started = time.perf_counter()
             outputs = self.engine.step()
             step_time_s = time.perf_counter() - started
             self._publish_outputs(outputs)
             self.metrics.step_done(outputs, self.engine.stats(), step_time_s)
+        if handoffs.enabled and (self._drain_deadline is not None or self.role == "prefill"):
+            draining = self._drain_deadline is not None
+            handoffs.offer_streams("drain" if draining else "prefill", first_token_out=not draining)
         self._snapshot_stats()
         if self.affinity and self._resync:
             self._announce_all()
@@ -178,11 +210,20 @@ class WorkerService:
         if stats.num_waiting > 0:  # work already here that does not fit yet
             return
         # Requests just admitted hold no blocks until the scheduler runs them: the budget is taken
-        # once and what they will need is subtracted from it.
-        budget_tokens = admissible_tokens(self.engine)
+        # once and what they will need is subtracted from it (and the room streams being
+        # fetched were promised).
+        budget_tokens = admissible_tokens(self.engine) - self.handoffs.reserved_tokens()
         # No read-ahead beyond the running group: a request this worker can't run yet is better
         # left in the stream, where another worker may take it sooner.
-        want = self.settings.max_running - len(self.inflight)
+        want = self.settings.max_running - len(self.inflight) - len(self.handoffs.incoming)
+        if self.handoffs.enabled and self.role != "prefill":  # streams offered with their KV
+            self.handoffs.take_offers(budget_tokens, want)
+            budget_tokens = admissible_tokens(self.engine) - self.handoffs.reserved_tokens()
+            want = self.settings.max_running - len(self.inflight) - len(self.handoffs.incoming)
+        if self.role == "decode":  # new requests are the prefill workers'
+            if block and not self.inflight and not self.handoffs.busy:
+                time.sleep(OFFER_POLL_S)  # idle: look at the offers again shortly
+            return
         if want <= 0:
             return
         admission = self.protocol.read_batch(budget_tokens, want, load=len(self.inflight))
@@ -325,10 +366,102 @@ class WorkerService:
                                     lora_root(self.protocol.model, request.lora,
                                               request.lora_path))}
 
+    # ---- handoffs and the drain (worker/handoff/coordinator.py calls these) ---------------
+
+    def flush(self, req_id: str) -> None:
+        """Publish what a request's events hold back (and any backlog) now: its checkpoint then
+        holds every token it generated here."""
+        held = self.coalescer.take(req_id)
+        self._publish_items([held] if held is not None else [])
+
+    def stream_left(self, inflight: Inflight) -> None:
+        """A stream handed to a peer that fenced it: this worker no longer refreshes its entry."""
+        self.coalescer.forget(inflight.delivery.request.req_id)
+        self._release(inflight.delivery)
+
+    def give_back(self, inflight: Inflight) -> None:
+        """Leave a request (out of the engine) to checkpoint resume on another worker, at its
+        next orphan check."""
+        try:
+            self.flush(inflight.delivery.request.req_id)
+        except REDIS_FAILURES:
+            pass  # its new owner generates those tokens again (the same ones)
+        self.stream_left(inflight)
+        try:
+            self.handoffs.redis.give_back(inflight.delivery.stream, inflight.delivery.entry_id)
+        except REDIS_FAILURES as exc:  # it resumes once this worker's heartbeat is gone
+            log.warning("could not hand back %s (%r)", inflight.delivery.request.req_id, exc)
+
+    def resume(self, delivery: Delivery, attempt: int, checkpoint: list[int]) -> None:
+        """A handed-off stream fenced here whose KV could not be used: resume it from its
+        checkpoint, as a claimer would."""
+        self._hold(delivery)
+        try:
+            self.engine.add_request(delivery.request.req_id, delivery.request.prompt_token_ids,
+                                    delivery.request.params,
+                                    output_token_ids=checkpoint or None,
+                                    **self._adapter_of(delivery.request))
+        except ValueError as exc:
+            self.protocol.fail(delivery, attempt, len(checkpoint), str(exc))
+            self._release(delivery)
+            self.metrics.request_finished("error")
+            return
+        self.inflight[delivery.request.req_id] = Inflight(delivery, attempt, len(checkpoint))
+        self.metrics.request_started(None)
+
+    def adopt(self, delivery: Delivery, attempt: int, num_output_tokens: int) -> None:
+        """A handed-off stream now in the engine with its KV: serve it from here on."""
+        self._hold(delivery)
+        self.inflight[delivery.request.req_id] = Inflight(delivery, attempt, num_output_tokens)
+        if delivery.request.lora:
+            self.metrics.lora_request_started(delivery.request.lora)
+        self.metrics.request_started(None)
+
+    def _begin_drain(self) -> None:
+        """Take nothing new; give back what holds no KV yet (a peer starts it at once); offer
+        the rest to peers with room (each turn, `offer_streams`); finish the others here."""
+        self._drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+        self.metrics.draining.set(1)
+        log.info("draining: %d requests here; handing them to peers within %.0f s",
+                 len(self.inflight), self.settings.drain_timeout_s)
+        for req_id, inflight in list(self.inflight.items()):
+            if self.engine.kv_bytes_of(req_id) == 0:  # queued, or preempted for recompute
+                self.engine.abort(req_id)
+                del self.inflight[req_id]
+                self.give_back(inflight)
+        self._load_changed.set()  # beat now: routers stop sending here
+
+    def _drain_done(self) -> bool:
+        """Whether the drain is over: nothing left here, or its time is up (then what is left
+        resumes elsewhere from its checkpoint)."""
+        if not self.inflight and not self.handoffs.busy:
+            log.info("drained: %d streams handed to peers with their KV", self.handoffs.num_out)
+            self._end_drain()
+            return True
+        if time.monotonic() < self._drain_deadline:
+            return False
+        log.warning("drain timeout: %d requests left resume elsewhere from their checkpoints",
+                    len(self.inflight) + len(self.handoffs.handed))
+        self.handoffs.withdraw_all()
+        self.handoffs.give_back_handed()
+        for req_id, inflight in list(self.inflight.items()):
+            self.engine.abort(req_id)
+            del self.inflight[req_id]
+            self.metrics.handoff_fallback("given_back")
+            self.give_back(inflight)
+        self._end_drain()
+        return True
+
+    def _end_drain(self) -> None:
+        try:
+            self.handoffs.redis.clear_drain()
+        except REDIS_FAILURES:
+            pass
+
     # ---- publishing ------------------------------------------------------------------------
 
     def _publish_outputs(self, outputs: list[RequestOutput]) -> None:
-        items = []
+        items, left = [], []
         for output in outputs:
             inflight = self.inflight.get(output.req_id)
             if inflight is None or (not output.new_token_ids and output.finish_reason is None):
@@ -337,9 +470,13 @@ class WorkerService:
             if inflight.delivery.request.lora:
                 self.metrics.lora_output_tokens(inflight.delivery.request.lora,
                                                 len(output.new_token_ids))
+            inflight.num_output_tokens = output.num_output_tokens
             if output.finish_reason is not None:
                 del self.inflight[output.req_id]
+                left.append(output.req_id)
         self._publish_items(self.coalescer.step(items))
+        if left:
+            self.handoffs.forget(left)
 
     def _publication(self, output: RequestOutput, inflight: Inflight) -> Publication:
         final = output.finish_reason is not None
@@ -376,6 +513,7 @@ class WorkerService:
                 self.engine.abort(item.req_id)
                 self.coalescer.forget(item.req_id)
                 del self.inflight[item.req_id]
+                self.handoffs.forget([item.req_id])
                 self.metrics.request_finished("abort")
 
     # ---- prefix-cache announcements (loop thread only) --------------------------------------
@@ -433,7 +571,10 @@ class WorkerService:
             spec_accepted_tokens=stats.spec_num_accepted_tokens,
             tokens_per_s=round(self.metrics.tokens_per_s(), 2), metrics_url=self.metrics_url or "",
             block_size=self.engine_block_size(), max_running=self.settings.max_running,
-            model_source=self.settings.model, loras=",".join(self._lora_snapshot()))
+            model_source=self.settings.model, loras=",".join(self._lora_snapshot()),
+            role=self.role, draining=int(self._drain_deadline is not None or self.drain.is_set()),
+            handoff_addr=self.handoffs.addr, handoffs_out=self.handoffs.num_out,
+            handoffs_in=self.handoffs.num_in)
         with self._lock:
             changed = (beat.running, beat.waiting) != (self._stats_snapshot.running,
                                                        self._stats_snapshot.waiting)
@@ -455,6 +596,9 @@ class WorkerService:
             entries = {stream: sorted(ids) for stream, ids in self._held_entries.items() if ids}
         self.protocol.heartbeat(beat, self.settings.heartbeat_ttl_s)
         self.protocol.refresh_pending(entries)
+        if not self.drain.is_set() and self.handoffs.redis.drain_requested():
+            log.info("drain requested through Redis (the admin route)")
+            self.drain.set()
         if self.affinity and self._announced:  # stay listed with the set the loop announced
             indexed = self.protocol.announce([], [], clear=False,
                                              ttl_s=self.settings.heartbeat_ttl_s)

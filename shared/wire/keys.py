@@ -173,7 +173,7 @@ class Keys:
     def drain(self, worker_id: str) -> str:
         """String, with a TTL: set (by the gateway's admin route) to ask one worker to drain:
         stop taking work, hand its running streams to peers, finish the rest, exit."""
-        return f"{self.prefix}worker:{worker_id}:drain"
+        return f"{self.prefix}drain:{worker_id}"  # not under `worker:*`: that scans heartbeats
 
     def handoff_offers(self, model: str) -> str:
         """Hash: the model's KV handoff offers, handoff id -> HandoffOffer (msgpack): running
