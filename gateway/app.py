@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from gateway.admin import admin_router
 from gateway.admission.admission import Admission
 from gateway.admission.auth import ApiKeyAuth, ApiKeyStore
 from gateway.admission.body_limit import BodySizeLimit
@@ -126,11 +127,13 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.state.chat = default.chat
     app.state.reattach = ReattachServing(client, models)
     app.state.background = background
+    api_keys = ApiKeyStore(settings.api_keys, redis)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(utility_router)
     app.include_router(lora_router)
     app.include_router(batch_router(redis, settings))
+    app.include_router(admin_router(redis, settings, api_keys))
     app.include_router(metrics_route(metrics))
     if redis is not None:
         # the dashboard shows the default model's workers, queue and latency
@@ -143,7 +146,7 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     # /v1/files takes batch input files and enforces KVFLEET_BATCH_MAX_FILE_BYTES itself.
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
                        exempt_paths=("/v1/files",))
-    app.add_middleware(ApiKeyAuth, store=ApiKeyStore(settings.api_keys, redis))
+    app.add_middleware(ApiKeyAuth, store=api_keys)
     app.add_middleware(RejectionCounter, metrics=metrics)  # sees every 413
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries X-Request-Id
     return app

@@ -1,4 +1,4 @@
-"""The `kvfleet` command: up, gateway, worker, plan, bench, batch-worker, keys.
+"""The `kvfleet` command: up, gateway, worker, plan, bench, batch-worker, keys, drain.
 
 Every setting of `GatewaySettings` / `WorkerSettings` becomes a flag (`kv_memory` -> `--kv-memory`);
 a flag left out falls back to its `KVFLEET_*` environment variable, then to the default.
@@ -19,8 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run a local fleet: Redis (embedded if none) + gateway + workers")
-    up.add_argument("--workers", type=int, default=1,
-                    help="worker processes of each model (--worker-models, else --model)")
+    up.add_argument("--workers", type=int, default=None,
+                    help="worker processes of each model (--worker-models, else --model), of "
+                         "--role (default both) (default: 1; 0 with --prefill-workers or "
+                         "--decode-workers)")
     add_settings_flags(up, UpSettings)
     # A setting both sides read (`max_lora_rank`) is one flag, and one variable for both.
     add_settings_flags(up, WorkerSettings, skip=UpSettings.model_fields)
@@ -31,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker (one accelerator)")
     add_settings_flags(worker, WorkerSettings)
 
-    from kvfleet import batch_worker, keys_cli
+    from kvfleet import batch_worker, drain_cli, keys_cli
     from kvfleet.bench import command as bench
     from kvfleet.plan import command as plan
 
@@ -40,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch_worker.add_arguments(sub.add_parser("batch-worker",
                                               help="rq worker that runs batch jobs (/v1/batches)"))
     keys_cli.add_arguments(sub.add_parser("keys", help="API keys: create, list, revoke"))
+    drain_cli.add_arguments(sub.add_parser(
+        "drain", help="ask one worker to drain: hand its streams to peers, finish, exit"))
     return parser
 
 
@@ -70,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
         run_worker(settings)
         return 0
-    from kvfleet import batch_worker, keys_cli
+    from kvfleet import batch_worker, drain_cli, keys_cli
     from kvfleet.bench import command as bench
     from kvfleet.plan import command as plan
 
     commands = {"plan": plan.run, "bench": bench.run, "batch-worker": batch_worker.run,
-                "keys": keys_cli.run}
+                "keys": keys_cli.run, "drain": drain_cli.run}
     return commands[args.command](args)
 
 

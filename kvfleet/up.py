@@ -1,5 +1,7 @@
 """`kvfleet up`: Redis (embedded when none is configured), one gateway, N workers of each model
-(`--worker-models`, else `--model`) and one batch worker (rq, for /v1/batches) in one process tree;
+(`--worker-models`, else `--model`; `--prefill-workers` and `--decode-workers` add workers of those
+roles) and one batch worker (rq, for /v1/batches) in one process tree. A worker that dies is
+restarted, one that drained (`kvfleet drain`: exit code 0) is not: that scales the fleet in.
 Ctrl-C stops them all and removes the embedded Redis."""
 
 from __future__ import annotations
@@ -25,12 +27,18 @@ WORKER_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
 class LocalFleet:
-    """Child processes of one local fleet; workers that die are restarted."""
+    """Child processes of one local fleet; workers that die are restarted, workers that drained
+    are not."""
 
-    def __init__(self, num_workers: int, env: dict[str, str], models: list[str] | None = None):
-        # worker slot -> the model it serves ("": the fleet's --model, as the child reads it)
-        self.worker_models = [m for m in (models or [""]) for _ in range(num_workers)]
-        self.num_workers = len(self.worker_models)
+    def __init__(self, num_workers: int, env: dict[str, str], models: list[str] | None = None,
+                 *, prefill_workers: int = 0, decode_workers: int = 0):
+        roles = [""] * num_workers + ["prefill"] * prefill_workers + ["decode"] * decode_workers
+        # worker slot -> the model it serves and its role ("": the fleet's --model, --role, as
+        # the child reads them)
+        slots = [(model, role) for model in (models or [""]) for role in roles]
+        self.worker_models = [model for model, _ in slots]
+        self.worker_roles = [role for _, role in slots]
+        self.num_workers = len(slots)
         self.env = env
         self.gateway: subprocess.Popen | None = None
         self.batch: subprocess.Popen | None = None
@@ -45,7 +53,13 @@ class LocalFleet:
         extra = {"KVFLEET_WORKER_ID": f"{os.uname().nodename}-w{index}-{os.getpid()}"}
         if self.worker_models[index]:
             extra["KVFLEET_MODEL"] = self.worker_models[index]
-        if not self._threads_given():
+        if self.worker_roles[index]:
+            extra["KVFLEET_ROLE"] = self.worker_roles[index]
+        # Each worker's KV transfer plane listens on a free port of its own (KVFLEET_HANDOFF_PORT
+        # left at 0); its peers are on this host.
+        if not self._given("KVFLEET_HANDOFF_ADVERTISE_HOST", "handoff_advertise_host"):
+            extra["KVFLEET_HANDOFF_ADVERTISE_HOST"] = "127.0.0.1"
+        if not self._given("KVFLEET_NUM_THREADS", "num_threads"):
             extra["KVFLEET_NUM_THREADS"] = str(threads)
         # The workers share the host's cores with the gateway, Redis and each other: OpenMP
         # threads that spin while waiting starve them (libgomp's default spin is milliseconds
@@ -58,10 +72,9 @@ class LocalFleet:
             extra.update(WORKER_OPENMP_ENV)
         self.workers[index] = self._spawn("worker", extra)
 
-    def _threads_given(self) -> bool:
-        """The user set num_threads (a flag to `up`, or the variable): its workers keep it."""
-        given = WorkerSettings().model_fields_set
-        return "KVFLEET_NUM_THREADS" in self.env or "num_threads" in given
+    def _given(self, variable: str, setting: str) -> bool:
+        """The user set a worker setting (a flag to `up`, or the variable): its workers keep it."""
+        return variable in self.env or setting in WorkerSettings().model_fields_set
 
     def start(self) -> None:
         self.gateway = self._spawn("gateway", {})
@@ -70,17 +83,24 @@ class LocalFleet:
         self.batch = self._spawn("batch-worker", {})
 
     def supervise(self, stop: threading.Event) -> int:
-        """Wait for Ctrl-C; restart dead workers; a dead gateway ends the fleet."""
+        """Wait for Ctrl-C; restart dead workers (not drained ones); a dead gateway ends the
+        fleet."""
         while not stop.wait(0.5):
             if self.gateway.poll() is not None:
                 log.error("gateway exited with code %s; stopping the fleet", self.gateway.returncode)
                 return 1
             for index, proc in enumerate(self.workers):
-                if proc is not None and proc.poll() is not None:
-                    log.warning("worker %d exited with code %s; restarting it", index,
-                                proc.returncode)
-                    time.sleep(1.0)
-                    self.start_worker(index)
+                if proc is None or proc.poll() is None:
+                    continue
+                if proc.returncode == 0:  # it drained (`kvfleet drain`): the fleet scales in
+                    self.workers[index] = None
+                    log.info("worker %d drained and exited; not restarted (%d workers left)",
+                             index, sum(p is not None for p in self.workers))
+                    continue
+                log.warning("worker %d exited with code %s; restarting it", index,
+                            proc.returncode)
+                time.sleep(1.0)
+                self.start_worker(index)
             if self.batch.poll() is not None:
                 log.warning("batch worker exited with code %s; restarting it", self.batch.returncode)
                 self.batch = self._spawn("batch-worker", {})
@@ -90,7 +110,9 @@ class LocalFleet:
         procs = [p for p in [self.gateway, self.batch, *self.workers]
                  if p is not None and p.poll() is None]
         for proc in procs:
-            proc.send_signal(signal.SIGTERM)
+            # Workers stop at once (SIGINT): a drain (SIGTERM) would wait for peers that stop
+            # too. Their requests resume from checkpoints when a fleet serves again.
+            proc.send_signal(signal.SIGINT if proc in self.workers else signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for proc in procs:
             try:
@@ -108,11 +130,35 @@ def worker_models(settings: UpSettings) -> list[str]:
     return list(dict.fromkeys(named)) or [settings.model]
 
 
-def run_fleet(num_workers: int, env: dict[str, str]) -> int:
-    if num_workers < 1:
-        raise SystemExit("kvfleet up: --workers must be at least 1")
+def fleet_workers(num_workers: int | None, settings: UpSettings) -> int:
+    """The --workers count (not given: 1, or 0 beside prefill or decode workers), checked with
+    the prefill and decode workers: SystemExit naming the flag when the fleet could not serve."""
+    extra = settings.prefill_workers + settings.decode_workers
+    if num_workers is None:
+        num_workers = 0 if extra else 1
+    if num_workers < 0 or num_workers + extra < 1:
+        raise SystemExit("kvfleet up: --workers must be at least 1 (or give --prefill-workers "
+                         "and --decode-workers)")
+    worker = WorkerSettings()  # the --workers ones' role and every worker's handoff port
+    prefill = settings.prefill_workers + (num_workers if worker.role == "prefill" else 0)
+    decode = settings.decode_workers + (num_workers if worker.role == "decode" else 0)
+    if prefill and not decode:
+        raise SystemExit("kvfleet up: prefill workers need --decode-workers: each hands its "
+                         "streams to a decode worker after their first token; without one it "
+                         "would decode them all itself")
+    if decode == num_workers + extra:
+        raise SystemExit("kvfleet up: decode workers take no new requests: give "
+                         "--prefill-workers (or --workers) too")
+    if worker.handoff_port > 0 and num_workers + extra > 1:
+        raise SystemExit("kvfleet up: its workers share this host: --handoff-port must be 0 (a "
+                         "free port each) or -1 (off)")
+    return num_workers
+
+
+def run_fleet(num_workers: int | None, env: dict[str, str]) -> int:
     os.environ.update(env)  # flags given to `up` reach every child as KVFLEET_* variables
     settings = UpSettings()
+    num_workers = fleet_workers(num_workers, settings)
     models = worker_models(settings)
     if settings.lora_modules and "enable_lora" not in WorkerSettings().model_fields_set:
         env = {**env, "KVFLEET_ENABLE_LORA": "true"}  # the workers serve the adapters named
@@ -127,14 +173,17 @@ def run_fleet(num_workers: int, env: dict[str, str]) -> int:
     # Convert the default model once here, so gateway and workers don't race to do it.
     for model in dict.fromkeys([settings.model, *models]):
         resolve_model_path(model, settings.cache_dir)
-    fleet = LocalFleet(num_workers, env, models)
+    fleet = LocalFleet(num_workers, env, models, prefill_workers=settings.prefill_workers,
+                       decode_workers=settings.decode_workers)
     try:
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         gateway_url = f"http://{host}:{settings.port}"
         os.environ.setdefault("KVFLEET_GATEWAY_URL", gateway_url)  # where batch jobs send lines
         fleet.start()
-        log.info("fleet up: gateway on http://%s:%d, %d worker(s) of each of %s; Ctrl-C stops "
-                 "it", settings.host, settings.port, num_workers, ", ".join(models))
+        split = (f" + {settings.prefill_workers} prefill + {settings.decode_workers} decode"
+                 if settings.prefill_workers or settings.decode_workers else "")
+        log.info("fleet up: gateway on http://%s:%d, %d worker(s)%s of each of %s; Ctrl-C stops "
+                 "it", settings.host, settings.port, num_workers, split, ", ".join(models))
         return fleet.supervise(stop)
     finally:
         fleet.stop()

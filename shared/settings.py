@@ -131,6 +131,10 @@ class GatewaySettings(BatchApiSettings):
         "how long one read of the queue and the heartbeats is reused for the expected wait"))
     api_keys: str = Field("", json_schema_extra={"default_text": "none"}, description=(
         "comma-separated plaintext API keys, besides the keys stored in Redis (`kvfleet keys`)"))
+    admin_api_key: str = Field("", json_schema_extra={"default_text": "none"}, description=(
+        "the key of the admin routes (`/admin/workers`, `POST /admin/workers/{id}/drain`): "
+        "they then need `Authorization: Bearer <this key>` (any other key: 403); none: they "
+        "take the API keys as `/v1/*` does (open when there are none)"))
     rate_limit_rpm: int = Field(0, description=(
         "requests per minute per API key, unless the key has its own; 0: unlimited"))
     rate_limit_tpm: int = Field(0, description=(
@@ -206,6 +210,15 @@ class UpSettings(GatewaySettings):
         "the models `kvfleet up` starts workers of, comma-separated (each a model directory or "
         "a model id in the local HF cache, as --model), --workers workers of each; the gateway "
         "serves them all, --model being the default of requests"))
+    prefill_workers: int = Field(0, ge=0, description=(
+        "`kvfleet up`: workers of `--role prefill` of each model, besides the --workers ones "
+        "(those of --role, `both` by default; --workers then defaults to 0): they take new "
+        "requests and hand each stream to a decode worker after its first token, so they need "
+        "--decode-workers"))
+    decode_workers: int = Field(0, ge=0, description=(
+        "`kvfleet up`: workers of `--role decode` of each model, besides the --workers ones "
+        "(--workers then defaults to 0): they take the streams prefill workers hand over and "
+        "no new requests, so they need prefill workers (or --workers)"))
 
 
 def _engine_settings_fields() -> dict[str, tuple]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -11,9 +12,11 @@ from kvfleet.cli import build_parser
 from kvfleet.flags import given_flags, settings_from_args
 from shared.byte_size import parse_bytes
 from shared.settings import GatewaySettings, WorkerSettings
+from shared.wire import Heartbeat, Keys
 
 
-@pytest.mark.parametrize("command", ["up", "gateway", "worker", "plan", "bench", "batch-worker", "keys"])
+@pytest.mark.parametrize("command", ["up", "gateway", "worker", "plan", "bench", "batch-worker",
+                                     "keys", "drain"])
 def test_every_command_has_help(command):
     result = subprocess.run([sys.executable, "-m", "kvfleet", command, "--help"],
                             capture_output=True, text=True, timeout=60)
@@ -78,3 +81,20 @@ def test_the_help_shows_each_settings_text_and_default():
     assert backend.rstrip().endswith("(default: auto)")
     memory = text[text.index("--kv-memory"):text.index("--gpu-memory-utilization")]
     assert memory.rstrip().endswith("(default: 1GiB)")
+
+
+def test_drain_asks_a_live_worker_and_names_the_live_ones_otherwise(redis_url, redis_client,
+                                                                    capsys):
+    from gateway.admin import DRAIN_REQUEST_TTL_S
+    from kvfleet import cli
+
+    keys = Keys("kvdrain:")
+    beat = Heartbeat(model="m", ts=time.time(), running=2, role="prefill")
+    redis_client.hset(keys.worker("w-a"), mapping=beat.encode())
+    flags = ["--redis-url", redis_url, "--key-prefix", "kvdrain:"]
+    assert cli.main(["drain", "w-a", *flags]) == 0
+    assert "asked worker w-a (m, role prefill, 2 running) to drain" in capsys.readouterr().out
+    assert 0 < redis_client.ttl(keys.drain("w-a")) <= DRAIN_REQUEST_TTL_S
+    assert cli.main(["drain", "w-b", *flags]) == 1
+    assert "no live worker w-b (no heartbeat); live workers: w-a" in capsys.readouterr().err
+    assert not redis_client.exists(keys.drain("w-b"))

@@ -218,6 +218,30 @@ def test_workers_scale_without_host_ports_or_names(compose):
         assert command_of(worker)[:2] == ["kvfleet", "worker"]
 
 
+def duration_s(text: str) -> float:
+    """Compose's duration (`45s`, `1m30s`, `500ms`) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", str(text))
+    assert parts and "".join(n + u for n, u in parts) == str(text), f"not a duration: {text}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+@pytest.mark.parametrize("name", ["worker", "worker-cpu"])
+def test_a_stopped_worker_drains_within_its_grace_period(compose, name):
+    """SIGTERM drains: the grace period must hold the drain timeout, a step and the exit; peers
+    reach the handoff port on the compose network, under each replica's own hostname."""
+    worker = compose["services"][name]
+    env = environment_of(worker)
+    drain_s = float(env["KVFLEET_DRAIN_TIMEOUT_S"])
+    assert drain_s > 0
+    assert duration_s(worker["stop_grace_period"]) >= drain_s + 10
+    assert env["KVFLEET_ROLE"] in ("both", "prefill", "decode")
+    port = env["KVFLEET_HANDOFF_PORT"]
+    assert int(port) > 0 and port in [str(p).split("/")[0] for p in worker.get("expose") or []]
+    assert not host_ports(worker)
+    assert env.get("KVFLEET_HANDOFF_ADVERTISE_HOST", "") == ""  # the container's hostname
+
+
 def test_the_gpu_worker_reserves_one_nvidia_gpu_in_the_gpu_profile(compose):
     worker = compose["services"]["worker"]
     (device,) = gpu_devices(worker)
@@ -345,6 +369,15 @@ def test_the_k8s_examples_parse_and_name_the_pieces():
                  and d["metadata"]["name"] == "kvfleet-worker"]
     (container,) = worker["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # SIGTERM drains: the grace period holds the drain timeout, a step and the exit; peers
+    # reach the handoff port at the pod's IP
+    env = {e["name"]: e for e in container["env"]}
+    drain_s = float(env["KVFLEET_DRAIN_TIMEOUT_S"]["value"])
+    assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain_s + 10
+    port = int(env["KVFLEET_HANDOFF_PORT"]["value"])
+    assert port in [p["containerPort"] for p in container["ports"]]
+    assert env["KVFLEET_HANDOFF_ADVERTISE_HOST"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "status.podIP"}}
     config_maps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
     for doc in docs:
         if doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] != "redis":

@@ -1,7 +1,8 @@
 """Optional API keys: plaintext keys from settings (`KVFLEET_API_KEYS`) and keys kept in Redis as
 SHA-256 hashes (`kvfleet keys`). When any key exists, every `/v1/*` request needs
 `Authorization: Bearer <key>`, and so do `/tokenize` and `/detokenize`; `/health`, `/ready`,
-`/metrics`, `/version` and `/dashboard` stay open."""
+`/metrics`, `/version` and `/dashboard` stay open. The admin routes check their key themselves
+(gateway/admin.py)."""
 
 from __future__ import annotations
 

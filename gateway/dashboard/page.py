@@ -37,7 +37,8 @@ DASHBOARD_HTML = """<!doctype html>
   th, td { padding:8px 10px; text-align:right; border-bottom:1px solid var(--line);
            font-variant-numeric:tabular-nums; white-space:nowrap; }
   th { color:var(--dim); font-weight:500; font-size:12px; background:#141b22; }
-  th:first-child, td:first-child, th:nth-child(2), td:nth-child(2) { text-align:left; }
+  th:first-child, td:first-child, th:nth-child(2), td:nth-child(2), th:nth-child(3),
+  td:nth-child(3) { text-align:left; }
   td.id { font-family:ui-monospace, monospace; }
   td.id a { color:var(--text); text-decoration:none; border-bottom:1px dotted var(--dim); }
   .kv { display:flex; align-items:center; gap:8px; justify-content:flex-end; }
@@ -46,6 +47,7 @@ DASHBOARD_HTML = """<!doctype html>
   .fill { height:100%; background:var(--ok); }
   .fill.warn { background:var(--warn); } .fill.bad { background:var(--bad); }
   .stale { color:var(--warn); }
+  .draining { color:var(--warn); font-weight:600; }
   .charts { display:grid; grid-template-columns:repeat(auto-fit, minmax(300px, 1fr)); gap:10px;
             margin-bottom:18px; }
   .chart { background:var(--panel); border:1px solid var(--line); border-radius:8px;
@@ -100,8 +102,9 @@ DASHBOARD_HTML = """<!doctype html>
     </div><svg id="chart-kv" viewBox="0 0 320 120"></svg></div>
 </section>
 <table>
-  <thead><tr><th>worker</th><th>model</th><th>KV usage</th><th>running</th><th>waiting</th>
-    <th>tokens/s</th><th>prefix hit</th><th>spec accepted</th><th>indexed blocks</th><th>routed</th><th>own queue</th>
+  <thead><tr><th>worker</th><th>model</th><th>role</th><th>KV usage</th><th>running</th>
+    <th>waiting</th><th>tokens/s</th><th>prefix hit</th><th>spec accepted</th>
+    <th>indexed blocks</th><th>routed</th><th>own queue</th><th>handoffs out / in</th>
     <th>preempted</th><th>heartbeat</th></tr></thead>
   <tbody id="workers"></tbody>
 </table>
@@ -150,6 +153,7 @@ function renderWorkers(workers) {
       idCell.appendChild(link);
     }
     cell(row, w.model);
+    cell(row, w.draining ? w.role + " · draining" : w.role, w.draining ? "role draining" : "role");
     kvCell(row, w);
     cell(row, String(w.running));
     cell(row, String(w.waiting));
@@ -160,6 +164,7 @@ function renderWorkers(workers) {
     cell(row, w.indexed_blocks === null ? "–" : String(w.indexed_blocks));
     cell(row, w.routed === null ? "–" : String(w.routed));
     cell(row, String(w.own_queue));
+    cell(row, w.handoffs_out + " / " + w.handoffs_in);
     cell(row, String(w.preemptions));
     cell(row, w.heartbeat_age_s === null ? "–" : w.heartbeat_age_s.toFixed(1) + " s ago",
          w.heartbeat_age_s !== null && w.heartbeat_age_s > 3 ? "stale" : "");

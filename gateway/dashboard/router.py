@@ -28,6 +28,8 @@ def worker_row(worker_id: str, beat: Heartbeat, now: float) -> dict[str, Any]:
     return {
         "id": worker_id,
         "model": beat.model,
+        "role": beat.role,
+        "draining": bool(beat.draining),
         "kv_blocks_used": beat.blocks_used,
         "kv_blocks_total": total,
         "kv_usage_pct": round(100.0 * beat.blocks_used / total, 1) if total else 0.0,
@@ -42,6 +44,9 @@ def worker_row(worker_id: str, beat: Heartbeat, now: float) -> dict[str, Any]:
         "heartbeat_age_s": round(max(now - beat.ts, 0.0), 2) if beat.ts else None,
         "metrics_url": beat.metrics_url or None,
         "own_queue": beat.own_queue,
+        # streams handed to peers / taken from peers with their KV, since the worker started
+        "handoffs_out": beat.handoffs_out,
+        "handoffs_in": beat.handoffs_in,
         "prefix_queried_tokens": queried,
         "prefix_hit_tokens": beat.prefix_hit_tokens,
         "spec_draft_tokens": beat.spec_draft_tokens,

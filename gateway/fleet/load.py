@@ -33,6 +33,12 @@ async def stream_depth(client: Redis, stream: str, group_name: str) -> tuple[int
     return len(entries), pending
 
 
+def takes_new_requests(beat: Heartbeat) -> bool:
+    """Whether the worker reads new requests: not while it drains, never with role `decode` (it
+    takes only streams handed over with their KV, and orphans)."""
+    return not beat.draining and beat.role != "decode"
+
+
 async def read_heartbeats(client: Redis, keys: Keys) -> dict[str, Heartbeat]:
     """Every live worker's heartbeat by worker id, sorted by id (expired heartbeats are gone from
     Redis by their TTL)."""

@@ -15,8 +15,9 @@ uncached part; among the eligible the longest cached prefix wins (`min_blocks` a
 count as none), ties to the least loaded. A worker's prefix is what it announced plus the blocks
 of the prompts this gateway routed to it in the last `EXPECTED_S` (it is computing them): a burst
 of requests sharing a new system prompt goes to one worker, not to all of them before the first
-announcement. Only without an index or live workers does a request go to the shared streams,
-where the first worker with room takes it.
+announcement. A worker that drains or only decodes (role `decode`) reads no new requests: it is
+never chosen. Only without an index or a live worker that reads new requests does a request go
+to the shared streams, where the first worker with room takes it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
+from gateway.fleet.load import takes_new_requests
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.tasks import stop_task
 from shared.redis_connect import REDIS_FAILURES
@@ -211,9 +213,11 @@ class Router:
 
     def _decide(self, model: str, prompt_token_ids: Sequence[int], root: bytes) -> Route:
         index, loads = self.indexes.get(model), self.loads.get(model)
-        if index is None or not index.synced or not loads.beats:
+        if index is None or not index.synced:
             return Route(None, 0, "shared")
-        workers = sorted(loads.beats)
+        workers = sorted(w for w, beat in loads.beats.items() if takes_new_requests(beat))
+        if not workers:
+            return Route(None, 0, "shared")
         load = {w: loads.load(w) for w in workers}
         ids = self._block_ids(root, prompt_token_ids, loads.beats)
         expected = self._expected.setdefault(model, {})

@@ -35,9 +35,10 @@ async def redis(redis_url):
     await client.aclose()
 
 
-async def heartbeat(redis: Redis, wid: str, tokens_per_s: float, model: str = MODEL) -> None:
+async def heartbeat(redis: Redis, wid: str, tokens_per_s: float, model: str = MODEL,
+                    **fields) -> None:
     beat = Heartbeat(model=model, ts=0, tokens_per_s=tokens_per_s, blocks_total=100,
-                     blocks_free=50, running=1, waiting=0)
+                     blocks_free=50, running=1, waiting=0, **fields)
     await redis.hset(KEYS.worker(wid), mapping=beat.encode())
     await redis.expire(KEYS.worker(wid), 30)
 
@@ -70,9 +71,13 @@ async def post(app, prompt: str = "Hi", n: int = 1) -> httpx.Response:
 
 async def test_long_expected_wait_is_a_429_with_retry_after(gateway, redis):
     # 20 queued × 100 tokens ÷ (30 + 10 tokens/s) = 50 s > 10 s.
-    await heartbeat(redis, "w1", 30)
-    await heartbeat(redis, "w2", 10)
+    await heartbeat(redis, "w1", 30, role="prefill")
+    await heartbeat(redis, "w2", 10, role="decode")  # it decodes the fleet's streams: counted
     await heartbeat(redis, "other", 10_000, model="another-model")  # not ours: ignored
+    # a draining worker takes no new work: ignored (its drain request, a string, is no
+    # heartbeat)
+    await heartbeat(redis, "leaving", 10_000, draining=1)
+    await redis.set(KEYS.drain("leaving"), "1")
     await queue_requests(redis, 20)
     response = await post(await gateway())
     assert response.status_code == 429

@@ -53,11 +53,11 @@ def announce(sync, keys, worker: str, stored=(), removed=(), clear=False) -> Non
     ANNOUNCE_BLOCKS.register(sync)(keys=call.keys, args=call.args)
 
 
-def beat(sync, keys, worker: str, *, running=0, blocks_free=1000, ttl_s=30) -> None:
+def beat(sync, keys, worker: str, *, running=0, blocks_free=1000, ttl_s=30, **fields) -> None:
     """A live worker with its own streams, as a worker's start and heartbeat leave it."""
     heartbeat = Heartbeat(model=MODEL, ts=time.time(), blocks_total=1000,
                           blocks_free=blocks_free, running=running, block_size=BLOCK,
-                          max_running=32)
+                          max_running=32, **fields)
     sync.hset(keys.worker(worker), mapping=heartbeat.encode())
     sync.expire(keys.worker(worker), ttl_s)
     sync.sadd(keys.worker_queue_owners(MODEL), worker)
@@ -196,6 +196,25 @@ async def test_a_worker_whose_free_kv_cannot_hold_the_prompt_is_passed_over(rout
     await synced_router(router, sync, keys, ["w-full", "w-roomy"])
     await eventually(lambda: router.indexes[MODEL].num_blocks == 17)
     assert router.route(MODEL, tenant).worker == "w-roomy"
+
+
+async def test_draining_and_decode_workers_are_never_chosen(router, sync, keys):
+    """They read no new requests: whatever they hold, a request goes to a worker that does, or
+    to the shared streams while none does."""
+    tenant = prompt_of(11, 200)
+    beat(sync, keys, "w-draining", draining=1)
+    beat(sync, keys, "w-decode", role="decode")
+    beat(sync, keys, "w-prefill", role="prefill", running=5)
+    announce(sync, keys, "w-draining", stored=hashes(tenant)[:10], clear=True)
+    announce(sync, keys, "w-decode", stored=hashes(tenant)[:9], clear=True)
+    await synced_router(router, sync, keys, ["w-decode", "w-draining", "w-prefill"])
+    await eventually(lambda: router.indexes[MODEL].num_blocks == 19)
+    routes = [router.route(MODEL, tenant) for _ in range(3)]
+    assert [(r.worker, r.cached_tokens) for r in routes] == [("w-prefill", 0)] * 3
+    beat(sync, keys, "w-prefill", role="prefill", draining=1)  # the last one drains too
+    await router.refresh_loads(MODEL)
+    route = router.route(MODEL, tenant)
+    assert (route.worker, route.reason) == (None, "shared")
 
 
 async def test_enqueue_writes_the_chosen_workers_own_stream(redis_url, sync, keys):

@@ -96,25 +96,29 @@ def down_url(metrics: GatewayMetrics) -> Iterator[str]:
 
 def write_heartbeat(client: redis.Redis, worker_id: str, *, total: int, free: int,
                     running: int, tokens_per_s: float, model: str = MODEL,
-                    metrics_url: str | None = None, spec: tuple[int, int] = (0, 0)) -> None:
+                    metrics_url: str | None = None, spec: tuple[int, int] = (0, 0),
+                    **fields) -> None:
     key = KEYS.worker(worker_id)
     beat = Heartbeat(model=model, ts=time.time(), blocks_total=total, blocks_free=free,
                      running=running, waiting=1, preemptions=2, generated_tokens=500,
                      prefix_queried_tokens=400, prefix_hit_tokens=100, tokens_per_s=tokens_per_s,
                      metrics_url=metrics_url or "", spec_draft_tokens=spec[0],
-                     spec_accepted_tokens=spec[1])
+                     spec_accepted_tokens=spec[1], **fields)
     client.hset(key, mapping=beat.encode())
     client.expire(key, 60)
 
 
 @pytest.fixture
 def fleet(redis_client: redis.Redis) -> redis.Redis:
-    """Two workers and an interactive stream: 4 entries, 1 delivered (pending), 3 undelivered;
-    plus 2 batch entries in a stream no worker has made a group for yet."""
+    """Two workers, a prefill one and a decode one that drains (its drain request still in
+    Redis), and an interactive stream: 4 entries, 1 delivered (pending), 3 undelivered; plus 2
+    batch entries in a stream no worker has made a group for yet."""
     write_heartbeat(redis_client, "gpu-a-1", total=200, free=50, running=3, tokens_per_s=120.5,
-                    spec=(300, 186))
+                    spec=(300, 186), role="prefill", handoffs_out=3)
     write_heartbeat(redis_client, "gpu-b-2", total=80, free=60, running=1, tokens_per_s=40.25,
-                    metrics_url="http://10.0.0.2:9100/metrics")
+                    metrics_url="http://10.0.0.2:9100/metrics", role="decode", draining=1,
+                    handoffs_in=3)
+    redis_client.set(KEYS.drain("gpu-b-2"), "1", ex=60)
     stream = KEYS.queue(MODEL)
     redis_client.xgroup_create(stream, KEYS.group, id="0", mkstream=True)
     for i in range(4):
@@ -180,6 +184,8 @@ def test_page_renders_workers_queue_and_kv_usage(fleet, base_url, tmp_path):
     assert '<a href="http://10.0.0.2:9100/metrics"' in second  # worker id links its metrics
     assert "25.0%" in first  # prefix hit rate 100/400
     assert "62.0%" in first and "62.0%" not in second  # speculation accepted 186/300; b: none
+    assert '<td class="role">prefill</td>' in first and "3 / 0" in first  # handoffs out / in
+    assert '<td class="role draining">decode · draining</td>' in second and "0 / 3" in second
 
     write_heartbeat(fleet, "gpu-a-1", total=200, free=10, running=7, tokens_per_s=99.0)
     dom = chromium_dom(f"{base_url}/dashboard", tmp_path / "profile")
@@ -205,6 +211,8 @@ def test_data_json(fleet, base_url):
     assert [w["id"] for w in body["workers"]] == ["gpu-a-1", "gpu-b-2"]
     a = body["workers"][0]
     assert a["model"] == MODEL
+    assert [(w["role"], w["draining"], w["handoffs_out"], w["handoffs_in"])
+            for w in body["workers"]] == [("prefill", False, 3, 0), ("decode", True, 0, 3)]
     assert (a["kv_blocks_used"], a["kv_blocks_total"], a["kv_usage_pct"]) == (150, 200, 75.0)
     assert (a["running"], a["waiting"], a["preemptions"]) == (3, 1, 2)
     assert a["tokens_per_s"] == 120.5 and a["prefix_hit_rate"] == 0.25
