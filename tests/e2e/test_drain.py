@@ -1,0 +1,114 @@
+"""Drain at the default settings users get (`--dtype auto`, `--deterministic`): SIGTERM the
+worker serving streamed requests mid-answer; it hands every running stream with its KV to the
+other worker, which continues them without recompute, and exits 0: every client gets exactly
+the text an uninterrupted run gives. Then a source SIGKILLed during its drain: whatever was
+handed over continues, the rest resumes from checkpoints; still no gap, no repeat."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from shared.redis_connect import connect
+from shared.wire import Heartbeat, RequestRecord
+from shared.wire.checkpoint import TOKEN_BYTES
+from tests.e2e.test_failover import run_all
+from tests.helpers.processes import ProcessFleet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def metric_total(url: str, name: str, **labels) -> float:
+    text = httpx.get(url, timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_sigterm_drains_running_streams_to_a_peer_with_their_kv(redis_url, tmp_path):
+    fleet = ProcessFleet(redis_url, tmp_path,
+                         worker_flags=["--dtype", "auto", "--kv-memory", "256MiB",
+                                       "--num-threads", "1", "--heartbeat-ttl-s", "2",
+                                       "--heartbeat-interval-s", "0.5",
+                                       "--handoff-advertise-host", "127.0.0.1"])
+    client = connect(redis_url)
+    keys = fleet.keys
+    try:
+        (victim,) = fleet.start("victim")
+
+        def start_peer_once_the_victim_holds_all(records):
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                ids = [r.get("id") for r in records]
+                if all(ids) and all(client.hget(keys.request(i), RequestRecord.WORKER) == b"victim"
+                                    for i in ids):
+                    fleet.start_worker("peer", wait=False)
+                    return
+                time.sleep(0.05)
+            raise AssertionError("the victim never took the reference requests")
+
+        reference = run_all(fleet.url, on_started=start_peer_once_the_victim_holds_all)
+        assert all(r["finish_reason"] == "length" for r in reference)
+        fleet.wait_worker("peer")
+        peer_beat = Heartbeat.decode(client.hgetall(keys.worker("peer")))
+        assert peer_beat.handoff_addr.startswith("127.0.0.1:")
+
+        def drain_when_streaming(records):
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                ids = [r.get("id") for r in records]
+                if all(ids):
+                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
+                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
+                    if owners.count(b"victim") >= 2 and min(progress) >= 10:
+                        records[0]["moved"] = owners.count(b"victim")
+                        victim.popen.send_signal(signal.SIGTERM)
+                        return
+                time.sleep(0.05)
+            raise AssertionError("the victim never served the requests")
+
+        records = run_all(fleet.url, on_started=drain_when_streaming)
+        victim.wait_exit(timeout_s=60)
+        assert victim.popen.returncode == 0, victim.log_text()[-3000:]
+        for got, want in zip(records, reference):
+            assert got["finish_reason"] == "length"
+            assert got["text"] == want["text"]
+        log = victim.log_text()
+        assert "drained:" in log, log[-3000:]
+        handed = int(re.search(r"drained: (\d+) streams handed", log)[1])
+        assert handed >= 1
+        beat = Heartbeat.decode(client.hgetall(keys.worker("peer")))
+        assert beat.handoffs_in == handed
+        assert metric_total(beat.metrics_url, "kvfleet_worker_handoff_fallbacks_total") == 0
+        assert metric_total(beat.metrics_url, "kvfleet_worker_takeovers_total") == 0
+
+        # A source SIGKILLed mid-drain: streams handed over continue, the rest resume.
+        (victim,) = [fleet.start_worker("victim-2")]
+
+        def drain_then_kill(records):
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                ids = [r.get("id") for r in records]
+                if all(ids):
+                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
+                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
+                    if owners.count(b"victim-2") >= 2 and min(progress) >= 10:
+                        victim.popen.send_signal(signal.SIGTERM)
+                        time.sleep(0.3)
+                        victim.kill()  # SIGKILL, mid-drain
+                        return
+                time.sleep(0.05)
+            raise AssertionError("victim-2 never served the requests")
+
+        records = run_all(fleet.url, on_started=drain_then_kill)
+        for got, want in zip(records, reference):
+            assert got["finish_reason"] == "length"
+            assert got["text"] == want["text"]
+    finally:
+        fleet.stop()
