@@ -143,6 +143,18 @@ def plan_budget(model: torch.nn.Module, layout: KVLayout, block_size: int, max_m
         max_model_len=max_model_len, source=source, kv_dtype=layout.kv_format.name)
 
 
+def _runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first block, its index in `blocks`, count) of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(blocks):
+        if runs and runs[-1][0] + runs[-1][2] == block:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((block, i, 1))
+    return runs
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -254,6 +266,16 @@ class KVCachePool:
         """Write host copies back into `blocks` (as many as were copied out)."""
         if len(blocks) != host.num_blocks:
             raise ValueError(f"{host.num_blocks} blocks swapped out, {len(blocks)} to fill")
+        if is_cpu(self.device):
+            # one copy per run of consecutive blocks: twice as fast as index_copy_ along the
+            # block dimension on the CPU, and a swap-in (or a handoff's) stalls its step
+            for start, first, count in _runs(blocks):
+                self._storage[:, :, :, start:start + count].copy_(
+                    host.values[:, :, :, first:first + count])
+                if self._scales is not None:
+                    self._scales[:, :, :, start:start + count].copy_(
+                        host.scales[:, :, :, first:first + count])
+            return
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         self._storage.index_copy_(3, index, host.values.to(self.device, non_blocking=True))
         if self._scales is not None:
