@@ -21,8 +21,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, gen
 QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                         30.0, 60.0, 120.0, 300.0, 600.0)
 # One engine step (one forward over the batch): sub-millisecond on a tiny model .. seconds on CPU.
-STEP_TIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
-                       0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_TIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05,
+                       0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 HANDOFF_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LABELS = ("model", "worker")
 
