@@ -99,6 +99,9 @@ class WorkerService:
             plane.close()
             plane = None
         self.handoffs = Handoffs(self, plane)
+        if self.role != "both" and plane is None:
+            log.warning("--role %s without KV handoffs: a prefill worker decodes its streams "
+                        "itself, a decode worker serves only orphaned requests", self.role)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -127,14 +130,17 @@ class WorkerService:
                 log.critical("device failure: exiting; %d requests resume elsewhere",
                              len(self.inflight))
                 stop.set()
-                self._load_changed.set()  # the heartbeat thread sees `stop` at once
-                self._shutdown()
-                beat.join(timeout=2)
+                self._stop_beating(beat)
                 raise
-        self._load_changed.set()  # the heartbeat thread sees `stop` at once
-        self._shutdown()
-        beat.join(timeout=2)
+        self._stop_beating(beat)
         self.handoffs.close()
+
+    def _stop_beating(self, beat: threading.Thread) -> None:
+        """Stop the heartbeat thread, then remove the heartbeat: in the other order a beat in
+        flight could write it again after its removal."""
+        self._load_changed.set()  # the heartbeat thread sees `stop` at once
+        beat.join(timeout=2)
+        self._shutdown()
 
     def connect(self) -> None:
         # Heartbeat before the first read: an entry delivered to a worker without a heartbeat key
