@@ -1,8 +1,9 @@
 """Drain at the default settings users get (`--dtype auto`, `--deterministic`): SIGTERM the
 worker serving streamed requests mid-answer; it hands every running stream with its KV to the
 other worker, which continues them without recompute, and exits 0: every client gets exactly
-the text an uninterrupted run gives. Then a source SIGKILLed during its drain: whatever was
-handed over continues, the rest resumes from checkpoints; still no gap, no repeat."""
+the text an uninterrupted run gives. Then a source SIGKILLed during its drain (whatever was
+handed over continues, the rest resumes from checkpoints), and a taker SIGKILLed right after it
+took streams with their KV (a rescuer resumes them from checkpoints): still no gap, no repeat."""
 
 from __future__ import annotations
 
@@ -107,6 +108,40 @@ def test_sigterm_drains_running_streams_to_a_peer_with_their_kv(redis_url, tmp_p
             raise AssertionError("victim-2 never served the requests")
 
         records = run_all(fleet.url, on_started=drain_then_kill)
+        for got, want in zip(records, reference):
+            assert got["finish_reason"] == "length"
+            assert got["text"] == want["text"]
+
+        # The taker SIGKILLed right after it took streams with their KV: a rescuer resumes
+        # them from their checkpoints.
+        peer = fleet.workers["peer"]
+        (victim,) = [fleet.start_worker("victim-3")]
+        taken_before = Heartbeat.decode(client.hgetall(keys.worker("peer"))).handoffs_in
+
+        def drain_then_kill_the_taker(records):
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                ids = [r.get("id") for r in records]
+                if all(ids):
+                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
+                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
+                    if owners.count(b"victim-3") >= 2 and min(progress) >= 10:
+                        victim.popen.send_signal(signal.SIGTERM)
+                        break
+                time.sleep(0.05)
+            else:
+                raise AssertionError("victim-3 never served the requests")
+            while time.monotonic() < deadline:
+                beat = Heartbeat.decode(client.hgetall(keys.worker("peer")))
+                if beat.handoffs_in > taken_before:
+                    peer.kill()  # SIGKILL, holding streams it took with their KV
+                    fleet.start_worker("rescuer", wait=False)
+                    return
+                time.sleep(0.01)
+            raise AssertionError("the peer never took a stream")
+
+        records = run_all(fleet.url, on_started=drain_then_kill_the_taker)
+        assert peer.popen.returncode == -9
         for got, want in zip(records, reference):
             assert got["finish_reason"] == "length"
             assert got["text"] == want["text"]
