@@ -32,6 +32,24 @@ def metric_total(url: str, name: str, **labels) -> float:
     return total
 
 
+def when_serving(client, keys, worker_id: str, act, min_held: int = 2, min_tokens: int = 10):
+    """A `run_all` hook: once `worker_id` holds `min_held` of the requests and every one has
+    `min_tokens` checkpointed tokens, `act()`."""
+    def hook(records):
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            ids = [r.get("id") for r in records]
+            if all(ids):
+                owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
+                progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
+                if owners.count(worker_id.encode()) >= min_held and min(progress) >= min_tokens:
+                    act()
+                    return
+            time.sleep(0.05)
+        raise AssertionError(f"{worker_id} never served the requests")
+    return hook
+
+
 def test_sigterm_drains_running_streams_to_a_peer_with_their_kv(redis_url, tmp_path):
     fleet = ProcessFleet(redis_url, tmp_path,
                          worker_flags=["--dtype", "auto", "--kv-memory", "256MiB",
@@ -43,38 +61,17 @@ def test_sigterm_drains_running_streams_to_a_peer_with_their_kv(redis_url, tmp_p
     try:
         (victim,) = fleet.start("victim")
 
-        def start_peer_once_the_victim_holds_all(records):
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                ids = [r.get("id") for r in records]
-                if all(ids) and all(client.hget(keys.request(i), RequestRecord.WORKER) == b"victim"
-                                    for i in ids):
-                    fleet.start_worker("peer", wait=False)
-                    return
-                time.sleep(0.05)
-            raise AssertionError("the victim never took the reference requests")
-
-        reference = run_all(fleet.url, on_started=start_peer_once_the_victim_holds_all)
+        # the peer loads once the victim holds every request: the reference is undisturbed
+        reference = run_all(fleet.url, on_started=when_serving(
+            client, keys, "victim", lambda: fleet.start_worker("peer", wait=False),
+            min_held=12, min_tokens=0))
         assert all(r["finish_reason"] == "length" for r in reference)
         fleet.wait_worker("peer")
         peer_beat = Heartbeat.decode(client.hgetall(keys.worker("peer")))
         assert peer_beat.handoff_addr.startswith("127.0.0.1:")
 
-        def drain_when_streaming(records):
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                ids = [r.get("id") for r in records]
-                if all(ids):
-                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
-                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
-                    if owners.count(b"victim") >= 2 and min(progress) >= 10:
-                        records[0]["moved"] = owners.count(b"victim")
-                        victim.popen.send_signal(signal.SIGTERM)
-                        return
-                time.sleep(0.05)
-            raise AssertionError("the victim never served the requests")
-
-        records = run_all(fleet.url, on_started=drain_when_streaming)
+        records = run_all(fleet.url, on_started=when_serving(
+            client, keys, "victim", lambda: victim.popen.send_signal(signal.SIGTERM)))
         victim.wait_exit(timeout_s=60)
         assert victim.popen.returncode == 0, victim.log_text()[-3000:]
         for got, want in zip(records, reference):
@@ -92,22 +89,13 @@ def test_sigterm_drains_running_streams_to_a_peer_with_their_kv(redis_url, tmp_p
         # A source SIGKILLed mid-drain: streams handed over continue, the rest resume.
         (victim,) = [fleet.start_worker("victim-2")]
 
-        def drain_then_kill(records):
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                ids = [r.get("id") for r in records]
-                if all(ids):
-                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
-                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
-                    if owners.count(b"victim-2") >= 2 and min(progress) >= 10:
-                        victim.popen.send_signal(signal.SIGTERM)
-                        time.sleep(0.3)
-                        victim.kill()  # SIGKILL, mid-drain
-                        return
-                time.sleep(0.05)
-            raise AssertionError("victim-2 never served the requests")
+        def drain_then_kill():
+            victim.popen.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            victim.kill()  # SIGKILL, mid-drain
 
-        records = run_all(fleet.url, on_started=drain_then_kill)
+        records = run_all(fleet.url, on_started=when_serving(client, keys, "victim-2",
+                                                             drain_then_kill))
         for got, want in zip(records, reference):
             assert got["finish_reason"] == "length"
             assert got["text"] == want["text"]
@@ -118,19 +106,9 @@ def test_sigterm_drains_running_streams_to_a_peer_with_their_kv(redis_url, tmp_p
         (victim,) = [fleet.start_worker("victim-3")]
         taken_before = Heartbeat.decode(client.hgetall(keys.worker("peer"))).handoffs_in
 
-        def drain_then_kill_the_taker(records):
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                ids = [r.get("id") for r in records]
-                if all(ids):
-                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
-                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
-                    if owners.count(b"victim-3") >= 2 and min(progress) >= 10:
-                        victim.popen.send_signal(signal.SIGTERM)
-                        break
-                time.sleep(0.05)
-            else:
-                raise AssertionError("victim-3 never served the requests")
+        def drain_then_kill_the_taker():
+            victim.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 beat = Heartbeat.decode(client.hgetall(keys.worker("peer")))
                 if beat.handoffs_in > taken_before:
@@ -140,7 +118,8 @@ def test_sigterm_drains_running_streams_to_a_peer_with_their_kv(redis_url, tmp_p
                 time.sleep(0.01)
             raise AssertionError("the peer never took a stream")
 
-        records = run_all(fleet.url, on_started=drain_then_kill_the_taker)
+        records = run_all(fleet.url, on_started=when_serving(client, keys, "victim-3",
+                                                             drain_then_kill_the_taker))
         assert peer.popen.returncode == -9
         for got, want in zip(records, reference):
             assert got["finish_reason"] == "length"
