@@ -208,20 +208,39 @@ def test_a_taker_that_dies_after_fencing_is_resumed_from_the_checkpoint(redis_ur
 
 def test_a_source_that_dies_before_handing_over_is_resumed_from_the_checkpoint(redis_url,
                                                                               client, tiny):
-    """The taker asks a source whose loop never answers (it died): the fetch fails, nothing is
-    fenced; once its heartbeat is gone a claimer resumes the stream."""
+    """The taker asks a source whose plane is gone (it died) but whose heartbeat is still there:
+    the fetch fails, nothing is fenced; once its heartbeat is gone a claimer resumes the
+    stream."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompt = random_prompt(12, seed=72)
     [expected] = reference_texts(redis_url, tiny, client, [prompt], params)
     source = service(redis_url, tiny, "source", role="prefill")
     req_id = client.send(prompt, params)
     step_all(workers(source), lambda: source.handoffs.offered)
-    source.handoffs.close()  # its transfer plane is gone with it
-    client.redis.delete(client.keys.worker("source"))
+    source.handoffs.close()  # its transfer plane is gone with it; its heartbeat lasts 0.5 s
     taker = service(redis_url, tiny, "taker", role="decode", heartbeat_ttl_s=0.3)
     step_all(workers(taker), lambda: client.final(req_id))
     assert client.text(req_id) == expected
     assert metric(taker, "kvfleet_worker_handoff_fallbacks_total", reason="transfer_failed") == 1
+    assert metric(taker, "kvfleet_worker_takeovers_total") == 1
+
+
+def test_offers_of_a_dead_source_are_dropped_not_taken(redis_url, client, tiny):
+    """A source that died with standing offers: takers drop them without a fetch; its streams
+    resume from their checkpoints."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompt = random_prompt(12, seed=76)
+    [expected] = reference_texts(redis_url, tiny, client, [prompt], params)
+    source = service(redis_url, tiny, "source", role="prefill")
+    req_id = client.send(prompt, params)
+    step_all(workers(source), lambda: source.handoffs.offered)
+    source.handoffs.close()
+    client.redis.delete(client.keys.worker("source"))  # gone: no heartbeat
+    taker = service(redis_url, tiny, "taker", role="decode", heartbeat_ttl_s=0.3)
+    step_all(workers(taker), lambda: client.final(req_id))
+    assert client.text(req_id) == expected
+    assert not client.redis.hgetall(client.keys.handoff_offers(MODEL))
+    assert metric(taker, "kvfleet_worker_handoff_fallbacks_total") == 0
     assert metric(taker, "kvfleet_worker_takeovers_total") == 1
 
 

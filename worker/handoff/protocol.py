@@ -69,17 +69,28 @@ class HandoffProtocol:
     # ---- the taker ------------------------------------------------------------------------
 
     def offers(self) -> list[HandoffOffer]:
-        """Standing offers of other workers, oldest first (a malformed one is skipped)."""
-        raw = self.client.hgetall(self.keys.handoff_offers(self.model))
-        offers = []
-        for value in raw.values():
+        """Standing offers of other live workers, oldest first. Offers of a worker whose
+        heartbeat is gone (it died before withdrawing them: its streams resume from their
+        checkpoints) and malformed ones are removed from the hash."""
+        key = self.keys.handoff_offers(self.model)
+        offers, stale = [], []
+        for handoff_id, value in self.client.hgetall(key).items():
             try:
                 offer = HandoffOffer.unpack(value)
             except (ValueError, TypeError):
+                stale.append(handoff_id)
                 continue
             if offer.worker_id != self.worker_id:
                 offers.append(offer)
-        return sorted(offers, key=lambda o: o.created)
+        sources = sorted({o.worker_id for o in offers})
+        pipe = self.client.pipeline(transaction=False)
+        for source in sources:
+            pipe.exists(self.keys.worker(source))
+        alive = {s for s, n in zip(sources, pipe.execute() if sources else []) if n}
+        stale += [o.handoff_id for o in offers if o.worker_id not in alive]
+        if stale:
+            self.client.hdel(key, *stale)
+        return sorted((o for o in offers if o.worker_id in alive), key=lambda o: o.created)
 
     def take(self, handoff_id: str) -> HandoffOffer | None:
         """Remove one offer from the hash: ours to fetch, or None when another was first."""
