@@ -33,6 +33,7 @@ from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
 from worker.engine.lora import LoraRequest
 from worker.handoff.coordinator import OFFER_POLL_S, Handoffs
+from worker.handoff.drain import Drain
 from worker.handoff.transfer import TransferPlane
 from worker.metrics import WorkerMetrics
 from worker.protocol import Delivery, Publication, WorkerProtocol
@@ -91,7 +92,7 @@ class WorkerService:
         self.role = settings.role
         # set by SIGTERM, or by the heartbeat thread when it finds the drain key
         self.drain = drain or threading.Event()
-        self._drain_deadline: float | None = None  # time.monotonic() once draining
+        self.drainer = Drain(self)
         gap = engine.handoff_gap()
         if plane is not None and gap is not None:
             log.warning("KV handoffs off: %s (drain and --role prefill resume from checkpoints)",
@@ -116,7 +117,7 @@ class WorkerService:
                 if self._pubsub is None:
                     self.connect()
                 self.run_once()
-                if self._drain_deadline is not None and self._drain_done():
+                if self.drainer.active and self.drainer.over():
                     stop.set()
                 backoff_s = 0.1
             except TRANSIENT_FAILURES as exc:  # also a cluster failing over
@@ -170,15 +171,16 @@ class WorkerService:
         if self._backlog:  # publish what a Redis outage held back before producing more
             self._publish_items([])
         self._handle_cancels()
-        if self.drain.is_set() and self._drain_deadline is None:
-            self._begin_drain()
+        if self.drain.is_set() and not self.drainer.active:
+            self.drainer.begin()
+            self._load_changed.set()  # beat now: routers stop sending here
         handoffs = self.handoffs
         handoffs.serve_asks()
         if handoffs.handed:
             handoffs.resolve_handed()
         if handoffs.incoming:
             handoffs.complete_incoming()
-        if self._drain_deadline is None:
+        if not self.drainer.active:
             self._admit(block=not self.engine.has_unfinished() and not handoffs.busy)
         if self.engine.has_unfinished():
             started = time.perf_counter()
@@ -186,8 +188,8 @@ class WorkerService:
             step_time_s = time.perf_counter() - started
             self._publish_outputs(outputs)
             self.metrics.step_done(outputs, self.engine.stats(), step_time_s)
-        if handoffs.enabled and (self._drain_deadline is not None or self.role == "prefill"):
-            draining = self._drain_deadline is not None
+        if handoffs.enabled and (self.drainer.active or self.role == "prefill"):
+            draining = self.drainer.active
             handoffs.offer_streams("drain" if draining else "prefill", first_token_out=not draining)
         self._snapshot_stats()
         if self.affinity and self._resync:
@@ -218,13 +220,13 @@ class WorkerService:
         # Requests just admitted hold no blocks until the scheduler runs them: the budget is taken
         # once and what they will need is subtracted from it (and the room streams being
         # fetched were promised).
-        budget_tokens = admissible_tokens(self.engine) - self.handoffs.reserved_tokens()
+        budget_tokens = self.engine.admissible_tokens() - self.handoffs.reserved_tokens()
         # No read-ahead beyond the running group: a request this worker can't run yet is better
         # left in the stream, where another worker may take it sooner.
         want = self.settings.max_running - len(self.inflight) - len(self.handoffs.incoming)
         if self.handoffs.enabled and self.role != "prefill":  # streams offered with their KV
             self.handoffs.take_offers(budget_tokens, want)
-            budget_tokens = admissible_tokens(self.engine) - self.handoffs.reserved_tokens()
+            budget_tokens = self.engine.admissible_tokens() - self.handoffs.reserved_tokens()
             want = self.settings.max_running - len(self.inflight) - len(self.handoffs.incoming)
         if self.role == "decode":  # new requests are the prefill workers'
             if block and not self.inflight and not self.handoffs.busy:
@@ -423,47 +425,6 @@ class WorkerService:
             self.metrics.lora_request_started(delivery.request.lora)
         self.metrics.request_started(None)
 
-    def _begin_drain(self) -> None:
-        """Take nothing new; give back what holds no KV yet (a peer starts it at once); offer
-        the rest to peers with room (each turn, `offer_streams`); finish the others here."""
-        self._drain_deadline = time.monotonic() + self.settings.drain_timeout_s
-        self.metrics.draining.set(1)
-        log.info("draining: %d requests here; handing them to peers within %.0f s",
-                 len(self.inflight), self.settings.drain_timeout_s)
-        for req_id, inflight in list(self.inflight.items()):
-            if self.engine.kv_bytes_of(req_id) == 0:  # queued, or preempted for recompute
-                self.engine.abort(req_id)
-                del self.inflight[req_id]
-                self.give_back(inflight)
-        self._load_changed.set()  # beat now: routers stop sending here
-
-    def _drain_done(self) -> bool:
-        """Whether the drain is over: nothing left here, or its time is up (then what is left
-        resumes elsewhere from its checkpoint)."""
-        if not self.inflight and not self.handoffs.busy:
-            log.info("drained: %d streams handed to peers with their KV", self.handoffs.num_out)
-            self._end_drain()
-            return True
-        if time.monotonic() < self._drain_deadline:
-            return False
-        log.warning("drain timeout: %d requests left resume elsewhere from their checkpoints",
-                    len(self.inflight) + len(self.handoffs.handed))
-        self.handoffs.withdraw_all()
-        self.handoffs.give_back_handed()
-        for req_id, inflight in list(self.inflight.items()):
-            self.engine.abort(req_id)
-            del self.inflight[req_id]
-            self.metrics.handoff_fallback("given_back")
-            self.give_back(inflight)
-        self._end_drain()
-        return True
-
-    def _end_drain(self) -> None:
-        try:
-            self.handoffs.redis.clear_drain()
-        except REDIS_FAILURES:
-            pass
-
     # ---- publishing ------------------------------------------------------------------------
 
     def _publish_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -578,7 +539,7 @@ class WorkerService:
             tokens_per_s=round(self.metrics.tokens_per_s(), 2), metrics_url=self.metrics_url or "",
             block_size=self.engine_block_size(), max_running=self.settings.max_running,
             model_source=self.settings.model, loras=",".join(self._lora_snapshot()),
-            role=self.role, draining=int(self._drain_deadline is not None or self.drain.is_set()),
+            role=self.role, draining=int(self.drainer.active or self.drain.is_set()),
             handoff_addr=self.handoffs.addr, handoffs_out=self.handoffs.num_out,
             handoffs_in=self.handoffs.num_in)
         with self._lock:
@@ -636,18 +597,3 @@ class WorkerService:
             self._load_changed.clear()
             stop.wait(LOAD_BEAT_MIN_S)
 
-
-def admissible_tokens(engine: Engine) -> int:
-    """The most prompt tokens `engine.can_admit` accepts now (-1: not even an empty prompt). The
-    admission script compares a request's prompt length with this number; `can_admit` grows no
-    easier with more tokens, so a binary search finds it."""
-    if not engine.can_admit(0):
-        return -1
-    low, high = 0, engine.stats().num_blocks_total * engine.config.block_size + 1
-    while high - low > 1:  # can_admit(low) holds, can_admit(high) does not
-        middle = (low + high) // 2
-        if engine.can_admit(middle):
-            low = middle
-        else:
-            high = middle
-    return low

@@ -65,7 +65,7 @@ def step_all(workers, done, max_turns: int = 4000, timeout_s: float = 60) -> Non
                 worker._snapshot_stats()
                 worker._beat()
             worker.run_once()
-            if worker._drain_deadline is not None and worker._drain_done():
+            if worker.drainer.active and worker.drainer.over():
                 worker.exited = True
                 worker._shutdown()
         if time.monotonic() > deadline:

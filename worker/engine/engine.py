@@ -313,6 +313,21 @@ class Engine:
         bm = self.block_manager
         return bm.blocks_for_tokens(num_prompt_tokens) <= bm.num_free_blocks - self.scheduler.watermark_blocks
 
+    def admissible_tokens(self) -> int:
+        """The most prompt tokens `can_admit` accepts now (-1: not even an empty prompt): the
+        worker's admission budget. `can_admit` grows no easier with more tokens, so a binary
+        search finds it."""
+        if not self.can_admit(0):
+            return -1
+        low, high = 0, self.block_manager.num_blocks * self.config.block_size + 1
+        while high - low > 1:  # can_admit(low) holds, can_admit(high) does not
+            middle = (low + high) // 2
+            if self.can_admit(middle):
+                low = middle
+            else:
+                high = middle
+        return low
+
     # ---- handoff: a running sequence and its KV to another engine (handoff.py) ----------------
 
     def handoff_layout(self) -> dict:
