@@ -138,6 +138,28 @@ class EngineConfig:
     max_batched_tokens: int = Field(512, ge=1, description=(
         "tokens computed per step: the running streams' decode tokens first, then prefill chunks"))
     max_running: int = Field(64, ge=1, description="streams in the running group at most")
+    target_itl_ms: float = Field(0.0, ge=0, json_schema_extra={"default_text": "0 (off)"},
+                                 description=(
+        "the pace promised to every stream: the longest time between two of its tokens (p99). "
+        "The worker learns its step cost as it runs and keeps each step within this: prefill "
+        "chunks are cut to fit, a new stream is taken only while the group with it keeps the "
+        "pace, and a request it cannot serve at pace stays queued for another worker "
+        "(docs/OPERATIONS.md, \"The promised pace\"). 0: off (max_running and "
+        "max_batched_tokens only)"))
+    target_ttft_ms: float = Field(0.0, ge=0, json_schema_extra={"default_text": "0 (off)"},
+                                  description=(
+        "the first token promised within this of the request's enqueue (p99): the worker takes "
+        "no new request while the prompts it already holds would keep a new one's first token "
+        "later than this (an idle worker takes any). 0: off"))
+    min_target_itl_ms: float | None = Field(None, ge=0, json_schema_extra={
+        "default_text": "target_itl_ms"}, description=(
+        "the tightest pace a request may ask for (its `target_itl_ms`); a tighter one is served "
+        "at this one. Unset: target_itl_ms (requests may only loosen the pace); with neither "
+        "set, requests' targets are ignored"))
+    pace_warmup: bool = Field(False, description=(
+        "with a target: at start-up, time a sweep of decode and prefill steps on random tokens "
+        "(a few seconds), so the first requests are sized from a fitted step cost rather than "
+        "from the first steps they run"))
     enable_prefix_caching: bool = Field(True, description=(
         "reuse the KV blocks of identical prompt openings"))
     deterministic: bool = Field(True, description=(

@@ -285,6 +285,11 @@ class WorkerSettings(EngineSettings):
     cost_per_hour: float | None = Field(None, description=(
         "$ per accelerator-hour, for the cost per 1M output tokens"))
 
+    batch_target_itl_ms: float = Field(0.0, ge=0, json_schema_extra={"default_text": "0 (none)"},
+                                       description=(
+        "the pace of `batch`-priority requests that name none: 0 = none (they take the room the "
+        "interactive streams' pace leaves and never shrink the group); else their ITL target"))
+
     role: Literal["both", "prefill", "decode"] = Field("both", description=(
         "what this worker takes: `both` new requests and streams offered with their KV; "
         "`prefill` new requests only, each offered with its KV to a decode worker after its "

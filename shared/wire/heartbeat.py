@@ -42,6 +42,14 @@ class Heartbeat:
     handoff_addr: str = ""  # host:port of its KV transfer plane ("" = it hands nothing off)
     handoffs_out: int = 0  # streams handed to peers with their KV, since start
     handoffs_in: int = 0  # streams taken from peers with their KV, since start
+    # The promised pace (--target-itl-ms / --target-ttft-ms; 0: none) and how it is kept:
+    target_itl_ms: float = 0.0  # longest time between two tokens of a stream promised (p99)
+    target_ttft_ms: float = 0.0  # first token promised within (p99, from the enqueue)
+    itl_p99_ms: float = 0.0  # measured here over the recent window (0: no sample yet)
+    ttft_p99_ms: float = 0.0  # measured here over the recent window (0: no sample yet)
+    pace_room: int = -1  # more streams it takes now and keeps the pace (-1: no pace promised)
+    pace_streams: int = 0  # streams it runs at the pace with its current mix (0: no promise)
+    step_cost: str = ""  # its fitted step-cost curve, shared/pace.py's StepCostCurve as JSON
 
     def encode(self) -> dict[str, str | int | float]:
         """The HSET mapping; an empty metrics_url is left out."""

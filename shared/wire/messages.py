@@ -44,6 +44,10 @@ class SamplingParams:
     # Speculative decoding for this request: None = the worker's setting; 0 = off; N = at most N
     # proposed tokens per step (capped by the worker's). The answer is the same either way.
     num_speculative_tokens: int | None = None
+    # The pace this request asks for (ms, p99; None: the worker's --target-itl-ms/--target-ttft-ms;
+    # 0: none). The worker serves a tighter ITL target at its --min-target-itl-ms at most.
+    target_itl_ms: float | None = None
+    target_ttft_ms: float | None = None
 
     @property
     def greedy(self) -> bool:
