@@ -19,6 +19,7 @@ from worker.engine.attention import resolve_backend_name
 from worker.engine.device import resolve_device
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine, load_pretrained
+from worker.engine.pace import warm_up
 from worker.engine.tp_rank import launch_engine
 from worker.handoff.transfer import TcpTransferPlane
 from worker.metrics import WorkerMetrics
@@ -58,7 +59,11 @@ def build_engine(settings: WorkerSettings) -> Engine:
     config = with_draft_model_path(config, tokenizer, settings.cache_dir)
     # every rank loads its own copy (with one rank: this process)
     load = functools.partial(load_pretrained, path, config.dtype, config.device)
-    return launch_engine(load, config, tokenizer=tokenizer, num_threads=threads)  # logs its budget
+    engine = launch_engine(load, config, tokenizer=tokenizer, num_threads=threads)  # logs its budget
+    if config.pace_warmup:
+        log.info("pace warm-up: %.1f s; step cost %s", warm_up(engine),
+                 engine.pace.curve().to_json())
+    return engine
 
 
 def with_draft_model_path(config: EngineConfig, tokenizer, cache_dir) -> EngineConfig:

@@ -23,6 +23,10 @@ QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 # One engine step (one forward over the batch): sub-millisecond on a tiny model .. seconds on CPU.
 STEP_TIME_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05,
                        0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A stream's time between two tokens, and its first token from the enqueue (the promised pace).
+ITL_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15,
+                 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 HANDOFF_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LABELS = ("model", "worker")
 
@@ -132,6 +136,7 @@ class WorkerMetrics:
         self._spec_draft_tokens = CumulativeDelta()
         self._spec_accepted = CumulativeDelta()
         self._spec_per_position: list[CumulativeDelta] = []
+        self._deferred = CumulativeDelta()
         self._lora_loads: dict[str, CumulativeDelta] = {}
         self._lora_evictions: dict[str, CumulativeDelta] = {}
         self._server = None
@@ -238,6 +243,14 @@ class WorkerMetrics:
         self._handoff_bytes = Counter(
             p + "handoff_bytes", "KV bytes moved by handoffs, by direction (out, in).",
             LABELS + ("direction",), registry=self.registry)
+        self.itl_over_target = self._counter(
+            p + "itl_over_target", "Times between two tokens of a stream longer than "
+            "--target-itl-ms (against itl_seconds' count: the share that missed the pace).")
+        self.ttft_over_target = self._counter(
+            p + "ttft_over_target", "First tokens later than --target-ttft-ms.")
+        self.pace_deferrals = self._counter(
+            p + "pace_deferrals", "Times the scheduler left a waiting stream out of the group "
+            "because the group with it would miss the pace.")
         self._handoff_fallbacks = Counter(
             p + "handoff_fallbacks", "Handoffs that did not complete, by reason: lease_expired "
             "(the source took its stream back), transfer_failed, incompatible (another layout: "
@@ -284,6 +297,24 @@ class WorkerMetrics:
         self.handoff_offers = self._gauge(
             p + "handoff_offers", "Streams this worker offers to peers now (draining, or "
             "--role prefill after their first token).")
+        self.target_itl = self._gauge(
+            p + "target_itl_seconds", "The pace promised: the longest time between two tokens "
+            "of a stream, p99 (--target-itl-ms; 0: none).")
+        self.target_ttft = self._gauge(
+            p + "target_ttft_seconds", "First token promised within this of the enqueue, p99 "
+            "(--target-ttft-ms; 0: none).")
+        self.itl_p99 = self._gauge(
+            p + "itl_p99_seconds", "Time between two tokens of a stream here, p99 over the last "
+            "minute (0: no sample).")
+        self.pace_room = self._gauge(
+            p + "pace_room", "More streams this worker takes now and keeps the pace (-1: no pace "
+            "promised).")
+        self.pace_streams = self._gauge(
+            p + "pace_streams", "Streams this worker runs at the promised pace with its current "
+            "mix (0: no promise).")
+        self.step_cost_margin = self._gauge(
+            p + "pace_margin", "Measured over predicted turn time at the 99th percentile: "
+            "how far the host's noise stretches the fitted step cost.")
         tokens_per_s = self._gauge(
             p + "tokens_per_second", "Output tokens/s over the last rate window (default 10 s).")
         tokens_per_s.set_function(self._rate.per_s)
@@ -309,6 +340,14 @@ class WorkerMetrics:
             "waited there (from its stream id's time to its admission here).",
             LABELS, buckets=QUEUE_WAIT_BUCKETS_S, registry=self.registry).labels(**self._labels())
 
+        self.itl = Histogram(
+            p + "itl_seconds", "Time between two tokens of a stream served here (a step that "
+            "emits several, with speculation, counts once).",
+            LABELS, buckets=ITL_BUCKETS_S, registry=self.registry).labels(**self._labels())
+        self.ttft = Histogram(
+            p + "ttft_seconds", "Time from a request's enqueue to its first token here (requests "
+            "resumed past their first token are not counted).",
+            LABELS, buckets=TTFT_BUCKETS_S, registry=self.registry).labels(**self._labels())
         self.handoff_time = Histogram(
             p + "handoff_seconds", "Taker's time from taking an offer to the stream's KV in its "
             "engine (the source's export between two steps, the transfer, the fence).",
@@ -333,6 +372,20 @@ class WorkerMetrics:
         self._taken.labels(source=source, **self._labels()).inc()
         if steal_wait_s is not None:
             self.steal_wait.observe(max(steal_wait_s, 0.0))
+
+    def deliveries_taken(self, deliveries, from_home=None) -> None:
+        """Admission counts of `deliveries` (worker/protocol.py Delivery): each one's source, the
+        wait of those taken from another worker's own stream (a stream id starts with its XADD
+        time, ms), and with home shards (`from_home`: whether a delivery came from one) those
+        taken from a shard not home."""
+        now_ms = time.time() * 1000
+        for delivery in deliveries:
+            waited_s = None
+            if delivery.source == "other":
+                waited_s = (now_ms - int(delivery.entry_id.split("-")[0])) / 1000
+            self.taken(delivery.source, waited_s)
+        if from_home is not None:
+            self.stolen(sum(d.source == "shared" and not from_home(d) for d in deliveries))
 
     def blocks_announced(self, stored: int, removed: int, indexed: int) -> None:
         """An announcement with a change went out; `indexed`: the set's size it returned."""
@@ -430,6 +483,26 @@ class WorkerMetrics:
             delta = self._spec_per_position[position].step(count)
             if delta:
                 self._spec_per_pos.labels(**self._labels(), position=str(position)).inc(delta)
+
+    def update_pace(self, report, itl_s: Iterable[float], ttft_s: Iterable[float],
+                    deferred: int) -> None:
+        """The promised pace and how it is kept: `report` (engine.pace.PaceReport), the latencies
+        measured since the last call, the admissions put off to keep it (cumulative)."""
+        for seconds in itl_s:
+            self.itl.observe(seconds)
+            if report.target_itl_ms and seconds * 1000 > report.target_itl_ms:
+                self.itl_over_target.inc()
+        for seconds in ttft_s:
+            self.ttft.observe(seconds)
+            if report.target_ttft_ms and seconds * 1000 > report.target_ttft_ms:
+                self.ttft_over_target.inc()
+        self.target_itl.set(report.target_itl_ms / 1000)
+        self.target_ttft.set(report.target_ttft_ms / 1000)
+        self.itl_p99.set(report.itl_p99_ms / 1000)
+        self.pace_room.set(report.room)
+        self.pace_streams.set(report.streams)
+        self.step_cost_margin.set(report.curve.margin)
+        self.pace_deferrals.inc(self._deferred.step(deferred))
 
     # ---- derived numbers -----------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
@@ -221,13 +221,11 @@ class WorkerService:
         # once and what they will need is subtracted from it (and the room streams being
         # fetched were promised).
         budget_tokens = self.engine.admissible_tokens() - self.handoffs.reserved_tokens()
-        # No read-ahead beyond the running group: a request this worker can't run yet is better
-        # left in the stream, where another worker may take it sooner.
-        want = self.settings.max_running - len(self.inflight) - len(self.handoffs.incoming)
+        want = self._want()
         if self.handoffs.enabled and self.role != "prefill":  # streams offered with their KV
             self.handoffs.take_offers(budget_tokens, want)
             budget_tokens = self.engine.admissible_tokens() - self.handoffs.reserved_tokens()
-            want = self.settings.max_running - len(self.inflight) - len(self.handoffs.incoming)
+            want = self._want()
         if self.role == "decode":  # new requests are the prefill workers'
             if block and not self.inflight and not self.handoffs.busy:
                 time.sleep(OFFER_POLL_S)  # idle: look at the offers again shortly
@@ -236,11 +234,16 @@ class WorkerService:
             return
         admission = self.protocol.read_batch(budget_tokens, want, load=len(self.inflight))
         if admission.deliveries:
-            self._count_taken(admission.deliveries)
-            self._start_many(admission.deliveries)
+            self._start_many(admission.deliveries, count=True)
         elif admission.too_large is None and block and not self.inflight:
             self._wait_for_work()
         # else: the next request is left in its stream for a worker with room
+
+    def _want(self) -> int:
+        """Streams to take now: no read-ahead beyond the running group or the room at the pace
+        (-1: none promised); a request left in its stream may go to a worker with room sooner."""
+        want, room = self.settings.max_running - len(self.inflight), self.engine.pace_report().room
+        return min(want, room if room >= 0 else want) - len(self.handoffs.incoming)
 
     def _wait_for_work(self) -> None:
         """Idle: block briefly (below the socket timeout) until a request arrives in this
@@ -261,21 +264,7 @@ class WorkerService:
         # The pool is idle: whatever fits at all fits now (one blocking read over several
         # streams may bring one entry of each; a second that does not fit waits in the engine).
         if deliveries:
-            self._count_taken(deliveries)
-            self._start_many(deliveries)
-
-    def _count_taken(self, deliveries: list[Delivery]) -> None:
-        """Admission metrics: each delivery's source, the wait of those taken from another
-        worker's own stream, and (with home shards) those taken from a shard not home."""
-        now_ms = time.time() * 1000
-        for delivery in deliveries:
-            waited_s = None
-            if delivery.source == "other":  # a stream id starts with its XADD time, ms
-                waited_s = (now_ms - int(delivery.entry_id.split("-")[0])) / 1000
-            self.metrics.taken(delivery.source, waited_s)
-        if self.protocol.uses_homes:
-            self.metrics.stolen(sum(d.source == "shared" and not self.protocol.from_home(d)
-                                    for d in deliveries))
+            self._start_many(deliveries, count=True)
 
     def _claim_orphans(self) -> None:
         """Resume requests of workers whose heartbeat expired (their entries idle past the TTL)."""
@@ -301,9 +290,14 @@ class WorkerService:
     def _start(self, delivery: Delivery) -> None:
         self._start_many([delivery])
 
-    def _start_many(self, deliveries: list[Delivery]) -> None:
+    def _start_many(self, deliveries: list[Delivery], count: bool = False) -> None:
         """Fence a new attempt of each delivered request (one round trip for all) and add it to
-        the engine; a second entry of a request already served here is only acknowledged."""
+        the engine; a second entry of a request already served here is only acknowledged.
+        `count`: new deliveries, counted in the admission metrics."""
+        if count:
+            protocol = self.protocol
+            self.metrics.deliveries_taken(deliveries, protocol.from_home if protocol.uses_homes
+                                          else None)
         fresh: dict[str, Delivery] = {}
         for delivery in deliveries:
             req_id = delivery.request.req_id
@@ -350,9 +344,9 @@ class WorkerService:
             self._release(delivery)
             return
         try:
-            self.engine.add_request(req_id, request.prompt_token_ids, request.params,
+            self.engine.add_request(req_id, request.prompt_token_ids, self._params_of(request),
                                     output_token_ids=checkpoint or None,
-                                    **self._adapter_of(request))
+                                    arrival=request.created or None, **self._adapter_of(request))
         except ValueError as exc:  # a bad adapter too (LoraLoadError): the request's error
             self.protocol.fail(delivery, attempt, seq, str(exc))
             self._release(delivery)
@@ -364,6 +358,12 @@ class WorkerService:
         # Queue wait only for a first delivery: a resumed request's wait is not queueing.
         first = delivery.times_delivered == 1 and request.created > 0
         self.metrics.request_started(time.time() - request.created if first else None)
+
+    def _params_of(self, request):
+        """Its sampling parameters; a `batch` request naming no pace gets --batch-target-itl-ms."""
+        if request.priority != "batch" or request.params.target_itl_ms is not None:
+            return request.params
+        return replace(request.params, target_itl_ms=self.settings.batch_target_itl_ms)
 
     def _adapter_of(self, request) -> dict:
         """add_request's `lora` for a request under an adapter (its blocks hash from the
@@ -406,7 +406,7 @@ class WorkerService:
         self._hold(delivery)
         try:
             self.engine.add_request(delivery.request.req_id, delivery.request.prompt_token_ids,
-                                    delivery.request.params,
+                                    self._params_of(delivery.request),
                                     output_token_ids=checkpoint or None,
                                     **self._adapter_of(delivery.request))
         except ValueError as exc:
@@ -524,8 +524,9 @@ class WorkerService:
             self._held_entries.get(stream, set()).discard(entry_id)
 
     def _snapshot_stats(self) -> None:
-        stats = self.engine.stats()
+        stats, pace = self.engine.stats(), self.engine.pace_report()
         self.metrics.update_stats(stats)
+        self.metrics.update_pace(pace, *self.engine.pace.take_samples(), self.engine.pace.deferred)
         beat = Heartbeat(
             model=self.protocol.model, ts=0.0,
             blocks_total=stats.num_blocks_total, blocks_free=stats.num_blocks_free,
@@ -541,7 +542,7 @@ class WorkerService:
             model_source=self.settings.model, loras=",".join(self._lora_snapshot()),
             role=self.role, draining=int(self.drainer.active or self.drain.is_set()),
             handoff_addr=self.handoffs.addr, handoffs_out=self.handoffs.num_out,
-            handoffs_in=self.handoffs.num_in)
+            handoffs_in=self.handoffs.num_in, **pace.heartbeat_fields())
         with self._lock:
             changed = (beat.running, beat.waiting) != (self._stats_snapshot.running,
                                                        self._stats_snapshot.waiting)

@@ -35,6 +35,7 @@ from worker.engine.kv_format import resolve_kv_format
 from worker.engine.model_prep import (
     PreparedModel, eos_token_ids_of, load_pretrained, max_model_len_of, pack_for_cpu, prepare_model)
 from worker.engine.model_runner import ModelRunner, StepLogits
+from worker.engine.pace import Pace, PaceReport, step_features
 from worker.engine.preemption import SwapSpace
 from worker.engine.reports import EngineStats
 from worker.engine.request_io import (
@@ -124,12 +125,14 @@ class Engine:
         """The scheduler and its stop rules, the sampler, the output constraints."""
         config, eos = self.config, eos_token_ids_of(model)
         lora = self.lora
+        self.pace = Pace(config)  # fits the step cost always; binds only with a target
         self.scheduler = Scheduler(
             self.block_manager, StopChecker(eos, self.max_model_len, tokenizer),
             config.max_batched_tokens, config.max_running, config.watermark,
             preemption=self.preemption, swap_space=self.swap_space,
             max_loras=config.max_loras if lora else 0,
-            adapter_ready=lora.is_ready if lora else None)
+            adapter_ready=lora.is_ready if lora else None,
+            pace=self.pace if self.pace.enabled else None)
         self.sampler = Sampler(eos)
         # Structured outputs: one grammar matcher per constrained request (needs the tokenizer).
         self.constrained = ConstrainedRequests(
@@ -244,13 +247,14 @@ class Engine:
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     output_token_ids: list[int] | None = None,
-                    lora: LoraRequest | None = None) -> None:
+                    lora: LoraRequest | None = None, arrival: float | None = None) -> None:
         """Queue a request; `output_token_ids` resumes one (sampling continues at their count);
-        `lora`: the adapter it runs under (LoraLoadError, a ValueError, if it cannot be served)."""
+        `lora`: the adapter it runs under (LoraLoadError, a ValueError, if it cannot be served);
+        `arrival`: its enqueue's unix time (its first token's time is measured from it)."""
         self._enter(req_id, prompt_token_ids, params, output_token_ids or [], lora)
         # resumed past its first output: its prompt logprobs went out with that output
         seq = Sequence(req_id, prompt_token_ids, params, output_token_ids=output_token_ids or [],
-                       prompt_logprobs_sent=bool(output_token_ids), lora=lora)
+                       prompt_logprobs_sent=bool(output_token_ids), lora=lora, arrival=arrival)
         self._seqs[req_id] = seq
         self.scheduler.add(seq)
 
@@ -501,6 +505,7 @@ class Engine:
         prefill_tokens = sum(c.num_tokens - len(c.draft) for c in sched.chunks
                              if c.num_tokens - len(c.draft) > 1)
         self.preemption.observe_step(prefill_tokens, sched.num_batched_tokens, seconds)
+        self.pace.observe(step_features(sched), start, seconds)
         if self.speculator is not None:
             self.speculator.observe_step(sched.num_batched_tokens, seconds)
             for chunk in step.emitting:
@@ -508,6 +513,9 @@ class Engine:
                     self.speculator.observe(chunk, len(samples[chunk.seq.req_id]) - 1)
         outputs = self._fail(failed)
         emissions = self.scheduler.update(sched, samples)
+        for emission in emissions:
+            if emission.token_ids:
+                self.pace.emitted(emission.seq, len(emission.token_ids))
         outputs += [self._emission_output(e) for e in emissions]
         return outputs + self._fail(advance_constrained(self.constrained, emissions))
 
@@ -548,6 +556,11 @@ class Engine:
         return reports.engine_stats(self.block_manager, self.scheduler, self.runner,
                                     self.swapped.num_bytes, self.constrained,
                                     None if self.speculator is None else self.speculator.stats)
+
+    def pace_report(self) -> PaceReport:
+        """The pace promised and kept, the room left at it, the fitted step cost (pace.py)."""
+        scheduler = self.scheduler
+        return self.pace.report(scheduler.running, scheduler.waiting, self.config.max_running)
 
     def lora_stats(self) -> LoraStats:
         """The adapters loaded (most recently used first), in slots, loads and evictions."""

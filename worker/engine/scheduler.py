@@ -24,6 +24,10 @@ already the running group's or a slot is left; one that cannot be admitted keeps
 no later adapter request is admitted before it (so the next slot that frees is its adapter's, and
 no stream of requests for the running adapters starves it); base requests behind it still are.
 
+The promised pace (`pace`, pace.py): the decoding streams' rows go first, a prefill chunk gets
+only the step time their tightest ITL target leaves, and a waiting sequence is admitted only
+while the group with it keeps that target; one that would not waits (and so do those behind it).
+
 Only the scheduler changes a sequence's status and progress.
 """
 
@@ -34,9 +38,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shared.pace import StepFeatures
 from shared.wire import RequestStatus, TokenLogprob
 
 from worker.engine.block_manager import BlockManager
+from worker.engine.pace import Pace, StepBudget
 from worker.engine.preemption import RECOMPUTE, SWAP, PreemptionCostModel, SwapSpace
 from worker.engine.sequence import Sequence
 
@@ -127,8 +133,10 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, stop_checker, max_batched_tokens: int = 512,
                  max_running: int = 64, watermark: float = 0.01,
                  preemption: PreemptionCostModel | None = None, swap_space: SwapSpace | None = None,
-                 max_loras: int = 0, adapter_ready: Callable[[str], bool] | None = None):
+                 max_loras: int = 0, adapter_ready: Callable[[str], bool] | None = None,
+                 pace: Pace | None = None):
         self.block_manager = block_manager
+        self.pace = pace  # the promised pace (pace.py); None: only the token budget binds
         self.max_loras = max_loras  # distinct adapters in the running group at most
         # req_id -> its adapter is loaded for it (LoraManager.is_ready); None: always
         self.adapter_ready = adapter_ready or (lambda req_id: True)
@@ -207,13 +215,14 @@ class Scheduler:
     def schedule(self, lookahead: dict[str, int] | None = None) -> SchedulerOutput:
         """The next step; `lookahead`: req_id -> proposal slots a decoding sequence asks for."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_batched_tokens, lookahead or {})
+        step = None if self.pace is None else self.pace.budget(self.running)
+        budget = self._schedule_running(out, self.max_batched_tokens, lookahead or {}, step)
         if not out.preempted_req_ids:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, step)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
-                          lookahead: dict[str, int]) -> int:
+                          lookahead: dict[str, int], step: StepBudget | None) -> int:
         decodes_behind = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -222,11 +231,15 @@ class Scheduler:
             if need == 1:
                 decodes_behind -= 1
                 extra = min(lookahead.get(seq.req_id, 0), budget - decodes_behind - 1)
+                if extra > 0 and step is not None:  # proposals only where the pace has room
+                    extra = step.lookahead(seq.num_tokens, extra)
                 if extra > 0 and self._reserve_lookahead(seq, extra, out):
                     budget -= 1 + extra
                     i += 1
                     continue
             num_tokens = min(need, budget - decodes_behind) if need > 1 else 1
+            if need > 1 and num_tokens > 0 and step is not None:  # the time the decodes leave
+                num_tokens = step.prefill_tokens(seq.num_computed_tokens, num_tokens)
             if num_tokens <= 0:
                 i += 1
                 continue
@@ -293,7 +306,8 @@ class Scheduler:
         to_recompute = max(seq.num_computed_tokens - shared * self.block_manager.block_size, 0)
         return self.preemption.choose(len(table), to_recompute, self.swap_space.can_hold(len(table)))
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int,
+                          step: StepBudget | None) -> None:
         adapters = {s.lora.name for s in self.running if s.lora is not None}
         adapter_blocked = False  # an earlier adapter request waits: later ones wait behind it
         i = 0
@@ -303,8 +317,10 @@ class Scheduler:
                 adapter_blocked = True
                 i += 1
                 continue
-            admitted = (self._swap_in(i, out, budget) if seq.num_swapped_blocks
-                        else self._admit(i, out, budget))
+            if self.pace is not None and not self.pace.admits(self.running, seq):
+                break  # the group with it would miss the pace: it waits for a stream to end
+            admitted = (self._swap_in(i, out, budget, step) if seq.num_swapped_blocks
+                        else self._admit(i, out, budget, step))
             if not admitted:
                 break
             budget -= out.chunks[-1].num_tokens
@@ -316,9 +332,10 @@ class Scheduler:
         return self.adapter_ready(seq.req_id) and (
             seq.lora.name in adapters or len(adapters) < self.max_loras)
 
-    def _admit(self, index: int, out: SchedulerOutput, budget: int) -> bool:
+    def _admit(self, index: int, out: SchedulerOutput, budget: int,
+               step: StepBudget | None) -> bool:
         """Admit waiting sequence `index` (not swapped out) with its first chunk, if its whole
-        known sequence fits."""
+        known sequence fits (and, under a pace, some of its prompt fits the step's time)."""
         bm = self.block_manager
         seq = self.waiting[index]
         use_cache = bm.enable_prefix_caching and seq.params.uses_prefix_cache
@@ -331,12 +348,17 @@ class Scheduler:
         if bm.num_blocks_to_take(seq.req_id, seq.num_tokens, cached) > bm.num_free_blocks - reserve:
             return False
         num_tokens = min(seq.num_tokens - num_cached, budget)
-        table = bm.allocate_slots(seq.req_id, num_cached + num_tokens, cached)
+        if step is not None:
+            num_tokens = step.prefill_tokens(num_cached, num_tokens)
+        table = None if num_tokens <= 0 else bm.allocate_slots(
+            seq.req_id, num_cached + num_tokens, cached)
         if table is None:
             return False
         del self.waiting[index]
         if use_cache:
             bm.record_prefix_lookup(seq.num_tokens, num_cached)
+        if not seq.admitted_once and self.pace is not None:
+            self.pace.admitted(seq)
         if not seq.admitted_once:
             seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.admitted_once = True
@@ -346,15 +368,24 @@ class Scheduler:
         out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
         return True
 
-    def _swap_in(self, index: int, out: SchedulerOutput, budget: int) -> bool:
-        """Readmit swapped-out waiting sequence `index` into fresh blocks, if its whole KV fits."""
+    def _swap_in(self, index: int, out: SchedulerOutput, budget: int,
+                 step: StepBudget | None) -> bool:
+        """Readmit swapped-out waiting sequence `index` into fresh blocks, if its whole KV fits
+        (under a pace, its copy-in counts in the step's time)."""
         bm = self.block_manager
         seq = self.waiting[index]
         reserve = self.watermark_blocks if self.running else 0
         if bm.num_blocks_to_take(seq.req_id, seq.num_tokens) > bm.num_free_blocks - reserve:
             return False
         num_tokens = min(seq.num_uncomputed_tokens, budget)
-        table = bm.allocate_slots(seq.req_id, seq.num_computed_tokens + num_tokens)
+        if step is not None:
+            step.add(StepFeatures(swap_blocks=seq.num_swapped_blocks))
+            if num_tokens > 1:
+                num_tokens = step.prefill_tokens(seq.num_computed_tokens, num_tokens)
+            else:  # its next token: a decode row
+                step.add(StepFeatures(1, seq.num_tokens))
+        table = None if num_tokens <= 0 else bm.allocate_slots(
+            seq.req_id, seq.num_computed_tokens + num_tokens)
         if table is None:
             return False
         del self.waiting[index]

@@ -35,6 +35,8 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     error: str | None = None
     lora: LoraRequest | None = None  # the adapter it runs under; None: the base model
+    arrival: float | None = None  # unix time it was enqueued (its first token's time is measured)
+    last_emit_at: float | None = None  # monotonic time of its last tokens here (the pace's ITL)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
