@@ -136,6 +136,7 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     app.include_router(admin_router(redis, settings, api_keys))
     app.include_router(metrics_route(metrics))
     if redis is not None:
+        metrics.watch_fleet(redis)  # kvfleet_fleet_*: what an autoscaler scales workers on
         # the dashboard shows the default model's workers, queue and latency
         app.include_router(dashboard_router(redis, served_id, metrics,
                                             prefix_router=prefix_router))

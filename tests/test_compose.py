@@ -406,3 +406,18 @@ def test_the_healthcheck_probes_each_role(redis_url, monkeypatch):
     assert healthcheck.main(["kvfleet", "worker"]) == 0  # no fixed metrics port: nothing to probe
     with pytest.raises(OSError):  # nothing listens there: the wrapper turns this into exit 1
         healthcheck.main(["kvfleet", "gateway", "--port", str(free_port())])
+
+
+def test_the_pace_scaled_object_replaces_the_workers_one():
+    """deploy/k8s/pace/: one replica per worker the gateways' metric says the queue needs."""
+    path = ROOT / "deploy" / "k8s" / "pace" / "keda-scaledobject.yaml"
+    (scaled,) = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    (lag_scaled,) = [d for d in k8s_documents() if d["kind"] == "ScaledObject"]
+    # the same object: applied after worker.yaml it updates it (KEDA: one per Deployment)
+    assert (scaled["kind"], scaled["metadata"]["name"]) == ("ScaledObject", "kvfleet-worker")
+    assert scaled["spec"]["scaleTargetRef"] == lag_scaled["spec"]["scaleTargetRef"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert (trigger["type"], trigger["metricType"]) == ("prometheus", "AverageValue")
+    assert trigger["metadata"]["query"] == \
+        'max(kvfleet_fleet_workers_needed{model="SmolLM2-135M-Instruct"})'
+    assert trigger["metadata"]["threshold"] == "1"  # one replica per worker needed

@@ -23,11 +23,15 @@ class QueueWaitEstimator:
 
     Ahead = undelivered entries of the model's streams plus what this gateway admitted since the
     last read; a new request's own choices are not ahead of it (they are counted, once, for the
-    requests after it), so a request with many choices is admitted by an idle fleet. The depth
-    limit counts them (they take room in the queue). The load is read from Redis at most once
-    per `cache_s`, so a burst between two reads cannot slip through. With no live worker the
-    wait is unknown (requests must still queue for a worker that starts later): only the depth
-    limit applies then.
+    requests after it), so a request with many choices is admitted by an idle fleet. When a live
+    worker promises a pace (`--target-itl-ms`), the requests ahead that fit in the fleet's room at
+    that pace start at once and wait ~0: only those beyond the room wait, `(ahead - room) × work
+    per request ÷ tokens/s`, so a fleet with room admits a queue its speed alone would refuse.
+    With no pace promised, every request ahead waits its share. The depth limit counts them
+    (they take room in the queue). The load is read from Redis at most once per `cache_s`, and
+    what this gateway admitted since uses up the room, so a burst between two reads cannot slip
+    through. With no live worker the wait is unknown (requests must still queue for a worker
+    that starts later): only the depth limit applies then.
     """
 
     def __init__(self, client: EngineClient, model: str, settings: GatewaySettings,
@@ -74,7 +78,8 @@ class QueueWaitEstimator:
                 f"limit {s.max_queue_depth}). Retry later.",
                 (depth - s.max_queue_depth) * per_request_s, code="queue_full")
         if s.max_queue_wait_s and load.live_workers:
-            wait_s = ahead * per_request_s
+            waiting = max(ahead - load.pace_room, 0) if load.pace_promised else ahead
+            wait_s = waiting * per_request_s
             if wait_s > s.max_queue_wait_s:
                 raise TooManyRequests(
                     f"The expected wait in the queue of `{self._model}` is {wait_s:.0f} s "

@@ -3,7 +3,8 @@ latency, end to end), tokens and requests by outcome, on a registry of its own, 
 
 Names start with `kvfleet_gateway_`; every series carries a `model` label: the model (or LoRA
 adapter) a request named, for the per-request series; the default model, for this gateway's own
-connections and shard shares.
+connections and shard shares. The fleet's own figures (`kvfleet_fleet_*`, read from Redis at each
+scrape) come from gateway/dashboard/fleet_metrics.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,9 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder, generate_latest
+
+from gateway.dashboard.fleet_metrics import FleetGauges
+from gateway.fleet.redis_context import RedisContext
 
 # Buckets suited to LLM serving (seconds). TTFT: 5 ms (cached prompt, idle fleet) .. 2 min (queued).
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
@@ -237,6 +241,7 @@ class GatewayMetrics:
             "its prompt's blocks, reading the prefix index and the loads), by base model.",
             ["model"], buckets=ROUTING_BUCKETS_S, registry=self.registry)
         self.series(model)  # the default model's series exist before its first request
+        self._refreshers: list[Callable[[], Awaitable[None]]] = []  # run before each scrape
 
     def series(self, model: str | None = None) -> _ModelSeries:
         """The children of `model`'s label (default: the default model's)."""
@@ -266,6 +271,16 @@ class GatewayMetrics:
     def watch_fanout(self, fanout) -> None:
         """Export a TokenFanout's channels, connections and message counts at each scrape."""
         self.registry.register(_FanoutCollector(self.model, fanout))
+
+    def watch_fleet(self, redis: RedisContext) -> None:
+        """Export the fleet's capacity at the promised pace (`kvfleet_fleet_*`), read from
+        Redis at each scrape of `/metrics`."""
+        self._refreshers.append(FleetGauges(self.registry, redis, self.model).refresh)
+
+    async def refresh(self) -> None:
+        """Bring the series read at scrape time up to date (`/metrics` calls it first)."""
+        for refresh in self._refreshers:
+            await refresh()
 
     # ---- what the request handlers call --------------------------------------------------
 
@@ -433,6 +448,7 @@ def metrics_route(metrics: GatewayMetrics) -> APIRouter:
 
     @router.get("/metrics", include_in_schema=False)
     async def get_metrics(request: Request) -> Response:
+        await metrics.refresh()
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(metrics.registry), media_type=content_type)
 

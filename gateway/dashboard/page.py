@@ -48,6 +48,7 @@ DASHBOARD_HTML = """<!doctype html>
   .fill.warn { background:var(--warn); } .fill.bad { background:var(--bad); }
   .stale { color:var(--warn); }
   .draining { color:var(--warn); font-weight:600; }
+  .missed { color:var(--bad); font-weight:600; }
   .charts { display:grid; grid-template-columns:repeat(auto-fit, minmax(300px, 1fr)); gap:10px;
             margin-bottom:18px; }
   .chart { background:var(--panel); border:1px solid var(--line); border-radius:8px;
@@ -104,6 +105,7 @@ DASHBOARD_HTML = """<!doctype html>
 <table>
   <thead><tr><th>worker</th><th>model</th><th>role</th><th>KV usage</th><th>running</th>
     <th>waiting</th><th>tokens/s</th><th>prefix hit</th><th>spec accepted</th>
+    <th>ITL p99 / target</th><th>TTFT p99 / target</th><th>room at pace</th>
     <th>indexed blocks</th><th>routed</th><th>own queue</th><th>handoffs out / in</th>
     <th>preempted</th><th>heartbeat</th></tr></thead>
   <tbody id="workers"></tbody>
@@ -140,6 +142,13 @@ function kvCell(row, w) {
   box.appendChild(bar); box.appendChild(label); td.appendChild(box);
 }
 
+// "p99 / target ms" of a promised pace ("–" when none); red when the p99 misses the target
+function paceCell(row, p99, target) {
+  if (target === null) return cell(row, "–");
+  return cell(row, fmt(p99, 0) + " / " + fmt(target, 0) + " ms",
+              p99 !== null && p99 > target ? "missed" : "");
+}
+
 function renderWorkers(workers) {
   const body = $("workers");
   body.replaceChildren();
@@ -161,6 +170,9 @@ function renderWorkers(workers) {
     cell(row, w.prefix_hit_rate === null ? "–" : (w.prefix_hit_rate * 100).toFixed(1) + "%");
     cell(row, w.spec_acceptance_rate === null ? "–"
       : (w.spec_acceptance_rate * 100).toFixed(1) + "%");
+    paceCell(row, w.itl_p99_ms, w.target_itl_ms);
+    paceCell(row, w.ttft_p99_ms, w.target_ttft_ms);
+    cell(row, w.pace_room === null ? "–" : String(w.pace_room));
     cell(row, w.indexed_blocks === null ? "–" : String(w.indexed_blocks));
     cell(row, w.routed === null ? "–" : String(w.routed));
     cell(row, String(w.own_queue));

@@ -47,11 +47,24 @@ def worker_row(worker_id: str, beat: Heartbeat, now: float) -> dict[str, Any]:
         # streams handed to peers / taken from peers with their KV, since the worker started
         "handoffs_out": beat.handoffs_out,
         "handoffs_in": beat.handoffs_in,
+        **pace_fields(beat),
         "prefix_queried_tokens": queried,
         "prefix_hit_tokens": beat.prefix_hit_tokens,
         "spec_draft_tokens": beat.spec_draft_tokens,
         "spec_accepted_tokens": beat.spec_accepted_tokens,
     }
+
+
+def pace_fields(beat: Heartbeat) -> dict[str, Any]:
+    """The pace the worker promises (ms, p99; null: none) beside the one it keeps (its measured
+    p99 over the recent window; null: no sample yet), and the streams it still takes at that
+    pace (null: it promises none)."""
+    def ms(value: float) -> float | None:
+        return round(value, 1) if value > 0 else None
+
+    return {"target_itl_ms": ms(beat.target_itl_ms), "itl_p99_ms": ms(beat.itl_p99_ms),
+            "target_ttft_ms": ms(beat.target_ttft_ms), "ttft_p99_ms": ms(beat.ttft_p99_ms),
+            "pace_room": beat.pace_room if beat.pace_room >= 0 else None}
 
 
 def add_routing(workers: list[dict[str, Any]], router, model: str) -> None:

@@ -65,11 +65,14 @@ class RequestSnapshot:
 
 @dataclass
 class QueueLoad:
-    """How busy a model's fleet is: requests no worker took yet and the live workers' speed."""
+    """How busy a model's fleet is: requests no worker took yet, the live workers' speed and
+    their room at the pace they promise (gateway/fleet/pace.py)."""
 
     undelivered: int
     live_workers: int
     tokens_per_s: float
+    pace_room: int = 0  # more streams the workers taking new requests start now at their pace
+    pace_promised: bool = False  # some live worker promises a pace (else pace_room means nothing)
 
 
 class EngineClient(ABC):

@@ -33,6 +33,18 @@ async def stream_depth(client: Redis, stream: str, group_name: str) -> tuple[int
     return len(entries), pending
 
 
+async def queue_undelivered(client: Redis, keys: Keys, model: str) -> int:
+    """Entries of `model`'s request streams no worker took yet: the shared streams of every
+    shard and priority, and the workers' own streams (prefix-affinity routing)."""
+    owners = await client.smembers(keys.worker_queue_owners(model))
+    own = [q for w in sorted(text(o) for o in owners) for q in keys.worker_queues(model, w)]
+    undelivered = 0
+    for stream in keys.all_queues(model) + own:
+        depth, _pending = await stream_depth(client, stream, keys.group)
+        undelivered += depth
+    return undelivered
+
+
 def takes_new_requests(beat: Heartbeat) -> bool:
     """Whether the worker reads new requests: not while it drains, never with role `decode` (it
     takes only streams handed over with their KV, and orphans)."""

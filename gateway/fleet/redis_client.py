@@ -21,7 +21,8 @@ from gateway.fleet.client import (
 from gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
 from gateway.fleet.homes import GatewayHomes
 from gateway.fleet.inboxes import Inboxes
-from gateway.fleet.load import read_heartbeats, stream_depth
+from gateway.fleet.load import queue_undelivered, read_heartbeats
+from gateway.fleet.pace import fleet_pace
 from gateway.fleet.redis_context import RedisContext
 from gateway.fleet.router import Route, Router
 from gateway.fleet.tasks import stop_task
@@ -35,7 +36,6 @@ from shared.wire import (
     decode_checkpoint,
     scripts,
 )
-from shared.wire.records import text
 
 log = logging.getLogger(__name__)
 
@@ -342,18 +342,12 @@ class RedisEngineClient(EngineClient):
         return []
 
     async def queue_load(self, model: str) -> QueueLoad | None:
-        """Undelivered entries of the model's streams (the group's lag) and the summed tokens/s
+        """Undelivered entries of the model's streams (the group's lag), the summed tokens/s
         of live heartbeats for this model, draining workers left out (expired heartbeats are
-        gone by their TTL)."""
+        gone by their TTL), and their room at the pace they promise."""
         try:
             async with asyncio.timeout(self._command_timeout_s * 2):
-                undelivered = 0
-                owners = await self.redis.smembers(self.keys.worker_queue_owners(model))
-                own = [q for w in sorted(text(o) for o in owners)
-                       for q in self.keys.worker_queues(model, w)]
-                for stream in self.keys.all_queues(model) + own:
-                    depth, _pending = await stream_depth(self.redis, stream, self.keys.group)
-                    undelivered += depth
+                undelivered = await queue_undelivered(self.redis, self.keys, model)
                 beats = await read_heartbeats(self.redis, self.keys)
         except (*REDIS_FAILURES, OSError, TimeoutError) as exc:
             log.warning("could not read the queue load: %r", exc)
@@ -363,7 +357,9 @@ class RedisEngineClient(EngineClient):
         # stream's by its source before the handoff, by its taker after it).
         mine = [beat.tokens_per_s for beat in beats.values()
                 if beat.model == model and not beat.draining]
-        return QueueLoad(undelivered, len(mine), sum(max(tps, 0.0) for tps in mine))
+        pace = fleet_pace((beat for beat in beats.values() if not beat.draining), model)
+        return QueueLoad(undelivered, len(mine), sum(max(tps, 0.0) for tps in mine),
+                         pace_room=pace.room, pace_promised=pace.promised)
 
     async def cancel(self, req_id: str) -> None:
         try:

@@ -20,6 +20,7 @@ MAX_CHOICES = 128
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value
 MAX_SPECULATIVE_TOKENS = 32  # SpeculativeConfig.num_speculative_tokens's limit
+MAX_TARGET_MS = 600_000.0  # a pace target beyond ten minutes is a typo, not a promise
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -65,6 +66,11 @@ class SamplingRequest(BaseModel):
     # speculative decoding for this request: unset = the worker's setting, 0 = off, N = at most
     # N proposed tokens a step (the worker's --speculative-config caps it); the answer is the same
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    # the pace this request asks for (ms, p99): unset = the worker's --target-itl-ms /
+    # --target-ttft-ms, 0 = none; the worker serves an ITL target tighter than its
+    # --min-target-itl-ms at that floor
+    target_itl_ms: float | None = Field(None, ge=0, le=MAX_TARGET_MS)
+    target_ttft_ms: float | None = Field(None, ge=0, le=MAX_TARGET_MS)
     # vLLM: the prompt tokens' logprobs and top-N alternatives, in the response's choices
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Structured outputs as vLLM takes them (at most one, and not beside `response_format`).
@@ -152,7 +158,8 @@ class SamplingRequest(BaseModel):
             constraint=constraint, logit_bias=self.token_bias(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            num_speculative_tokens=self.num_speculative_tokens)
+            num_speculative_tokens=self.num_speculative_tokens,
+            target_itl_ms=self.target_itl_ms, target_ttft_ms=self.target_ttft_ms)
 
 
 class CompletionRequest(SamplingRequest):

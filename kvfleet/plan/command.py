@@ -20,6 +20,7 @@ from kvfleet.plan.capacity import (
     make_plan,
 )
 from kvfleet.plan.model_shape import ModelShapeError, load_model_shape
+from kvfleet.plan.pace import MeasuredPace, StepCostError, measure, read_curve
 from kvfleet.plan.redis_side import (
     DEFAULT_GATEWAY_EVENTS_PER_S,
     DEFAULT_HEADROOM,
@@ -32,8 +33,12 @@ from kvfleet.plan.redis_side import (
 )
 from kvfleet.plan.report import plan_to_json, plan_to_text
 from kvfleet.units import format_bytes
+from shared.settings import CommonSettings
+from shared.wire import Keys
 
 DEFAULT_NUM_PARAMS = 20e9
+DEFAULT_GPU_TOKENS_PER_S = 2000
+DEFAULT_STREAMS = 32
 DEFAULT_CONTEXTS = [2000, 8000, 16000]
 EXIT_USAGE = 2
 
@@ -41,6 +46,7 @@ EXIT_USAGE = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     _add_workload_arguments(parser)
+    _add_step_cost_arguments(parser)
     _add_redis_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -82,10 +88,12 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                           help="weighted mix TOKENS:WEIGHT,..., e.g. 2000:0.5,8000:0.4,16000:0.1")
     group.add_argument("--demand", type=arg_types.positive_count, default=2893519,
                        help="output tokens/s the fleet must serve (default: 2893519)")
-    group.add_argument("--gpu-tokens-per-s", type=arg_types.positive_count, default=2000,
-                       help="output tokens/s of one accelerator at --streams (default: 2000)")
-    group.add_argument("--streams", type=arg_types.positive_int, default=32,
-                       help="streams batched together for that rate (default: 32)")
+    group.add_argument("--gpu-tokens-per-s", type=arg_types.positive_count, default=None,
+                       help="output tokens/s of one accelerator at --streams (default: "
+                            f"{DEFAULT_GPU_TOKENS_PER_S}; from the curve with --step-cost)")
+    group.add_argument("--streams", type=arg_types.positive_int, default=None,
+                       help=f"streams batched together for that rate (default: {DEFAULT_STREAMS}"
+                            "; from the curve with --step-cost)")
     group.add_argument("--cost-per-hour", type=arg_types.non_negative_float, default=None,
                        help="$ per accelerator-hour, e.g. 2.5 (default: not priced)")
     group.add_argument("--prefix-share", type=arg_types.fraction, default=None,
@@ -94,6 +102,25 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                        help="prompts sharing one opening, for the what-if (default: 1000)")
     group.add_argument("--prefix-tokens", type=arg_types.non_negative_int, default=2000,
                        help="tokens in that shared opening (default: 2000)")
+
+
+def _add_step_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "measured pace (a worker's step-cost curve instead of --streams and --gpu-tokens-per-s)")
+    group.add_argument("--step-cost", metavar="SOURCE", default=None,
+                       help="a StepCostCurve JSON file (a heartbeat's step_cost field), or "
+                            "redis://host:port[/db]: read from the fleet's live heartbeats")
+    group.add_argument("--worker", metavar="ID", default=None,
+                       help="with a Redis source: this worker's curve (default: the first "
+                            "worker of --model with one)")
+    group.add_argument("--model", metavar="NAME", default=None,
+                       help="with a Redis source: the served model whose workers to read "
+                            "(default: any)")
+    group.add_argument("--key-prefix", default=None,
+                       help="with a Redis source: default KVFLEET_KEY_PREFIX or kvf:")
+    group.add_argument("--target-itl-ms", type=arg_types.positive_float, default=None,
+                       help="the promised time between two tokens of a stream, p99 (default: "
+                            "the worker's --target-itl-ms, read from its heartbeat)")
 
 
 def _add_redis_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,8 +153,11 @@ def run(args: argparse.Namespace) -> int:
     if args.redis_headroom <= 0:
         return _fail("--redis-headroom must be above 0")
     try:
-        inputs = plan_inputs(args)
+        pace = measured_pace(args)
+        inputs = plan_inputs(args, pace)
         plan = make_plan(inputs)
+    except StepCostError as exc:
+        return _fail(f"--step-cost: {exc}")
     except ModelShapeError as exc:
         return _fail(f"--from-model: {exc}")
     except WeightsDoNotFit as exc:
@@ -142,11 +172,11 @@ def run(args: argparse.Namespace) -> int:
                                args.redis_headroom)
     redis_plan = plan_redis(redis_inputs)
     if args.json:
-        document = plan_to_json(plan, inputs)
+        document = plan_to_json(plan, inputs, pace)
         document["redis"] = redis_plan_json(redis_plan)
         print(json.dumps(document, indent=2))
     else:
-        print(plan_to_text(plan, inputs), end="")
+        print(plan_to_text(plan, inputs, pace), end="")
         print()
         print(redis_plan_text(redis_plan, redis_inputs), end="")
     return 0
@@ -156,8 +186,33 @@ def main(argv: list[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
-def plan_inputs(args: argparse.Namespace) -> PlanInputs:
-    """Flags -> PlanInputs; --from-model supplies KV size and (unless --params) parameters."""
+def measured_pace(args: argparse.Namespace) -> MeasuredPace | None:
+    """With --step-cost: what the curve says a worker serves at the target ITL, for streams of
+    the longest --context (the pace must hold for them too) or the --context-mix average."""
+    if args.step_cost is None:
+        for flag, value in (("--worker", args.worker), ("--model", args.model),
+                            ("--target-itl-ms", args.target_itl_ms)):
+            if value is not None:
+                raise StepCostError(f"{flag} needs --step-cost")
+        return None
+    if args.streams is not None or args.gpu_tokens_per_s is not None:
+        raise StepCostError("the curve gives --streams and --gpu-tokens-per-s: leave them out")
+    keys = Keys(args.key_prefix or CommonSettings().key_prefix)
+    found = read_curve(args.step_cost, model=args.model, worker=args.worker, keys=keys)
+    target_itl_ms = args.target_itl_ms or found.target_itl_ms
+    if not target_itl_ms:
+        raise StepCostError("give --target-itl-ms (the source states no promised pace)")
+    if args.context_mix:
+        context = sum(tokens * weight for tokens, weight in args.context_mix)
+    else:
+        context = max(args.context or DEFAULT_CONTEXTS)
+    return measure(found, target_itl_ms, context)
+
+
+def plan_inputs(args: argparse.Namespace, pace: MeasuredPace | None = None) -> PlanInputs:
+    """Flags -> PlanInputs; --from-model supplies KV size and (unless --params) parameters, a
+    measured pace the streams and tokens/s (the curve's are a worker's: with tensor
+    parallelism, its accelerators share its tokens/s)."""
     kv_bytes_per_token, kv_source, model_num_params = _kv_size(args)
     num_params = args.params or model_num_params
     if args.from_model and num_params is None:
@@ -171,8 +226,9 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         kv_dtype=args.kv_dtype,
         contexts=_contexts(args),
         demand_tokens_per_s=args.demand,
-        gpu_tokens_per_s=args.gpu_tokens_per_s,
-        streams_per_gpu=args.streams,
+        gpu_tokens_per_s=(pace.tokens_per_s / args.tensor_parallel_size if pace
+                          else args.gpu_tokens_per_s or DEFAULT_GPU_TOKENS_PER_S),
+        streams_per_gpu=pace.streams if pace else args.streams or DEFAULT_STREAMS,
         cost_per_gpu_hour=args.cost_per_hour,
         prefix_prompts=args.prefix_prompts,
         prefix_opening_tokens=args.prefix_tokens,

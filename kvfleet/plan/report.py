@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from kvfleet.plan.capacity import ContextFit, Plan, PlanInputs
+from kvfleet.plan.pace import MeasuredPace
 from kvfleet.units import format_bytes, format_money, format_number
 
 _INDENT = "  "
 
 
-def plan_to_json(plan: Plan, inputs: PlanInputs) -> dict:
+def plan_to_json(plan: Plan, inputs: PlanInputs, pace: MeasuredPace | None = None) -> dict:
+    """The plan; `measured_pace` says where streams and tokens/s came from (null: the flags)."""
     document = asdict(plan)
     memory = document["memory"]
     for key in ("gpu_memory", "weights", "free_kv"):
@@ -19,11 +21,13 @@ def plan_to_json(plan: Plan, inputs: PlanInputs) -> dict:
     for fit in document["contexts"] + ([document["mix"]] if document["mix"] else []):
         fit["kv_gb_per_conversation"] = fit["kv_bytes_per_conversation"] / 1e9
     document["inputs"] = asdict(inputs)
+    document["measured_pace"] = pace.as_json() if pace else None
     return document
 
 
-def plan_to_text(plan: Plan, inputs: PlanInputs) -> str:
-    sections = [_memory_lines(plan, inputs), _context_lines(plan), _throughput_lines(plan),
+def plan_to_text(plan: Plan, inputs: PlanInputs, pace: MeasuredPace | None = None) -> str:
+    sections = [_memory_lines(plan, inputs), _context_lines(plan),
+                _pace_lines(pace) + _throughput_lines(plan),
                 _cost_lines(plan), _what_if_lines(plan), _warning_lines(plan)]
     return "\n".join(line for section in sections for line in section + [""]).rstrip() + "\n"
 
@@ -75,6 +79,21 @@ def _context_row(label: str, fit: ContextFit) -> str:
     weight = "" if fit.mix_weight is None else f"{fit.mix_weight:.0%}"
     return (f"{_INDENT}{label:>16}  {weight:>5}  {format_bytes(fit.kv_bytes_per_conversation):>16}"
             f"  {fit.conversations_per_gpu:>13,}")
+
+
+def _pace_lines(pace: MeasuredPace | None) -> list[str]:
+    """Where the throughput's streams and tokens/s came from, when a measured curve gave them."""
+    if pace is None:
+        return []
+    return [
+        "Measured pace (the step-cost curve, not --streams / --gpu-tokens-per-s)",
+        _row("curve", f"{pace.source} ({pace.curve.steps:,} steps fitted)"),
+        _row("target ITL", f"{format_number(pace.target_itl_ms)} ms p99, streams of "
+                           f"{format_number(pace.context_tokens, 0)} tokens"),
+        _row("streams at pace", f"{pace.streams:,} per worker"),
+        _row("tokens/s at pace", f"{format_number(pace.tokens_per_s)} per worker"),
+        "",
+    ]
 
 
 def _throughput_lines(plan: Plan) -> list[str]:

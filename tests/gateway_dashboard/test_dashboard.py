@@ -110,11 +110,14 @@ def write_heartbeat(client: redis.Redis, worker_id: str, *, total: int, free: in
 
 @pytest.fixture
 def fleet(redis_client: redis.Redis) -> redis.Redis:
-    """Two workers, a prefill one and a decode one that drains (its drain request still in
-    Redis), and an interactive stream: 4 entries, 1 delivered (pending), 3 undelivered; plus 2
-    batch entries in a stream no worker has made a group for yet."""
+    """Two workers, a prefill one that promises a pace (it keeps its ITL, misses its TTFT) and a
+    decode one that promises none and drains (its drain request still in Redis), and an
+    interactive stream: 4 entries, 1 delivered (pending), 3 undelivered; plus 2 batch entries in
+    a stream no worker has made a group for yet."""
     write_heartbeat(redis_client, "gpu-a-1", total=200, free=50, running=3, tokens_per_s=120.5,
-                    spec=(300, 186), role="prefill", handoffs_out=3)
+                    spec=(300, 186), role="prefill", handoffs_out=3, target_itl_ms=50,
+                    itl_p99_ms=42.44, target_ttft_ms=800, ttft_p99_ms=950, pace_room=6,
+                    pace_streams=9)
     write_heartbeat(redis_client, "gpu-b-2", total=80, free=60, running=1, tokens_per_s=40.25,
                     metrics_url="http://10.0.0.2:9100/metrics", role="decode", draining=1,
                     handoffs_in=3)
@@ -186,6 +189,10 @@ def test_page_renders_workers_queue_and_kv_usage(fleet, base_url, tmp_path):
     assert "62.0%" in first and "62.0%" not in second  # speculation accepted 186/300; b: none
     assert '<td class="role">prefill</td>' in first and "3 / 0" in first  # handoffs out / in
     assert '<td class="role draining">decode · draining</td>' in second and "0 / 3" in second
+    # the pace promised and kept: ITL p99 / target, TTFT p99 / target (missed: red), room
+    assert "<td>42 / 50 ms</td>" in first and '<td class="missed">950 / 800 ms</td>' in first
+    assert "<td>6</td>" in first
+    assert second.count("<td>–</td>") >= 3  # no pace promised: no targets, no room
 
     write_heartbeat(fleet, "gpu-a-1", total=200, free=10, running=7, tokens_per_s=99.0)
     dom = chromium_dom(f"{base_url}/dashboard", tmp_path / "profile")
@@ -231,6 +238,9 @@ def test_data_json(fleet, base_url):
     assert body["routing"] == {"mode": "shared", "affinity": None, "least_loaded": None,
                                "shared": None}
     assert (a["indexed_blocks"], a["routed"], a["own_queue"]) == (None, None, 0)
+    assert [(w["itl_p99_ms"], w["target_itl_ms"], w["ttft_p99_ms"], w["target_ttft_ms"],
+             w["pace_room"]) for w in body["workers"]] == [(42.4, 50.0, 950.0, 800.0, 6),
+                                                          (None, None, None, None, None)]
     assert body["ttft_p50_s"] == pytest.approx(0.2)
     assert body["ttft_p99_s"] == pytest.approx(0.298)
     assert abs(body["updated"] - time.time()) < 30
