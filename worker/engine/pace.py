@@ -10,8 +10,10 @@ learned). With those, every step (`Pace.budget`, used by the scheduler):
 - the decoding streams' rows go first (they are the promise);
 - a prefill chunk gets only the time left under the tightest ITL target of the decoding streams
   (at least `MIN_PREFILL_TOKENS` for the step's first chunk: a prompt always advances);
-- a waiting stream is admitted only while a steady decode step of the group with it, plus that
-  much prefill, still keeps every target (`Pace.admits`); an idle engine admits anyone.
+- a waiting stream is admitted only while a steady decode step of the group with it still keeps
+  every target with PREFILL_RESERVE of it left for prompts (`Pace.admits`); an idle engine
+  admits anyone. Prompts take what the decodes leave: while they wait, fewer streams decode
+  (streams end, none join), so the split between the two finds itself.
 
 A group never grows faster than the fit has seen (`explored_rows`): at most a quarter (or two
 streams) beyond the largest decode step measured, so a burst of arrivals cannot be admitted on
@@ -35,7 +37,8 @@ from shared.engine_config import EngineConfig
 from shared.pace import COEFFICIENTS, StepCostCurve, StepFeatures
 from shared.wire import SamplingParams
 
-MIN_PREFILL_TOKENS = 16  # a step's first prefill chunk gets this much even at full pace
+MIN_PREFILL_TOKENS = 1  # a step's first prefill chunk gets this much even at full pace
+PREFILL_RESERVE = 0.1  # the share of the target a group leaves to prompts when it admits
 GROWTH_TOKENS = 128  # a stream's context is judged this far ahead (or to its max_tokens)
 FIT_DECAY = 0.998  # per step: the fit remembers about the last 500 steps
 RIDGE = 1e-2  # pins coefficients of work the steps have not varied (scaled units)
@@ -287,8 +290,8 @@ class Pace:
         if limit is None or not self.model.steps:
             return True
         curve = self.curve()
-        work = self._steady(group).plus(StepFeatures.of_prefill(MIN_PREFILL_TOKENS))
-        ok = len(group) <= self.explored_rows() and curve.turn_seconds(work) <= limit
+        ok = len(group) <= self.explored_rows() and \
+            curve.turn_seconds(self._steady(group)) <= limit * (1 - PREFILL_RESERVE)
         if not ok:
             self.deferred += 1
         return ok
@@ -315,9 +318,8 @@ class Pace:
             cap = self.explored_rows() - len(held)
             n = 0
             while n < min(room, cap):
-                work = steady.plus(StepFeatures(n + 1, int((n + 1) * newcomer))).plus(
-                    StepFeatures.of_prefill(MIN_PREFILL_TOKENS))
-                if curve.turn_seconds(work) > limit:
+                work = steady.plus(StepFeatures(n + 1, int((n + 1) * newcomer)))
+                if curve.turn_seconds(work) > limit * (1 - PREFILL_RESERVE):
                     break
                 n += 1
             room = n
@@ -405,29 +407,31 @@ def step_features(sched) -> StepFeatures:
     return StepFeatures(rows, context, prefill, prefill_context, swap)
 
 
-def warm_up(engine, prompt_tokens: int = 96, seed: int = 0) -> float:
+def warm_up(engine, seed: int = 0) -> float:
     """--pace-warmup, before the first request: time a sweep of decode groups (1 to
-    max_running streams, doubling) and their prefills on random tokens, so the fit starts from
-    measured steps; seconds spent. Nothing of it stays in the engine (the prompts skip the
-    prefix cache; counters are put back)."""
+    max_running streams, doubling, on short prompts) and of prefill chunks (a quarter and the
+    whole of max_batched_tokens), on random tokens, so the fit starts from measured steps;
+    seconds spent. Nothing of it stays in the engine (the prompts skip the prefix cache;
+    counters are put back)."""
     started = time.perf_counter()
-    vocab_size = engine.model.config.vocab_size
+    vocab_size, config = engine.model.config.vocab_size, engine.config
     scheduler = engine.scheduler
     counters = (scheduler.num_generated_tokens, scheduler.num_prefill_tokens_computed)
     paced, scheduler.pace = scheduler.pace, None  # the sweep's groups are its own to choose
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
-                            skip_prefix_cache=True)
-    size, sizes = 1, []
-    while size < engine.config.max_running:
-        sizes.append(size)
+    size, rounds = 1, []
+    while size < config.max_running:
+        rounds.append([16] * size)
         size *= 2
-    sizes.append(engine.config.max_running)
-    for round_, size in enumerate(sizes):
-        ids = [f"pace-warmup-{round_}-{i}" for i in range(size)]
-        for req_id in ids:
-            engine.add_request(req_id, [rng.randrange(vocab_size) for _ in range(prompt_tokens)],
-                               params)
+    rounds.append([16] * config.max_running)
+    rounds += [[max(config.max_batched_tokens // 4, 2)], [config.max_batched_tokens]]
+    for number, prompts in enumerate(rounds):
+        for i, length in enumerate(prompts):
+            params = SamplingParams(max_tokens=4 if len(prompts) > 1 else 2, temperature=0.0,
+                                    ignore_eos=True, skip_prefix_cache=True)
+            length = min(length, engine.max_model_len - params.max_tokens)
+            engine.add_request(f"pace-warmup-{number}-{i}",
+                               [rng.randrange(vocab_size) for _ in range(length)], params)
         while engine.has_unfinished():
             engine.step()
     scheduler.num_generated_tokens, scheduler.num_prefill_tokens_computed = counters
