@@ -60,7 +60,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
     # every rank loads its own copy (with one rank: this process)
     load = functools.partial(load_pretrained, path, config.dtype, config.device)
     engine = launch_engine(load, config, tokenizer=tokenizer, num_threads=threads)  # logs its budget
-    if config.pace_warmup:
+    if config.pace_warmup and engine.pace.enabled:
         log.info("pace warm-up: %.1f s; step cost %s", warm_up(engine),
                  engine.pace.curve().to_json())
     return engine

@@ -15,7 +15,7 @@ from shared.wire import SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import Engine
 from worker.engine.pace import (
-    MIN_PREFILL_TOKENS, PREFILL_RESERVE, Pace, QuantileTracker, StepCostModel, step_features, warm_up)
+    MIN_PREFILL_TOKENS, Pace, QuantileTracker, StepCostModel, step_features, warm_up)
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StopChecker
@@ -139,11 +139,11 @@ def run(sched: Scheduler, steps: int) -> list:
 
 
 def steady_limit(target_s: float, prompt: int) -> int:
-    """The group a steady decode step keeps within target, prompts' share left (as Pace.admits
+    """The group a steady decode step with a prompt token keeps within target (as Pace.admits
     judges it)."""
     n = 1
-    while true_seconds(StepFeatures(n + 1, (n + 1) * (prompt + 1 + 128))) \
-            <= target_s * (1 - PREFILL_RESERVE):
+    while true_seconds(StepFeatures(n + 1, (n + 1) * (prompt + 1 + 128))
+                       .plus(StepFeatures.of_prefill(MIN_PREFILL_TOKENS))) <= target_s:
         n += 1
     return n
 

@@ -10,10 +10,11 @@ learned). With those, every step (`Pace.budget`, used by the scheduler):
 - the decoding streams' rows go first (they are the promise);
 - a prefill chunk gets only the time left under the tightest ITL target of the decoding streams
   (at least `MIN_PREFILL_TOKENS` for the step's first chunk: a prompt always advances);
-- a waiting stream is admitted only while a steady decode step of the group with it still keeps
-  every target with PREFILL_RESERVE of it left for prompts (`Pace.admits`); an idle engine
-  admits anyone. Prompts take what the decodes leave: while they wait, fewer streams decode
-  (streams end, none join), so the split between the two finds itself.
+- a waiting stream is admitted only while a steady decode step of the group with it, plus that
+  much prefill, still keeps every target (`Pace.admits`); an idle engine admits anyone. Prompts
+  take what the decodes leave: while they wait, fewer streams decode (streams end, none join),
+  so the split between the two finds itself (a tighter --target-ttft-ms keeps more of the
+  prompts' work off a busy worker).
 
 A group never grows faster than the fit has seen (`explored_rows`): at most a quarter (or two
 streams) beyond the largest decode step measured, so a burst of arrivals cannot be admitted on
@@ -34,39 +35,65 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.engine_config import EngineConfig
-from shared.pace import COEFFICIENTS, StepCostCurve, StepFeatures
+from shared.pace import StepCostCurve, StepFeatures
 from shared.wire import SamplingParams
 
 MIN_PREFILL_TOKENS = 1  # a step's first prefill chunk gets this much even at full pace
-PREFILL_RESERVE = 0.1  # the share of the target a group leaves to prompts when it admits
 GROWTH_TOKENS = 128  # a stream's context is judged this far ahead (or to its max_tokens)
 FIT_DECAY = 0.998  # per step: the fit remembers about the last 500 steps
+PRIOR_WEIGHT = 100.0  # the warm-up sweep counts as this many steps, forever
 RIDGE = 1e-2  # pins coefficients of work the steps have not varied (scaled units)
-# the regression's inputs scaled to similar sizes: (1, rows, context, prefill, its attention, swap)
-SCALE = np.array([1.0, 1 / 32, 1 / 32768, 1 / 256, 1 / (1 << 20), 1 / 32])
+# The regression's inputs: (1, tokens, decode rows, context, prefill attention, swap), where
+# tokens = decode rows + prefill tokens: a token costs the same in the linears whether it decodes
+# or prefills, so the varied sizes of prefill chunks teach the per-token cost that a group's
+# slowly changing size alone would not; a decode row adds its own (sampling, per-sequence work).
+# Scaled to similar sizes.
+SCALE = np.array([1.0, 1 / 256, 1 / 32, 1 / 32768, 1 / (1 << 20), 1 / 32])
 MARGIN_QUANTILE = 0.99  # the ITL target is a p99
 MARGIN_START = 1.25
 LATENCY_WINDOW_S = 60.0
 LATENCY_SAMPLES = 4096
 
 
+def regressors(work: StepFeatures) -> np.ndarray:
+    return np.array([1.0, work.decode_rows + work.prefill_tokens, work.decode_rows,
+                     work.context_tokens, work.prefill_context, work.swap_blocks], dtype=float)
+
+
 class StepCostModel:
     """Seconds of a step as a non-negative linear function of its `StepFeatures`: weighted least
-    squares, each step's weight decaying by FIT_DECAY per later step, with a small ridge."""
+    squares over `regressors`, each step's weight decaying by FIT_DECAY per later step, with a
+    small ridge; `coefficients` are the curve's (per decode row, per prefill token, ...)."""
 
     def __init__(self, decay: float = FIT_DECAY, ridge: float = RIDGE):
         self.decay, self.ridge = decay, ridge
-        n = len(COEFFICIENTS)
+        n = len(SCALE)
         self._gram = np.zeros((n, n))
         self._moment = np.zeros(n)
         self.steps = 0
         self.max_decode_rows = 0  # the largest decode step seen: how far the fit has explored
         self._theta: np.ndarray | None = None
+        # the warm-up's steps, never forgotten (`keep_as_prior`): where a serving group's size
+        # barely varies, they still say what one more stream costs
+        self._prior_gram = np.zeros((n, n))
+        self._prior_moment = np.zeros(n)
+
+    def keep_as_prior(self, weight: float = PRIOR_WEIGHT) -> None:
+        """Keep the steps seen so far as a prior worth `weight` steps that never decays; the
+        fit starts afresh on top of it."""
+        total = self._gram[0, 0]  # the decayed count of steps (the constant regressor's)
+        if total <= 0:
+            return
+        self._prior_gram = self._gram * (weight / total)
+        self._prior_moment = self._moment * (weight / total)
+        self._gram = np.zeros_like(self._gram)
+        self._moment = np.zeros_like(self._moment)
+        self._theta = None
 
     def observe(self, work: StepFeatures, seconds: float) -> None:
         if seconds <= 0 or not math.isfinite(seconds):
             return
-        x = np.asarray(work.vector()) * SCALE
+        x = regressors(work) * SCALE
         self._gram = self.decay * self._gram + np.outer(x, x)
         self._moment = self.decay * self._moment + x * seconds
         self.steps += 1
@@ -74,22 +101,26 @@ class StepCostModel:
         self._theta = None
 
     def coefficients(self) -> np.ndarray:
-        """Seconds per unit of each feature (non-negative; zeros before any step)."""
+        """Seconds per unit of each of the curve's features (COEFFICIENTS' order: base, decode
+        row, context token, prefill token, prefill context, swap block); non-negative, zeros
+        before any step."""
         if self._theta is None:
-            self._theta = self._solve() * SCALE
+            base, token, row, context, prefill_context, swap = self._solve() * SCALE
+            self._theta = np.array([base, token + row, context, token, prefill_context, swap])
         return self._theta
 
     def _solve(self) -> np.ndarray:
         """Ridge least squares with every coefficient >= 0: solve, drop the negative ones, solve
-        the rest again (six features: a few rounds at most)."""
-        n = len(COEFFICIENTS)
+        the rest again (six regressors: a few rounds at most)."""
+        n = len(SCALE)
         theta = np.zeros(n)
         if self.steps == 0:
             return theta
         active = list(range(n))
+        gram_all, moment_all = self._gram + self._prior_gram, self._moment + self._prior_moment
         while active:
-            gram = self._gram[np.ix_(active, active)] + self.ridge * np.eye(len(active))
-            solution = np.linalg.solve(gram, self._moment[active])
+            gram = gram_all[np.ix_(active, active)] + self.ridge * np.eye(len(active))
+            solution = np.linalg.solve(gram, moment_all[active])
             if (solution >= 0).all():
                 theta[active] = solution
                 return theta
@@ -290,8 +321,8 @@ class Pace:
         if limit is None or not self.model.steps:
             return True
         curve = self.curve()
-        ok = len(group) <= self.explored_rows() and \
-            curve.turn_seconds(self._steady(group)) <= limit * (1 - PREFILL_RESERVE)
+        work = self._steady(group).plus(StepFeatures.of_prefill(MIN_PREFILL_TOKENS))
+        ok = len(group) <= self.explored_rows() and curve.turn_seconds(work) <= limit
         if not ok:
             self.deferred += 1
         return ok
@@ -318,8 +349,9 @@ class Pace:
             cap = self.explored_rows() - len(held)
             n = 0
             while n < min(room, cap):
-                work = steady.plus(StepFeatures(n + 1, int((n + 1) * newcomer)))
-                if curve.turn_seconds(work) > limit * (1 - PREFILL_RESERVE):
+                work = steady.plus(StepFeatures(n + 1, int((n + 1) * newcomer))).plus(
+                    StepFeatures.of_prefill(MIN_PREFILL_TOKENS))
+                if curve.turn_seconds(work) > limit:
                     break
                 n += 1
             room = n
@@ -437,4 +469,5 @@ def warm_up(engine, seed: int = 0) -> float:
     scheduler.num_generated_tokens, scheduler.num_prefill_tokens_computed = counters
     scheduler.pace = paced
     engine.pace._last_end = None
+    engine.pace.model.keep_as_prior()
     return time.perf_counter() - started
