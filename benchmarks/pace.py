@@ -5,7 +5,7 @@
     .venv/bin/python -m benchmarks.pace --quick          # a short try
 
 1. **A trace at twice the pace's capacity.** The target is set from the host: 1.5 x the median
-   step of one stream decoding alone, measured first. What one worker serves at that pace is
+   step of one stream decoding alone, measured first (`--target-factor`). What one worker serves at that pace is
    measured next (requests/s of a paced engine given a saturating queue); the trace then sends
    Poisson arrivals at twice that (chat-like: prompts of 16-128 tokens, 64-192 output tokens,
    greedy, `ignore_eos`) for `--trace-s` seconds. The same trace runs through an engine with
@@ -18,8 +18,9 @@
    through): the paced engine's ITL p99 (and the defaults', for contrast).
 3. **Two workers, one twice as slow** (`kvfleet worker` processes behind a gateway, an
    embedded Redis; on a host with 4 cores or more the slow one has half the fast one's threads,
-   on a smaller one each has one thread on a core of its own and the slow one's core is capped
-   at half by a CPU cgroup). The target is 1.5 x the slow worker's single-stream step. Each
+   each on cores of its own; on a smaller one each has one thread on a core of its own and the
+   slow one is capped at half a core by a CPU cgroup, the other half of its core left to Redis,
+   the gateway and the clients). The target is 1.5 x the slow worker's single-stream step. Each
    serves a closed loop of `--clients` streaming clients alone, then both together: each
    worker's ITL p99 (its own metric) and the fleet's tokens/s against the sum of each alone.
 
@@ -182,9 +183,10 @@ def engine_parts(args, log) -> dict:
     model = load_pretrained(resolve_model_path(DEFAULT_MODEL, None), "auto", "cpu")
     base = EngineConfig(device="cpu", dtype="auto", kv_memory=1 << 30)
     step_s = single_stream_step(model, base)
-    target_ms = round(1.5 * step_s * 1000, 1)
+    target_ms = round(args.target_factor * step_s * 1000, 1)
     paced = EngineConfig(**{**base.__dict__, "target_itl_ms": target_ms})
-    log(f"single-stream step {step_s * 1000:.1f} ms -> target ITL {target_ms} ms")
+    log(f"single-stream step {step_s * 1000:.1f} ms -> target ITL {target_ms} ms "
+        f"({args.target_factor} x)")
     capacity = capacity_at_pace(model, paced, args.capacity_s)
     rate = 2 * capacity
     log(f"a paced worker completes {capacity:.2f} requests/s; the trace: {rate:.2f}/s for "
@@ -304,25 +306,10 @@ class ClosedLoop:
         return count / seconds
 
 
-def histogram(url: str, name: str) -> dict[float, float]:
-    buckets = {}
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if line.startswith(name + "_bucket{"):
-            bound = line.split('le="')[1].split('"')[0]
-            buckets[float("inf") if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
-    return buckets
-
-
-def histogram_quantile(before: dict, after: dict, q: float) -> float:
-    """The upper bound of the bucket holding quantile q of what was observed in between."""
-    counts = {b: after[b] - before.get(b, 0.0) for b in after}
-    total = counts.get(float("inf"), 0.0)
-    if total == 0:
-        return float("nan")
-    for bound in sorted(counts):
-        if counts[bound] >= q / 100 * total:
-            return bound
-    return float("inf")
+def metric(url: str, name: str) -> float:
+    """A series' value from a worker's /metrics (summed over its labels)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url, timeout=10).text.splitlines()
+               if line.startswith(name + "{"))
 
 
 def fleet_part(args, log) -> dict:
@@ -330,6 +317,10 @@ def fleet_part(args, log) -> dict:
     threads_mode = cores >= 4
     log(f"part 3: {'threads' if threads_mode else 'one core each, the slow one capped at 50%'}")
     cap = None if threads_mode else CpuCap(0.5)
+    # Redis, the gateway and this process's clients on the cores no worker has (on a 2-core
+    # host the slow worker's core, whose other half its cap leaves to them)
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(range(3, cores)) if threads_mode else {1})
     server = EmbeddedRedis().start()
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-pace-"))
     common = ["--kv-memory", "1GiB", "--dtype", "auto", "--max-running", "64"]
@@ -348,10 +339,10 @@ def fleet_part(args, log) -> dict:
                 cap.add(proc.popen.pid)
         return proc
 
-    def metrics_url(fleet, name):
+    def beat(fleet, name) -> Heartbeat:
         client = connect(server.url)
         try:
-            return Heartbeat.decode(client.hgetall(fleet.keys.worker(name))).metrics_url
+            return Heartbeat.decode(client.hgetall(fleet.keys.worker(name)))
         finally:
             client.close()
 
@@ -361,39 +352,38 @@ def fleet_part(args, log) -> dict:
             fleet.start_gateway()
             for name in names:
                 start(fleet, name, target_ms)
-            urls = {name: metrics_url(fleet, name) for name in names}
-            before = {n: histogram(u, "kvfleet_worker_itl_seconds") for n, u in urls.items()}
             loop = ClosedLoop(fleet.url, args.clients, seed=len(names))
             rate = loop.run(args.fleet_warmup_s, args.fleet_s)
-            after = {n: histogram(u, "kvfleet_worker_itl_seconds") for n, u in urls.items()}
+            # each worker's own p99 over its last minute (the heartbeat's, exact)
+            beats = {n: beat(fleet, n) for n in names}
             return {"tokens_per_s": rate, "errors": len(loop.errors),
-                    "itl_p99_ms": {n: 1000 * histogram_quantile(before[n], after[n], 99)
-                                   for n in names}}
+                    "itl_p99_ms": {n: b.itl_p99_ms for n, b in beats.items()},
+                    "pace_streams": {n: b.pace_streams for n, b in beats.items()}}
         finally:
             fleet.stop()
 
     def slow_step_ms() -> float:
+        """The slow worker's mean time between tokens of one stream alone (its own metric)."""
         fleet = ProcessFleet(server.url, log_dir)
         try:
             fleet.start_gateway()
             start(fleet, "slow", None)
-            url = metrics_url(fleet, "slow")
-            httpx.post(f"{fleet.url}/v1/completions", timeout=600, json={
-                "model": DEFAULT_MODEL, "prompt": list(range(300, 400)), "max_tokens": 8,
-                "temperature": 0, "ignore_eos": True})
-            before = histogram(url, "kvfleet_worker_step_duration_seconds")
-            httpx.post(f"{fleet.url}/v1/completions", timeout=600, json={
-                "model": DEFAULT_MODEL, "prompt": list(range(400, 500)), "max_tokens": 64,
-                "temperature": 0, "ignore_eos": True})
-            after = histogram(url, "kvfleet_worker_step_duration_seconds")
-            return 1000 * histogram_quantile(before, after, 50)
+            url = beat(fleet, "slow").metrics_url
+            body = {"model": DEFAULT_MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            httpx.post(f"{fleet.url}/v1/completions", timeout=600,
+                       json=body | {"prompt": list(range(300, 400))})  # kernels warm
+            before = [metric(url, "kvfleet_worker_itl_seconds_" + k) for k in ("sum", "count")]
+            httpx.post(f"{fleet.url}/v1/completions", timeout=600,
+                       json=body | {"prompt": list(range(400, 500)), "max_tokens": 96})
+            after = [metric(url, "kvfleet_worker_itl_seconds_" + k) for k in ("sum", "count")]
+            return 1000 * (after[0] - before[0]) / (after[1] - before[1])
         finally:
             fleet.stop()
 
     try:
         step_ms = slow_step_ms()
         target_ms = round(1.5 * step_ms, 1)
-        log(f"slow worker's single-stream step <= {step_ms:.0f} ms (bucket) -> target {target_ms} ms")
+        log(f"slow worker's single-stream step {step_ms:.1f} ms -> target {target_ms} ms")
         alone = {name: serve([name], target_ms) for name in ("fast", "slow")}
         for name, result in alone.items():
             log(f"  {name} alone: {json.dumps(result)}")
@@ -404,6 +394,7 @@ def fleet_part(args, log) -> dict:
                 "fleet_over_sum": both["tokens_per_s"] / total if total else float("nan")}
     finally:
         server.stop()
+        os.sched_setaffinity(0, affinity)
         if cap is not None:
             cap.close()
 
@@ -411,6 +402,8 @@ def fleet_part(args, log) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=min(torch.get_num_threads(), 2))
+    parser.add_argument("--target-factor", type=float, default=1.5,
+                        help="the ITL target over the single-stream step (parts 1 and 2)")
     parser.add_argument("--trace-s", type=float, default=40.0)
     parser.add_argument("--capacity-s", type=float, default=40.0)
     parser.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8])
@@ -442,7 +435,7 @@ def main(argv=None) -> int:
         target = engine["target_itl_ms"]
         paced = engine["runs"][0]
         default = engine["runs"][1]
-        log(f"\ntarget ITL {target} ms (1.5 x {engine['single_step_ms']:.1f} ms)")
+        log(f"\ntarget ITL {target} ms ({args.target_factor} x {engine['single_step_ms']:.1f} ms)")
         log(f"paced:   ITL p99 {paced['itl_p99_ms']:.1f} ms, {paced['tokens_per_s']:.1f} tok/s, "
             f"TTFT p50 {paced['ttft_p50_s']:.2f} s")
         log(f"default: ITL p99 {default['itl_p99_ms']:.1f} ms, "

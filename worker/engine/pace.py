@@ -248,7 +248,6 @@ class Pace:
             else config.target_itl_ms
         self.floor_s = floor / 1000
         self.honours_requests = config.min_target_itl_ms is not None or config.target_itl_ms > 0
-        self.max_running = config.max_running
         self.max_batched_tokens = config.max_batched_tokens
         self.model = StepCostModel()
         self.margin = QuantileTracker()
@@ -321,7 +320,9 @@ class Pace:
         if limit is None or not self.model.steps:
             return True
         curve = self.curve()
-        work = self._steady(group).plus(StepFeatures.of_prefill(MIN_PREFILL_TOKENS))
+        # its prompt's last chunk, the dearest (it attends to the whole prompt), still fits
+        last_chunk = StepFeatures.of_prefill(MIN_PREFILL_TOKENS, seq.num_tokens)
+        work = self._steady(group).plus(last_chunk)
         ok = len(group) <= self.explored_rows() and curve.turn_seconds(work) <= limit
         if not ok:
             self.deferred += 1
@@ -350,7 +351,7 @@ class Pace:
             n = 0
             while n < min(room, cap):
                 work = steady.plus(StepFeatures(n + 1, int((n + 1) * newcomer))).plus(
-                    StepFeatures.of_prefill(MIN_PREFILL_TOKENS))
+                    StepFeatures.of_prefill(MIN_PREFILL_TOKENS, int(self._prompt_tokens)))
                 if curve.turn_seconds(work) > limit:
                     break
                 n += 1
@@ -441,7 +442,7 @@ def step_features(sched) -> StepFeatures:
 
 def warm_up(engine, seed: int = 0) -> float:
     """--pace-warmup, before the first request: time a sweep of decode groups (1 to
-    max_running streams, doubling, on short prompts) and of prefill chunks (a quarter and the
+    max_running streams, doubling, on 4-token prompts) and of prefill chunks (a quarter and the
     whole of max_batched_tokens), on random tokens, so the fit starts from measured steps;
     seconds spent. Nothing of it stays in the engine (the prompts skip the prefix cache;
     counters are put back)."""
@@ -453,9 +454,9 @@ def warm_up(engine, seed: int = 0) -> float:
     rng = random.Random(seed)
     size, rounds = 1, []
     while size < config.max_running:
-        rounds.append([16] * size)
+        rounds.append([4] * size)
         size *= 2
-    rounds.append([16] * config.max_running)
+    rounds.append([4] * config.max_running)
     rounds += [[max(config.max_batched_tokens // 4, 2)], [config.max_batched_tokens]]
     for number, prompts in enumerate(rounds):
         for i, length in enumerate(prompts):
