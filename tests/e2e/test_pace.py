@@ -11,20 +11,20 @@ the single-stream step."""
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
 import pytest
 import torch
 
+from benchmarks.pace import single_stream_step
 from shared.models import DEFAULT_MODEL, resolve_model_path
 from shared.redis_connect import connect
-from shared.wire import Heartbeat, SamplingParams
+from shared.wire import Heartbeat
 from tests.e2e.test_drain import metric_total
 from tests.e2e.test_failover import request_body, run_all
 from tests.helpers.processes import ProcessFleet
-from worker.engine.engine import Engine, EngineConfig, load_pretrained
+from worker.engine.engine import EngineConfig, load_pretrained
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -38,15 +38,8 @@ def single_stream_step_s() -> float:
     torch.set_num_threads(1)
     try:
         model = load_pretrained(resolve_model_path(DEFAULT_MODEL, None), "auto", "cpu")
-        engine = Engine(model, EngineConfig(device="cpu", dtype="auto", kv_memory=64 << 20))
-        engine.add_request("one", list(range(300, 340)),
-                           SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-        times = []
-        while engine.has_unfinished():
-            started = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times[5:])
+        return single_stream_step(model, EngineConfig(device="cpu", dtype="auto",
+                                                      kv_memory=64 << 20))
     finally:
         torch.set_num_threads(threads)
 
