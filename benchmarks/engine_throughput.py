@@ -36,9 +36,9 @@ import torch
 
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from shared.wire import SamplingParams
+from benchmarks.roofline import ModelCost, peak_product_rate, read_bandwidth
 from benchmarks.vllm_peer import SETUP_HINT, SETUPS, describe_setup, run_offline, vllm_python
 from shared.cpu_features import cpu_features
-from worker.engine.cpu_linear import product
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.device import resolve_dtype
 
@@ -167,35 +167,6 @@ def run_hf_continuous_batching(model, requests: list[Request]) -> Result:
 # ---- decode throughput vs roofline --------------------------------------------------------------
 
 
-def matmul_flops_per_s(dtype: torch.dtype, rows: int, repeats: int = 50) -> float:
-    """FLOP/s of a [rows, 576] x [576, 1536] product (the model's MLP shape) as the engine runs
-    it: through a pre-packed weight where this CPU packs the dtype (cpu_linear.py); best of 3."""
-    x = torch.randn(rows, 576, dtype=dtype)
-    linear = product(torch.nn.Linear(576, 1536, bias=False, dtype=dtype))
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(5):
-            linear(x)
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(repeats):
-                linear(x)
-            best = min(best, time.perf_counter() - start)
-    return 2 * rows * 576 * 1536 * repeats / best
-
-
-def read_bytes_per_s(num_bytes: int, passes: int = 5) -> float:
-    """Memory read bandwidth over a buffer of `num_bytes` (a sum over it; best of `passes`)."""
-    buffer = torch.ones(max(num_bytes // 4, 1 << 20), dtype=torch.float32)
-    best = float("inf")
-    buffer.sum()
-    for _ in range(passes):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best
-
-
 def decode_throughput(model, requests: list[Request], streams: int, steps: int,
                       config: EngineConfig) -> tuple[float, float]:
     """Output tokens/s of pure decode steps with `streams` sequences running, and their mean
@@ -253,9 +224,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-setups", default="tuned",
                    help="vLLM runs at each dtype, one per setup: tuned (its CPU guide's: every "
                         "core, tcmalloc + Intel OpenMP; its fastest here) and/or defaults")
-    p.add_argument("--decode-streams", type=int, default=32)
+    p.add_argument("--decode-streams", default="1,32",
+                   help="comma-separated running streams to measure decode at")
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--prefill-prompts", type=int, default=4,
+                   help="random prompts whose prefill is timed against the peak (0: none)")
+    p.add_argument("--prefill-len", type=int, default=256)
+    p.add_argument("--skip-roofline", action="store_true",
+                   help="no prefill/decode measurement against the CPU's ceilings")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
@@ -292,7 +269,7 @@ def main(argv=None) -> int:
     results: list[Result] = []
     outputs: dict[str, list[list[int]]] = {}
     startups: dict[str, float] = {}
-    vllm_decode: dict[str, float | None] = {}
+    vllm_runs: dict[str, object] = {}
     for name in dtypes:
         for i, backend in enumerate(args.attention_backends.split(",")):
             label = f"{name}{' = auto' if name == auto else ''}"
@@ -303,14 +280,16 @@ def main(argv=None) -> int:
                 path, requests, engine_config(args, name, backend), args.repeats, label)
             results.append(ours)
         for j, setup in enumerate(setups if vllm is not None else ()):
-            # the decode measurement at auto's dtype shares the first setup's run and start-up
-            streams = args.decode_streams if name == auto and not args.skip_decode and j == 0 else 0
+            # the roofline measurements at auto's dtype share the first setup's run and start-up
+            measured = name == auto and not args.skip_roofline and j == 0
             run = run_offline(vllm, path, [r.prompt for r in requests],
-                              [r.max_tokens for r in requests], name, args.max_running, streams,
-                              setup=setup)
+                              [r.max_tokens for r in requests], name, args.max_running,
+                              tuple(decode_streams(args)) if measured else (), setup=setup,
+                              prefill_prompts=prefill_prompts(args)
+                              if measured else None)
             label = name if len(setups) == 1 else f"{name}, {setup}"
             if j == 0:
-                vllm_decode[name] = run.decode_tokens_per_s
+                vllm_runs[name] = run
             outputs[f"vLLM {label}"], startups[f"vLLM {label}"] = run.outputs, run.startup_s
             results.append(Result(f"vLLM {run.version}, {label}", sum(map(len, run.outputs)),
                                   run.seconds, f"start-up {run.startup_s:.0f} s"))
@@ -335,8 +314,8 @@ def main(argv=None) -> int:
     report["agreement"] = agreement_section(outputs)
     print("\nstart-up to the first token (engine built from the model directory, one token out): "
           + ", ".join(f"{k} {v:.1f} s" for k, v in startups.items()))
-    if not args.skip_decode:
-        report["decode"] = decode_section(args, path, requests, auto, vllm_decode.get(auto))
+    if not args.skip_roofline:
+        report["roofline"] = roofline_section(args, path, requests, auto, vllm_runs.get(auto))
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
@@ -393,42 +372,97 @@ def agreement_section(outputs: dict[str, list[list[int]]]) -> dict:
     return report
 
 
-def decode_section(args, path: str, requests: list[Request], dtype: str,
-                   vllm_tps: float | None) -> dict:
-    """kvfleet's decode tokens/s at --decode-streams beside the roofline measured now (and vLLM's,
-    measured in its offline run at the same dtype and streams).
+def prefill_prompts(args) -> list[list[int]]:
+    """--prefill-prompts seeded random prompts of --prefill-len tokens (every token computed: no
+    prefix is shared; ids below 16,000, inside every vocabulary here)."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 16000, (args.prefill_len,), generator=g).tolist()
+            for _ in range(args.prefill_prompts)]
 
-    The roofline is the step's floor: every weight read once and every stream's K/V read once
-    (bytes over the read bandwidth measured on a buffer of that size), or the step's products at
-    the best matmul rate measured (2 FLOPs per parameter per stream), whichever is longer."""
+
+def prefill_seconds(model, prompts: list[list[int]], config: EngineConfig) -> float:
+    """Seconds kvfleet's engine takes to compute these prompts (one token out each): the best
+    of two runs, each on a fresh engine (an empty prefix cache)."""
+    best = float("inf")
+    for _ in range(2):
+        engine = Engine(copy.deepcopy(model), config)
+        engine.generate(prompts[:1], greedy(1))  # first-call costs out of the timing
+        engine = Engine(copy.deepcopy(model), config)
+        start = time.perf_counter()
+        engine.generate(prompts, [greedy(1)] * len(prompts))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def roofline_section(args, path: str, requests: list[Request], dtype: str,
+                     vllm_run) -> dict:
+    """kvfleet's prefill and decode against this CPU's ceilings, measured now (and vLLM's, from
+    its offline run at the same dtype, prompts and streams).
+
+    Prefill: prompt FLOPs per second (benchmarks/roofline.py's count) over the peak product rate
+    measured at the model's largest linear shape, bf16 and float32. Decode at each of
+    --decode-streams: tokens/s over the memory roofline, the step's floor of reading every weight
+    and every stream's K/V once at the read bandwidth measured on a buffer of that size."""
     model = load_model(path, DTYPES[dtype])
-    num_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
-    elem = DTYPES[dtype].itemsize
-    config = engine_config(args, dtype)
-    tps, context = decode_throughput(model, requests, args.decode_streams, args.decode_steps, config)
+    cost = ModelCost.of(model)
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_bytes = (args.decode_streams * context * cfg.num_hidden_layers * 2
-                * cfg.num_key_value_heads * head_dim * elem)
-    step_bytes = num_params * elem + kv_bytes
-    bandwidth = read_bytes_per_s(int(step_bytes))
-    flops = {rows: matmul_flops_per_s(DTYPES[dtype], rows) for rows in (32, 64, 256)}
-    peak = max(flops.values())
-    step_floor = max(step_bytes / bandwidth, 2 * num_params * args.decode_streams / peak)
-    roofline = args.decode_streams / step_floor
-    print(f"\ndecode at {args.decode_streams} streams (mean context {context:.0f}), {dtype}: "
-          f"kvfleet {tps:.1f} tok/s; a step reads {step_bytes / 1e6:.0f} MB (weights "
-          f"{num_params * elem / 1e6:.0f}, K/V {kv_bytes / 1e6:.0f}) at {bandwidth / 1e9:.1f} GB/s "
-          f"read; matmul " + ", ".join(f"{r} rows {f / 1e9:.0f} GFLOP/s" for r, f in flops.items())
-          + f"; roofline {roofline:.1f} tok/s; kvfleet reaches {tps / roofline:.0%} of it")
-    report = {"streams": args.decode_streams, "dtype": dtype, "tokens_per_s": tps,
-              "mean_context": context, "step_bytes": step_bytes, "read_gb_per_s": bandwidth / 1e9,
-              "roofline_tokens_per_s": roofline, "matmul_gflops": {r: f / 1e9 for r, f in flops.items()}}
-    if vllm_tps:
-        report["vllm_tokens_per_s"] = vllm_tps
-        print(f"decode at {args.decode_streams} streams, {dtype}: vLLM {vllm_tps:.1f} tok/s "
-              f"({vllm_tps / roofline:.0%} of the roofline); kvfleet is {tps / vllm_tps:.2f}x")
+    shape = (cfg.hidden_size, cost.q_width if cost.num_experts > 1 else cfg.intermediate_size)
+    peaks = {name: peak_product_rate(t, *shape) for name, t in DTYPES.items()}
+    print(f"\npeak product rate at [512, {shape[0]}] x [{shape[0]}, {shape[1]}]: " + "; ".join(
+        f"{name} " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items()) + " GFLOP/s"
+        for name, rates in peaks.items()))
+    report: dict = {"dtype": dtype, "peak_gflops": {n: r["peak"] / 1e9 for n, r in peaks.items()},
+                    "products_gflops": {n: {k: v / 1e9 for k, v in r.items()}
+                                        for n, r in peaks.items()}}
+    config = engine_config(args, dtype)
+    peak = peaks[dtype]["peak"]
+    if args.prefill_prompts:
+        prompts = prefill_prompts(args)
+        flops = cost.prefill_flops([len(p) for p in prompts])
+        tokens = sum(map(len, prompts))
+        ours = prefill_seconds(model, prompts, config)
+        report["prefill"] = {"prompts": len(prompts), "tokens": tokens, "flops": flops,
+                             "kvfleet_tokens_per_s": tokens / ours,
+                             "kvfleet_of_peak": flops / ours / peak}
+        print(f"prefill of {len(prompts)} x {args.prefill_len} tokens, {dtype}: kvfleet "
+              f"{tokens / ours:.0f} tok/s = {flops / ours / 1e9:.0f} GFLOP/s, "
+              f"{flops / ours / peak:.0%} of the peak ({peak / 1e9:.0f})")
+        if vllm_run is not None and vllm_run.prefill_seconds:
+            theirs = vllm_run.prefill_seconds
+            report["prefill"] |= {"vllm_tokens_per_s": tokens / theirs,
+                                  "vllm_of_peak": flops / theirs / peak}
+            print(f"prefill, vLLM: {tokens / theirs:.0f} tok/s, {flops / theirs / peak:.0%} of "
+                  f"the peak; kvfleet is {theirs / ours:.2f}x")
+    report["decode"] = []
+    elem = DTYPES[dtype].itemsize
+    for streams in decode_streams(args):
+        tps, context = decode_throughput(model, requests, streams, args.decode_steps, config)
+        need = cost.decode_step_bytes(streams, context, elem)
+        bandwidth = read_bandwidth(int(need["total"]))
+        memory_roofline = streams * bandwidth / need["total"]
+        floor = max(need["total"] / bandwidth, cost.decode_step_flops(streams) / peak)
+        row = {"streams": streams, "mean_context": context, "kvfleet_tokens_per_s": tps,
+               "step_bytes": need, "read_gb_per_s": bandwidth / 1e9,
+               "memory_roofline_tokens_per_s": memory_roofline,
+               "roofline_tokens_per_s": streams / floor,
+               "kvfleet_of_memory_roofline": tps / memory_roofline}
+        print(f"decode at {streams} streams (mean context {context:.0f}), {dtype}: kvfleet "
+              f"{tps:.1f} tok/s; a step reads {need['total'] / 1e6:.0f} MB (weights "
+              f"{need['weights'] / 1e6:.0f}, K/V {need['kv'] / 1e6:.0f}) at {bandwidth / 1e9:.1f} "
+              f"GB/s: memory roofline {memory_roofline:.1f} tok/s, kvfleet at "
+              f"{tps / memory_roofline:.0%}; with the products at the peak rate: "
+              f"{streams / floor:.1f} tok/s, kvfleet at {tps * floor / streams:.0%}")
+        theirs = vllm_run.decode_tokens_per_s.get(streams) if vllm_run is not None else None
+        if theirs:
+            row["vllm_tokens_per_s"] = theirs
+            print(f"  vLLM {theirs:.1f} tok/s ({theirs / memory_roofline:.0%} of the memory "
+                  f"roofline); kvfleet is {tps / theirs:.2f}x")
+        report["decode"].append(row)
     return report
+
+
+def decode_streams(args) -> list[int]:
+    return [] if args.skip_decode else [int(n) for n in args.decode_streams.split(",")]
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--decode-streams", type=int, default=0, help="0: no decode measurement")
+    p.add_argument("--decode-streams", default="0",
+                   help="comma-separated stream counts to measure decode at; 0: none")
     p.add_argument("--decode-steps", type=int, default=20)
     return p.parse_args(argv)
 
@@ -58,9 +59,11 @@ def main(argv=None) -> int:
     result = {"startup_s": startup_s, "seconds": seconds,
               "outputs": [list(o.outputs[0].token_ids) for o in outputs],
               "vllm_version": __import__("vllm").__version__}
-    if args.decode_streams:
-        result["decode_tokens_per_s"] = decode_rate(llm, prompts, args.decode_streams,
-                                                    args.decode_steps, SamplingParams)
+    streams = [int(n) for n in args.decode_streams.split(",") if int(n) > 0]
+    result["decode_tokens_per_s"] = {n: decode_rate(llm, prompts, n, args.decode_steps,
+                                                    SamplingParams) for n in streams}
+    if spec.get("prefill_prompts"):
+        result["prefill_seconds"] = prefill_seconds(llm, spec["prefill_prompts"], SamplingParams)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0
@@ -81,6 +84,19 @@ def decode_rate(llm, prompts, streams: int, steps: int, sampling_params_cls) -> 
     timed(1)  # warm up: the prefix cache now holds these prompts in both timed runs
     short, long = timed(1), timed(1 + steps)
     return streams * steps / max(long - short, 1e-9)
+
+
+def prefill_seconds(llm, prompts: list[list[int]], sampling_params_cls) -> float:
+    """Seconds to compute these prompts (one token out each); the best of two runs, each after
+    its prefix cache is reset, so that every prompt token is computed."""
+    params = sampling_params_cls(max_tokens=1, temperature=0.0, ignore_eos=True)
+    best = float("inf")
+    for _ in range(2):
+        llm.reset_prefix_cache()
+        started = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 if __name__ == "__main__":

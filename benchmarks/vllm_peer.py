@@ -77,26 +77,33 @@ class VllmOfflineRun:
     seconds: float  # the requests' generate call
     outputs: list[list[int]]
     version: str
-    decode_tokens_per_s: float | None
+    decode_tokens_per_s: dict[int, float]  # by running streams
+    prefill_seconds: float | None  # of the prefill prompts, where some were given
 
 
 def run_offline(python: Path, model_dir: str, prompts: list[list[int]], max_tokens: list[int],
-                dtype: str, max_num_seqs: int, decode_streams: int = 0,
-                timeout_s: float = 3600, setup: str = "tuned") -> VllmOfflineRun:
-    """Run benchmarks/vllm_offline.py in vLLM's virtualenv on these requests."""
+                dtype: str, max_num_seqs: int, decode_streams: tuple[int, ...] = (),
+                timeout_s: float = 3600, setup: str = "tuned",
+                prefill_prompts: list[list[int]] | None = None) -> VllmOfflineRun:
+    """Run benchmarks/vllm_offline.py in vLLM's virtualenv on these requests; decode measured
+    at each of `decode_streams`, the prefill of `prefill_prompts` timed."""
     with tempfile.TemporaryDirectory(prefix="kvfleet-vllm-") as tmp:
         spec, out = Path(tmp) / "requests.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens}))
+        spec.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
+                                    "prefill_prompts": prefill_prompts or []}))
         command = [str(python), "-m", "benchmarks.vllm_offline", "--model", model_dir,
                    "--requests", str(spec), "--out", str(out), "--dtype", dtype,
-                   "--max-num-seqs", str(max_num_seqs), "--decode-streams", str(decode_streams)]
+                   "--max-num-seqs", str(max_num_seqs),
+                   "--decode-streams", ",".join(map(str, decode_streams)) or "0"]
         done = subprocess.run(command, cwd=REPO, env=vllm_env(python, setup), capture_output=True, text=True,
                               timeout=timeout_s)
         if done.returncode != 0:
             raise RuntimeError(f"vLLM offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
         result = json.loads(out.read_text())
     return VllmOfflineRun(result["startup_s"], result["seconds"], result["outputs"],
-                          result["vllm_version"], result.get("decode_tokens_per_s"))
+                          result["vllm_version"],
+                          {int(k): v for k, v in result.get("decode_tokens_per_s", {}).items()},
+                          result.get("prefill_seconds"))
 
 
 class VllmServer:

@@ -18,6 +18,7 @@ from shared.byte_size import ByteSize
 AttentionBackend = Literal["auto", "sdpa", "cpu", "triton"]
 CudaGraphsMode = Literal["auto", "off", "eager"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "dummy"]
 KvDtype = Literal["auto", "bf16", "fp16", "fp32", "fp8", "int8"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
 
@@ -94,6 +95,11 @@ class EngineConfig:
         "weights and activations: `auto` (bf16 on CUDA and on CPUs with native bf16, AMX or "
         "AVX512-BF16; float32 where bf16 is emulated, AVX2 only), `float32`, `bfloat16`, "
         "`float16`"))
+    load_format: LoadFormat = Field("auto", description=(
+        "how weights load (vLLM's spelling): `auto` (the model directory's safetensors), `dummy` "
+        "(the directory's config with seeded random weights, no weight file read: benchmarks "
+        "of a model's shape; answers are nonsense). `--model random:<shape>` is a directory of "
+        "random weights both kvfleet and a peer can load (shared/model_shapes.py)"))
     # The byte sizes are also taken as `kv_memory_bytes=` / `swap_space_bytes=` and read as the
     # properties of those names: what the engine and its callers write.
     kv_memory: ByteSize = Field(

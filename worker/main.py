@@ -58,7 +58,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = with_draft_model_path(config, tokenizer, settings.cache_dir)
     # every rank loads its own copy (with one rank: this process)
-    load = functools.partial(load_pretrained, path, config.dtype, config.device)
+    load = functools.partial(load_pretrained, path, config.dtype, config.device,
+                             config.load_format)
     engine = launch_engine(load, config, tokenizer=tokenizer, num_threads=threads)  # logs its budget
     if config.pace_warmup and engine.pace.enabled:
         log.info("pace warm-up: %.1f s; step cost %s", warm_up(engine),

@@ -246,3 +246,38 @@ def test_linears_take_kvfleets_product_on_avx512_cpus_without_amx(products_env, 
     assert products_env("kvfleet")(torch.float16) is False  # no such product: F.linear stays
     with pytest.raises(ValueError, match="expected one of auto, onednn, kvfleet"):
         products_env("fastest")(dtype)
+
+
+@pytest.fixture
+def bf16_form_env(monkeypatch):
+    """Set KVFLEET_CPU_BF16_PRODUCT for one test; the cached form is chosen again around it."""
+    def choose(value: str):
+        monkeypatch.setenv("KVFLEET_CPU_BF16_PRODUCT", value)
+        cpu_linear.bf16_form.cache_clear()
+        return cpu_linear.bf16_form
+    yield choose
+    monkeypatch.delenv("KVFLEET_CPU_BF16_PRODUCT", raising=False)
+    cpu_linear.bf16_form.cache_clear()
+
+
+@pytest.mark.skipif(not _FAST[torch.bfloat16], reason="kvfleet's bf16 product needs AVX512-BF16")
+def test_the_bf16_product_form_is_measured_or_named(bf16_form_env):
+    """auto times both forms and takes one; dot and fma are taken as named, the linear computing
+    in that form (answers within a bf16 rounding of each other); another value is refused by
+    the variable's name."""
+    assert bf16_form_env("auto")() in ("dot", "fma")
+    torch.manual_seed(11)
+    linear = torch.nn.Linear(256, 96).to(torch.bfloat16)
+    x = torch.randn(9, 256, dtype=torch.bfloat16)
+    outputs = {}
+    for form, code in cpu_linear.BF16_FORM_CODES.items():
+        assert bf16_form_env(form)() == form
+        product = KernelLinear(linear)
+        assert product._code == code
+        outputs[form] = product(x).double()
+        assert ({"dot": "vdpbf16ps", "fma": "fp32 FMAs"}[form]
+                in cpu_linear.products_report(torch.bfloat16))
+    scale = outputs["dot"].abs().max().item()
+    assert (outputs["dot"] - outputs["fma"]).abs().max().item() <= 2 ** -7 * scale
+    with pytest.raises(ValueError, match="KVFLEET_CPU_BF16_PRODUCT='wide'"):
+        bf16_form_env("wide")()

@@ -81,6 +81,40 @@ def own_product(dtype: torch.dtype, invariant: bool = False) -> bool:
     return supported == FAST or (supported == PORTABLE and (invariant or choice == "kvfleet"))
 
 
+BF16_FORM_CODES = {"dot": 1, "fma": 2}  # kvfleet_linear's dtype argument for each bf16 form
+
+
+@functools.cache
+def bf16_form() -> str:
+    """How kvfleet's bf16 product sums here: `dot` (vdpbf16ps) or `fma` (fp32 FMAs over the
+    widened weights): KVFLEET_CPU_BF16_PRODUCT, else the faster of the two timed now on a
+    compute-bound product (64 rows, 1024 x 1024; ~0.1 s, once per process). `fma` must be
+    clearly faster (by 5 %): where the two are level the choice should not flip on noise. In a
+    portable build the forms are one product (`dot`)."""
+    choice = KernelSettings().cpu_bf16_product
+    matmul = matmul_kernel()
+    if choice != "auto" or matmul.kvfleet_linear_supported(BF16_FORM_CODES["fma"]) != FAST:
+        return "dot" if choice == "auto" else choice
+    import time
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 1024, generator=generator).to(torch.bfloat16)
+    packed = torch.empty(1024 * 1024, dtype=torch.bfloat16)
+    _check(matmul.kvfleet_pack_linear(1, weight.data_ptr(), 1024, 1024, packed.data_ptr(),
+                                      torch.get_num_threads()), "kvfleet_pack_linear")
+    x = torch.randn(64, 1024, generator=generator).to(torch.bfloat16)
+    y = torch.empty(64, 1024, dtype=torch.bfloat16)
+    best = {}
+    for _ in range(3):
+        for form, code in BF16_FORM_CODES.items():
+            start = time.perf_counter()
+            for _ in range(10):
+                matmul.kvfleet_linear(code, x.data_ptr(), 64, 1024, 1024, packed.data_ptr(), 1024,
+                                      None, y.data_ptr(), 1024, torch.get_num_threads())
+            best[form] = min(best.get(form, float("inf")), time.perf_counter() - start)
+    return "fma" if best["fma"] < 0.95 * best["dot"] else "dot"
+
+
 def packs(dtype: torch.dtype, invariant: bool = False) -> bool:
     """A linear of this dtype computes faster here through a packed weight (ours or oneDNN's);
     `invariant`: or batch-invariantly through ours."""
@@ -100,7 +134,9 @@ def products_report(dtype: torch.dtype, invariant: bool = False) -> str:
     """What computes the linears of a CPU model in this dtype, for the start-up log."""
     if own_product(dtype, invariant):
         portable = matmul_kernel().kvfleet_linear_supported(DTYPE_CODES[dtype]) == PORTABLE
-        return f"in kvfleet's {'portable ' if portable else ''}product (cpu_matmul.cpp)"
+        form = ("" if portable or dtype != torch.bfloat16 else
+                {"dot": ", vdpbf16ps", "fma": ", bf16 weights summed with fp32 FMAs"}[bf16_form()])
+        return f"in kvfleet's {'portable ' if portable else ''}product (cpu_matmul.cpp{form})"
     if packing_available(dtype):
         return "in oneDNN, weights packed"
     return "in F.linear"
@@ -130,7 +166,9 @@ class KernelLinear(torch.nn.Module):
                                                                         requires_grad=False)
         self._bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
         # what every call passes, looked up once (a decode step makes ~4 calls per layer)
-        self._code, self._kvfleet_linear = DTYPE_CODES[self.dtype], matmul.kvfleet_linear
+        self._code = (BF16_FORM_CODES[bf16_form()] if self.dtype == torch.bfloat16
+                      else DTYPE_CODES[self.dtype])
+        self._kvfleet_linear = matmul.kvfleet_linear
         self._weight_ptr = self.packed_weight.data_ptr()
         self._bias_ptr = None if self._bias32 is None else self._bias32.data_ptr()
 

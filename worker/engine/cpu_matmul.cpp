@@ -1,5 +1,7 @@
 // Linear layers on CPUs with AVX-512: y = x W^T (+ bias), fp32 sums, out in the input's dtype.
-// bf16 (dtype 1) needs AVX512-BF16 (vdpbf16ps); float32 (dtype 0) any AVX-512 CPU (FMA).
+// bf16 needs AVX512-BF16, in one of two forms: dtype 1 sums column pairs with vdpbf16ps, dtype 2
+// widens the weights to fp32 and sums with FMAs (Bf16Fma below; faster where vdpbf16ps issues at
+// half the FMA rate); float32 (dtype 0) any AVX-512 CPU (FMA).
 //
 // The weight [n, k] is packed once (kvfleet_pack_linear) into blocks of 16 output rows, each block
 // its k columns (bf16: k/2 column pairs) for the 16 rows side by side: [n/16][k][16] float32,
@@ -16,7 +18,8 @@
 // x (outputs are bit-identical across thread counts and batch compositions).
 //
 // Tiles: up to 4 rows against 4 blocks (64 outputs) when x has at most 4 rows (the weight loads
-// are what costs), else 8 rows against 3 blocks (24 sums in registers: the products are).
+// are what costs), else 8 rows against 3 blocks (24 sums in registers: the products are; Bf16Fma
+// 8 against 2, its even and odd columns taking registers of their own).
 //
 // Where the CPU has no AVX-512 (float32) or no AVX512-BF16 (bf16), or in a build with
 // KVFLEET_MATMUL_PORTABLE (as a test makes one), a portable product of the same packed weights
@@ -35,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "cpu_matmul.h"
@@ -46,36 +50,73 @@ constexpr int kPrefetchSteps = 16;  // a block's columns (pairs) requested ahead
 
 #if defined(__AVX512F__)
 struct F32 {  // one column per step
-    using T = float;
+    using X = float;
+    using W = float;
+    using Y = float;
     static constexpr int kPer = 1;
-    static __m512 weights(const float* at) { return _mm512_loadu_ps(at); }
-    static __m512 value(const float* row, int64_t q) { return _mm512_set1_ps(row[q]); }
-    static __m512 last(const float* row, int64_t q, int64_t) { return value(row, q); }
+    static constexpr int kSub = 1;
+    static constexpr int kLargeRows = 8, kLargeBlocks = 3;
+    static __m512 load(const float* at) { return _mm512_loadu_ps(at); }
+    static __m512 sub(__m512 raw, int) { return raw; }
+    static __m512 value(const float* row, int64_t q, int) { return _mm512_set1_ps(row[q]); }
+    static __m512 last(const float* row, int64_t q, int64_t, int s) { return value(row, q, s); }
     static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
     static void store(__m512 v, float* out, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
 };
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-struct Bf16 {  // one column pair per step
-    using T = uint16_t;
+struct Bf16 {  // one column pair per step (vdpbf16ps)
+    using X = uint16_t;
+    using W = uint16_t;
+    using Y = uint16_t;
     static constexpr int kPer = 2;
-    static __m512 weights(const uint16_t* at) { return _mm512_castsi512_ps(_mm512_loadu_si512(at)); }
+    static constexpr int kSub = 1;
+    static constexpr int kLargeRows = 8, kLargeBlocks = 3;
+    static __m512 load(const uint16_t* at) { return _mm512_castsi512_ps(_mm512_loadu_si512(at)); }
+    static __m512 sub(__m512 raw, int) { return raw; }
     // the row's column pair q as one 32-bit word broadcast
-    static __m512 value(const uint16_t* row, int64_t q) {
+    static __m512 value(const uint16_t* row, int64_t q, int) {
         int32_t pair;
         std::memcpy(&pair, row + 2 * q, 4);
         return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
     }
     // the last pair: of an odd k, its one column alone (the second half zero, as the packed
     // weight's is)
-    static __m512 last(const uint16_t* row, int64_t q, int64_t k) {
-        return k % 2 ? _mm512_castsi512_ps(_mm512_set1_epi32(row[2 * q])) : value(row, q);
+    static __m512 last(const uint16_t* row, int64_t q, int64_t k, int s) {
+        return k % 2 ? _mm512_castsi512_ps(_mm512_set1_epi32(row[2 * q])) : value(row, q, s);
     }
     static __m512 fma(__m512 acc, __m512 w, __m512 x) {
         return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(w),
                                 (__m512bh)_mm512_castps_si512(x));
     }
+    static void store(__m512 v, uint16_t* out, __mmask16 mask) {
+        _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+};
+// bf16 weights summed with fp32 FMAs (dtype 2): the packed column pair's two columns widened
+// to fp32 (the high half of each 32-bit word is the odd column, the low half shifted up the
+// even one), x widened to fp32 once per call (its rows k rounded up to even, the pad zero); each
+// output summed over its columns in order, one FMA per column: the portable product's sums, bit
+// for bit. Where vdpbf16ps issues at half the rate of fp32 FMAs (seen on Xeons without AMX), the
+// products run twice as fast at prefill and many-stream decode sizes; cpu_linear.py measures
+// both forms and takes the faster.
+struct Bf16Fma {
+    using X = float;
+    using W = uint16_t;
+    using Y = uint16_t;
+    static constexpr int kPer = 2;
+    static constexpr int kSub = 2;
+    static constexpr int kLargeRows = 8, kLargeBlocks = 2;  // 16 sums + 4 weight vectors
+    static __m512i load(const uint16_t* at) { return _mm512_loadu_si512(at); }
+    static __m512 sub(__m512i raw, int s) {
+        return _mm512_castsi512_ps(s == 0 ? _mm512_slli_epi32(raw, 16)
+                                          : _mm512_and_si512(raw, _mm512_set1_epi32(
+                                                static_cast<int>(0xFFFF0000u))));
+    }
+    static __m512 value(const float* row, int64_t q, int s) { return _mm512_set1_ps(row[2 * q + s]); }
+    static __m512 last(const float* row, int64_t q, int64_t, int s) { return value(row, q, s); }
+    static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
     static void store(__m512 v, uint16_t* out, __mmask16 mask) {
         _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
@@ -88,12 +129,12 @@ int64_t steps_of(int64_t k, int per) { return (k + per - 1) / per; }
 #if defined(__AVX512F__)
 template <typename D>
 struct Product {
-    const typename D::T* x;
+    const typename D::X* x;
     int64_t x_stride, k;
-    const typename D::T* w;  // packed
+    const typename D::W* w;  // packed
     int64_t n;
     const float* bias;  // n floats, or null
-    typename D::T* y;
+    typename D::Y* y;
     int64_t y_stride;
 };
 
@@ -101,27 +142,58 @@ struct Product {
 template <typename D, int R, int B>
 void tile(const Product<D>& p, int64_t row, int64_t block) {
     const int64_t steps = steps_of(p.k, D::kPer), block_elems = steps * D::kPer * kLanes;
-    const typename D::T* w = p.w + block * block_elems;
-    const typename D::T* x = p.x + row * p.x_stride;
+    const typename D::W* w = p.w + block * block_elems;
+    const typename D::X* x = p.x + row * p.x_stride;
     __m512 acc[R][B];
     for (int r = 0; r < R; ++r)
         for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
-    auto step = [&](int64_t q, bool last) {
-        __m512 wv[B];
-        for (int b = 0; b < B; ++b) {
-            const typename D::T* at = w + b * block_elems + q * D::kPer * kLanes;
-            _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchSteps * D::kPer * kLanes),
-                         _MM_HINT_T0);
-            wv[b] = D::weights(at);
+    if constexpr (D::kSub == 2) {
+        // Bf16Fma: per column pair, its even column then its odd (x is padded: no last step).
+        // Plain loops: behind a lambda GCC kept the sums on the stack (a load and a store per
+        // FMA), at about half the FMA rate.
+        for (int64_t q = 0; q < steps; ++q) {
+            __m512 even[B], odd[B];
+#pragma GCC unroll 8
+            for (int b = 0; b < B; ++b) {
+                const typename D::W* at = w + b * block_elems + q * D::kPer * kLanes;
+                _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchSteps * D::kPer * kLanes),
+                             _MM_HINT_T0);
+                const auto raw = D::load(at);
+                even[b] = D::sub(raw, 0);
+                odd[b] = D::sub(raw, 1);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const typename D::X* xr = x + r * p.x_stride;
+                const __m512 xe = D::value(xr, q, 0);
+#pragma GCC unroll 8
+                for (int b = 0; b < B; ++b) acc[r][b] = D::fma(acc[r][b], even[b], xe);
+                const __m512 xo = D::value(xr, q, 1);
+#pragma GCC unroll 8
+                for (int b = 0; b < B; ++b) acc[r][b] = D::fma(acc[r][b], odd[b], xo);
+            }
         }
-        for (int r = 0; r < R; ++r) {
-            const typename D::T* xr = x + r * p.x_stride;
-            const __m512 xv = last ? D::last(xr, q, p.k) : D::value(xr, q);
-            for (int b = 0; b < B; ++b) acc[r][b] = D::fma(acc[r][b], wv[b], xv);
+    } else {
+        // one column (pair) per step; only a bf16 pair past an odd k's end takes `last`
+        const int64_t odd_last = D::kPer == 2 && p.k % 2 ? steps - 1 : -1;
+        for (int64_t q = 0; q < steps; ++q) {
+            __m512 wv[B];
+#pragma GCC unroll 8
+            for (int b = 0; b < B; ++b) {
+                const typename D::W* at = w + b * block_elems + q * D::kPer * kLanes;
+                _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchSteps * D::kPer * kLanes),
+                             _MM_HINT_T0);
+                wv[b] = D::load(at);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const typename D::X* xr = x + r * p.x_stride;
+                const __m512 xv = q == odd_last ? D::last(xr, q, p.k, 0) : D::value(xr, q, 0);
+#pragma GCC unroll 8
+                for (int b = 0; b < B; ++b) acc[r][b] = D::fma(acc[r][b], wv[b], xv);
+            }
         }
-    };
-    for (int64_t q = 0; q + 1 < steps; ++q) step(q, false);
-    if (steps > 0) step(steps - 1, true);
+    }
     for (int b = 0; b < B; ++b) {
         const int64_t col = (block + b) * kLanes;
         const int64_t valid = p.n - col < kLanes ? p.n - col : kLanes;
@@ -171,7 +243,7 @@ void product(const Product<D>& p, int64_t m, int threads) {
     // memory bandwidth, another process on its core) the other takes more chunks instead of
     // waiting for it (faster than halves fixed in advance at decode sizes, the same at 16-64
     // rows).
-    const int group = m <= 4 ? 4 : 3;
+    const int group = m <= 4 ? 4 : D::kLargeBlocks;
     const int64_t target = (num_blocks + 8 * threads - 1) / (8 * threads);
     const int64_t chunk = (target + group - 1) / group * group;
     const int64_t num_chunks = (num_blocks + chunk - 1) / chunk;
@@ -182,17 +254,40 @@ void product(const Product<D>& p, int64_t m, int threads) {
         if (m <= 4)
             range<D, 4, 4>(p, m, block, end);
         else
-            range<D, 8, 3>(p, m, block, end);
+            range<D, D::kLargeRows, D::kLargeBlocks>(p, m, block, end);
     }
 }
 
 template <typename D>
 void run(const void* x, int64_t m, int64_t k, int64_t x_stride, const void* packed, int64_t n,
          const float* bias, void* y, int64_t y_stride, int threads) {
-    using T = typename D::T;
-    product(Product<D>{static_cast<const T*>(x), x_stride, k, static_cast<const T*>(packed), n,
-                       bias, static_cast<T*>(y), y_stride},
+    product(Product<D>{static_cast<const typename D::X*>(x), x_stride, k,
+                       static_cast<const typename D::W*>(packed), n, bias,
+                       static_cast<typename D::Y*>(y), y_stride},
             m, threads);
+}
+#endif
+
+#if defined(KVFLEET_BF16_PRODUCT)
+// Bf16Fma's x: the m rows widened to fp32, each k rounded up to even with a zero pad (the packed
+// weight's pad column is zero too), in this thread's buffer.
+void run_bf16_fma(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const void* packed,
+                  int64_t n, const float* bias, void* y, int64_t y_stride, int threads) {
+    static thread_local std::vector<float> wide;
+    const int64_t width = k + k % 2;
+    if (static_cast<int64_t>(wide.size()) < m * width) wide.resize(m * width);
+    float* out = wide.data();
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * k > 65536)
+    for (int64_t i = 0; i < m; ++i) {
+        const uint16_t* row = x + i * x_stride;
+        float* to = out + i * width;
+        for (int64_t c = 0; c < k; ++c) {
+            const uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
+            std::memcpy(to + c, &bits, 4);
+        }
+        if (width > k) to[k] = 0.f;
+    }
+    run<Bf16Fma>(out, m, k, width, packed, n, bias, y, y_stride, threads);
 }
 #endif
 
@@ -311,10 +406,10 @@ int kvfleet_linear_supported(int dtype) {
     if (dtype == 0) return 1;
 #endif
 #if defined(KVFLEET_BF16_PRODUCT)
-    if (dtype == 1) return 1;
+    if (dtype == 1 || dtype == 2) return 1;
 #endif
 #if defined(KVFLEET_PORTABLE_PRODUCT)
-    if (dtype == 0 || dtype == 1) return 2;
+    if (dtype == 0 || dtype == 1 || dtype == 2) return 2;  // 2: its sums are the portable ones
 #endif
     return 0;
 }
@@ -324,7 +419,7 @@ int kvfleet_pack_linear(int dtype, const void* w, int64_t n, int64_t k, void* ou
         pack(static_cast<const float*>(w), n, k, 1, static_cast<float*>(out), threads);
         return 0;
     }
-    if (dtype == 1) {
+    if (dtype == 1 || dtype == 2) {
         pack(static_cast<const uint16_t*>(w), n, k, 2, static_cast<uint16_t*>(out), threads);
         return 0;
     }
@@ -341,6 +436,9 @@ int kvfleet_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_str
 #endif
 #if defined(KVFLEET_BF16_PRODUCT)
     if (dtype == 1) run<Bf16>(x, m, k, x_stride, packed, n, bias, y, y_stride, threads);
+    if (dtype == 2)
+        run_bf16_fma(static_cast<const uint16_t*>(x), m, k, x_stride, packed, n, bias, y,
+                     y_stride, threads);
 #endif
 #if defined(KVFLEET_PORTABLE_PRODUCT)
     if (kvfleet_linear_supported(dtype) != 2) return 0;

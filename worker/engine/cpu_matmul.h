@@ -6,13 +6,14 @@
 
 extern "C" {
 
-// 1 where this build computes products of `dtype` with AVX-512 (0 float32: AVX-512F; 1 bf16:
-// AVX512-BF16, BW and VL), 2 where with its portable product (a build without them), else 0.
+// 1 where this build computes products of `dtype` with AVX-512 (0 float32: AVX-512F; 1 bf16 with
+// vdpbf16ps, 2 bf16 weights summed with fp32 FMAs: AVX512-BF16, BW and VL), 2 where with its
+// portable product (a build without them; dtype 2's sums are the portable product's), else 0.
 int kvfleet_linear_supported(int dtype);
 
 // w [n, k] row-major -> out: [n/16][k][16] float32 or [n/16][k/2][16][2] bf16, rows and columns
 // past n and k zero (16 * ceil(n / 16) * k elements, k rounded up to even for bf16). Returns 0,
-// -1 for another dtype.
+// -1 for another dtype (2 packs as 1).
 int kvfleet_pack_linear(int dtype, const void* w, int64_t n, int64_t k, void* out, int threads);
 
 // y[i, :n] = x[i, :k] W^T (+ bias) for i < m, in `dtype`; x and y rows `x_stride` / `y_stride`

@@ -235,7 +235,7 @@ class Engine:
         """One rank's engine (several ranks: `tp_rank.launch_engine` with `load_pretrained`)."""
         if config.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1: start the ranks with tp_rank.launch_engine")
-        model = load_pretrained(model_path, config.dtype, config.device)
+        model = load_pretrained(model_path, config.dtype, config.device, config.load_format)
         return cls(model.to(resolve_device(config.device)), config, tokenizer=tokenizer)
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from shared.model_shapes import random_model
 from worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
 from worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
 from worker.engine.device import is_cpu, place_model, resolve_device, resolve_dtype
@@ -44,11 +45,18 @@ from worker.engine.tp_shard import HeadShard, RowParallelLinear, shard_model
 log = logging.getLogger(__name__)
 
 
-def load_pretrained(model_path: str, dtype_name: str, device_name: str) -> nn.Module:
-    """The model on the CPU in the engine's dtype (module-level: the ranks' picklable loader)."""
-    from transformers import AutoModelForCausalLM
+def load_pretrained(model_path: str, dtype_name: str, device_name: str,
+                    load_format: str = "auto") -> nn.Module:
+    """The model on the CPU in the engine's dtype (module-level: the ranks' picklable loader);
+    `load_format="dummy"`: the directory's config with seeded random weights (every rank and
+    every start the same), its weight files never read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = resolve_dtype(dtype_name, resolve_device(device_name))
+    if load_format == "dummy":
+        return random_model(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    if load_format != "auto":
+        raise ValueError(f"load_format {load_format!r}: expected auto or dummy")
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=None)
 
 
