@@ -5,8 +5,13 @@ The first N requests of a workload (default: benchmarks/data/chat-mix-64.jsonl, 
 at t=0, each with its own max_tokens and ignore_eos, greedy. Same model and machine for every
 system, in one run: kvfleet and vLLM at each of --dtypes (bf16 and float32 by default; the one
 `--dtype auto` picks on this CPU is marked), HF and transformers CB at --hf-dtype. Also: start-up
-to the first token of both engines, decode throughput at a fixed number of running streams as a
-fraction of the matmul roofline measured in the same run, and greedy agreement between dtypes.
+to the first token of both engines, greedy agreement between dtypes, and both engines against
+this CPU's ceilings measured in the same run (benchmarks/roofline.py): prefill of random prompts
+in FLOP/s over the peak product rate (bf16 and float32, at the model's largest linear), decode
+at 1 and 32 running streams over the memory roofline (every weight and every stream's K/V read
+once per step at the measured read bandwidth). `--model random:llama-3.2-1b` (-3b,
+qwen2.5-1.5b, qwen3-moe-30b-a3b-8l32e) runs a real model's shape with random weights, the same
+in both engines (shared/model_shapes.py); outputs are nonsense, lengths fixed (ignore_eos).
 The CPU's model and ISA head the output, with the OpenMP wait settings every in-process system
 runs under (`kvfleet up` gives its workers OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000; set the
 same here to measure what it serves: OMP_WAIT_POLICY=PASSIVE alone sleeps torch's threads after
@@ -16,6 +21,8 @@ every parallel region and doubles kvfleet's decode steps). vLLM runs in its own 
     OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 \\
       .venv/bin/python -m benchmarks.engine_throughput                # the full comparison
     .venv/bin/python -m benchmarks.engine_throughput --num-requests 8 --skip-hf --skip-cb  # quick
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 .venv/bin/python -m benchmarks.engine_throughput \
+      --model random:llama-3.2-1b --num-requests 32 --skip-hf --skip-cb --dtypes auto
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ settings, as a user's fleet gets them (a policy set here would be kept instead).
     .venv/bin/python -m benchmarks.http_peers --kvfleet-dtypes auto,float32 \\
         --vllm-dtypes bfloat16,float32
     .venv/bin/python -m benchmarks.http_peers --repeats 3    # 3 rounds, the servers alternated
+    .venv/bin/python -m benchmarks.http_peers --model random:llama-3.2-1b --num-requests 32
+    .venv/bin/python -m benchmarks.http_peers --model random:llama-3.2-1b --num-requests 8 \
+        --concurrency 1                                      # one stream at a time
 
 On a shared machine a server's throughput drifts between runs minutes apart by more than the
 difference being measured. With `--repeats N` every system runs once per round, in the same
@@ -39,7 +42,7 @@ import httpx
 
 from benchmarks.vllm_peer import REPO, SETUP_HINT, SETUPS, VllmServer, describe_setup, vllm_python
 from shared.cpu_features import cpu_features
-from shared.models import DEFAULT_MODEL, resolve_model_path
+from shared.models import DEFAULT_MODEL, resolve_model_path, served_model_id
 
 WORKLOAD = str(REPO / "benchmarks" / "data" / "chat-mix-64.jsonl")
 
@@ -82,15 +85,18 @@ def run_client(url: str, args, out_dir: Path) -> dict:
     command = [sys.executable, "-m", "kvfleet", "bench", args.workload, "--url", url,
                "--endpoint", "completions", "--rate", "inf", "--num-requests",
                str(args.num_requests), "--no-plots", "--no-progress", "--out", str(out_dir),
-               "--timeout", "3600", "--temperature", "0"]
+               "--timeout", "3600", "--temperature", "0", "--model", served_model_id(args.model)]
+    if args.concurrency:
+        command += ["--concurrency", str(args.concurrency)]
     subprocess.run(command, check=True, cwd=REPO)
     return json.loads((out_dir / "results.json").read_text())["summary"]
 
 
-def kvfleet_server(port: int, dtype: str, log_path: Path) -> subprocess.Popen:
+def kvfleet_server(port: int, dtype: str, log_path: Path,
+                   model: str = DEFAULT_MODEL) -> subprocess.Popen:
     """`kvfleet up` in a session of its own, so that stopping it reaches its children."""
     command = [sys.executable, "-m", "kvfleet", "up", "--port", str(port), "--dtype", dtype,
-               "--workers", "1"]
+               "--workers", "1", "--model", model]
     # every request of the trace is sent at once and must be served, as vLLM serves them: the
     # gateway's expected-wait admission limit (429 beyond 60 s by default) is off here
     env = {**os.environ, "KVFLEET_EMBEDDED_REDIS_PORT": str(free_port()),
@@ -124,6 +130,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", default=WORKLOAD)
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="what both serve: the default model, a directory, or random:<shape> "
+                        "(the same random weights for both: shared/model_shapes.py)")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="streams at once, each client sending its next request when its last "
+                        "is answered (0: every request at once)")
     p.add_argument("--kvfleet-dtypes", default="auto")
     p.add_argument("--vllm-dtypes", default="bfloat16")
     p.add_argument("--vllm-venv", default=None)
@@ -143,10 +155,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model_dir = resolve_model_path(DEFAULT_MODEL)
+    model_dir = resolve_model_path(args.model)
     vllm = vllm_python(args.vllm_venv) if args.vllm_dtypes else None
-    print(f"# CPU {cpu_features().describe()}; {args.num_requests} requests of "
-          f"{Path(args.workload).name}, all at once, /v1/completions; load average "
+    at_once = f"{args.concurrency} at a time" if args.concurrency else "all at once"
+    print(f"# CPU {cpu_features().describe()}; model {args.model}; {args.num_requests} requests "
+          f"of {Path(args.workload).name}, {at_once}, /v1/completions; load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
     if vllm is None and args.vllm_dtypes:
         print(f"# vLLM skipped: no virtualenv with vllm found; {SETUP_HINT}", flush=True)
@@ -181,10 +194,10 @@ def run_round(args, vllm: Path | None, model_dir: str, setups: list[str], tmp: P
     for dtype in filter(None, args.kvfleet_dtypes.split(",")):
         port = free_port()
         started = time.perf_counter()
-        process = kvfleet_server(port, dtype, tmp / f"kvfleet-{dtype}{tag}.log")
+        process = kvfleet_server(port, dtype, tmp / f"kvfleet-{dtype}{tag}.log", args.model)
         try:
             results.append(measure(f"kvfleet, --dtype {dtype}", f"http://127.0.0.1:{port}",
-                                   DEFAULT_MODEL, process, started, args,
+                                   served_model_id(args.model), process, started, args,
                                    tmp / f"kvfleet-{dtype}{tag}"))
         finally:
             stop_session(process)
@@ -193,10 +206,10 @@ def run_round(args, vllm: Path | None, model_dir: str, setups: list[str], tmp: P
         print(f"# vLLM setup {setup}: {describe_setup(vllm, setup)}", flush=True)
         name = f"vllm-{dtype}-{setup}"
         server = VllmServer(vllm, model_dir, free_port(), dtype, tmp / f"{name}{tag}.log",
-                            served_name=DEFAULT_MODEL, setup=setup)
+                            served_name=served_model_id(args.model), setup=setup)
         try:
             label = f"vLLM, --dtype {dtype}" + (f", {setup}" if len(setups) > 1 else "")
-            results.append(measure(label, server.url, DEFAULT_MODEL, server.process,
+            results.append(measure(label, server.url, served_model_id(args.model), server.process,
                                    server.started, args, tmp / f"{name}{tag}"))
         finally:
             server.stop()

@@ -3,8 +3,8 @@
 - `peak_product_rate`: FLOP/s of the fastest product this process can run at a model's largest
   linear shape (rows x hidden -> intermediate), over kvfleet's products (its own kernel, oneDNN's
   packed weights) and torch's `F.linear` (oneDNN / MKL): the peak prefill is judged against.
-- `read_bandwidth`: bytes/s read from a buffer the size of a decode step's reads: the memory
-  roofline of decode.
+- `read_bandwidth`: bytes/s read from a buffer the size of a decode step's reads (the faster of
+  torch's sum and MKL's sgemv over it): the memory roofline of decode.
 - `ModelCost`: a model's FLOPs per prompt token and bytes per decode step (weights read once,
   every stream's K/V; for an MoE model only the experts a step's tokens route to, expected).
 """
@@ -50,10 +50,15 @@ def peak_product_rate(dtype: torch.dtype, in_features: int, out_features: int,
     return rates
 
 
-def read_bandwidth(num_bytes: int, passes: int = 5) -> float:
-    """Memory read bandwidth over a buffer of `num_bytes` (a sum over it; best of `passes`)."""
-    buffer = torch.ones(max(num_bytes // 4, 1 << 20), dtype=torch.float32)
-    return buffer.numel() * 4 / _best_seconds(buffer.sum, 1, passes)
+def read_bandwidth(num_bytes: int, passes: int = 3) -> float:
+    """Memory read bandwidth over a buffer of `num_bytes`: the faster of two readers that stream
+    it once, torch's sum and MKL's float32 matrix-vector product (best of `passes` each)."""
+    columns = 1024
+    matrix = torch.ones(max(num_bytes // (4 * columns), 256), columns, dtype=torch.float32)
+    vector = torch.ones(columns, dtype=torch.float32)
+    seconds = min(_best_seconds(matrix.sum, 1, passes),
+                  _best_seconds(lambda: torch.mv(matrix, vector), 1, passes))
+    return matrix.numel() * 4 / seconds
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts models serve correctly: greedy equal to transformers' own `generate`.
+"""Mixture-of-experts models serve correctly: greedy equal to transformers' own `generate`, their
+experts through packed products (cpu_experts.py).
 
 A tiny random Qwen3-MoE and a tiny random Mixtral (8 experts, 2 per token) through the engine,
 batched, chunked and joined mid-flight, in float32 token for token; in bf16 against `generate` in
@@ -16,6 +17,8 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tests.engine.tiny_models import VOCAB, greedy, random_prompt, tokens_before_divergence
+from worker.engine.cpu_experts import PackedExperts
+from worker.engine.cpu_linear import packs
 from worker.engine.engine import Engine, EngineConfig
 
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -101,3 +104,29 @@ def test_decode_steps_batch_the_streams(moe):
     assert steps <= 13
     for i, p in enumerate(prompts):
         assert produced[f"r{i}"] == reference(moe, p, 12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_compute_what_transformers_experts_do(moe, dtype):
+    """The experts block through packed products (cpu_experts.py) against transformers' own, on
+    random routing of 37 tokens (some experts hit by none): within a rounding of the dtype."""
+    experts = copy.deepcopy(moe.model.layers[0].mlp.experts).to(dtype)
+    if not packs(dtype):
+        pytest.skip(f"{dtype} weights do not pack on this CPU")  # bf16 without native bf16
+    packed = PackedExperts(experts)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, experts.gate_up_proj.shape[2], generator=g).to(dtype)
+    index = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(37)])  # experts 0-5
+    weights = torch.softmax(torch.randn(37, 2, generator=g), dim=-1).to(dtype)
+    with torch.inference_mode():
+        expected = experts(hidden, index, weights).double()
+        got = packed(hidden, index, weights).double()
+    tolerance = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+    assert (got - expected).abs().max().item() <= tolerance * expected.abs().max().item()
+
+
+def test_an_engine_packs_the_experts_of_every_moe_layer(moe):
+    engine = Engine(copy.deepcopy(moe), EngineConfig(device="cpu", dtype="float32", num_blocks=64,
+                                                     block_size=4))
+    kinds = {type(layer.mlp.experts) for layer in engine.model.model.layers}
+    assert kinds == {PackedExperts}

@@ -4,7 +4,8 @@ Preparation happens in two steps, each a function that returns a new `PreparedMo
 - `prepare_model`: a copy of the caller's model cut to this rank's tensor-parallel shard and put
   on the engine's device in its dtype (what the KV budget is planned against);
 - `pack_for_cpu`: on a CPU, a copy of that whose Llama-family layers are fused around the C++
-  kernels (cpu_layers.py), whose other q/k/v and gate/up linears compute as one product each and
+  kernels (cpu_layers.py), whose other q/k/v and gate/up linears compute as one product each,
+  whose MoE experts compute through packed products of their own (cpu_experts.py) and
   whose linears (the tied LM head too: a second copy of the embedding matrix) compute through
   packed weights (cpu_linear.py).
 Every copy has new module objects (and its own model config, where the runner installs its
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from shared.model_shapes import random_model
+from worker.engine.cpu_experts import pack_cpu_experts
 from worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
 from worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
 from worker.engine.device import is_cpu, place_model, resolve_device, resolve_dtype
@@ -116,6 +118,7 @@ def pack_for_cpu(prepared: PreparedModel, fuse_layers: bool,
             and prepared.num_heads == module.config.num_attention_heads):
         num_fused = fuse_decoder_layers(module, invariant)
     fuse_sibling_linears(module, invariant)  # q/k/v and gate/up: one product each, where they pack
+    pack_cpu_experts(module)  # an MoE layer's experts: two packed products each
     pack_cpu_linears(module, shared=True, invariant=invariant)  # the tied LM head too (a copy)
     return replace(prepared, module=module, num_fused_layers=num_fused)
 
