@@ -362,9 +362,11 @@ class KernelSettings(BaseSettings):
     cpu_bf16_product: CpuBf16Product = Field("auto", description=(
         "how kvfleet's own bf16 product sums (worker/engine/cpu_matmul.cpp): `dot` (AVX512-BF16's "
         "vdpbf16ps, two columns per instruction), `fma` (the bf16 weights widened to fp32 and "
-        "summed with fp32 FMAs, one column each), `auto` (both timed once at start-up, the faster "
-        "taken: `fma` where vdpbf16ps issues at half the FMA rate, as on Xeons without AMX); the "
-        "start-up log names the form. Answers differ between the forms by bf16 rounding only"))
+        "summed with fp32 FMAs, one column each), `auto` (both timed once at start-up: `fma` "
+        "where it is faster by a wide margin, as on Xeons without AMX, where vdpbf16ps issues at "
+        "half the FMA rate; else `dot`); the start-up log names the form. Answers differ between "
+        "the forms by bf16 rounding: workers that resume each other's streams bit for bit must "
+        "sum alike (the same machine kind chooses alike)"))
     kernel_cache: Path = Field(
         default_factory=lambda: Path.home() / ".cache" / "kvfleet" / "kernels",
         json_schema_extra={"default_text": "`~/.cache/kvfleet/kernels`"}, description=(
