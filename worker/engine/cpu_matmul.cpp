@@ -57,7 +57,6 @@ struct F32 {  // one column per step
     static constexpr int kSub = 1;
     static constexpr int kLargeRows = 8, kLargeBlocks = 3;
     static __m512 load(const float* at) { return _mm512_loadu_ps(at); }
-    static __m512 sub(__m512 raw, int) { return raw; }
     static __m512 value(const float* row, int64_t q, int) { return _mm512_set1_ps(row[q]); }
     static __m512 last(const float* row, int64_t q, int64_t, int s) { return value(row, q, s); }
     static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
@@ -74,7 +73,6 @@ struct Bf16 {  // one column pair per step (vdpbf16ps)
     static constexpr int kSub = 1;
     static constexpr int kLargeRows = 8, kLargeBlocks = 3;
     static __m512 load(const uint16_t* at) { return _mm512_castsi512_ps(_mm512_loadu_si512(at)); }
-    static __m512 sub(__m512 raw, int) { return raw; }
     // the row's column pair q as one 32-bit word broadcast
     static __m512 value(const uint16_t* row, int64_t q, int) {
         int32_t pair;
@@ -109,13 +107,13 @@ struct Bf16Fma {
     static constexpr int kSub = 2;
     static constexpr int kLargeRows = 8, kLargeBlocks = 2;  // 16 sums + 4 weight vectors
     static __m512i load(const uint16_t* at) { return _mm512_loadu_si512(at); }
+    // column s (0 even, 1 odd) of the loaded pairs as fp32
     static __m512 sub(__m512i raw, int s) {
         return _mm512_castsi512_ps(s == 0 ? _mm512_slli_epi32(raw, 16)
                                           : _mm512_and_si512(raw, _mm512_set1_epi32(
                                                 static_cast<int>(0xFFFF0000u))));
     }
     static __m512 value(const float* row, int64_t q, int s) { return _mm512_set1_ps(row[2 * q + s]); }
-    static __m512 last(const float* row, int64_t q, int64_t, int s) { return value(row, q, s); }
     static __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
     static void store(__m512 v, uint16_t* out, __mmask16 mask) {
         _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
