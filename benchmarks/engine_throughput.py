@@ -176,10 +176,11 @@ def run_hf_continuous_batching(model, requests: list[Request]) -> Result:
 
 def decode_throughput(model, requests: list[Request], streams: int, steps: int,
                       config: EngineConfig) -> tuple[float, float]:
-    """Output tokens/s of pure decode steps with `streams` sequences running, and their mean
+    """Output tokens/s of pure decode steps with `streams` sequences running (the requests'
+    prompts, repeated where there are fewer, as vLLM's offline run repeats them), and their mean
     context length over those steps."""
     engine = Engine(copy.deepcopy(model), config)
-    for i, r in enumerate(requests[:streams]):
+    for i, r in enumerate((requests * (streams // len(requests) + 1))[:streams]):
         engine.add_request(f"d{i}", r.prompt, greedy(steps + 64))
     while engine.stats().num_waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()
