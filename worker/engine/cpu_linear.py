@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 
 import torch
 
@@ -97,8 +98,6 @@ def bf16_form() -> str:
     matmul = matmul_kernel()
     if choice != "auto" or matmul.kvfleet_linear_supported(BF16_FORM_CODES["fma"]) != FAST:
         return "dot" if choice == "auto" else choice
-    import time
-
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(1024, 1024, generator=generator).to(torch.bfloat16)
     packed = torch.empty(1024 * 1024, dtype=torch.bfloat16)
