@@ -104,7 +104,9 @@ class GatewaySettings(BatchApiSettings):
         "`--routing affinity`: a worker holding fewer of a prompt's leading blocks counts as "
         "holding none of it; a request no eligible worker holds goes to the least loaded one"))
     max_body_bytes: int = Field(1_000_000, description=(
-        "a request body larger than this many bytes is refused (413)"))
+        "a request body larger than this many bytes is refused (413), after the gateway has read "
+        "and discarded the upload (up to 64 MiB and 10 s: docs/API.md), so that a client that "
+        "sends its whole body before reading gets the 413, not a reset connection"))
     default_max_tokens: int | None = Field(None, json_schema_extra={
         "default_text": "none (the rest of the context)"},
         description="max_tokens of a request that gives none")
