@@ -20,6 +20,7 @@ _NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 class CpuFeatures:
     model: str  # "AMD EPYC 9R14", or platform.processor() where /proc/cpuinfo has no name
     flags: frozenset[str]
+    vendor: str = ""  # vendor_id: "GenuineIntel", "AuthenticAMD" ("" where not given)
 
     @property
     def isa(self) -> str:
@@ -46,17 +47,19 @@ class CpuFeatures:
 
 def parse_cpuinfo(text: str) -> CpuFeatures:
     """The first processor's model name and flags from /proc/cpuinfo text."""
-    model, flags = "", frozenset()
+    model, flags, vendor = "", frozenset(), ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
         if key == "model name" and not model:
             model = value.strip()
+        elif key == "vendor_id" and not vendor:
+            vendor = value.strip()
         elif key == "flags" and not flags:
             flags = frozenset(value.split())
-        if model and flags:
+        if model and flags and vendor:
             break
-    return CpuFeatures(model or platform.processor() or platform.machine(), flags)
+    return CpuFeatures(model or platform.processor() or platform.machine(), flags, vendor)
 
 
 def cpu_features(cpuinfo: Path = CPUINFO) -> CpuFeatures:

@@ -40,3 +40,8 @@ def test_missing_cpuinfo_means_no_native_bf16(tmp_path):
     features = cpu_features(tmp_path / "no-such-file")
     assert features.flags == frozenset() and not features.native_bf16 and features.model
     assert features.isa == "other"
+
+
+def test_cpuinfo_gives_the_vendor():
+    text = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon\nflags\t\t: avx2 fma\n"
+    assert parse_cpuinfo(text) == CpuFeatures("Xeon", frozenset({"avx2", "fma"}), "GenuineIntel")

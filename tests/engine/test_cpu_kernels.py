@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.cpu_features import cpu_features
+from shared.cpu_features import CpuFeatures, cpu_features
 from tests.engine.tiny_models import MODEL_FACTORIES
 from worker.engine import cpu_kernels, cpu_linear
 from worker.engine.cpu_linear import (
@@ -261,11 +261,12 @@ def bf16_form_env(monkeypatch):
 
 
 @pytest.mark.skipif(not _FAST[torch.bfloat16], reason="kvfleet's bf16 product needs AVX512-BF16")
-def test_the_bf16_product_form_is_measured_or_named(bf16_form_env):
-    """auto times both forms and takes one; dot and fma are taken as named, the linear computing
-    in that form (answers within a bf16 rounding of each other); another value is refused by
-    the variable's name."""
-    assert bf16_form_env("auto")() in ("dot", "fma")
+def test_the_bf16_product_form_is_ruled_or_named(bf16_form_env):
+    """auto takes the CPU's rule (never a timing); dot and fma are taken as named, the linear
+    computing in that form (answers within a bf16 rounding of each other); another value is
+    refused by the variable's name. The report is the batch-invariant engine's (the default),
+    which takes kvfleet's product on every CPU with AVX512-BF16, AMX CPUs included."""
+    assert bf16_form_env("auto")() == cpu_linear.bf16_form_rule(cpu_features())
     torch.manual_seed(11)
     linear = torch.nn.Linear(256, 96).to(torch.bfloat16)
     x = torch.randn(9, 256, dtype=torch.bfloat16)
@@ -276,8 +277,20 @@ def test_the_bf16_product_form_is_measured_or_named(bf16_form_env):
         assert product._code == code
         outputs[form] = product(x).double()
         assert ({"dot": "vdpbf16ps", "fma": "fp32 FMAs"}[form]
-                in cpu_linear.products_report(torch.bfloat16))
+                in cpu_linear.products_report(torch.bfloat16, invariant=True))
     scale = outputs["dot"].abs().max().item()
     assert (outputs["dot"] - outputs["fma"]).abs().max().item() <= 2 ** -7 * scale
     with pytest.raises(ValueError, match="KVFLEET_CPU_BF16_PRODUCT='wide'"):
         bf16_form_env("wide")()
+
+
+def test_the_bf16_form_rule_follows_the_cpu_vendor_alone():
+    """fp32 FMAs on Intel (vdpbf16ps at half the FMA rate), vdpbf16ps elsewhere; the model name
+    and the load play no part, so every process of one machine kind sums alike."""
+    flags = frozenset({"avx512f", "avx512_bf16"})
+    intel = CpuFeatures("Intel(R) Xeon(R) Platinum 8581C", flags | {"amx_tile"}, "GenuineIntel")
+    assert cpu_linear.bf16_form_rule(intel) == "fma"
+    assert cpu_linear.bf16_form_rule(CpuFeatures("another Xeon", flags, "GenuineIntel")) == "fma"
+    assert cpu_linear.bf16_form_rule(CpuFeatures("AMD EPYC 9R14", flags, "AuthenticAMD")) == "dot"
+    assert cpu_linear.bf16_form_rule(CpuFeatures("unknown", flags)) == "dot"
+

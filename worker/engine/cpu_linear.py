@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import time
 
 import torch
 
-from shared.cpu_features import cpu_features
+from shared.cpu_features import CpuFeatures, cpu_features
 from shared.settings import KernelSettings
 from worker.engine import torch_private
 from worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable
@@ -88,32 +87,23 @@ BF16_FORM_CODES = {"dot": 1, "fma": 2}  # kvfleet_linear's dtype argument for ea
 @functools.cache
 def bf16_form() -> str:
     """How kvfleet's bf16 product sums here: `dot` (vdpbf16ps) or `fma` (fp32 FMAs over the
-    widened weights): KVFLEET_CPU_BF16_PRODUCT, else the faster of the two timed now on a
-    compute-bound product (64 rows, 1024 x 1024; ~0.1 s, once per process). `fma` must be
-    faster by a wide margin (its time under 0.8x dot's; 0.57x on a Xeon without AMX): the forms
-    round differently, and workers of one machine kind must choose alike, or a stream resumed
-    on another worker would not continue bit for bit. In a portable build the forms are one
-    product (`dot`)."""
+    widened weights): KVFLEET_CPU_BF16_PRODUCT, else `bf16_form_rule` for this CPU. Never timed:
+    the forms round differently, and every process of one machine kind must choose alike (a
+    start-up timing on a loaded host chose either), or a stream resumed on another worker would
+    not continue bit for bit. In a portable build the forms are one product (`dot`)."""
     choice = KernelSettings().cpu_bf16_product
-    matmul = matmul_kernel()
-    if choice != "auto" or matmul.kvfleet_linear_supported(BF16_FORM_CODES["fma"]) != FAST:
-        return "dot" if choice == "auto" else choice
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(1024, 1024, generator=generator).to(torch.bfloat16)
-    packed = torch.empty(1024 * 1024, dtype=torch.bfloat16)
-    _check(matmul.kvfleet_pack_linear(1, weight.data_ptr(), 1024, 1024, packed.data_ptr(),
-                                      torch.get_num_threads()), "kvfleet_pack_linear")
-    x = torch.randn(64, 1024, generator=generator).to(torch.bfloat16)
-    y = torch.empty(64, 1024, dtype=torch.bfloat16)
-    best = {}
-    for _ in range(3):
-        for form, code in BF16_FORM_CODES.items():
-            start = time.perf_counter()
-            for _ in range(10):
-                matmul.kvfleet_linear(code, x.data_ptr(), 64, 1024, 1024, packed.data_ptr(), 1024,
-                                      None, y.data_ptr(), 1024, torch.get_num_threads())
-            best[form] = min(best.get(form, float("inf")), time.perf_counter() - start)
-    return "fma" if best["fma"] < 0.8 * best["dot"] else "dot"
+    if choice != "auto":
+        return choice
+    if matmul_kernel().kvfleet_linear_supported(BF16_FORM_CODES["fma"]) != FAST:
+        return "dot"
+    return bf16_form_rule(cpu_features())
+
+
+def bf16_form_rule(features: CpuFeatures) -> str:
+    """`fma` on Intel CPUs, whose vdpbf16ps issues at half the FMA rate (measured 0.57x dot's time
+    at prefill sizes on a Xeon, family 6 model 207, without AMX; docs/BENCHMARKS.md); `dot`
+    elsewhere (AMD's Zen 4 and 5 issue it at the FMA rate, two products per lane)."""
+    return "fma" if features.vendor == "GenuineIntel" else "dot"
 
 
 def packs(dtype: torch.dtype, invariant: bool = False) -> bool:
