@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.admission.early_answer import UnreadBody
 from gateway.errors import APIError
 from gateway.fleet.redis_context import RedisContext
 from shared.wire import ApiKeyRecord, Keys, api_key_field
@@ -98,7 +99,8 @@ class ApiKeyStore:
 
 class ApiKeyAuth:
     """ASGI middleware: authenticates `/v1/*` and puts the Principal in `request.state.principal`
-    (None when keys are off)."""
+    (None when keys are off). It answers (401, or 503 when Redis is silent) before the body is
+    read, so the answer waits for the body to be drained, like the 413's."""
 
     def __init__(self, app: ASGIApp, store: ApiKeyStore):
         self.app = app
@@ -114,8 +116,8 @@ class ApiKeyAuth:
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
         try:
             principal = await self.store.authenticate(authorization)
-        except APIError as exc:
-            await exc.response()(scope, receive, send)
+        except APIError as exc:  # sent once the unread body is drained (early_answer.py)
+            await UnreadBody(scope, receive, send).answer(exc.response(), scope)
             return
         scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, receive, send)
