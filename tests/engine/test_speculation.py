@@ -13,6 +13,7 @@ which exercises the rollback; the n-gram and suffix proposers meet prompts that 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -20,7 +21,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.wire import SamplingParams
 from tests.engine.tiny_models import VOCAB, build_wide_llama, greedy, random_prompt, run_to_completion
+from worker.engine import cpu_attention
+from worker.engine.attention import cpu_backend
+from worker.engine.attention.cpu_backend import CpuBackend
+from worker.engine.cpu_attention import CpuDecodePlan
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.kv_cache import KVCachePool, KVLayout
+from worker.engine.kv_format import resolve_kv_format
 from worker.engine.model_prep import shared_copy
 
 DTYPES = ["bfloat16", "float32"]
@@ -217,17 +224,134 @@ def test_the_cost_rule_backs_off_in_a_large_batch():
     assert chosen == {"r0": 4}
 
 
-def test_without_deterministic_numerics_bf16_answers_drift(wide_llama):
-    """The negative control: with --no-deterministic a verified row is computed by the prefill
-    kernel, in another order than a decode row, so bf16 logprobs (and, near ties, tokens)
-    differ from plain decoding's. In float32 the greedy tokens still equal HF generate (above,
-    for the deterministic default; test_float32_greedy_without_deterministic below)."""
-    def answers(spec):
-        engine = make_engine(wide_llama, "bfloat16", spec, wide_llama if spec else None,
-                             deterministic=False)
-        return run(engine, requests())
+class KernelRows:
+    """Which attention kernel computed which query rows of the target model's forwards, against
+    the rows each forward verifies (a chunk's last known token and its proposals). A kernel's
+    rows are those it writes in layer 0's output (the others are NaN during its call); the
+    draft model's forwards, in a pool of their own, are not counted."""
 
-    assert answers(SPECS["draft=target"][0]) != answers(None)
+    KERNELS = {"paged_decode": "decode kernel", "paged_prefill": "prefill kernel",
+               "prefill_attention": "sdpa"}
+
+    def __init__(self, engine: Engine, monkeypatch):
+        self.pool = engine.pool
+        self.steps: list[dict[str, set[int]]] = []
+        backend = engine.attention_backend
+        build = backend.build_metadata
+
+        def build_metadata(geometry, write_index, decodes, prefills):
+            verified, row = set(), 0
+            for chunk in decodes + prefills:  # the forward's row order
+                if chunk.num_draft:
+                    verified.update(range(row, row + chunk.num_tokens))
+                row += chunk.num_tokens
+            self.steps.append({"verified": verified, **{k: set() for k in self.KERNELS.values()}})
+            return build(geometry, write_index, decodes, prefills)
+
+        monkeypatch.setattr(backend, "build_metadata", build_metadata)
+        for name, kernel in self.KERNELS.items():
+            monkeypatch.setattr(cpu_backend, name, self._spy(getattr(cpu_backend, name), kernel))
+
+    def _spy(self, computes, kernel: str):
+        signature = inspect.signature(computes)
+
+        def spy(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs).arguments
+            if arguments["pool"] is not self.pool or arguments["layer"] != 0:
+                return computes(*args, **kwargs)
+            out = arguments["out"]  # [T, H, D]: row t is the forward's query row t
+            assert out.dim() == 3, out.shape
+            kept = out.clone()
+            out.fill_(float("nan"))
+            computes(*args, **kwargs)
+            written = ~torch.isnan(out).flatten(1).all(dim=1)
+            out[~written] = kept[~written]
+            self.steps[-1][kernel].update(torch.nonzero(written).flatten().tolist())
+
+        return spy
+
+    def rows(self, kernel: str) -> tuple[int, int]:
+        """(verified rows the kernel computed, every row it computed), over all forwards."""
+        return (sum(len(s["verified"] & s[kernel]) for s in self.steps),
+                sum(len(s[kernel]) for s in self.steps))
+
+
+def test_without_deterministic_numerics_verified_rows_take_another_kernel(wide_llama, plain,
+                                                                         monkeypatch):
+    """The negative control, first half (what --deterministic changes, on every CPU): with the
+    default every row of every forward is computed by the decode kernel, a verified row too,
+    as plain decoding computes it, and the answers are plain decoding's; with
+    --no-deterministic every verified row is computed by the prefill path instead: the prefill
+    kernel where it runs (AVX-512 with AVX512-BF16), else SDPA; both are taken here. Either sums
+    a row's q.k in another order than the decode kernel (cpu_prefill.cpp: a row's dimensions in
+    one lane; the decode kernel: across SIMD lanes, then a tree; SDPA: its GEMMs'), and another
+    order can be another value (the test below constructs one). Whether this model's bf16
+    answers then drift is the CPU's rounding luck (they did not on an Intel Xeon with AMX): not
+    asserted. The verified rows are counted from what each kernel writes (KernelRows)."""
+    spec, draft = drafts_for("draft=target", wide_llama, None)
+    for deterministic, prefill_path in ((True, "kernel where it runs"),
+                                        (False, "kernel where it runs"), (False, "sdpa")):
+        with monkeypatch.context() as patch:
+            if prefill_path == "sdpa":
+                patch.setattr(cpu_attention, "prefill_supported", lambda *args: False)
+            engine = make_engine(wide_llama, "bfloat16", spec, draft, deterministic=deterministic)
+            assert isinstance(engine.attention_backend, CpuBackend), engine.device_report()
+            spy = KernelRows(engine, patch)
+            got = run(engine, requests())
+        label = f"deterministic={deterministic}, prefill {prefill_path}"
+        stats = engine.speculator.stats
+        total = sum(len(step["verified"]) for step in spy.steps)
+        # every verified chunk was seen (its last known token and its proposals), many of them
+        assert total == stats.num_drafts + stats.num_draft_tokens > 10 * len(requests()), stats
+        verified = {kernel: spy.rows(kernel)[0] for kernel in KernelRows.KERNELS.values()}
+        computed = {kernel: spy.rows(kernel)[1] for kernel in KernelRows.KERNELS.values()}
+        if deterministic:
+            assert engine.invariance_gap is None, engine.invariance_gap
+            assert verified["decode kernel"] == total, (label, verified)
+            # nothing else runs at all: prompt rows are decode-kernel rows too
+            assert computed["prefill kernel"] == computed["sdpa"] == 0, (label, computed)
+            assert got == plain["bfloat16"]
+        else:
+            assert engine.invariance_gap == "--no-deterministic"
+            path = "prefill kernel" if engine.attention_backend.prefill_kernel else "sdpa"
+            assert prefill_path != "sdpa" or path == "sdpa"
+            assert verified["decode kernel"] == 0, (label, verified)
+            assert verified[path] == total, (label, verified)
+
+
+def test_the_same_row_summed_in_another_order_is_another_value():
+    """The negative control, second half, constructed so that no CPU's rounding decides it:
+    the decode kernel sums a row's P.V over its keys in their order (fp32 accumulators, one
+    lane per dimension; bf16 with AVX512-BF16: two keys per vdpbf16ps), so the same row with
+    its pages swapped in the block table is the same sum in another order. q = 0: every score
+    is 0, every probability exp(0) = 1 (exact in bf16), every product exact. Dimension 0 of the
+    values: 2^25, 0, 1, 0 in one page and -2^25, 0, 0, 0 in the other (every other key, and
+    every other dimension, 0: a vdpbf16ps pair holds one nonzero product at most). Their sum is
+    1 exactly, and the output 1/8; in page order 2^25 + 1 rounds to 2^25 (half an ulp of 2^25
+    is 2) and the -2^25 after it leaves 0; with the pages swapped -2^25 + 2^25 = 0 comes first
+    and the 1 survives. The same order twice is the same value, bit for bit."""
+    assert cpu_attention.unavailable_reason() is None, cpu_attention.unavailable_reason()
+    dim, block = 64, 4
+    pool = KVCachePool(KVLayout(1, 1, dim, resolve_kv_format("auto", torch.bfloat16)), 2, block,
+                       torch.device("cpu"))
+    kv = pool.layer(0)  # [2 (K, V), kv heads, blocks, block size, dim]
+    kv.zero_()
+    kv[1, 0, 0, :, 0] = torch.tensor([2.0 ** 25, 0, 1, 0])
+    kv[1, 0, 1, :, 0] = torch.tensor([-2.0 ** 25, 0, 0, 0])
+    query = torch.zeros(1, 1, dim, dtype=torch.bfloat16)  # [heads, rows, dim]
+
+    def attend(pages: list[int]) -> torch.Tensor:
+        out = torch.full((1, 1, dim), float("nan"), dtype=torch.bfloat16)  # [rows, heads, dim]
+        plan = CpuDecodePlan(1, torch.tensor([pages], dtype=torch.int32),
+                             torch.tensor([2 * block], dtype=torch.int32))
+        cpu_attention.paged_decode(query, pool, 0, plan, dim ** -0.5, out)
+        return out[0, 0]
+
+    in_order, swapped = attend([0, 1]), attend([1, 0])
+    assert in_order[0].item() == 0.0
+    assert swapped[0].item() == 0.125  # the exact sum: 1 / 8 keys
+    assert torch.equal(in_order[1:], swapped[1:]) and not in_order[1:].any()
+    assert torch.equal(attend([0, 1]), in_order) and torch.equal(attend([1, 0]), swapped)
 
 
 @pytest.mark.parametrize("name", ["ngram", "draft=target"])
