@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.settings import KernelSettings
 from worker.engine.kernel_binding import BoundKernel, HeaderError, read_header
-from worker.engine.kernel_build import KernelUnavailable, build
+from worker.engine.kernel_build import KernelUnavailable, build, build_inputs, flags_for
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,21 @@ def unavailable_reason(name: str) -> str | None:
     """None when kernel `name` builds and loads here, else why not."""
     loaded = kernel(name)
     return loaded.reason if isinstance(loaded, UnavailableKernel) else None
+
+
+def build_signature() -> str:
+    """What the kernels that load here were built from (sources, headers, flags, compiler), as
+    12 hex digits of a SHA-256, with the names of those that do not load; for the numerics
+    fingerprint (worker/engine/numerics.py)."""
+    digest, missing = hashlib.sha256(), []
+    for name, spec in KERNELS.items():
+        if unavailable_reason(name) is not None:
+            missing.append(name)
+            continue
+        digest.update(build_inputs(spec.source, (spec.header, *COMMON_HEADERS),
+                                   shutil.which(compiler_name()) or compiler_name(),
+                                   flags_for(sanitizer())))
+    return digest.hexdigest()[:12] + "".join(f" (no {name})" for name in missing)
 
 
 def report() -> str:

@@ -4,8 +4,8 @@
 the KV budget and the preemption priors (budget.py), the checks and outputs of a request
 (request_io.py), scheduling (scheduler.py), the forward (model_runner.py; on tensor-parallel
 ranks tp_steps.py), swapped-out KV (swapping.py), sampling (step_sampling.py), output
-constraints (worker/structured/requests.py), LoRA adapters (lora/manager.py), the operator's
-reports and counters (reports.py) and a running sequence's move to another engine (handoff.py).
+constraints (worker/structured/requests.py), LoRA adapters (lora/manager.py), reports and
+counters (reports.py, numerics.py), a running sequence's move to another engine (handoff.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from worker.engine.invariance import invariance_gap
 from worker.engine.lora import LoraLoadError, LoraRequest, LoraStats
 from worker.engine.lora.manager import LoraManager
 from worker.engine.kv_format import resolve_kv_format
+from worker.engine.numerics import engine_numerics
 from worker.engine.model_prep import (
     PreparedModel, eos_token_ids_of, load_pretrained, max_model_len_of, pack_for_cpu, prepare_model)
 from worker.engine.model_runner import ModelRunner, StepLogits
@@ -117,7 +118,7 @@ class Engine:
         self.speculator = self._speculator()
         self._seqs: dict[str, Sequence] = {}
         if ranks is None or ranks.is_driver:
-            log.info("engine: %s", self.device_report())
+            log.info("engine: %s; numerics %s", self.device_report(), self.numerics.describe())
             for line in self.budget_report():
                 log.info("KV budget: %s", line)
 
@@ -156,9 +157,11 @@ class Engine:
         self.invariance_gap = invariance_gap(self.prepared, self.attention_backend, invariant)
         if invariant and self.invariance_gap is not None and (self.ranks is None
                                                                or self.ranks.is_driver):
-            log.warning("--deterministic: answers may depend on the batch here: %s",
-                        self.invariance_gap)
+            log.warning("--deterministic: answers may depend on the batch: %s", self.invariance_gap)
         self.model = self.prepared.module
+        self.numerics = engine_numerics(  # what decides how this engine rounds
+            self.device, self.dtype, self.attention_backend, self.kv_format.name,
+            self.config.block_size, self.model, self.invariance_gap, self.ranks)
         if self.lora is not None:  # before any graph is captured: captured without terms
             self.lora.install(self.model)
         self.runner = ModelRunner(self.model, self.pool, attention_backend=self.attention_backend,

@@ -61,6 +61,15 @@ def compiler_version(compiler: str) -> str:
         raise KernelUnavailable(f"{compiler} --version failed: {exc}") from exc
 
 
+def build_inputs(source: Path, headers: tuple[Path, ...], compiler_path: str,
+                 flags: tuple[str, ...]) -> bytes:
+    """What a library's code follows from but for the CPU: the source, its headers, the flags
+    and the compiler's version (the numerics fingerprint hashes these; the CPU's part of
+    -march=native it names by the CPU's flags)."""
+    contents = b"\0".join(p.read_bytes() for p in (source, *headers))
+    return b"\0".join([contents, " ".join(flags).encode(), compiler_version(compiler_path).encode()])
+
+
 def build(source: Path, headers: tuple[Path, ...], *, compiler: str, cache_dir: Path,
           sanitize: str | None = None) -> Path:
     """Compile `source` (which includes `headers`) into cache_dir, once per source, headers,
@@ -69,9 +78,7 @@ def build(source: Path, headers: tuple[Path, ...], *, compiler: str, cache_dir: 
     if path is None:
         raise KernelUnavailable(f"no C++ compiler ({compiler}) on PATH")
     flags = flags_for(sanitize)
-    contents = b"\0".join(p.read_bytes() for p in (source, *headers))
-    key = hashlib.sha256(b"\0".join([contents, " ".join(flags).encode(),
-                                     compiler_version(path).encode(),
+    key = hashlib.sha256(b"\0".join([build_inputs(source, headers, path, flags),
                                      cpu_signature().encode()])).hexdigest()[:16]
     target = cache_dir / f"{source.stem}-{key}.so"
     if not target.exists():
