@@ -281,6 +281,12 @@ class WorkerSettings(EngineSettings):
     resume_prefer_ms: int = Field(1000, ge=0, description=(
         "a dead worker's request is taken over at once by the live worker holding most of its "
         "prefix (by the announced blocks), by the others only this much later"))
+    numerics_prefer_ms: int = Field(3000, ge=0, description=(
+        "a stream whose tokens so far were computed on other numerics than this worker's (its "
+        "numerics fingerprint: CPU kind, GPU, dtype, product form, kernels; docs/RELIABILITY.md) "
+        "is resumed or taken over from a handoff by this worker only this much later than a "
+        "live worker of those numerics would (which continues it bit for bit); at once when no "
+        "such worker is alive; 0: numerics are not preferred"))
     metrics_port: int = Field(0, description=(
         "port of this worker's Prometheus /metrics: 0 = a free port, -1 = off"))
     metrics_host: str = Field("0.0.0.0", description="address of this worker's /metrics")
@@ -364,11 +370,11 @@ class KernelSettings(BaseSettings):
     cpu_bf16_product: CpuBf16Product = Field("auto", description=(
         "how kvfleet's own bf16 product sums (worker/engine/cpu_matmul.cpp): `dot` (AVX512-BF16's "
         "vdpbf16ps, two columns per instruction), `fma` (the bf16 weights widened to fp32 and "
-        "summed with fp32 FMAs, one column each), `auto` (both timed once at start-up: `fma` "
-        "where it is faster by a wide margin, as on Xeons without AMX, where vdpbf16ps issues at "
-        "half the FMA rate; else `dot`); the start-up log names the form. Answers differ between "
-        "the forms by bf16 rounding: workers that resume each other's streams bit for bit must "
-        "sum alike (the same machine kind chooses alike)"))
+        "summed with fp32 FMAs, one column each), `auto` (by the CPU, never by a timing: `fma` "
+        "on Intel CPUs, where vdpbf16ps issues at half the FMA rate; `dot` elsewhere); the "
+        "start-up log names the form. Answers differ between the forms by bf16 rounding: workers "
+        "that resume each other's streams bit for bit must sum alike (every process of one "
+        "machine kind chooses alike; the numerics fingerprint tells)"))
     kernel_cache: Path = Field(
         default_factory=lambda: Path.home() / ".cache" / "kvfleet" / "kernels",
         json_schema_extra={"default_text": "`~/.cache/kvfleet/kernels`"}, description=(

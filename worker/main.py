@@ -117,7 +117,8 @@ def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
                               steal_after_ms=settings.steal_after_ms,
                               affinity_steal_after_ms=settings.affinity_steal_after_ms,
                               owners_refresh_s=settings.heartbeat_interval_s,
-                              owner_gone_grace_s=settings.heartbeat_ttl_s)
+                              owner_gone_grace_s=settings.heartbeat_ttl_s,
+                              numerics=engine.numerics.fingerprint)
     metrics = WorkerMetrics(worker_id, protocol.model, settings.cost_per_hour)
     metrics_url = None
     if settings.metrics_port >= 0:
@@ -129,8 +130,8 @@ def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
     if settings.handoff_port >= 0:
         plane = TcpTransferPlane(settings.handoff_host, settings.handoff_port,
                                  settings.handoff_advertise_host)
-    log.info("worker %s (role %s) serving %s from %s", worker_id, settings.role, protocol.model,
-             settings.redis_url)
+    log.info("worker %s (role %s, numerics %s) serving %s from %s", worker_id, settings.role,
+             protocol.numerics, protocol.model, settings.redis_url)
     service = WorkerService(settings, engine, client, protocol, metrics, metrics_url, plane,
                             drain=drain)
     if service.handoffs.addr:

@@ -197,6 +197,10 @@ class WorkerMetrics:
         self.takeovers = self._counter(
             p + "takeovers", "Requests this worker took over from a worker whose heartbeat was "
             "gone (resumed from its checkpoint). Nonzero without a worker dying means a bug.")
+        self.resumes_other_numerics = self._counter(
+            p + "resumes_other_numerics", "Streams this worker continued (resumed, or taken "
+            "over with their KV) on other numerics than their tokens so far were computed on: "
+            "their answers may differ from an uninterrupted run's (docs/RELIABILITY.md).")
         self.grammar_compiles = self._counter(
             p + "grammar_compiles", "Output constraints compiled (grammar cache misses).")
         self.grammar_cache_hits = self._counter(
@@ -393,6 +397,13 @@ class WorkerMetrics:
         self._announced_blocks.labels(change="stored", **self._labels()).inc(stored)
         self._announced_blocks.labels(change="removed", **self._labels()).inc(removed)
         self.indexed_blocks.set(indexed)
+
+    def numerics(self, fingerprint: str) -> None:
+        """kvfleet_worker_numerics_info{fingerprint}: 1 for this worker's numerics fingerprint."""
+        Gauge("kvfleet_worker_numerics_info", "This worker's numerics fingerprint (the label; "
+              "worker/engine/numerics.py): workers with the same one continue each other's "
+              "streams bit for bit.", LABELS + ("fingerprint",), registry=self.registry).labels(
+            fingerprint=fingerprint, **self._labels()).set(1)
 
     def takeover(self) -> None:
         """A request of a dead worker was claimed to resume here."""

@@ -51,15 +51,16 @@ from shared.wire import (
     QueueEntry,
     RequestStatus,
     TokenEvent,
-    decode_checkpoint,
 )
 from shared.redis_connect import is_cluster
 from shared.wire import affinity, scripts
 from shared.wire.lua import run_per_node, run_pipelined
 from shared.wire.prefix_hash import BlockHash, pack_ids
-from shared.wire.records import text
+from shared.wire.records import field_value, text
+from shared.wire.scripts import Started
 from worker.affinity import (
     OwnStreamOwners, ResumePreference, resume_min_idle_ms, undelivered_entries)
+from worker.numerics import FleetNumerics
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +129,12 @@ class WorkerProtocol:
     def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str,
                  result_ttl_s: int = 3600, steal_after_ms: int = 0, *,
                  affinity_steal_after_ms: int = 250, owners_refresh_s: float = 1.0,
-                 owner_gone_grace_s: float = 5.0):
+                 owner_gone_grace_s: float = 5.0, numerics: str = ""):
         self.client = client
         self.keys = keys
         self.model = model
         self.worker_id = worker_id
+        self.numerics = numerics  # this worker's numerics fingerprint (START_ATTEMPT records it)
         self.result_ttl_s = result_ttl_s
         self.sharded = is_cluster(client)  # sharded pub/sub
         self._start_attempt = scripts.START_ATTEMPT.register(client)
@@ -349,7 +351,8 @@ class WorkerProtocol:
         return deliveries
 
     def claim_orphan(self, min_idle_ms: int, held: frozenset[str] = frozenset(),
-                     prefer: ResumePreference | None = None) -> Delivery | None:
+                     prefer: ResumePreference | None = None,
+                     numerics: FleetNumerics | None = None) -> Delivery | None:
         """Claim one entry whose worker is gone, oldest first; None when there is none.
 
         An entry is an orphan when it has sat idle at least `min_idle_ms` *and* its consumer has
@@ -360,7 +363,9 @@ class WorkerProtocol:
         this worker's own streams and every other owner's are scanned.
 
         With `prefer`, a worker that holds less of the entry's prompt than another live worker
-        claims it only once it has been idle `prefer.prefer_ms` longer (`resume_min_idle_ms`).
+        claims it only once it has been idle `prefer.prefer_ms` longer (`resume_min_idle_ms`);
+        with `numerics`, a worker of other numerics than the stream's tokens so far were computed
+        on, while a live worker of those exists, only once idle `numerics.prefer_ms` longer.
         """
         self._refresh_owners()
         streams = self.streams + self.own_streams + self.owners.streams()
@@ -385,11 +390,22 @@ class WorkerProtocol:
                 claim_idle_ms = min_idle_ms if prefer is None else resume_min_idle_ms(
                     self.client, self._prefix_match, self.keys, self.model, self.worker_id,
                     stream, entry_id, consumer, min_idle_ms, prefer)
+                if numerics is not None:
+                    claim_idle_ms += self._numerics_wait_ms(stream, entry_id, consumer, numerics)
                 delivery = self._claim_entry(stream, entry_id, claim_idle_ms,
                                              entry["times_delivered"] + 1)
                 if delivery is not None:
                     return delivery
         return None
+
+    def _numerics_wait_ms(self, stream: str, entry_id: str, consumer: str,
+                          numerics: FleetNumerics) -> int:
+        """FleetNumerics.wait_ms for the request of a stream entry (0 when it was trimmed)."""
+        found = self.client.xrange(stream, min=entry_id, max=entry_id)
+        if not found:
+            return 0
+        req_id = text(field_value(found[0][1], QueueEntry.ID))
+        return numerics.wait_ms(numerics.chain_of(req_id), gone=consumer)
 
     def _consumers_alive(self, consumers: set[str]) -> dict[str, bool]:
         """Which consumers still have a heartbeat key, in one round trip."""
@@ -423,20 +439,19 @@ class WorkerProtocol:
         """Acknowledge an entry this worker will not serve (a duplicate of one it serves)."""
         self.client.xack(stream, self.keys.group, entry_id)
 
-    def start_attempt(self, req_id: str) -> tuple[int, list[int]] | None:
-        """Fence a new attempt and read the checkpoint: (attempt, tokens generated so far); None
-        when the request is already finished (its entry only needs its XACK)."""
-        call = scripts.start_attempt(self.keys, req_id, self.worker_id)
-        reply = self._start_attempt(keys=call.keys, args=call.args)
-        if int(reply[0]) == 0:
-            return None
-        return int(reply[0]), decode_checkpoint(reply[1])
+    def start_attempt(self, req_id: str) -> Started | None:
+        """Fence a new attempt, read the checkpoint (the tokens generated so far) and record this
+        worker's numerics in the request's chain; None when the request is already finished (its
+        entry only needs its XACK)."""
+        call = scripts.start_attempt(self.keys, req_id, self.worker_id, self.numerics)
+        return Started.decode(self._start_attempt(keys=call.keys, args=call.args))
 
-    def start_attempts(self, req_ids: list[str]) -> list[tuple[int, list[int]] | None]:
+    def start_attempts(self, req_ids: list[str]) -> list[Started | None]:
         """`start_attempt` for several requests in one pipelined round trip (one per node on a
         cluster), results in order."""
-        calls = [scripts.start_attempt(self.keys, req_id, self.worker_id) for req_id in req_ids]
-        return [None if int(reply[0]) == 0 else (int(reply[0]), decode_checkpoint(reply[1]))
+        calls = [scripts.start_attempt(self.keys, req_id, self.worker_id, self.numerics)
+                 for req_id in req_ids]
+        return [Started.decode(reply)
                 for reply in run_pipelined(self.client, self._start_attempt, calls)]
 
     def publish(self, items: list[Publication]) -> list[bool]:

@@ -25,10 +25,11 @@ import redis
 from shared.redis_connect import REDIS_FAILURES, TRANSIENT_FAILURES
 from shared.settings import WorkerSettings
 from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
+from shared.wire.scripts import Started
 from shared.wire.prefix_hash import lora_root, root_hash
 from worker.affinity import ResumePreference
+from worker.announcer import PrefixAnnouncer
 from worker.coalescing import EventCoalescer
-from worker.engine.block_manager import NetChange
 from worker.engine.device import DeviceFailure
 from worker.engine.engine import Engine, RequestOutput
 from worker.engine.lora import LoraRequest
@@ -36,6 +37,7 @@ from worker.handoff.coordinator import OFFER_POLL_S, Handoffs
 from worker.handoff.drain import Drain
 from worker.handoff.transfer import TransferPlane
 from worker.metrics import WorkerMetrics
+from worker.numerics import FleetNumerics
 from worker.protocol import Delivery, Publication, WorkerProtocol
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class Inflight:
     delivery: Delivery
     attempt: int
     num_output_tokens: int = 0  # published (its checkpoint's length)
+    numerics: str = ""  # the request's numerics chain (RequestRecord.NUMERICS) as started here
 
 
 class WorkerService:
@@ -66,6 +69,10 @@ class WorkerService:
         self.metrics.batch_invariant.set(getattr(engine, "invariance_gap", "unknown") is None)
         self.client = client
         self.protocol = protocol
+        self.metrics.numerics(protocol.numerics)
+        self.numerics = FleetNumerics(client, protocol.keys, protocol.model, protocol.worker_id,
+                                      protocol.numerics, settings.numerics_prefer_ms,
+                                      settings.heartbeat_interval_s)
         self.inflight: dict[str, Inflight] = {}
         self._backlog: list[Publication] = []  # produced but not yet published (Redis was down)
         self.coalescer = EventCoalescer(settings.publish_interval_ms / 1000)
@@ -78,16 +85,11 @@ class WorkerService:
         self._load_changed = threading.Event()  # the loop's running/waiting changed: beat soon
         self._pubsub = None
         self._last_orphan_check = 0.0
-        # Prefix-affinity routing: blocks hash from the served model's root (the router's);
-        # the cache's changes not yet announced; whether this process announced its whole cache
-        # since it last (re)connected (until then the heartbeat thread does not refresh the set).
+        # Prefix-affinity routing: blocks hash from the served model's root (the router's)
         self.affinity = settings.routing == "affinity"
         self.prefix_root = root_hash(protocol.model)
         engine.set_prefix_root(self.prefix_root)
-        self._unannounced = NetChange()
-        self._announced = False
-        self._indexed = 0  # the size of the announced set as the loop's last announcement left it
-        self._resync = False  # set by the heartbeat thread: Redis lost the set, announce it all
+        self.announcer = PrefixAnnouncer(engine, protocol, self.metrics, settings.heartbeat_ttl_s)
         # KV handoffs (worker/handoff/): the role, the drain, the transfer plane
         self.role = settings.role
         # set by SIGTERM, or by the heartbeat thread when it finds the drain key
@@ -151,7 +153,7 @@ class WorkerService:
         self.protocol.ensure_groups()
         self.handoffs.redis.load_scripts()
         if self.affinity:
-            self._announce_all()
+            self.announcer.announce_all()
         self._pubsub = self.protocol.subscribe_cancels()
 
     def _shutdown(self) -> None:
@@ -192,10 +194,8 @@ class WorkerService:
             draining = self.drainer.active
             handoffs.offer_streams("drain" if draining else "prefill", first_token_out=not draining)
         self._snapshot_stats()
-        if self.affinity and self._resync:
-            self._announce_all()
-        elif self.affinity:
-            self._announce()
+        if self.affinity:
+            self.announcer.announce()
 
     def _handle_cancels(self) -> None:
         while (req_id := self.protocol.next_cancel(self._pubsub)) is not None:
@@ -276,7 +276,7 @@ class WorkerService:
         while self.engine.can_admit(self.engine_block_size()):
             with self._lock:
                 held = frozenset(e for ids in self._held_entries.values() for e in ids)
-            delivery = self.protocol.claim_orphan(min_idle_ms, held, prefer)
+            delivery = self.protocol.claim_orphan(min_idle_ms, held, prefer, self.numerics)
             if delivery is None:
                 return
             log.warning("took over %s from a worker whose heartbeat is gone (delivery %d)",
@@ -321,14 +321,14 @@ class WorkerService:
         for delivery, attempt in zip(fresh.values(), started):
             self._begin(delivery, attempt)
 
-    def _begin(self, delivery: Delivery, started: tuple[int, list[int]] | None) -> None:
+    def _begin(self, delivery: Delivery, started: Started | None) -> None:
         request = delivery.request
         req_id = request.req_id
         if started is None:  # finished by a worker that died before its XACK
             self.protocol.ack(delivery.stream, delivery.entry_id)
             self._release(delivery)
             return
-        attempt, checkpoint = started
+        attempt, checkpoint = started.attempt, started.checkpoint
         seq = len(checkpoint)
         if delivery.times_delivered > self.settings.max_deliveries:
             log.error("request %s delivered %d times: dead-lettered", req_id,
@@ -352,12 +352,22 @@ class WorkerService:
             self._release(delivery)
             self.metrics.request_finished("error")
             return
-        self.inflight[req_id] = Inflight(delivery, attempt)
+        self._inflight_started(delivery, started)
         if request.lora:
             self.metrics.lora_request_started(request.lora)
         # Queue wait only for a first delivery: a resumed request's wait is not queueing.
         first = delivery.times_delivered == 1 and request.created > 0
         self.metrics.request_started(time.time() - request.created if first else None)
+
+    def _inflight_started(self, delivery: Delivery, started: Started) -> None:
+        """Serve a started stream from here on; one continued on other numerics than its tokens
+        so far were computed on is counted (its final event says so: `numerics`)."""
+        self.inflight[delivery.request.req_id] = Inflight(
+            delivery, started.attempt, len(started.checkpoint), started.numerics)
+        if started.other_numerics:
+            log.warning("%s continues on other numerics than its first %d tokens (%s)",
+                        delivery.request.req_id, len(started.checkpoint), started.numerics)
+            self.metrics.resumes_other_numerics.inc()
 
     def _params_of(self, request):
         """Its sampling parameters; a `batch` request naming no pace gets --batch-target-itl-ms."""
@@ -400,27 +410,28 @@ class WorkerService:
         except REDIS_FAILURES as exc:  # it resumes once this worker's heartbeat is gone
             log.warning("could not hand back %s (%r)", inflight.delivery.request.req_id, exc)
 
-    def resume(self, delivery: Delivery, attempt: int, checkpoint: list[int]) -> None:
+    def resume(self, delivery: Delivery, started: Started) -> None:
         """A handed-off stream fenced here whose KV could not be used: resume it from its
         checkpoint, as a claimer would."""
         self._hold(delivery)
+        checkpoint = started.checkpoint
         try:
             self.engine.add_request(delivery.request.req_id, delivery.request.prompt_token_ids,
                                     self._params_of(delivery.request),
                                     output_token_ids=checkpoint or None,
                                     **self._adapter_of(delivery.request))
         except ValueError as exc:
-            self.protocol.fail(delivery, attempt, len(checkpoint), str(exc))
+            self.protocol.fail(delivery, started.attempt, len(checkpoint), str(exc))
             self._release(delivery)
             self.metrics.request_finished("error")
             return
-        self.inflight[delivery.request.req_id] = Inflight(delivery, attempt, len(checkpoint))
+        self._inflight_started(delivery, started)
         self.metrics.request_started(None)
 
-    def adopt(self, delivery: Delivery, attempt: int, num_output_tokens: int) -> None:
+    def adopt(self, delivery: Delivery, started: Started) -> None:
         """A handed-off stream now in the engine with its KV: serve it from here on."""
         self._hold(delivery)
-        self.inflight[delivery.request.req_id] = Inflight(delivery, attempt, num_output_tokens)
+        self._inflight_started(delivery, started)
         if delivery.request.lora:
             self.metrics.lora_request_started(delivery.request.lora)
         self.metrics.request_started(None)
@@ -459,7 +470,7 @@ class WorkerService:
             error=(output.error or "the worker failed") if output.finish_reason == "error" else None,
             stop_reason=output.stop.reason if output.stop else None,
             text_after_stop=output.stop.text_after if output.stop else None,
-        )
+            numerics=(inflight.numerics or None) if final else None)
         status = RequestStatus.for_finish_reason(output.finish_reason) if final else None
         return Publication(output.req_id, inflight.attempt, event, status,
                            inflight.delivery.stream, inflight.delivery.entry_id,
@@ -482,33 +493,6 @@ class WorkerService:
                 del self.inflight[item.req_id]
                 self.handoffs.forget([item.req_id])
                 self.metrics.request_finished("abort")
-
-    # ---- prefix-cache announcements (loop thread only) --------------------------------------
-
-    def _announce(self) -> None:
-        """Announce what the prefix cache stored and evicted since the last announcement; what
-        a failed call did not send stays and merges into the next."""
-        self._unannounced.merge(*self.engine.drain_block_announcements())
-        if not self._unannounced:
-            return
-        stored, removed = self._unannounced.peek()
-        self._send_announcement(stored, removed, clear=False)
-        self._unannounced.drain()
-
-    def _announce_all(self) -> None:
-        """At a (re)connect: the whole cache, replacing whatever Redis holds (a process's first
-        announcement; after an outage Redis may have lost or missed some)."""
-        self._announced = self._resync = False
-        self.engine.drain_block_announcements()  # the whole cache covers every change so far
-        self._unannounced.drain()
-        self._send_announcement(self.engine.cached_block_hashes(), [], clear=True)
-        self._announced = True
-
-    def _send_announcement(self, stored: list[bytes], removed: list[bytes], clear: bool) -> None:
-        indexed = self.protocol.announce(stored, removed, clear=clear,
-                                         ttl_s=self.settings.heartbeat_ttl_s)
-        self.metrics.blocks_announced(len(stored), len(removed), indexed)
-        self._indexed = indexed
 
     # ---- heartbeat -------------------------------------------------------------------------
 
@@ -542,7 +526,8 @@ class WorkerService:
             model_source=self.settings.model, loras=",".join(self._lora_snapshot()),
             role=self.role, draining=int(self.drainer.active or self.drain.is_set()),
             handoff_addr=self.handoffs.addr, handoffs_out=self.handoffs.num_out,
-            handoffs_in=self.handoffs.num_in, **pace.heartbeat_fields())
+            handoffs_in=self.handoffs.num_in, numerics=self.protocol.numerics,
+            **pace.heartbeat_fields())
         with self._lock:
             changed = (beat.running, beat.waiting) != (self._stats_snapshot.running,
                                                        self._stats_snapshot.waiting)
@@ -567,14 +552,11 @@ class WorkerService:
         if not self.drain.is_set() and self.handoffs.redis.drain_requested():
             log.info("drain requested through Redis (the admin route)")
             self.drain.set()
-        if self.affinity and self._announced:  # stay listed with the set the loop announced
-            indexed = self.protocol.announce([], [], clear=False,
-                                             ttl_s=self.settings.heartbeat_ttl_s)
-            self.metrics.indexed_blocks.set(indexed)
-            if indexed == 0 and self._indexed > 0:  # expired (this thread stalled) or Redis lost it
-                self._resync = True
-        if self.protocol.uses_homes:  # this worker's place among the live ones: its home shards
-            self.protocol.update_roster(self.settings.heartbeat_ttl_s)
+        if self.affinity:
+            self.announcer.keep_listed()
+        # on the model's roster of live workers (FleetNumerics reads it), and with several
+        # shards its place there gives its home shards
+        self.protocol.update_roster(self.settings.heartbeat_ttl_s)
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         """A full beat every heartbeat interval; between them, when the loop's requests running

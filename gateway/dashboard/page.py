@@ -103,7 +103,7 @@ DASHBOARD_HTML = """<!doctype html>
     </div><svg id="chart-kv" viewBox="0 0 320 120"></svg></div>
 </section>
 <table>
-  <thead><tr><th>worker</th><th>model</th><th>role</th><th>KV usage</th><th>running</th>
+  <thead><tr><th>worker</th><th>model</th><th>role</th><th>numerics</th><th>KV usage</th><th>running</th>
     <th>waiting</th><th>tokens/s</th><th>prefix hit</th><th>spec accepted</th>
     <th>ITL p99 / target</th><th>TTFT p99 / target</th><th>room at pace</th>
     <th>indexed blocks</th><th>routed</th><th>own queue</th><th>handoffs out / in</th>
@@ -163,6 +163,7 @@ function renderWorkers(workers) {
     }
     cell(row, w.model);
     cell(row, w.draining ? w.role + " · draining" : w.role, w.draining ? "role draining" : "role");
+    cell(row, w.numerics === null ? "–" : w.numerics, "numerics");
     kvCell(row, w);
     cell(row, String(w.running));
     cell(row, String(w.waiting));

@@ -30,6 +30,9 @@ def worker_row(worker_id: str, beat: Heartbeat, now: float) -> dict[str, Any]:
         "model": beat.model,
         "role": beat.role,
         "draining": bool(beat.draining),
+        # its numerics fingerprint: workers with the same one continue each other's streams bit
+        # for bit (null: a worker older than the field)
+        "numerics": beat.numerics or None,
         "kv_blocks_used": beat.blocks_used,
         "kv_blocks_total": total,
         "kv_usage_pct": round(100.0 * beat.blocks_used / total, 1) if total else 0.0,

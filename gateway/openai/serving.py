@@ -57,16 +57,28 @@ def wrap_int64(value: int) -> int:
 
 class UsageTally:
     """Usage of a response: each prompt counted once (its n choices share it), completions
-    summed."""
+    summed; and the numerics fingerprints its choices were computed on."""
 
     def __init__(self, n: int):
         self._n = n
         self._prompt: dict[int, Usage] = {}
         self._completion_tokens = 0
+        self._numerics: list[str] = []  # in order of first appearance
 
-    def add(self, index: int, usage: Usage) -> None:
+    def add(self, index: int, usage: Usage, numerics: str | None = None) -> None:
         self._prompt.setdefault(index // self._n, usage)
         self._completion_tokens += usage.completion_tokens
+        for fingerprint in (numerics or "").split("+"):
+            if fingerprint and fingerprint not in self._numerics:
+                self._numerics.append(fingerprint)
+
+    def system_fingerprint(self) -> str | None:
+        """OpenAI's `system_fingerprint`: the numerics fingerprint every token of the response
+        was computed on; several joined by "+" where its tokens were computed on more than one
+        (a stream resumed on other numerics, or choices served by workers of different
+        numerics: such an answer may differ from one computed on either alone); None when no
+        worker said (an older one)."""
+        return "+".join(self._numerics) or None
 
     def info(self) -> UsageInfo:
         prompt = sum(u.prompt_tokens for u in self._prompt.values())

@@ -109,7 +109,7 @@ class ChatServing(OpenAIServing):
         out = []
         for index, deltas in enumerate(await self.collect(choices, tracker)):
             final = deltas[-1]
-            usage.add(index, final.usage)
+            usage.add(index, final.usage, final.numerics)
             logprobs = self._logprobs(deltas) if request.logprobs else None
             output = ChatOutput(options)
             first, last = output.feed("".join(d.text for d in deltas)), output.finish()
@@ -130,7 +130,8 @@ class ChatServing(OpenAIServing):
         tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
                        info.completion_tokens)
         return ChatCompletionResponse(id=response_id, created=created, model=model,
-                                      choices=out, usage=info)
+                                      choices=out, usage=info,
+                                      system_fingerprint=usage.system_fingerprint())
 
     async def _stream(self, request: ChatCompletionRequest, choices: list[ChoiceStream],
                       prompts: list[list[int]], response_id: str, created: int,
@@ -163,12 +164,12 @@ class ChatServing(OpenAIServing):
                     reason = delta.finish_reason
                     if outputs[index].tool_calls and reason == "stop":
                         reason = "tool_calls"
-                    usage.add(index, delta.usage)
+                    usage.add(index, delta.usage, delta.numerics)
                     finish_reasons.append(reason)
-                    yield frames.finish(index, reason, delta.stop_reason)
+                    yield frames.finish(index, reason, delta.stop_reason, delta.numerics)
             info = usage.info()
             if request.include_usage:
-                yield frames.usage(info)
+                yield frames.usage(info, usage.system_fingerprint())
             tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens)
         except Exception:
             tracker.finish("error")

@@ -38,7 +38,7 @@ class CompletionServing(OpenAIServing):
         out = []
         collected = await self.collect(choices, tracker)
         for index, deltas in enumerate(collected):  # every candidate is billed
-            usage.add(index, deltas[-1].usage)
+            usage.add(index, deltas[-1].usage, deltas[-1].numerics)
         for index in best_candidates(collected, per_prompt, request.n):
             deltas = collected[index]
             final = deltas[-1]
@@ -61,7 +61,8 @@ class CompletionServing(OpenAIServing):
         tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
                        info.completion_tokens)
         return CompletionResponse(id=response_id, created=created, model=model,
-                                  choices=out, usage=info)
+                                  choices=out, usage=info,
+                                  system_fingerprint=usage.system_fingerprint())
 
     async def _stream(self, request: CompletionRequest, choices: list[ChoiceStream],
                       prompts: list[list[int]], response_id: str, created: int,
@@ -96,13 +97,13 @@ class CompletionServing(OpenAIServing):
                 if delta.text or logprobs is not None:
                     yield frames.text(index, delta.text, logprobs)
                 if delta.finish_reason is not None:
-                    usage.add(index, delta.usage)
+                    usage.add(index, delta.usage, delta.numerics)
                     finish_reasons.append(delta.finish_reason)
                     yield frames.text(index, "", finish_reason=delta.finish_reason,
-                                      stop_reason=delta.stop_reason)
+                                      stop_reason=delta.stop_reason, numerics=delta.numerics)
             info = usage.info()
             if request.include_usage:
-                yield frames.usage(info)
+                yield frames.usage(info, usage.system_fingerprint())
             tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens)
         except Exception:
             tracker.finish("error")

@@ -50,17 +50,21 @@ class _ChunkEncoder:
         # vLLM's continuous_usage_stats: every choice chunk carries the usage at that point
         self._usage_so_far = usage_so_far
 
-    def _frame(self, choice: str) -> bytes:
-        if self._usage_so_far is not None:
-            tail = (f'],"usage":{_json(self._usage_so_far().model_dump())},'
-                    f'"system_fingerprint":null}}')
+    def _frame(self, choice: str, fingerprint: str | None = None) -> bytes:
+        """One choice's chunk; `fingerprint` (a choice's last chunk: the numerics its tokens
+        were computed on) as its `system_fingerprint`."""
+        if self._usage_so_far is not None or fingerprint is not None:
+            usage = ("null" if self._usage_so_far is None
+                     else _json(self._usage_so_far().model_dump()))
+            tail = f'],"usage":{usage},"system_fingerprint":{_json(fingerprint)}}}'
             return f"data: {self._head}{choice}{tail}\n\n".encode()
         return f"data: {self._head}{choice}{self._tail}\n\n".encode()
 
-    def usage(self, usage: UsageInfo) -> bytes:
-        """The last chunk of `stream_options.include_usage`: no choices, the usage."""
+    def usage(self, usage: UsageInfo, fingerprint: str | None = None) -> bytes:
+        """The last chunk of `stream_options.include_usage`: no choices, the usage (and the
+        response's system_fingerprint)."""
         return (f'data: {self._head}],"usage":{_json(usage.model_dump())},'
-                f'"system_fingerprint":null}}\n\n').encode()
+                f'"system_fingerprint":{_json(fingerprint)}}}\n\n').encode()
 
 
 class CompletionChunkEncoder(_ChunkEncoder):
@@ -69,10 +73,11 @@ class CompletionChunkEncoder(_ChunkEncoder):
     object_name = "text_completion"
 
     def text(self, index: int, text: str, logprobs: BaseModel | None = None,
-             finish_reason: str | None = None, stop_reason: int | str | None = None) -> bytes:
+             finish_reason: str | None = None, stop_reason: int | str | None = None,
+             numerics: str | None = None) -> bytes:
         return self._frame(f'{{"index":{index},"text":{encode_basestring(text)},'
                            f'"logprobs":{_logprobs_json(logprobs)},'
-                           f'{_finish_json(finish_reason, stop_reason)}}}')
+                           f'{_finish_json(finish_reason, stop_reason)}}}', numerics)
 
 
 class ChatChunkEncoder(_ChunkEncoder):
@@ -102,11 +107,15 @@ class ChatChunkEncoder(_ChunkEncoder):
             frames.append(self._choice(index, f'{{"tool_calls":{_json(calls)}}}', logprobs, None))
         return frames
 
-    def finish(self, index: int, finish_reason: str, stop_reason: int | str | None = None) -> bytes:
-        return self._choice(index, "{}", None, finish_reason, stop_reason)
+    def finish(self, index: int, finish_reason: str, stop_reason: int | str | None = None,
+               numerics: str | None = None) -> bytes:
+        """A choice's last chunk: its finish reason, and as `system_fingerprint` the numerics
+        its tokens were computed on."""
+        return self._choice(index, "{}", None, finish_reason, stop_reason, numerics)
 
     def _choice(self, index: int, delta: str, logprobs: BaseModel | None,
-                finish_reason: str | None, stop_reason: int | str | None = None) -> bytes:
+                finish_reason: str | None, stop_reason: int | str | None = None,
+                numerics: str | None = None) -> bytes:
         return self._frame(f'{{"index":{index},"delta":{delta},'
                            f'"logprobs":{_logprobs_json(logprobs)},'
-                           f'{_finish_json(finish_reason, stop_reason)}}}')
+                           f'{_finish_json(finish_reason, stop_reason)}}}', numerics)

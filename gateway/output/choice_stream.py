@@ -37,6 +37,9 @@ class ChoiceDelta:
     token_index: int = 0  # index in the output of the first of `token_ids`
     # prompt token i + 1's logprob at i (SamplingParams.prompt_logprobs), in one delta only
     prompt_logprobs: list[TokenLogprob] | None = None
+    # the last delta: the numerics fingerprints its tokens were computed on, "+"-joined
+    # (TokenEvent.numerics; None from a worker older than the field)
+    numerics: str | None = None
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,7 @@ class ChoiceStream:
         text = self._stops.finish(text, final.finish_reason, final.stop_reason,
                                   final.text_after_stop)
         return ChoiceDelta(text=text, token_ids=token_ids, logprobs=logprobs, token_index=index,
-                           stop_reason=final.stop_reason)
+                           stop_reason=final.stop_reason, numerics=final.numerics)
 
     def _replay(self) -> ChoiceDelta | None:
         """The checkpointed tokens a resumed stream sends first (None when there are none)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from shared.wire.keys import Keys
 from shared.wire.lua import LuaScript, ScriptCall
 from shared.wire.messages import pack, unpack
-from shared.wire.scripts import FINISHED, NAMES
+from shared.wire.scripts import FINISHED, NAMES, RECORD_NUMERICS_LUA
 from shared.wire.status import RequestStatus
 
 SENT = "sent:"
@@ -54,6 +54,7 @@ class HandoffOffer:
     reason: str = "drain"  # drain | prefill
     lora: str = ""  # the adapter the stream runs under ("" = base model)
     created: float = 0.0  # unix time of the offer
+    numerics: str = ""  # the source's numerics fingerprint: takers with the same one come first
 
     def pack(self) -> bytes:
         return pack(dataclasses.asdict(self))
@@ -91,34 +92,36 @@ START_HANDOFF = LuaScript.build(
     "start_handoff",
     keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)",
           "lease (Keys.handoff_lease)"],
-    argv=["worker id (the taker)", "handoff id", "lease TTL once taken, ms", "status (running)",
+    argv=["worker id (the taker)", "handoff id", "lease TTL once taken, ms",
+          "the taker's numerics fingerprint ('' = unknown)", "status (running)",
           "the finished statuses (one or more)"],
     variadic_argv=True,
-    returns="{attempt (the new fencing token), checkpoint bytes} when the lease was `sent:<id>` "
-            "(it becomes `taken:<id>:<taker>`); {-1, ''} when the lease is gone or another's "
-            "(nothing written: the source keeps the stream); {0, '', status} when the request is "
-            "already finished",
+    returns="{attempt (the new fencing token), checkpoint bytes, numerics chain, appended} as "
+            "START_ATTEMPT's when the lease was `sent:<id>` (it becomes `taken:<id>:<taker>`); "
+            "{-1, ''} when the lease is gone or another's (nothing written: the source keeps the "
+            "stream); {0, '', status} when the request is already finished",
     names=NAMES,
-    source="""
+    source=RECORD_NUMERICS_LUA + """
 local lease = redis.call('GET', KEYS[3])
 if lease ~= 'sent:' .. ARGV[2] then return {-1, ''} end
 local status = redis.call('HGET', KEYS[1], '${req_status}')
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   if status == ARGV[i] then return {0, '', status} end
 end
 redis.call('SET', KEYS[3], 'taken:' .. ARGV[2] .. ':' .. ARGV[1], 'PX', ARGV[3])
 local attempt = redis.call('HINCRBY', KEYS[1], '${req_attempt}', 1)
-redis.call('HSET', KEYS[1], '${req_status}', ARGV[4], '${req_worker}', ARGV[1])
+redis.call('HSET', KEYS[1], '${req_status}', ARGV[5], '${req_worker}', ARGV[1])
 local ckpt = redis.call('GET', KEYS[2]) or ''
-return {attempt, ckpt}
+local numerics = record_numerics(KEYS[1], ckpt, ARGV[4])
+return {attempt, ckpt, numerics[1], numerics[2]}
 """)
 
 
 def start_handoff(keys: Keys, req_id: str, worker_id: str, handoff_id: str,
-                  taken_ttl_ms: int) -> ScriptCall:
+                  taken_ttl_ms: int, numerics: str = "") -> ScriptCall:
     return START_HANDOFF.bind(
         [keys.request(req_id), keys.checkpoint(req_id), keys.handoff_lease(req_id)],
-        [worker_id, handoff_id, taken_ttl_ms, RequestStatus.RUNNING.value, *FINISHED])
+        [worker_id, handoff_id, taken_ttl_ms, numerics, RequestStatus.RUNNING.value, *FINISHED])
 
 
 RECLAIM_HANDOFF = LuaScript.build(

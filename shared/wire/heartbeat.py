@@ -50,6 +50,9 @@ class Heartbeat:
     pace_room: int = -1  # more streams it takes now and keeps the pace (-1: no pace promised)
     pace_streams: int = 0  # streams it runs at the pace with its current mix (0: no promise)
     step_cost: str = ""  # its fitted step-cost curve, shared/pace.py's StepCostCurve as JSON
+    # its numerics fingerprint (worker/engine/numerics.py): workers with the same one continue
+    # each other's streams bit for bit ("" = unknown: a worker older than the field)
+    numerics: str = ""
 
     def encode(self) -> dict[str, str | int | float]:
         """The HSET mapping; an empty metrics_url is left out."""

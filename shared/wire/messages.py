@@ -157,6 +157,9 @@ class TokenEvent:
       a gap filled from the checkpoint. The renderer keeps the text up to the end of the stop
       string (`include_stop_str_in_output`) or up to its start.
 
+    The final event also carries `numerics`: the fingerprints (worker/engine/numerics.py) of the
+    workers that computed the output, in order, joined by "+".
+
     Compatibility (a worker older than these fields, during a rolling upgrade): a final "stop"
     event without `text_after_stop` is cut at the first occurrence of a stop string in the text
     not yet sent."""
@@ -172,6 +175,10 @@ class TokenEvent:
     req_id: str = ""
     stop_reason: int | str | None = None  # final "stop" events: see above
     text_after_stop: int | None = None  # set on every final "stop" event: see above
+    # final events: the numerics fingerprints of the workers whose tokens make the output, in
+    # order, joined by "+" (one: computed on one numerics; several: resumed on other numerics,
+    # so the text may differ from an uninterrupted run's; docs/RELIABILITY.md)
+    numerics: str | None = None
 
     @property
     def is_final(self) -> bool:

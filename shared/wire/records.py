@@ -77,6 +77,9 @@ class RequestRecord:
     # "1" once a reader attached by id (ATTACH): events then also go to the request's own
     # channel (Keys.tokens), beside its inbox
     WATCHED: ClassVar[str] = "watched"
+    # the numerics fingerprints of the workers that produced the checkpoint's tokens, in order,
+    # joined by "+" (START_ATTEMPT / START_HANDOFF: a resume on other numerics appends its own)
+    NUMERICS: ClassVar[str] = "numerics"
     SNAPSHOT_FIELDS: ClassVar[tuple[str, str, str]] = (PAYLOAD, STATUS, ATTEMPT)
 
     request: GenerationRequest

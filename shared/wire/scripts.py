@@ -21,17 +21,19 @@ a call of it. Ordering guarantees (docs/ARCHITECTURE.md, "Scripts"):
 
 from __future__ import annotations
 
-from shared.wire.checkpoint import TOKEN_BYTES, encode_checkpoint
+from dataclasses import dataclass
+
+from shared.wire.checkpoint import TOKEN_BYTES, decode_checkpoint, encode_checkpoint
 from shared.wire.keys import Keys
 from shared.wire.lua import LuaScript, ScriptCall
 from shared.wire.messages import GenerationRequest, TokenEvent
-from shared.wire.records import QueueEntry, RequestRecord
+from shared.wire.records import QueueEntry, RequestRecord, text
 from shared.wire.status import RequestStatus
 
 NAMES = {
     "req_payload": RequestRecord.PAYLOAD, "req_attempt": RequestRecord.ATTEMPT,
     "req_status": RequestRecord.STATUS, "req_worker": RequestRecord.WORKER,
-    "req_watched": RequestRecord.WATCHED,
+    "req_watched": RequestRecord.WATCHED, "req_numerics": RequestRecord.NUMERICS,
     "entry_id": QueueEntry.ID, "entry_payload": QueueEntry.PAYLOAD,
     "entry_prompt_len": QueueEntry.PROMPT_LEN, "entry_cached": QueueEntry.CACHED,
 }
@@ -255,32 +257,77 @@ def gateway_shard_shares(index: int, count: int, shards: int) -> tuple[tuple[int
     return tuple(shares)
 
 
+# The numerics chain of a request (RequestRecord.NUMERICS), as START_ATTEMPT and START_HANDOFF
+# keep it: with no checkpointed token (or none recorded by a worker that knew its numerics) the
+# starting worker's fingerprint alone; else its fingerprint appended when it is not the last one
+# (the stream continues on other numerics). An empty fingerprint records nothing.
+# Returns {chain, 1 if appended else 0}.
+RECORD_NUMERICS_LUA = """
+local function record_numerics(hash, ckpt, fingerprint)
+  if fingerprint == '' then return {'', 0} end
+  local chain = redis.call('HGET', hash, '${req_numerics}') or ''
+  local changed = 0
+  if ckpt == '' or chain == '' then
+    chain = fingerprint
+  elseif string.match(chain, '[^+]*$$') ~= fingerprint then
+    chain = chain .. '+' .. fingerprint
+    changed = 1
+  end
+  redis.call('HSET', hash, '${req_numerics}', chain)
+  return {chain, changed}
+end
+"""
+
 START_ATTEMPT = LuaScript.build(
     "start_attempt",
     keys=["request hash (Keys.request)", "checkpoint (Keys.checkpoint)"],
-    argv=["worker id", "status (running)", "the finished statuses (one or more)"],
+    argv=["worker id", "its numerics fingerprint ('' = unknown: nothing recorded)",
+          "status (running)", "the finished statuses (one or more)"],
     variadic_argv=True,
-    returns="{attempt (the new fencing token), checkpoint bytes ('' when none)}; {0, '', "
-            "status} when the request is already finished (nothing written: its final event was "
-            "published, only the stream entry's XACK was missing)",
+    returns="{attempt (the new fencing token), checkpoint bytes ('' when none), the numerics "
+            "chain, 1 when this start appended another fingerprint to it}; {0, '', status} when "
+            "the request is already finished (nothing written: its final event was published, "
+            "only the stream entry's XACK was missing)",
     names=NAMES,
-    source="""
+    source=RECORD_NUMERICS_LUA + """
 local status = redis.call('HGET', KEYS[1], '${req_status}')
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   if status == ARGV[i] then return {0, '', status} end
 end
 local attempt = redis.call('HINCRBY', KEYS[1], '${req_attempt}', 1)
-redis.call('HSET', KEYS[1], '${req_status}', ARGV[2], '${req_worker}', ARGV[1])
+redis.call('HSET', KEYS[1], '${req_status}', ARGV[3], '${req_worker}', ARGV[1])
 local ckpt = redis.call('GET', KEYS[2]) or ''
-return {attempt, ckpt}
+local numerics = record_numerics(KEYS[1], ckpt, ARGV[2])
+return {attempt, ckpt, numerics[1], numerics[2]}
 """)
 
 FINISHED = [status.value for status in RequestStatus if status.is_finished]
 
 
-def start_attempt(keys: Keys, req_id: str, worker_id: str) -> ScriptCall:
+def start_attempt(keys: Keys, req_id: str, worker_id: str, numerics: str = "") -> ScriptCall:
     return START_ATTEMPT.bind([keys.request(req_id), keys.checkpoint(req_id)],
-                              [worker_id, RequestStatus.RUNNING.value, *FINISHED])
+                              [worker_id, numerics, RequestStatus.RUNNING.value, *FINISHED])
+
+
+@dataclass(frozen=True)
+class Started:
+    """A started attempt (START_ATTEMPT, START_HANDOFF): its fencing token, the tokens
+    checkpointed so far, the request's numerics chain (RequestRecord.NUMERICS) and whether this
+    start continues the stream on other numerics than the tokens so far were computed on."""
+
+    attempt: int
+    checkpoint: list[int]
+    numerics: str = ""
+    other_numerics: bool = False
+
+    @classmethod
+    def decode(cls, reply: list) -> Started | None:
+        """From the script's reply; None when the request is already finished."""
+        if int(reply[0]) == 0:
+            return None
+        numerics = text(reply[2]) if len(reply) > 2 else ""
+        return cls(int(reply[0]), decode_checkpoint(reply[1]), numerics,
+                   len(reply) > 3 and int(reply[3]) == 1)
 
 
 # One request's publication once its attempt was checked: write the new tokens into the checkpoint

@@ -17,14 +17,14 @@ import re
 import signal
 import time
 
-import httpx
 import pytest
 
 from shared.redis_connect import connect
-from shared.wire import Heartbeat, RequestRecord
-from shared.wire.checkpoint import TOKEN_BYTES
+from shared.wire import Heartbeat
 from tests.e2e.test_failover import TOPICS, request_body, run_all
+from tests.helpers.metrics import metric_total
 from tests.helpers.processes import Proc, ProcessFleet
+from tests.helpers.streams import when_streaming
 from worker.handoff.protocol import HandoffProtocol
 from worker.handoff.transfer import TcpTransferPlane
 
@@ -35,15 +35,6 @@ LEASE_S = 5  # --handoff-lease-s: streams sent to a taker that died come back af
 # steps on a 2-core Zen 4 shared with other tests, where a drain's handoffs took 0.15-0.3 s.
 BODIES = [dict(request_body(i), max_tokens=48) for i in range(len(TOPICS))]
 FALLBACKS, TAKEOVERS = "kvfleet_worker_handoff_fallbacks_total", "kvfleet_worker_takeovers_total"
-
-
-def metric_total(url: str, name: str, **labels) -> float:
-    text = httpx.get(url, timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def handed(proc: Proc) -> set[str]:
@@ -73,20 +64,13 @@ def wait_until(ready, what: str, timeout_s: float = 60, poll_s: float = 0.01):
 def when_serving(client, keys, worker_id: str, act, min_held: int = 2, min_tokens: int = 10):
     """A `run_all` hook: once `worker_id` holds `min_held` of the requests and every one has
     `min_tokens` checkpointed tokens, `act(ids of the requests it holds)`."""
-    def hook(records):
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            ids = [r.get("id") for r in records]
-            if all(ids):
-                owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
-                progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
-                held = {i for i, owner in zip(ids, owners) if owner == worker_id.encode()}
-                if len(held) >= min_held and min(progress) >= min_tokens:
-                    act(held)
-                    return
-            time.sleep(0.05)
-        raise AssertionError(f"{worker_id} never served the requests")
-    return hook
+    def held(ids, owners) -> set[str]:
+        return {i for i, owner in zip(ids, owners) if owner == worker_id.encode()}
+
+    return when_streaming(
+        client, keys, lambda ids, owners, progress: len(held(ids, owners)) >= min_held
+        and min(progress) >= min_tokens, lambda ids, owners: act(held(ids, owners)),
+        f"{worker_id} serving the requests")
 
 
 def test_sigterm_drains_running_streams_to_a_peer_with_their_kv(redis_url, tmp_path):

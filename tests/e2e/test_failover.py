@@ -2,7 +2,13 @@
 on the other worker with exactly the text an uninterrupted run gives — no gap, no repeat. On a
 single Redis and on a Redis Cluster (3 primaries + 3 replicas, 3 stream shards). At the default
 settings users get (`--dtype auto`: bf16 on CPUs with native bf16; `--deterministic`), not
-ProcessFleet's float32: the resumed prefill must compute what the decode steps computed."""
+ProcessFleet's float32: the resumed prefill must compute what the decode steps computed.
+
+A third worker of other numerics (its linears pinned to oneDNN: another numerics fingerprint on
+every CPU kind), which takes only orphaned streams, is alive meanwhile: the same-numerics rescuer
+takes every stream first. Then the rescuer is killed too: the stranger, the only worker left,
+resumes its streams; the clients get whole answers whose `system_fingerprint` names both
+numerics."""
 
 from __future__ import annotations
 
@@ -17,13 +23,19 @@ from shared.models import DEFAULT_MODEL
 from shared.redis_connect import connect
 from shared.wire import RequestRecord
 from shared.wire.checkpoint import TOKEN_BYTES
+from tests.helpers.metrics import metric_total
 from tests.helpers.processes import ProcessFleet
+from tests.helpers.streams import when_streaming
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.topologies]
 
 # long enough that every stream is mid-answer when the worker dies (killed at >= 10 checkpointed
 # tokens each), short enough for the suite's budget on a 2-core CPU
 MAX_TOKENS = 80
+# the stranger: its linears in oneDNN (kvfleet's product is the default everywhere,
+# batch-invariant), another numerics fingerprint on every CPU kind; a decode worker (without
+# peers that hand off, it serves only orphaned requests): it takes no new request from the others
+STRANGER = {"KVFLEET_CPU_PRODUCTS": "onednn", "KVFLEET_ROLE": "decode"}
 TOPICS = ["rivers", "mountains", "bread", "trains", "music", "chess", "the sea", "bees",
           "clocks", "libraries", "volcanoes", "bridges"]
 
@@ -55,6 +67,7 @@ def stream_text(url: str, body: dict, record: dict) -> None:
                     times.append(time.monotonic())
                 if choice.get("finish_reason"):
                     record["finish_reason"] = choice["finish_reason"]
+                    record["system_fingerprint"] = chunk.get("system_fingerprint")
     record["text"] = "".join(pieces)
     record["times"] = times
 
@@ -96,6 +109,7 @@ def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_url, redis_topology,
                 if all(ids) and all(client.hget(keys.request(i), RequestRecord.WORKER) == b"victim"
                                     for i in ids):
                     fleet.start_worker("rescuer", wait=False)
+                    fleet.start_worker("stranger", wait=False, env=STRANGER)
                     return
                 time.sleep(0.05)
             raise AssertionError("the victim never took the reference requests")
@@ -103,28 +117,49 @@ def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_url, redis_topology,
         reference = run_all(fleet.url, on_started=start_rescuer_once_the_victim_holds_all)
         assert all(r["finish_reason"] == "length" for r in reference)
         fleet.wait_worker("rescuer")
+        fleet.wait_worker("stranger")
+        numerics = {w: client.hget(keys.worker(w), "numerics").decode()
+                    for w in ("victim", "rescuer", "stranger")}
+        assert numerics["victim"] == numerics["rescuer"] != numerics["stranger"]
+        assert {r["system_fingerprint"] for r in reference} == {numerics["victim"]}
 
-        def kill_when_streaming(records):
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                ids = [r.get("id") for r in records]
-                if all(ids):
-                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
-                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
-                    if b"victim" in owners and min(progress) >= 10:
-                        victim.kill()  # SIGKILL
-                        return
-                time.sleep(0.05)
-            raise AssertionError("the victim never served the requests")
+        def kill_when_streaming(name: str, holders: tuple[bytes, ...]):
+            """SIGKILL `name` once it serves some of the requests and `holders` all of them,
+            each with 10 tokens out."""
+            return when_streaming(
+                client, keys, lambda ids, owners, progress: name.encode() in owners
+                and all(o in holders for o in owners) and min(progress) >= 10,
+                lambda ids, owners: fleet.workers[name].kill(), f"{name} serving the requests")
 
         # The rescuer may take some requests first; the victim takes the rest.
-        records = run_all(fleet.url, on_started=kill_when_streaming)
+        records = run_all(fleet.url, on_started=kill_when_streaming("victim", (b"victim",
+                                                                               b"rescuer")))
         assert victim.popen.returncode == -9
         for got, want in zip(records, reference):
             assert got["finish_reason"] == "length"
             assert got["text"] == want["text"]
+            assert got["system_fingerprint"] == numerics["victim"]  # one numerics throughout
         resumed = [r for r in records
                    if client.hget(keys.request(r["id"]), RequestRecord.ATTEMPT) not in (b"1", None)]
         assert resumed, "no request was resumed by the rescuer"
+        assert all(client.hget(keys.request(r["id"]), RequestRecord.WORKER) == b"rescuer"
+                   for r in resumed)  # not the stranger, alive all along
+
+        # The rescuer dies too: the stranger, the only one left, resumes on other numerics.
+        bodies = [request_body(i) for i in (0, 1, 8, 9)]
+        records = run_all(fleet.url, bodies=bodies,
+                          on_started=kill_when_streaming("rescuer", (b"rescuer",)))
+        moved = [r for r in records
+                 if client.hget(keys.request(r["id"]), RequestRecord.ATTEMPT) not in (b"1", None)]
+        assert moved, "no request was resumed by the stranger"
+        both = f'{numerics["rescuer"]}+{numerics["stranger"]}'
+        for record in moved:
+            assert record["finish_reason"] == "length" and record["text"]
+            assert record["system_fingerprint"] == both
+            assert client.hget(keys.request(record["id"]), RequestRecord.NUMERICS) == both.encode()
+            assert client.strlen(keys.checkpoint(record["id"])) // TOKEN_BYTES == MAX_TOKENS
+        metrics_url = client.hget(keys.worker("stranger"), "metrics_url").decode()
+        assert metric_total(metrics_url, "kvfleet_worker_resumes_other_numerics_total") \
+            == len(moved)
     finally:
         fleet.stop()

@@ -19,6 +19,7 @@ from shared.redis_connect import connect
 from shared.wire import Heartbeat, RequestRecord
 from shared.wire.checkpoint import TOKEN_BYTES
 from tests.e2e.test_failover import run_all as stream_all
+from tests.helpers.metrics import metric_total
 from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -57,11 +58,6 @@ def run_all(url: str, models: list[str], on_started=None) -> list[dict]:
     return stream_all(url, on_started, models, stream=stream)
 
 
-def metric(url: str, name: str) -> float:
-    lines = httpx.get(url, timeout=10).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
-
-
 def test_adapters_served_listed_mixed_and_resumed(redis_url, tmp_path, adapters):
     flags = ["--dtype", "auto", "--kv-memory", "256MiB", "--num-threads", "1",
              "--enable-lora", "--max-loras", "3", "--max-cpu-loras", "3",
@@ -93,7 +89,7 @@ def test_adapters_served_listed_mixed_and_resumed(redis_url, tmp_path, adapters)
         assert all(r["finish_reason"] == "length" for r in reference)
         assert len(set(texts)) == len(texts), "an adapter answered as another or as the base"
         beat = Heartbeat.decode(client.hgetall(fleet.keys.worker("victim")))
-        assert metric(beat.metrics_url, "kvfleet_worker_lora_evictions_total") >= 1
+        assert metric_total(beat.metrics_url, "kvfleet_worker_lora_evictions_total") >= 1
         models, reference = [DEFAULT_MODEL, "a0", "a1", "a2"], reference[:4]
 
         def kill_when_streaming(records):
@@ -118,7 +114,7 @@ def test_adapters_served_listed_mixed_and_resumed(redis_url, tmp_path, adapters)
             assert got["finish_reason"] == "length"
             assert got["text"] == want["text"], f"{model} resumed with another answer"
         beat = Heartbeat.decode(client.hgetall(fleet.keys.worker("rescuer")))
-        served = metric(beat.metrics_url, "kvfleet_worker_lora_requests_total")
+        served = metric_total(beat.metrics_url, "kvfleet_worker_lora_requests_total")
         assert served == 3
         assert all(client.hget(fleet.keys.request(r["id"]), RequestRecord.ATTEMPT) == b"2"
                    for r in records)

@@ -6,17 +6,16 @@ and still gives plain decoding's text, greedy and seeded sampling alike."""
 from __future__ import annotations
 
 import json
-import time
 
-import httpx
 import pytest
 
 from shared.models import DEFAULT_MODEL
 from shared.redis_connect import connect
 from shared.wire import Heartbeat, RequestRecord
-from shared.wire.checkpoint import TOKEN_BYTES
 from tests.e2e.test_failover import run_all as stream_all
+from tests.helpers.metrics import metric_total
 from tests.helpers.processes import ProcessFleet
+from tests.helpers.streams import when_streaming
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -47,11 +46,6 @@ def run_all(url: str, on_started=None) -> list[dict]:
     return stream_all(url, on_started, [request_body(i) for i in range(2 * len(TEXTS))])
 
 
-def metric(url: str, name: str) -> float:
-    lines = httpx.get(url, timeout=10).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
-
-
 def test_speculating_workers_answer_as_a_plain_one_across_a_kill(redis_url, tmp_path):
     flags = ["--dtype", "auto", "--kv-memory", "256MiB", "--num-threads", "1",
              "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5"]
@@ -67,20 +61,15 @@ def test_speculating_workers_answer_as_a_plain_one_across_a_kill(redis_url, tmp_
         victim = fleet.start_worker("victim")
         keys = fleet.keys
 
-        def kill_when_streaming(records):
-            """Once the victim streams every request: start the rescuer, kill the victim."""
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                ids = [r.get("id") for r in records]
-                if all(ids):
-                    owners = [client.hget(keys.request(i), RequestRecord.WORKER) for i in ids]
-                    progress = [client.strlen(keys.checkpoint(i)) // TOKEN_BYTES for i in ids]
-                    if all(o == b"victim" for o in owners) and min(progress) >= 8:
-                        fleet.start_worker("rescuer", wait=False)
-                        victim.kill()  # SIGKILL
-                        return
-                time.sleep(0.02)
-            raise AssertionError("the victim never streamed every request")
+        def start_rescuer_kill_victim(ids, owners):
+            fleet.start_worker("rescuer", wait=False)
+            victim.kill()  # SIGKILL
+
+        # once the victim streams every request: start the rescuer, kill the victim
+        kill_when_streaming = when_streaming(
+            client, keys, lambda ids, owners, progress: all(o == b"victim" for o in owners)
+            and min(progress) >= 8, start_rescuer_kill_victim, "the victim streaming every request",
+            poll_s=0.02)
 
         records = run_all(fleet.url, on_started=kill_when_streaming)
         assert victim.popen.returncode == -9
@@ -91,7 +80,8 @@ def test_speculating_workers_answer_as_a_plain_one_across_a_kill(redis_url, tmp_
                    if client.hget(keys.request(r["id"]), RequestRecord.ATTEMPT) not in (b"1", None)]
         assert len(resumed) == len(records)
         beat = Heartbeat.decode(client.hgetall(keys.worker("rescuer")))
-        accepted = metric(beat.metrics_url, "kvfleet_worker_spec_decode_num_accepted_tokens_total")
+        accepted = metric_total(beat.metrics_url,
+                                "kvfleet_worker_spec_decode_num_accepted_tokens_total")
         assert accepted > 0, "the rescuer's speculation accepted nothing"
     finally:
         client.close()

@@ -117,7 +117,7 @@ def fleet(redis_client: redis.Redis) -> redis.Redis:
     write_heartbeat(redis_client, "gpu-a-1", total=200, free=50, running=3, tokens_per_s=120.5,
                     spec=(300, 186), role="prefill", handoffs_out=3, target_itl_ms=50,
                     itl_p99_ms=42.44, target_ttft_ms=800, ttft_p99_ms=950, pace_room=6,
-                    pace_streams=9)
+                    pace_streams=9, numerics="fp_0123456789")
     write_heartbeat(redis_client, "gpu-b-2", total=80, free=60, running=1, tokens_per_s=40.25,
                     metrics_url="http://10.0.0.2:9100/metrics", role="decode", draining=1,
                     handoffs_in=3)
@@ -189,6 +189,9 @@ def test_page_renders_workers_queue_and_kv_usage(fleet, base_url, tmp_path):
     assert "62.0%" in first and "62.0%" not in second  # speculation accepted 186/300; b: none
     assert '<td class="role">prefill</td>' in first and "3 / 0" in first  # handoffs out / in
     assert '<td class="role draining">decode · draining</td>' in second and "0 / 3" in second
+    # the numerics fingerprint (b: an older worker that publishes none)
+    assert '<td class="numerics">fp_0123456789</td>' in first
+    assert '<td class="numerics">–</td>' in second
     # the pace promised and kept: ITL p99 / target, TTFT p99 / target (missed: red), room
     assert "<td>42 / 50 ms</td>" in first and '<td class="missed">950 / 800 ms</td>' in first
     assert "<td>6</td>" in first
@@ -220,6 +223,7 @@ def test_data_json(fleet, base_url):
     assert a["model"] == MODEL
     assert [(w["role"], w["draining"], w["handoffs_out"], w["handoffs_in"])
             for w in body["workers"]] == [("prefill", False, 3, 0), ("decode", True, 0, 3)]
+    assert [w["numerics"] for w in body["workers"]] == ["fp_0123456789", None]
     assert (a["kv_blocks_used"], a["kv_blocks_total"], a["kv_usage_pct"]) == (150, 200, 75.0)
     assert (a["running"], a["waiting"], a["preemptions"]) == (3, 1, 2)
     assert a["tokens_per_s"] == 120.5 and a["prefix_hit_rate"] == 0.25

@@ -99,10 +99,11 @@ class ProcessFleet:
                    timeout_s, self.gateway)
 
     def start_worker(self, worker_id: str | None = None, wait: bool = True,
-                     timeout_s: float = 180) -> Proc:
+                     timeout_s: float = 180, env: dict[str, str] | None = None) -> Proc:
+        """A worker with the fleet's flags; `env`: variables of its own beside the fleet's."""
         worker_id = worker_id or f"w{len(self.workers)}"
-        proc = Proc(["worker", "--worker-id", worker_id, *self.worker_flags], self.env,
-                    self.log_dir, worker_id)
+        proc = Proc(["worker", "--worker-id", worker_id, *self.worker_flags],
+                    {**self.env, **(env or {})}, self.log_dir, worker_id)
         self.workers[worker_id] = proc
         if wait:
             self.wait_worker(worker_id, timeout_s)

@@ -101,9 +101,9 @@ def test_an_announcement_lost_to_an_outage_is_sent_with_the_next(redis_url, clie
     req_id = client.send(random_prompt(9, seed=4), SamplingParams(max_tokens=1, ignore_eos=True))
     with pytest.raises(redis.ConnectionError):
         run_until(worker, lambda: client.final(req_id))
-    assert failing.calls == 1 and worker._unannounced  # kept
+    assert failing.calls == 1 and worker.announcer._unannounced  # kept
     worker.protocol.announce = failing.announce
-    worker._announce()  # nothing new since: the kept change alone goes out
+    worker.announcer.announce()  # nothing new since: the kept change alone goes out
     assert client.redis.scard(client.keys.kv_blocks(MODEL, "w1")) == 2
 
 

@@ -264,7 +264,11 @@ def test_a_drain_with_no_peer_finishes_what_it_can_and_gives_back_the_rest(redis
     expected_long = reference_texts(redis_url, tiny, client, prompts[:1], params,
                                     num_blocks=256)[0]
     assert len(expected_long) == 400
-    source = service(redis_url, tiny, "source", num_blocks=256, drain_timeout_s=0.1)
+    # Steps of at least 10 ms: the long answer (400 steps) cannot end within the drain's 1.5 s
+    # on any host, the short one (6 steps) ends well within it even on a loaded one.
+    source = service(redis_url, tiny, "source", num_blocks=256, drain_timeout_s=1.5)
+    step = source.engine.step
+    source.engine.step = lambda: (time.sleep(0.01), step())[1]
     long_id, short_id = client.send(prompts[0], params), client.send(prompts[1], short)
     step_all(workers(source), lambda: len(source.inflight) == 2)
     source.drain.set()

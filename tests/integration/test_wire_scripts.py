@@ -19,6 +19,7 @@ from shared.wire import (
     SamplingParams,
     TokenEvent,
     decode_checkpoint,
+    encode_checkpoint,
     scripts,
 )
 
@@ -177,6 +178,28 @@ def test_a_finished_request_is_not_started_again(redis_client):
     redis_client.hset(KEYS.request(req_id), "status", RequestStatus.FINISHED_STOPPED.value)
     assert start(keys=call.keys, args=call.args) == [0, b"", b"finished_stopped"]
     assert redis_client.hget(KEYS.request(req_id), "attempt") == b"1"  # nothing written
+
+
+def test_each_start_records_the_numerics_the_stream_continues_on(redis_client):
+    """START_ATTEMPT keeps the request's numerics chain: the first worker's fingerprint; a
+    restart before any token replaces it; a resume with tokens on the same numerics keeps it
+    (not flagged), on other numerics appends its own and is flagged; an unknown ('') records
+    nothing."""
+    req_id = "numerics"
+    start = scripts.START_ATTEMPT.register(redis_client)
+
+    def started(worker: str, numerics: str) -> scripts.Started:
+        call = scripts.start_attempt(KEYS, req_id, worker, numerics)
+        return scripts.Started.decode(start(keys=call.keys, args=call.args))
+
+    assert started("w1", "fp_a") == scripts.Started(1, [], "fp_a", False)
+    assert started("w2", "fp_b") == scripts.Started(2, [], "fp_b", False)  # no token yet
+    redis_client.set(KEYS.checkpoint(req_id), encode_checkpoint([7, 8]))
+    assert started("w3", "fp_b") == scripts.Started(3, [7, 8], "fp_b", False)
+    assert started("w4", "fp_a") == scripts.Started(4, [7, 8], "fp_b+fp_a", True)
+    assert started("w5", "") == scripts.Started(5, [7, 8], "", False)
+    assert started("w6", "fp_a") == scripts.Started(6, [7, 8], "fp_b+fp_a", False)
+    assert redis_client.hget(KEYS.request(req_id), "numerics") == b"fp_b+fp_a"
 
 
 def test_a_retried_publication_appends_its_tokens_once(redis_client):

@@ -74,13 +74,14 @@ def test_a_stale_attempt_is_fenced_off(redis_client):
     old, new = make(redis_client, "old"), make(redis_client, "new")
     enqueue(redis_client, keys, "r")
     delivery = old.read_new(keys.queue(MODEL), None)
-    attempt_old, ckpt = old.start_attempt("r")
-    assert (attempt_old, ckpt) == (1, [])
+    started = old.start_attempt("r")
+    attempt_old = started.attempt
+    assert (attempt_old, started.checkpoint) == (1, [])
     ok = old.publish([Publication("r", attempt_old, TokenEvent(0, attempt_old, [5, 6]), None,
                                   delivery.stream, delivery.entry_id)])
     assert ok == [True]
-    attempt_new, ckpt = new.start_attempt("r")  # a claimer resumes from the checkpoint
-    assert (attempt_new, ckpt) == (2, [5, 6])
+    started = new.start_attempt("r")  # a claimer resumes from the checkpoint
+    assert (started.attempt, started.checkpoint) == (2, [5, 6])
     ok = old.publish([Publication("r", attempt_old, TokenEvent(2, attempt_old, [7]), None,
                                   delivery.stream, delivery.entry_id)])
     assert ok == [False]
@@ -92,7 +93,7 @@ def test_final_event_records_status_acks_and_expires(redis_client):
     protocol = make(redis_client)
     enqueue(redis_client, keys, "r")
     delivery = protocol.read_new(keys.queue(MODEL), None)
-    attempt, _ = protocol.start_attempt("r")
+    attempt = protocol.start_attempt("r").attempt
     pubsub = subscribe(redis_client, keys.tokens("r"))
     event = TokenEvent(0, attempt, [9], finish_reason="length")
     assert protocol.publish([Publication("r", attempt, event, RequestStatus.FINISHED_LENGTH,
@@ -172,7 +173,7 @@ def test_fail_dead_letters_and_tells_the_client(redis_client):
     protocol = make(redis_client)
     enqueue(redis_client, keys, "poison")
     delivery = protocol.read_new(keys.queue(MODEL), None)
-    attempt, _ = protocol.start_attempt("poison")
+    attempt = protocol.start_attempt("poison").attempt
     pubsub = subscribe(redis_client, keys.tokens("poison"))
     protocol.fail(delivery, attempt, 0, "boom", dead_letter=True)
     event = TokenEvent.unpack(next_message(pubsub)["data"])
@@ -203,7 +204,7 @@ def test_a_worker_reads_every_stream_shard(redis_client):
     while (delivery := protocol.read_if_fits(100)) is not None:
         taken.append(delivery.request.req_id)
         assert delivery.stream == keys.queue(MODEL, "interactive", keys.shard_of(taken[-1]))
-        attempt, _ = protocol.start_attempt(taken[-1])
+        attempt = protocol.start_attempt(taken[-1]).attempt
         event = TokenEvent(seq=0, attempt=attempt, token_ids=[1], finish_reason="stop")
         assert protocol.publish([Publication(taken[-1], attempt, event,
                                              RequestStatus.FINISHED_STOPPED, delivery.stream,
@@ -231,7 +232,7 @@ def test_one_read_takes_several_requests_from_every_shard_within_count_and_budge
         assert delivery.stream == keys.queue(MODEL, "interactive", keys.shard_of(req_id))
     assert protocol.read_batch(100, 100).deliveries == []
     started = protocol.start_attempts(taken)
-    assert started == [(1, [])] * len(taken)
+    assert [(s.attempt, s.checkpoint) for s in started] == [(1, [])] * len(taken)
     assert all(redis_client.hget(keys.request(r), "attempt") == b"1" for r in taken)
 
 

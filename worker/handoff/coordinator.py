@@ -67,7 +67,8 @@ class Handoffs:
         self.engine = service.engine
         self.metrics = service.metrics
         self.redis = HandoffProtocol(service.client, service.protocol.keys,
-                                     service.protocol.model, service.protocol.worker_id)
+                                     service.protocol.model, service.protocol.worker_id,
+                                     service.protocol.numerics)
         self.plane = plane
         self.offered: dict[str, HandoffOffer] = {}  # req_id -> its standing offer
         self.handed: dict[str, _Handed] = {}  # req_id -> sent, not yet resolved
@@ -118,7 +119,8 @@ class Handoffs:
                 new_handoff_id(req_id, self.redis.worker_id, next(self._serial)), req_id,
                 self.redis.worker_id, self.addr, delivery.stream, delivery.entry_id,
                 num_tokens=len(request.prompt_token_ids) + inflight.num_output_tokens,
-                num_bytes=num_bytes, reason=reason, lora=request.lora, created=time.time())
+                num_bytes=num_bytes, reason=reason, lora=request.lora, created=time.time(),
+                numerics=self.redis.numerics)
             self.redis.offer(offer)
             self.offered[req_id] = offer
         self.metrics.handoff_offers.set(len(self.offered))
@@ -256,6 +258,9 @@ class Handoffs:
                 continue
             if offer.num_tokens + block > budget:
                 continue  # pull: only what fits now
+            if (time.time() - offer.created) * 1000 < self.service.numerics.wait_ms(
+                    offer.numerics, gone=offer.worker_id):
+                continue  # a live worker of the offer's numerics goes first, for a while
             taken = self.redis.take(offer.handoff_id)
             if taken is None:
                 continue  # another taker was first
@@ -295,7 +300,7 @@ class Handoffs:
             return
         if fenced == "finished":
             return
-        attempt, checkpoint = fenced
+        checkpoint = fenced.checkpoint
         delivery = service.protocol.claim_handed(offer.stream, offer.entry_id)
         if delivery is None:  # acked meanwhile: nothing left to serve
             return
@@ -304,16 +309,16 @@ class Handoffs:
                         "resuming from the checkpoint", offer.req_id, len(checkpoint),
                         len(state.output_token_ids))
             self.metrics.handoff_fallback("checkpoint_mismatch")
-            service.resume(delivery, attempt, checkpoint)
+            service.resume(delivery, fenced)
             return
         try:
             self.engine.import_sequence(state)
         except HandoffError as exc:
             log.warning("handoff of %s: %s; resuming from the checkpoint", offer.req_id, exc)
             self.metrics.handoff_fallback("incompatible")
-            service.resume(delivery, attempt, checkpoint)
+            service.resume(delivery, fenced)
             return
-        service.adopt(delivery, attempt, len(checkpoint))
+        service.adopt(delivery, fenced)
         self.num_in += 1
         stats = getattr(self.plane, "stats", None)
         if stats is not None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import redis
 
-from shared.wire import Keys, decode_checkpoint
+from shared.wire import Keys
 from shared.wire.handoff import (
     RECLAIM_HANDOFF, SENT, START_HANDOFF, TAKE_OFFER, HandoffOffer, reclaim_handoff,
     start_handoff, take_offer)
 from shared.wire.records import text
+from shared.wire.scripts import Started
 
 # An entry handed back at a drain's end looks idle this long, so the next orphan check of any
 # live worker claims it (its heartbeat TTL is far shorter).
@@ -21,11 +22,13 @@ GIVEN_BACK_CONSUMER = "given-back"
 class HandoffProtocol:
     """Redis operations of one worker's handoffs, for one model."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str):
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str,
+                 numerics: str = ""):
         self.client = client
         self.keys = keys
         self.model = model
         self.worker_id = worker_id
+        self.numerics = numerics  # this worker's numerics fingerprint (START_HANDOFF records it)
         self._take_offer = TAKE_OFFER.register(client)
         self._start_handoff = START_HANDOFF.register(client)
         self._reclaim = RECLAIM_HANDOFF.register(client)
@@ -98,19 +101,15 @@ class HandoffProtocol:
         raw = self._take_offer(keys=call.keys, args=call.args)
         return None if raw is None else HandoffOffer.unpack(raw)
 
-    def fence(self, req_id: str, handoff_id: str,
-              lease_s: float) -> tuple[int, list[int]] | str:
-        """START_HANDOFF: (attempt, checkpoint tokens) when ours now; 'lost' when the lease was
-        gone (the source keeps the stream); 'finished' when the request already ended."""
+    def fence(self, req_id: str, handoff_id: str, lease_s: float) -> Started | str:
+        """START_HANDOFF: the started attempt when ours now; 'lost' when the lease was gone (the
+        source keeps the stream); 'finished' when the request already ended."""
         call = start_handoff(self.keys, req_id, self.worker_id, handoff_id,
-                             max(1, int(lease_s * 1000)))
+                             max(1, int(lease_s * 1000)), self.numerics)
         reply = self._start_handoff(keys=call.keys, args=call.args)
-        attempt = int(reply[0])
-        if attempt < 0:
+        if int(reply[0]) < 0:
             return "lost"
-        if attempt == 0:
-            return "finished"
-        return attempt, decode_checkpoint(reply[1])
+        return Started.decode(reply) or "finished"
 
     def release_lease(self, req_id: str, handoff_id: str) -> str:
         """A taker that cannot complete (the transfer failed) gives the stream back to its source
