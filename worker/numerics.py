@@ -39,6 +39,12 @@ class FleetNumerics:
         self._peers: dict[str, str] = {}  # live worker id -> its fingerprint (this one left out)
         self._read_at = -1e9
 
+    @property
+    def enabled(self) -> bool:
+        """Whether this worker prefers workers of a stream's numerics at all (it knows its own
+        fingerprint, and --numerics-prefer-ms is not 0)."""
+        return bool(self.fingerprint) and self.prefer_ms > 0
+
     def peers(self) -> dict[str, str]:
         """The other live workers of the model and their fingerprints ('' for a worker that
         publishes none: an older version)."""
@@ -61,7 +67,7 @@ class FleetNumerics:
         last were computed on this worker's numerics, or when no other live worker (but `gone`,
         the stream's own dead or departing worker) has them; else `prefer_ms`."""
         wanted = last_numerics(chain)
-        if not wanted or not self.fingerprint or wanted == self.fingerprint or self.prefer_ms <= 0:
+        if not self.enabled or not wanted or wanted == self.fingerprint:
             return 0
         holders = [w for w, fp in self.peers().items() if fp == wanted and w != gone]
         return self.prefer_ms if holders else 0

@@ -390,7 +390,7 @@ class WorkerProtocol:
                 claim_idle_ms = min_idle_ms if prefer is None else resume_min_idle_ms(
                     self.client, self._prefix_match, self.keys, self.model, self.worker_id,
                     stream, entry_id, consumer, min_idle_ms, prefer)
-                if numerics is not None:
+                if numerics is not None and numerics.enabled:
                     claim_idle_ms += self._numerics_wait_ms(stream, entry_id, consumer, numerics)
                 delivery = self._claim_entry(stream, entry_id, claim_idle_ms,
                                              entry["times_delivered"] + 1)
