@@ -17,6 +17,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.http_peers import free_port, stop_session, wait_first_answer
+from benchmarks.peer_env import peer_env
 from benchmarks.vllm_peer import REPO
 from shared.wire import Keys, RequestRecord
 
@@ -40,8 +41,8 @@ class KvfleetServer:
                    "--workers", str(workers), "--routing", routing, "--dtype", dtype]
         # the trace must be served whole, as SGLang's router serves it: the gateway's
         # expected-wait admission limit (429 beyond 60 s by default) is off
-        env = {**os.environ, "KVFLEET_EMBEDDED_REDIS_PORT": str(self.redis_port),
-               "KVFLEET_MAX_QUEUE_WAIT_S": "0"}
+        env = peer_env({"KVFLEET_EMBEDDED_REDIS_PORT": str(self.redis_port),
+                        "KVFLEET_MAX_QUEUE_WAIT_S": "0"})
         if num_threads is not None:
             env["KVFLEET_NUM_THREADS"] = str(num_threads)
         self.started = time.perf_counter()
@@ -160,7 +161,8 @@ def sglang_router_python(venv: str | None = None) -> Path | None:
     python = Path(root) / "bin" / "python"
     if not python.exists():
         return None
-    probe = subprocess.run([str(python), "-c", "import sglang_router"], capture_output=True)
+    probe = subprocess.run([str(python), "-c", "import sglang_router"], capture_output=True,
+                           env=peer_env())
     return python if probe.returncode == 0 else None
 
 
@@ -168,7 +170,7 @@ def sglang_router_version(python: Path) -> str:
     return subprocess.run(
         [str(python), "-c", "from importlib.metadata import version; "
                             "print(version('sglang-router'))"],
-        capture_output=True, text=True, check=True).stdout.strip()
+        capture_output=True, text=True, check=True, env=peer_env()).stdout.strip()
 
 
 class SglangRouter:
@@ -180,8 +182,9 @@ class SglangRouter:
                    "--port", str(self.port), "--policy", policy,
                    "--worker-urls", *worker_urls]
         self.num_workers = len(worker_urls)
-        self.process = subprocess.Popen(command, cwd=REPO, stdout=open(log_path, "w"),
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(command, cwd=REPO, env=peer_env(),
+                                        stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                                        start_new_session=True)
 
     @property
     def url(self) -> str:

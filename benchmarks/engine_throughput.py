@@ -16,7 +16,9 @@ The CPU's model and ISA head the output, with the OpenMP wait settings every in-
 runs under (`kvfleet up` gives its workers OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000; set the
 same here to measure what it serves: OMP_WAIT_POLICY=PASSIVE alone sleeps torch's threads after
 every parallel region and doubles kvfleet's decode steps). vLLM runs in its own virtualenv
-(benchmarks/vllm_env.sh); without one its rows are skipped with a message.
+(benchmarks/vllm_env.sh; without one its rows are skipped with a message), as a subprocess that
+gets none of these variables, nor any other OpenMP or allocator variable of this shell
+(benchmarks/peer_env.py): its CPU guide's setup alone.
 
     OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 \\
       .venv/bin/python -m benchmarks.engine_throughput                # the full comparison
@@ -43,6 +45,7 @@ import torch
 
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from shared.wire import SamplingParams
+from benchmarks.peer_env import dropped_line
 from benchmarks.roofline import ModelCost, peak_product_rate, read_bandwidth
 from benchmarks.vllm_peer import SETUP_HINT, SETUPS, describe_setup, run_offline, vllm_python
 from shared.cpu_features import cpu_features
@@ -267,6 +270,8 @@ def main(argv=None) -> int:
           f"{sum(len(r.prompt) for r in requests)} prompt tokens, "
           f"{sum(r.max_tokens for r in requests)} output tokens; OpenMP wait: {openmp_wait()}; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    if vllm is not None and (dropped := dropped_line(peers="vLLM")):
+        print(dropped, flush=True)
     if vllm is None and not args.skip_vllm:
         print(f"# vLLM skipped: no virtualenv with vllm found; {SETUP_HINT}", flush=True)
     setups = [s for s in args.vllm_setups.split(",") if s]

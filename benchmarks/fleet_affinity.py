@@ -46,6 +46,7 @@ import httpx
 from benchmarks.affinity_servers import (SGLANG_ROUTER_HINT, KvfleetServer, SglangRouter,
                                          sglang_router_python, sglang_router_version)
 from benchmarks.affinity_trace import Conversation, TraceShape, generate_trace, history
+from benchmarks.peer_env import dropped_line
 from kvfleet.bench.client import BenchTarget, RequestRecord, stream_request
 from kvfleet.bench.stats import Distribution, distribution
 from kvfleet.bench.trace import TraceRequest
@@ -401,6 +402,8 @@ def main(argv=None) -> int:
     print(f"# {len(trace)} conversations x {args.turns} turns, {args.tenants} tenants (tenant 0: "
           f"{heavy:.0%} of requests), seed {args.seed}, max_tokens {args.max_tokens}, greedy; "
           f"N = {args.workers}, --dtype {args.dtype}", flush=True)
+    if dropped := dropped_line():
+        print(dropped, flush=True)
     python = sglang_router_python(args.sglang_router_venv) if "sglang" in configs else None
     if "sglang" in configs:
         if python is None:

@@ -5,9 +5,10 @@ The first N requests of the trace (default: benchmarks/data/chat-mix-64.jsonl, 6
 once (`--rate inf`) to /v1/completions with the raw prompts, greedy, each with its own max_tokens
 and ignore_eos. kvfleet runs as `kvfleet up` (embedded Redis, gateway, one worker); vLLM as its
 OpenAI server from its own virtualenv (benchmarks/vllm_env.sh; skipped with a message without it),
-"tuned" by default (every core, tcmalloc + Intel OpenMP: benchmarks/vllm_peer.py). Leave
-OMP_WAIT_POLICY and GOMP_SPINCOUNT unset: `kvfleet up` then gives its worker its own OpenMP
-settings, as a user's fleet gets them (a policy set here would be kept instead).
+"tuned" by default (every core, tcmalloc + Intel OpenMP: benchmarks/vllm_peer.py). Neither
+server gets this shell's OpenMP, math-library or allocator variables (OMP_*, GOMP_*, KMP_*,
+LD_PRELOAD, MALLOC_*, ...: benchmarks/peer_env.py; the header names those dropped): `kvfleet up`
+gives its worker its own OpenMP settings, as a user's fleet gets them, and vLLM its own setup.
 
     .venv/bin/python -m benchmarks.http_peers                       # kvfleet auto vs vLLM bf16
     .venv/bin/python -m benchmarks.http_peers --kvfleet-dtypes auto,float32 \\
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.peer_env import dropped_line, peer_env
 from benchmarks.vllm_peer import REPO, SETUP_HINT, SETUPS, VllmServer, describe_setup, vllm_python
 from shared.cpu_features import cpu_features
 from shared.models import DEFAULT_MODEL, resolve_model_path, served_model_id
@@ -99,8 +101,8 @@ def kvfleet_server(port: int, dtype: str, log_path: Path,
                "--workers", "1", "--model", model]
     # every request of the trace is sent at once and must be served, as vLLM serves them: the
     # gateway's expected-wait admission limit (429 beyond 60 s by default) is off here
-    env = {**os.environ, "KVFLEET_EMBEDDED_REDIS_PORT": str(free_port()),
-           "KVFLEET_MAX_QUEUE_WAIT_S": "0"}
+    env = peer_env({"KVFLEET_EMBEDDED_REDIS_PORT": str(free_port()),
+                    "KVFLEET_MAX_QUEUE_WAIT_S": "0"})
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -161,6 +163,8 @@ def main(argv=None) -> int:
     print(f"# CPU {cpu_features().describe()}; model {args.model}; {args.num_requests} requests "
           f"of {Path(args.workload).name}, {at_once}, /v1/completions; load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
+    if dropped := dropped_line():
+        print(dropped, flush=True)
     if vllm is None and args.vllm_dtypes:
         print(f"# vLLM skipped: no virtualenv with vllm found; {SETUP_HINT}", flush=True)
     if args.repeats < 1:

@@ -30,7 +30,9 @@ registration's send to that request's first token (target: 2 s), three adapters 
 
 `--rounds N` runs every server once per round in the same order; the tables give medians and
 each ratio is the median over the rounds of that round's ratio (benchmarks/http_peers.py says
-why). Time: kvfleet servers start in ~20 s, vLLM's in ~2 min on a 2-core host.
+why). The servers get none of this shell's OpenMP or allocator variables
+(benchmarks/peer_env.py). Time: kvfleet servers start in ~20 s, vLLM's in ~2 min on a 2-core
+host.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.http_peers import WORKLOAD, free_port, stop_session, wait_first_answer
+from benchmarks.peer_env import dropped_line, peer_env
 from benchmarks.vllm_peer import REPO, SETUP_HINT, VllmServer, describe_setup, vllm_python
 from kvfleet.bench.client import BenchTarget
 from kvfleet.bench.load import LoadSpec, replay
@@ -147,8 +149,8 @@ def kvfleet_up(port: int, adapters: dict[str, str] | None, rank: int,
                log_path: Path) -> subprocess.Popen:
     """`kvfleet up` with one worker; LoRA on with the adapters named at start-up when given."""
     command = [sys.executable, "-m", "kvfleet", "up", "--port", str(port), "--workers", "1"]
-    env = {**os.environ, "KVFLEET_EMBEDDED_REDIS_PORT": str(free_port()),
-           "KVFLEET_MAX_QUEUE_WAIT_S": "0"}
+    env = peer_env({"KVFLEET_EMBEDDED_REDIS_PORT": str(free_port()),
+                    "KVFLEET_MAX_QUEUE_WAIT_S": "0"})
     if adapters is not None:
         command += ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
         env.update(KVFLEET_ENABLE_LORA="true", KVFLEET_MAX_LORAS="4",
@@ -342,6 +344,8 @@ def main(argv=None) -> int:
     fresh = {n: every[n] for n in names[args.adapters:]}
     requests = load_trace(args.workload, args.num_requests)
     vllm = None if args.skip_vllm else vllm_python(args.vllm_venv)
+    if dropped := dropped_line():
+        print(dropped, flush=True)
     if vllm is None and not args.skip_vllm:
         print(f"vLLM skipped: no virtualenv with vllm ({SETUP_HINT})")
     elif vllm is not None:

@@ -37,9 +37,10 @@ streaming, closed loop: each of N streams sends its next request when its previo
 
 `--rounds N` runs every system once per round, in the same order, N rounds; the tables give
 medians, and each ratio is the median over the rounds of that round's ratio (benchmarks/
-http_peers.py says why). OpenMP variables of this shell (OMP_*, GOMP_*, KMP_*) are dropped for
-the servers: `kvfleet up` then gives its worker its own OpenMP settings, as a user's fleet gets
-them, and vLLM gets its own setup.
+http_peers.py says why). OpenMP, math-library and allocator variables of this shell (OMP_*,
+GOMP_*, KMP_*, LD_PRELOAD, MALLOC_*, ...) are dropped for the servers (benchmarks/peer_env.py):
+`kvfleet up` then gives its worker its own OpenMP settings, as a user's fleet gets them, and vLLM
+gets its own setup.
 
 Time: every run starts a server (kvfleet ~20 s, vLLM ~2 min on a 2-core host); the full default
 run is 10 kvfleet runs and 2 vLLM runs a round.
@@ -69,6 +70,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.http_peers import WORKLOAD as CHAT_MIX, free_port, stop_session, wait_first_answer
+from benchmarks.peer_env import dropped_line, peer_env
 from benchmarks.quoting_trace import OUT as QUOTING, load_requests
 from benchmarks.vllm_peer import REPO, SETUP_HINT, SETUPS, VllmServer, describe_setup, vllm_python
 from kvfleet.bench.client import BenchTarget, RequestRecord
@@ -78,7 +80,6 @@ from shared.cpu_features import cpu_features
 from shared.models import DEFAULT_MODEL, resolve_model_path
 from shared.settings import WorkerSettings
 
-OPENMP_PREFIXES = ("OMP_", "GOMP_", "KMP_")
 # the worker's counters in vLLM's names (vllm:spec_decode_*), under kvfleet_worker_ (or kvfleet_)
 SPEC_COUNTERS = {"drafts": "spec_decode_num_drafts_total",
                  "draft_tokens": "spec_decode_num_draft_tokens_total",
@@ -256,8 +257,8 @@ def kvfleet_up(port: int, speculative_config: dict | None, log_path: Path) -> su
     command = [sys.executable, "-m", "kvfleet", "up", "--port", str(port), "--workers", "1"]
     if speculative_config:
         command += ["--speculative-config", json.dumps(speculative_config)]
-    env = {**os.environ, "KVFLEET_EMBEDDED_REDIS_PORT": str(free_port()),
-           "KVFLEET_MAX_QUEUE_WAIT_S": "0"}
+    env = peer_env({"KVFLEET_EMBEDDED_REDIS_PORT": str(free_port()),
+                    "KVFLEET_MAX_QUEUE_WAIT_S": "0"})
     env.pop("KVFLEET_SPECULATIVE_CONFIG", None)  # the flag alone decides
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -534,14 +535,6 @@ def make_systems(args, vllm: Path | None) -> list[System]:
     return systems
 
 
-def drop_openmp_env() -> list[str]:
-    """Remove this shell's OpenMP variables, so that no server inherits them."""
-    dropped = sorted(name for name in os.environ if name.startswith(OPENMP_PREFIXES))
-    for name in dropped:
-        del os.environ[name]
-    return dropped
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     # a SIGTERM unwinds like Ctrl-C, so that the server running now is stopped (it runs in a
@@ -552,7 +545,6 @@ def main(argv=None) -> int:
     if unknown := set(args.sampling) - {"greedy", "seeded"}:
         raise SystemExit(f"--sampling: unknown {sorted(unknown)}; choose from greedy, seeded")
     workloads = load_workloads(args)
-    dropped = drop_openmp_env()
     skip_vllm = args.skip_vllm or "quoting" not in args.workloads
     vllm = None if skip_vllm else vllm_python(args.vllm_venv)
     print(f"# {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; CPU "
@@ -561,8 +553,8 @@ def main(argv=None) -> int:
     print("# workloads: " + "; ".join(
         f"{w.name} ({len(w.requests)} requests, /v1/{'chat/' * (w.endpoint == 'chat')}completions)"
         for w in workloads), flush=True)
-    if dropped:
-        print(f"# not passed to the servers: {', '.join(dropped)} (from this shell)", flush=True)
+    if dropped := dropped_line():
+        print(dropped, flush=True)
     if vllm is None and not skip_vllm:
         print(f"# vLLM skipped: no virtualenv with vllm found; {SETUP_HINT}", flush=True)
     elif vllm is not None:

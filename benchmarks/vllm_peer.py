@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.peer_env import peer_env
+
 REPO = Path(__file__).resolve().parents[1]
 SETUP_HINT = "make it with `bash benchmarks/vllm_env.sh` (or point KVFLEET_VLLM_VENV at one)"
 
@@ -27,7 +29,8 @@ def vllm_python(venv: str | None = None) -> Path | None:
     python = root / "bin" / "python"
     if not python.exists():
         return None
-    check = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300)
+    check = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300,
+                           env=peer_env())
     return python if check.returncode == 0 else None
 
 
@@ -48,15 +51,17 @@ def vllm_env(python: Path | None = None, setup: str = "tuned") -> dict[str, str]
     helps, both together most; docs/BENCHMARKS.md): tcmalloc and its own Intel OpenMP preloaded
     (where they are installed), and its OpenMP threads bound to every CPU this process may use
     (by default it keeps one core for its own processes, i.e. one compute thread on 2 cores).
-    "defaults": none of that. Variables already set are kept."""
-    env = dict(os.environ)
+    "defaults": none of that. The caller's OpenMP, math-library and allocator variables (its
+    LD_PRELOAD, OMP_WAIT_POLICY, ...) never reach it (benchmarks/peer_env.py); its own VLLM_*
+    variables already set are kept."""
+    env = peer_env()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: what kvfleet gets by default
     env.setdefault("VLLM_USE_AOT_COMPILE", "0")  # lets its compile cache reload
     if setup == "tuned":
         iomp = python.parent.parent / "lib" / "libiomp5.so" if python else None
         preload = [str(p) for p in (TCMALLOC, iomp) if p is not None and p.exists()]
         if preload:
-            env.setdefault("LD_PRELOAD", ":".join(preload))
+            env["LD_PRELOAD"] = ":".join(preload)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_list())
     return env
 

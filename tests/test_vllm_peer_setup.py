@@ -37,9 +37,13 @@ def test_tuned_binds_every_allowed_cpu_and_preloads_what_is_installed(monkeypatc
     assert "libtcmalloc_minimal + libiomp5 preloaded" in describe_setup(tmp_path / "bin" / "python", "tuned")
 
 
-def test_values_already_set_are_kept(monkeypatch, tmp_path):
+def test_its_own_values_already_set_are_kept_the_callers_preload_is_not(monkeypatch, tmp_path):
+    """VLLM_* variables set by the caller are vLLM's own settings; an LD_PRELOAD of the caller's
+    shell is not (benchmarks/peer_env.py): vLLM gets its CPU guide's, or none."""
+    monkeypatch.setattr(vllm_peer, "TCMALLOC", tmp_path / "libtcmalloc_minimal.so.4")
     monkeypatch.setenv("LD_PRELOAD", "/elsewhere/libjemalloc.so")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
     env = vllm_env(tmp_path / "bin" / "python", "tuned")
-    assert env["LD_PRELOAD"] == "/elsewhere/libjemalloc.so"
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert "LD_PRELOAD" not in env  # nothing of its setup is installed here
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "8"
