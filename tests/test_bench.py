@@ -1,6 +1,7 @@
 """`kvfleet bench` against a fake OpenAI-compatible streaming server (FastAPI + uvicorn on a free
 127.0.0.1 port, in a thread) whose delays are known: the measured TTFT/ITL match them, usage and
-files are right, goodput and the sweep follow the SLO, and errors exit with a code, not a trace."""
+files are right, goodput and the sweep follow the SLO, and errors exit with a code, not a trace:
+any failed request fails the run (1), its report still written."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Behaviour:
     # a kvfleet gateway's /dashboard/data: (proposed, accepted) speculative tokens per request
     # answered, on top of counts from before the run; None: no such route
     spec_per_request: tuple[int, int] | None = None
+    failing_prompts: tuple[str, ...] = ()  # these prompts alone are answered HTTP 500
 
 
 class FakeServer:
@@ -73,6 +75,9 @@ class FakeServer:
             if behaviour.status_code != 200:
                 return JSONResponse({"error": {"message": "slow down", "type": "rate_limit"}},
                                     status_code=behaviour.status_code)
+            if _prompt(body) in behaviour.failing_prompts:
+                return JSONResponse({"error": {"message": "boom", "type": "server_error"}},
+                                    status_code=500)
             return StreamingResponse(self._events(endpoint, body, behaviour),
                                      media_type="text/event-stream")
         return handle
@@ -98,6 +103,10 @@ class FakeServer:
     def _chunk_delay_s(self, behaviour: Behaviour) -> float:
         scale = self.inflight if behaviour.delay_per_inflight else 1
         return behaviour.token_delay_s * behaviour.tokens_per_chunk * scale
+
+
+def _prompt(body: dict) -> str:
+    return body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
 
 
 def _content_chunk(endpoint: str, text: str, last: bool) -> dict:
@@ -281,6 +290,57 @@ def test_duration_limit_cancels_running_requests(fake, tmp_path, capsys):
     assert code == 1  # every request failed
     assert {r["error"] for r in results["requests"]} == {"cancelled at the duration limit"}
     assert "every request failed" in capsys.readouterr().err
+
+
+def test_one_failed_request_fails_the_run_and_keeps_the_report(fake, tmp_path, capsys):
+    fake.behaviour = replace(fake.behaviour, failing_prompts=("question 2",))
+    code, results = run_bench(fake, tmp_path, "--rate", "inf", "--no-plots", num_requests=4)
+    assert code == 1
+    assert results["summary"]["num_ok"] == 3 and results["summary"]["num_errors"] == 1
+    assert results["summary"]["errors"] == {"HTTP 500: boom": 1}
+    captured = capsys.readouterr()
+    assert "time to first token" in captured.out and "1 failed" in captured.out
+    assert "kvfleet bench: 1 of 4 requests failed: HTTP 500: boom" in captured.err
+
+
+def test_requests_cut_at_the_duration_limit_do_not_fail_the_run(fake, tmp_path, capsys):
+    """The operator's limit cancels what still runs: counted as failed in the report, not an
+    error of the server; the run exits 0 when every other request succeeded."""
+    fake.behaviour = replace(fake.behaviour, first_token_delay_s=0.05, token_delay_s=0.2)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"t": 0, "prompt": f"q{i}", "max_tokens": n})
+                               for i, n in enumerate((1, 50))) + "\n")
+    out = tmp_path / "out"
+    code = bench.main([str(trace), "--url", fake.url, "--out", str(out), "--no-progress",
+                       "--no-plots", "--rate", "inf", "--duration-limit", "0.6"])
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    assert (summary["num_ok"], summary["num_errors"]) == (1, 1)
+    assert summary["errors"] == {"cancelled at the duration limit": 1}
+    assert code == 0 and "failed" not in capsys.readouterr().err
+
+
+def test_a_failure_at_a_load_the_sweep_passed_fails_the_run(fake, tmp_path, capsys):
+    fake.behaviour = replace(fake.behaviour, first_token_delay_s=0.0, token_delay_s=0.005,
+                             failing_prompts=("question 0",))
+    code, _ = run_bench(fake, tmp_path, "--sweep", "--sweep-by", "concurrency",
+                        "--sweep-loads", "1,2", "--sweep-goodput", "0.5", num_requests=4,
+                        max_tokens=2)
+    sweep = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert sweep["best_load"] == 2  # 3 of 4 good at each load
+    assert code == 1
+    assert "kvfleet bench: 1 of 4 requests failed at concurrency 1: HTTP 500: boom" in \
+        capsys.readouterr().err
+
+
+def test_failures_at_the_load_that_ended_the_sweep_are_its_measurement(fake, tmp_path):
+    fake.behaviour = replace(fake.behaviour, first_token_delay_s=0.0, token_delay_s=0.005,
+                             failing_prompts=("question 0",))
+    code, _ = run_bench(fake, tmp_path, "--sweep", "--sweep-by", "concurrency",
+                        "--sweep-loads", "1,2", "--sweep-goodput", "0.9", num_requests=4,
+                        max_tokens=2)
+    sweep = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert sweep["best_load"] is None and len(sweep["loads"]) == 1
+    assert code == 0
 
 
 def test_http_errors_are_recorded(fake, tmp_path, capsys):

@@ -11,13 +11,14 @@ import datetime
 import math
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import httpx
 
 from kvfleet import arg_types
-from kvfleet.bench.client import ENDPOINT_PATHS, BenchTarget
-from kvfleet.bench.load import LoadSpec, RunResult, replay
+from kvfleet.bench.client import ENDPOINT_PATHS, BenchTarget, RequestRecord
+from kvfleet.bench.load import CANCELLED_AT_LIMIT, LoadSpec, RunResult, replay
 from kvfleet.bench.probe import (
     FleetUnreachable, count_workers, resolve_model, speculation_counts, speculation_summary)
 from kvfleet.bench.report import (
@@ -27,7 +28,8 @@ from kvfleet.bench.sweep import SWEEP_BY_CHOICES, SweepResult, default_loads, sw
 from kvfleet.bench.trace import TraceError, TraceRequest, load_trace
 from shared.cpu_features import cpu_features
 
-EXIT_ALL_FAILED = 1
+EXIT_FAILED = 1  # any request failed (results.json is still written)
+EXIT_ALL_FAILED = EXIT_FAILED
 EXIT_USAGE = 2
 _CONNECT_TIMEOUT_S = 10.0
 
@@ -175,7 +177,16 @@ async def _sweep(args: argparse.Namespace, run_at, info: dict) -> int:
     print(sweep_to_text([s.summary for s in result.steps], [s.load for s in result.steps],
                         sweep_by, result.best_load, args.sweep_goodput), end="")
     print(f"wrote {args.out / 'sweep.json'}")
-    return 0 if any(s.summary.num_ok for s in result.steps) else _all_failed(result.steps[0].summary)
+    if not any(s.summary.num_ok for s in result.steps):
+        return _all_failed(result.steps[0].summary)
+    # the load that broke the SLO ended the sweep: its failures are the measurement; a failure
+    # at a load reported as meeting it is not
+    passed = [s for s in result.steps if result.best_load is not None
+              and s.load <= result.best_load]
+    for step in passed:
+        if code := _some_failed(step.result.records, f" at {sweep_by} {step.load:g}"):
+            return code
+    return 0
 
 
 def _write_sweep_files(args: argparse.Namespace, result: SweepResult, info: dict) -> None:
@@ -205,7 +216,7 @@ def _report_run(args: argparse.Namespace, result: RunResult, summary: Summary,
     print(summary_to_text(summary), end="")
     print(speculation_line(info.get("speculation")))
     print("wrote " + ", ".join(str(path) for path in paths))
-    return 0 if summary.num_ok else _all_failed(summary)
+    return _some_failed(result.records) if summary.num_ok else _all_failed(summary)
 
 
 def _base_load(args: argparse.Namespace, closed_loop: bool = False) -> LoadSpec:
@@ -241,7 +252,20 @@ def _run_info(args: argparse.Namespace, target: BenchTarget, num_workers: int | 
 def _all_failed(summary: Summary) -> int:
     first_error = next(iter(summary.errors), "no request was sent")
     print(f"kvfleet bench: every request failed: {first_error}", file=sys.stderr)
-    return EXIT_ALL_FAILED
+    return EXIT_FAILED
+
+
+def _some_failed(records: list[RequestRecord], where: str = "") -> int:
+    """EXIT_FAILED, with a line saying how many failed and the commonest error, when any
+    request failed other than those cancelled at --duration-limit (the limit the operator
+    set); else 0."""
+    errors = Counter(r.error or "ended without [DONE]" for r in records
+                     if not r.ok and r.error != CANCELLED_AT_LIMIT)
+    if not errors:
+        return 0
+    print(f"kvfleet bench: {errors.total()} of {len(records)} requests failed{where}: "
+          f"{errors.most_common(1)[0][0]}", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def _fail(message: str) -> int:
