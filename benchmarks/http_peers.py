@@ -20,8 +20,13 @@ gives its worker its own OpenMP settings, as a user's fleet gets them, and vLLM 
 
 On a shared machine a server's throughput drifts between runs minutes apart by more than the
 difference being measured. With `--repeats N` every system runs once per round, in the same
-order, N rounds: the table gives each system's median, and the ratio column is the median over
-the rounds of each round's ratio (the runs compared ran minutes apart, not N minutes apart).
+order, N rounds (kvfleet, vLLM, kvfleet, vLLM, ...): the table gives each system's medians, the
+ratio of kvfleet's median to each system's, the median over the rounds of each round's ratio
+(the runs compared ran minutes apart, not N minutes apart) and every round's ratio.
+
+Every request must succeed: the table counts each system's failed requests (over all rounds),
+and the run exits 1 after printing it when any failed (a server that cannot start or a client
+that cannot run stops the run at once).
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ class HttpResult:
     seconds: float
     tokens_per_s: float
     ttft_p50_s: float | None
+    num_requests: int = 0  # sent by the client
+    num_errors: int = 0  # of those, failed
+    first_error: str | None = None
 
 
 def free_port() -> int:
@@ -83,15 +91,20 @@ def wait_first_answer(url: str, model: str, process: subprocess.Popen, timeout_s
 
 
 def run_client(url: str, args, out_dir: Path) -> dict:
-    """`kvfleet bench` against `url`; its summary."""
+    """`kvfleet bench` against `url`; its summary, failed requests included (it exits 1 when
+    any failed, having written results.json; any other failure raises)."""
     command = [sys.executable, "-m", "kvfleet", "bench", args.workload, "--url", url,
                "--endpoint", "completions", "--rate", "inf", "--num-requests",
                str(args.num_requests), "--no-plots", "--no-progress", "--out", str(out_dir),
                "--timeout", "3600", "--temperature", "0", "--model", served_model_id(args.model)]
     if args.concurrency:
         command += ["--concurrency", str(args.concurrency)]
-    subprocess.run(command, check=True, cwd=REPO)
-    return json.loads((out_dir / "results.json").read_text())["summary"]
+    results = out_dir / "results.json"
+    results.unlink(missing_ok=True)  # a --log-dir may hold an earlier run's
+    done = subprocess.run(command, cwd=REPO)
+    if done.returncode not in (0, 1) or not results.exists():
+        raise RuntimeError(f"kvfleet bench against {url} exited with code {done.returncode}")
+    return json.loads(results.read_text())["summary"]
 
 
 def kvfleet_server(port: int, dtype: str, log_path: Path,
@@ -123,8 +136,12 @@ def measure(name: str, url: str, model: str, process, started: float, args, out_
     print(f"  {name}: first answer {startup_s:.1f} s after start", flush=True)
     summary = run_client(url, args, out_dir)
     result = HttpResult(name, startup_s, summary["total_output_tokens"], summary["duration_s"],
-                        summary["output_tokens_per_s"], summary["ttft_s"]["p50"])
-    print(f"  {name}: {result.tokens_per_s:.1f} output tok/s", flush=True)
+                        summary["output_tokens_per_s"], summary["ttft_s"]["p50"],
+                        summary["num_requests"], summary["num_errors"],
+                        next(iter(summary["errors"]), None))
+    failed = (f"; {result.num_errors} of {result.num_requests} requests FAILED "
+              f"({result.first_error})" if result.num_errors else "")
+    print(f"  {name}: {result.tokens_per_s:.1f} output tok/s{failed}", flush=True)
     return result
 
 
@@ -188,7 +205,16 @@ def main(argv=None) -> int:
         Path(args.json_out).write_text(json.dumps(
             [[r.__dict__ for r in results] for results in rounds] if args.repeats > 1
             else [r.__dict__ for r in rounds[0]], indent=2))
-    return 0
+    return report_failures(rounds)
+
+
+def report_failures(rounds: list[list[HttpResult]]) -> int:
+    """1, after a line per system with failed requests, when any request of any run failed."""
+    failed = [r for results in rounds for r in results if r.num_errors]
+    for r in failed:
+        print(f"FAILED: {r.name}: {r.num_errors} of {r.num_requests} requests failed "
+              f"({r.first_error})", flush=True)
+    return 1 if failed else 0
 
 
 def run_round(args, vllm: Path | None, model_dir: str, setups: list[str], tmp: Path,
@@ -222,7 +248,7 @@ def run_round(args, vllm: Path | None, model_dir: str, setups: list[str], tmp: P
 
 @dataclass
 class Row:
-    """One system over the rounds: medians, and the median of the rounds' ratios."""
+    """One system over the rounds: medians, and its ratios to kvfleet's fastest system."""
     name: str
     rounds: int
     startup_s: float
@@ -231,13 +257,17 @@ class Row:
     tokens_per_s: float
     all_tokens_per_s: list[float]
     ttft_p50_s: float | None
+    ratio_of_medians: float  # kvfleet's best median / this system's median
     ratio: float  # median over the rounds of (kvfleet's best of the round) / this system
     all_ratios: list[float]
+    num_requests: int  # over the rounds
+    num_errors: int
 
 
 def summarize(rounds: list[list[HttpResult]]) -> tuple[str, list[Row]]:
     """kvfleet's fastest system (the highest median), and per system (in the order of the first
-    round) its medians over the rounds and the median of each round's ratio of that one to it."""
+    round) its medians over the rounds, the ratio of that one's median to its median, and the
+    median of each round's ratio of that one to it."""
     names = [r.name for r in rounds[0]]
     by_name = {name: [r for results in rounds for r in results if r.name == name]
                for name in names}
@@ -259,7 +289,8 @@ def summarize(rounds: list[list[HttpResult]]) -> tuple[str, list[Row]]:
                         runs[0].output_tokens, statistics.median(r.seconds for r in runs),
                         medians[name], [r.tokens_per_s for r in runs],
                         statistics.median(ttfts) if ttfts else None,
-                        statistics.median(ratios), ratios))
+                        medians[best] / medians[name], statistics.median(ratios), ratios,
+                        sum(r.num_requests for r in runs), sum(r.num_errors for r in runs)))
     return best, rows
 
 
@@ -270,15 +301,17 @@ def print_table(rounds: list[list[HttpResult]]) -> None:
     several = len(rounds) > 1
     median = "median " if several else ""
     print(f"\n| system | {median}start-up to first answer (s) | output tokens | {median}seconds | "
-          f"{median}output tok/s | {median}TTFT p50 (s) | {best} is |"
-          + (" every round's tok/s | every round's ratio |" if several else ""))
-    print("|---|---:|---:|---:|---:|---:|---:|" + ("---|---|" if several else ""))
+          f"{median}output tok/s | {median}TTFT p50 (s) | failed requests | {best} is"
+          + (" (ratio of medians) | median of the rounds' ratios | every round's tok/s | "
+             "every round's ratio |" if several else " |"))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---|---|" if several else ""))
     for r in rows:
         ttft = f"{r.ttft_p50_s:.1f}" if r.ttft_p50_s is not None else "-"
         line = (f"| {r.name} | {r.startup_s:.1f} | {r.output_tokens} | {r.seconds:.1f} | "
-                f"{r.tokens_per_s:.1f} | {ttft} | {r.ratio:.2f}x |")
+                f"{r.tokens_per_s:.1f} | {ttft} | {r.num_errors} of {r.num_requests} | "
+                f"{r.ratio_of_medians:.2f}x |")
         if several:
-            line += (f" {' / '.join(f'{t:.1f}' for t in r.all_tokens_per_s)} | "
+            line += (f" {r.ratio:.2f}x | {' / '.join(f'{t:.1f}' for t in r.all_tokens_per_s)} | "
                      f"{' / '.join(f'{x:.2f}' for x in r.all_ratios)} |")
         print(line)
 
