@@ -20,6 +20,14 @@ every parallel region and doubles kvfleet's decode steps). vLLM runs in its own 
 gets none of these variables, nor any other OpenMP or allocator variable of this shell
 (benchmarks/peer_env.py): its CPU guide's setup alone.
 
+`--repeats N`: at each dtype, every system runs once per round, in the same order, N rounds
+(kvfleet, vLLM, HF static batches, transformers CB at HF's dtype; kvfleet, vLLM, ...), each vLLM
+run a process of its own with its start-up. The table gives medians over the rounds and the
+ratios of the medians; with N > 1 also each round's tok/s, and each round's ratio of kvfleet at
+the row's dtype (the run it alternated with) to the row, with their median. HF at a dtype none
+of --dtypes names runs its N rounds after the others. The start-up and roofline sections are
+measured once (vLLM's in its first run).
+
     OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 \\
       .venv/bin/python -m benchmarks.engine_throughput                # the full comparison
     .venv/bin/python -m benchmarks.engine_throughput --num-requests 8 --skip-hf --skip-cb  # quick
@@ -38,7 +46,8 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -68,11 +77,16 @@ class Request:
 class Result:
     name: str
     output_tokens: int  # useful tokens: each request's own max_tokens
-    seconds: float
+    seconds: float  # a row over rounds: their median
     note: str = ""
+    rounds_tokens_per_s: list[float] = field(default_factory=list)  # a row: each round's
+    round_ratios: list[float] = field(default_factory=list)  # a row: its reference's ÷ its own
 
     @property
     def tokens_per_s(self) -> float:
+        """A row's median over its rounds; one run's output tokens ÷ seconds."""
+        if self.rounds_tokens_per_s:
+            return statistics.median(self.rounds_tokens_per_s)
         return self.output_tokens / self.seconds
 
 
@@ -219,7 +233,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="kvfleet and vLLM run at each (auto = what --dtype auto picks here)")
     p.add_argument("--hf-dtype", default="auto", help="dtype of HF generate and transformers CB")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--repeats", type=int, default=1, help="kvfleet runs; the median is reported")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds: at each dtype every system (kvfleet, vLLM, HF, transformers CB) "
+                        "runs once per round, alternated; medians and each round's ratio")
     p.add_argument("--attention-backends", default="auto",
                    help="kvfleet runs at each dtype, one per backend (e.g. auto,sdpa: the CPU "
                         "decode kernel beside gather + SDPA)")
@@ -263,6 +279,8 @@ def main(argv=None) -> int:
     requests = load_requests(args.workload, args.num_requests, tokenizer, args.raw_prompts)
     auto = resolve_name("auto")
     dtypes = list(dict.fromkeys(resolve_name(d) for d in args.dtypes.split(",")))
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     vllm = None if args.skip_vllm else vllm_python(args.vllm_venv)
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} torch threads, torch "
           f"{torch.__version__}; --dtype auto = {auto}; {len(requests)} requests "
@@ -279,47 +297,48 @@ def main(argv=None) -> int:
         raise SystemExit(f"--vllm-setups: unknown {sorted(unknown)}; choose from {SETUPS}")
     for setup in setups if vllm else ():
         print(f"# vLLM setup {setup}: {describe_setup(vllm, setup)}", flush=True)
-    results: list[Result] = []
-    outputs: dict[str, list[list[int]]] = {}
+    outputs: dict[str, list[list[int]]] = {}  # each system's answers in its first round
     startups: dict[str, float] = {}
     vllm_runs: dict[str, object] = {}
+    hf_name = resolve_name(args.hf_dtype)
+    hf_systems = not (args.skip_hf and args.skip_cb)
+    rows: list[Result] = []
     for name in dtypes:
+        # every system of this dtype once per round, in this order: kvfleet (each attention
+        # backend), vLLM (each setup), HF and transformers CB where they run at this dtype
+        systems: list[System] = []
+        reference = f"kvfleet {name}"
         for i, backend in enumerate(args.attention_backends.split(",")):
             label = f"{name}{' = auto' if name == auto else ''}"
             key = f"kvfleet {name}"
             if i > 0:  # the first backend's run is the dtype's row; others are named after theirs
                 label, key = f"{name}, attention {backend}", f"kvfleet {name} attention {backend}"
-            ours, outputs[key], startups[key] = run_kvfleet_repeats(
-                path, requests, engine_config(args, name, backend), args.repeats, label)
-            results.append(ours)
+            config = engine_config(args, name, backend)
+            model, startups[key] = kvfleet_start(path, requests, config)
+            systems.append(System(key, kvfleet_runner(model, requests, config, label, key,
+                                                      outputs), reference))
         for j, setup in enumerate(setups if vllm is not None else ()):
-            # the roofline measurements at auto's dtype share the first setup's run and start-up
-            measured = name == auto and not args.skip_roofline and j == 0
-            run = run_offline(vllm, path, [r.prompt for r in requests],
-                              [r.max_tokens for r in requests], name, args.max_running,
-                              tuple(decode_streams(args)) if measured else (), setup=setup,
-                              prefill_prompts=prefill_prompts(args)
-                              if measured else None)
             label = name if len(setups) == 1 else f"{name}, {setup}"
-            if j == 0:
-                vllm_runs[name] = run
-            outputs[f"vLLM {label}"], startups[f"vLLM {label}"] = run.outputs, run.startup_s
-            results.append(Result(f"vLLM {run.version}, {label}", sum(map(len, run.outputs)),
-                                  run.seconds, f"start-up {run.startup_s:.0f} s"))
-            print(f"  {results[-1].name}: {results[-1].tokens_per_s:.1f} tok/s "
-                  f"({results[-1].note})", flush=True)
-    hf_name = resolve_name(args.hf_dtype)
-    model = load_model(path, DTYPES[hf_name])
-    if not args.skip_hf:
-        for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
-            subset = requests[:args.hf_bs1_requests] if bs == 1 and args.hf_bs1_requests else requests
-            results.append(run_hf_static(model, subset, bs, tokenizer.pad_token_id or 0))
-            results[-1].name += f", {hf_name}"
-            print(f"  {results[-1].name}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
-    if not args.skip_cb:
-        results.append(run_hf_continuous_batching(copy.deepcopy(model), requests))
-        results[-1].name += f", {hf_name}"
-        print(f"  {results[-1].name}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
+            systems.append(System(f"vLLM {label}", vllm_runner(
+                args, vllm, path, requests, name, setup, label,
+                # the roofline measurements at auto's dtype share the first setup's first run
+                measured=name == auto and not args.skip_roofline and j == 0,
+                outputs=outputs, startups=startups, vllm_runs=vllm_runs), reference))
+        if hf_systems and name == hf_name:
+            systems += hf_runners(args, load_model(path, DTYPES[hf_name]), requests, tokenizer,
+                                  hf_name, reference)
+            hf_systems = False  # they alternate with this dtype's runs
+        print(f"# {name}: {len(systems)} systems, {args.repeats} round(s) each, alternated",
+              flush=True)
+        rows += combine(systems, alternate(systems, args.repeats))
+        del systems
+    if hf_systems:  # HF's dtype is none of --dtypes: no kvfleet run to alternate with
+        systems = hf_runners(args, load_model(path, DTYPES[hf_name]), requests, tokenizer,
+                             hf_name, None)
+        print(f"# {hf_name} (HF alone: not among --dtypes): {args.repeats} round(s) each",
+              flush=True)
+        rows += combine(systems, alternate(systems, args.repeats))
+    results = rows
     report = {"cpu": cpu_features().describe(), "auto_dtype": auto, "openmp_wait": openmp_wait(),
               "results": [dataclasses.asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
               "startup_s": startups}
@@ -340,34 +359,134 @@ def engine_config(args, dtype: str, attention_backend: str = "auto") -> EngineCo
                         max_running=args.max_running, attention_backend=attention_backend)
 
 
-def run_kvfleet_repeats(path: str, requests: list[Request], config: EngineConfig, repeats: int,
-                        label: str) -> tuple[Result, list[list[int]], float]:
-    """The median of `repeats` runs; the start-up time of building the engine from the model
-    directory and answering one token (what vLLM's start-up is timed as)."""
+def kvfleet_start(path: str, requests: list[Request],
+                  config: EngineConfig) -> tuple[torch.nn.Module, float]:
+    """kvfleet's model as the engine loads it, and the start-up time of building the engine
+    from the model directory and answering one token (what vLLM's start-up is timed as)."""
     started = time.perf_counter()
     engine = Engine.from_pretrained(path, config)
     engine.generate([requests[0].prompt], greedy(1))
-    startup_s = time.perf_counter() - started
-    runs = []
-    for _ in range(repeats):
-        result, outputs, engine = run_kvfleet(engine.model, requests, config)
+    return engine.model, time.perf_counter() - started
+
+
+@dataclass
+class System:
+    """One row of the table: `run(round_index)` measures it once; `reference` names the kvfleet
+    system whose result of the same round it is compared with (None: none)."""
+    key: str
+    run: Callable[[int], Result]
+    reference: str | None
+
+
+def alternate(systems: list[System], repeats: int) -> dict[str, list[Result]]:
+    """Every system once per round, in the order given, `repeats` rounds (kvfleet, vLLM, ...,
+    kvfleet, vLLM, ...): each side as many runs, each ratio between runs minutes apart."""
+    runs: dict[str, list[Result]] = {s.key: [] for s in systems}
+    for round_index in range(repeats):
+        if repeats > 1:
+            print(f"# round {round_index + 1} of {repeats}; load average "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+        for system in systems:
+            runs[system.key].append(system.run(round_index))
+    return runs
+
+
+def combine(systems: list[System], runs: dict[str, list[Result]]) -> list[Result]:
+    """One row per system: its median over the rounds (each round's tok/s kept), and each
+    round's ratio of its reference's tok/s to its own."""
+    rows = []
+    for system in systems:
+        mine = runs[system.key]
+        theirs = runs.get(system.reference, []) if system.reference else []
+        rows.append(Result(mine[0].name, mine[0].output_tokens,
+                           statistics.median(r.seconds for r in mine), mine[0].note,
+                           [r.tokens_per_s for r in mine],
+                           [ref.tokens_per_s / r.tokens_per_s for ref, r in zip(theirs, mine)]))
+    return rows
+
+
+def kvfleet_runner(model, requests: list[Request], config: EngineConfig, label: str, key: str,
+                   outputs: dict) -> Callable[[int], Result]:
+    def run(round_index: int) -> Result:
+        result, answers, _ = run_kvfleet(model, requests, config)
         result.name = f"kvfleet, {label}"
-        runs.append(result)
+        outputs.setdefault(key, answers)
         print(f"  {result.name}: {result.tokens_per_s:.1f} tok/s ({result.note})", flush=True)
-    return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2], outputs, startup_s
+        return result
+    return run
+
+
+def vllm_runner(args, vllm: Path, path: str, requests: list[Request], dtype: str, setup: str,
+                label: str, measured: bool, outputs: dict, startups: dict,
+                vllm_runs: dict) -> Callable[[int], Result]:
+    """vLLM's offline run (a process of its own each round, its start-up timed each time); the
+    decode and prefill measurements of the roofline section in the first round's when
+    `measured`."""
+    key, startup_s = f"vLLM {label}", []
+
+    def run(round_index: int) -> Result:
+        extras = measured and round_index == 0
+        done = run_offline(vllm, path, [r.prompt for r in requests],
+                           [r.max_tokens for r in requests], dtype, args.max_running,
+                           tuple(decode_streams(args)) if extras else (), setup=setup,
+                           prefill_prompts=prefill_prompts(args) if extras else None)
+        if extras:
+            vllm_runs[dtype] = done
+        outputs.setdefault(key, done.outputs)
+        startup_s.append(done.startup_s)
+        startups[key] = statistics.median(startup_s)
+        result = Result(f"vLLM {done.version}, {label}", sum(map(len, done.outputs)),
+                        done.seconds, f"start-up {done.startup_s:.0f} s")
+        print(f"  {result.name}: {result.tokens_per_s:.1f} tok/s ({result.note})", flush=True)
+        return result
+    return run
+
+
+def hf_runners(args, model, requests: list[Request], tokenizer, hf_name: str,
+               reference: str | None) -> list[System]:
+    """HF generate at each static batch size and transformers' continuous batching, in this
+    process (as kvfleet's engine runs), each a system of the rounds."""
+    systems = []
+
+    def named(result: Result) -> Result:
+        result.name += f", {hf_name}"
+        print(f"  {result.name}: {result.tokens_per_s:.1f} tok/s", flush=True)
+        return result
+
+    for bs in ([] if args.skip_hf else [int(b) for b in args.hf_batch_sizes.split(",")]):
+        subset = requests[:args.hf_bs1_requests] if bs == 1 and args.hf_bs1_requests else requests
+        systems.append(System(f"HF static {bs}", lambda _, subset=subset, bs=bs: named(
+            run_hf_static(model, subset, bs, tokenizer.pad_token_id or 0)), reference))
+    if not args.skip_cb:
+        systems.append(System("transformers CB", lambda _: named(
+            run_hf_continuous_batching(copy.deepcopy(model), requests)), reference))
+    return systems
 
 
 def print_table(results: list[Result], auto: str) -> None:
-    """Each row beside kvfleet's fastest and kvfleet's default (auto)."""
+    """Each row beside kvfleet's fastest and kvfleet's default (auto): the ratios of the medians;
+    over several rounds also each round's tok/s and the ratio, round by round, of kvfleet at
+    the row's dtype (the row it alternated with) to it, and their median."""
     ours = [r for r in results if r.name.startswith("kvfleet")]
     best = max(ours, key=lambda r: r.tokens_per_s)
     default = next((r for r in ours if r.name.endswith("= auto")), best)
-    print(f"\n| system | output tokens | seconds | output tok/s | kvfleet fastest ({best.name}) is "
-          f"| kvfleet default is |")
-    print("|---|---:|---:|---:|---:|---:|")
+    rounds = max(len(r.rounds_tokens_per_s) for r in results)
+    several = rounds > 1
+    median = "median " if several else ""
+    print(f"\n| system | output tokens | {median}seconds | {median}output tok/s | kvfleet fastest "
+          f"({best.name}) is | kvfleet default is |"
+          + (f" every round's tok/s ({rounds} rounds) | kvfleet at its dtype is, each round "
+             f"(median) |" if several else ""))
+    print("|---|---:|---:|---:|---:|---:|" + ("---|---|" if several else ""))
     for r in results:
-        print(f"| {r.name} | {r.output_tokens} | {r.seconds:.1f} | {r.tokens_per_s:.1f} | "
-              f"{best.tokens_per_s / r.tokens_per_s:.2f}x | {default.tokens_per_s / r.tokens_per_s:.2f}x |")
+        line = (f"| {r.name} | {r.output_tokens} | {r.seconds:.1f} | {r.tokens_per_s:.1f} | "
+                f"{best.tokens_per_s / r.tokens_per_s:.2f}x | "
+                f"{default.tokens_per_s / r.tokens_per_s:.2f}x |")
+        if several:
+            ratios = (" / ".join(f"{x:.2f}" for x in r.round_ratios)
+                      + f" ({statistics.median(r.round_ratios):.2f}x)") if r.round_ratios else "-"
+            line += f" {' / '.join(f'{t:.1f}' for t in r.rounds_tokens_per_s)} | {ratios} |"
+        print(line)
 
 
 def agreement_section(outputs: dict[str, list[list[int]]]) -> dict:
