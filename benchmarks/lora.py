@@ -28,11 +28,12 @@ Registration: on the kvfleet LoRA server after its runs, a fifth adapter is regi
 `POST /v1/load_lora_adapter` and a one-token request names it at once: seconds from the
 registration's send to that request's first token (target: 2 s), three adapters in turn.
 
-`--rounds N` runs every server once per round in the same order; the tables give medians and
-each ratio is the median over the rounds of that round's ratio (benchmarks/http_peers.py says
-why). The servers get none of this shell's OpenMP or allocator variables
-(benchmarks/peer_env.py). Time: kvfleet servers start in ~20 s, vLLM's in ~2 min on a 2-core
-host.
+`--rounds N` runs every server, then peft's generate, once per round in the same order; the
+tables give medians and each ratio is the median over the rounds of that round's ratio
+(benchmarks/http_peers.py says why). Any failed request fails the run (exit 1, after the
+report). The servers get none of this shell's OpenMP or allocator variables
+(benchmarks/peer_env.py); peft runs in this process, under them. Time: kvfleet servers start in
+~20 s, vLLM's in ~2 min on a 2-core host.
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ def round_ratio(runs: list[Run], num: str, den: str) -> float | None:
     return median(ratios)
 
 
-def report(runs: list[Run], registrations: list[float], peft: float | None, args) -> None:
+def report(runs: list[Run], registrations: list[float], peft: list[float], args) -> None:
     print(f"\n## LoRA adapters, {args.num_requests} requests at {args.streams} streams, "
           f"{args.adapters} adapters of rank {args.rank} ({datetime.date.today()}; "
           f"{cpu_features().describe()})")
@@ -286,8 +287,9 @@ def report(runs: list[Run], registrations: list[float], peft: float | None, args
         failed = [r for r in runs if r.system == name and r.ok != r.requests]
         note = f" ({len(failed)} failed: {failed[0].error})" if failed else ""
         print(f"| {name} | {median(mine) or 0:.1f}{note} | {len(mine)} |")
-    if peft is not None:
-        print(f"| transformers + peft generate ({args.peft_tokens} tokens each) | {peft:.1f} | 1 |")
+    if peft:
+        print(f"| transformers + peft generate ({args.peft_tokens} tokens each) | "
+              f"{median(peft):.1f} | {len(peft)} |")
     ratios = [("kvfleet LoRA ÷ kvfleet base", "kvfleet LoRA", "kvfleet base", 0.75),
               ("kvfleet LoRA ÷ vLLM LoRA", "kvfleet LoRA", "vLLM LoRA", 1.2),
               ("vLLM LoRA ÷ vLLM base", "vLLM LoRA", "vLLM base", None),
@@ -298,9 +300,12 @@ def report(runs: list[Run], registrations: list[float], peft: float | None, args
             verdict = "" if target is None else f" (target ≥ {target}: " \
                 f"{'met' if value >= target else 'NOT met'})"
             print(f"- {label}: {value:.2f}x{verdict}")
-    kv_lora = median([r.tokens_per_s for r in runs if r.system == "kvfleet LoRA"])
-    if peft and kv_lora:
-        print(f"- kvfleet LoRA ÷ peft generate: {kv_lora / peft:.1f}x")
+    kv_lora = {r.round_index: r.tokens_per_s for r in runs
+               if r.system == "kvfleet LoRA" and r.ok == r.requests}
+    per_round = [kv_lora[i] / tps for i, tps in enumerate(peft) if i in kv_lora and tps > 0]
+    if per_round:
+        print(f"- kvfleet LoRA ÷ peft generate: {median(per_round):.1f}x (median of the rounds' "
+              f"ratios: {' / '.join(f'{x:.1f}' for x in per_round)})")
     if registrations:
         worst = max(registrations)
         print(f"- registration to first token: median {median(registrations):.2f} s, worst "
@@ -357,6 +362,7 @@ def main(argv=None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
     registrations: list[float] = []
+    peft: list[float] = []  # one per round, after the servers of that round
     for round_index in range(args.rounds):
         print(f"round {round_index + 1} of {args.rounds}", flush=True)
         for system in systems:
@@ -368,14 +374,23 @@ def main(argv=None) -> int:
                 continue
             runs.append(run)
             registrations += seconds
-    peft = None
-    if not args.skip_peft:
-        peft = peft_tokens_per_s(model_dir, adapters, requests, args.peft_tokens,
-                                 args.vllm_dtype)
+        if not args.skip_peft:
+            peft.append(peft_tokens_per_s(model_dir, adapters, requests, args.peft_tokens,
+                                          args.vllm_dtype))
+            print(f"  transformers + peft: {peft[-1]:.1f} tok/s", flush=True)
     report(runs, registrations, peft, args)
     (log_dir / "runs.json").write_text(json.dumps([r.__dict__ for r in runs], indent=1))
     print(f"logs: {log_dir}")
-    return 0
+    return report_failures(runs)
+
+
+def report_failures(runs: list[Run]) -> int:
+    """1, after a line per run with failed requests, when any request failed."""
+    failed = [r for r in runs if r.ok != r.requests]
+    for r in failed:
+        print(f"FAILED: {r.system}, round {r.round_index + 1}: {r.requests - r.ok} of "
+              f"{r.requests} requests failed ({r.error})", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -37,10 +37,10 @@ streaming, closed loop: each of N streams sends its next request when its previo
 
 `--rounds N` runs every system once per round, in the same order, N rounds; the tables give
 medians, and each ratio is the median over the rounds of that round's ratio (benchmarks/
-http_peers.py says why). OpenMP, math-library and allocator variables of this shell (OMP_*,
-GOMP_*, KMP_*, LD_PRELOAD, MALLOC_*, ...) are dropped for the servers (benchmarks/peer_env.py):
-`kvfleet up` then gives its worker its own OpenMP settings, as a user's fleet gets them, and vLLM
-gets its own setup.
+http_peers.py says why). Any failed request fails the run (exit 1, after the tables). OpenMP,
+math-library and allocator variables of this shell (OMP_*, GOMP_*, KMP_*, LD_PRELOAD, MALLOC_*,
+...) are dropped for the servers (benchmarks/peer_env.py): `kvfleet up` then gives its worker
+its own OpenMP settings, as a user's fleet gets them, and vLLM gets its own setup.
 
 Time: every run starts a server (kvfleet ~20 s, vLLM ~2 min on a 2-core host); the full default
 run is 10 kvfleet runs and 2 vLLM runs a round.
@@ -575,7 +575,17 @@ def main(argv=None) -> int:
     print_targets(results, systems, verdicts)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([asdict(m) for m in results], indent=1))
-    return 0
+    return report_failures(results)
+
+
+def report_failures(results: list[Measurement]) -> int:
+    """1, after a line per run with failed requests, when any request failed."""
+    failed = [m for m in results if m.num_ok < m.num_requests]
+    for m in failed:
+        print(f"FAILED: {m.system}, round {m.round + 1}, {m.key.label()}: "
+              f"{m.num_requests - m.num_ok} of {m.num_requests} requests failed "
+              f"({m.first_error})", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
