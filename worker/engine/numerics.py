@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine.attention import AttentionBackend
-from worker.engine.device import is_cpu
+from worker.engine.device import is_cpu, is_cuda
 from worker.engine.tp_group import RankGroup
 
 # CPU flags that decide which code paths compute (the kernels' #if branches, oneDNN's AMX) and
@@ -64,9 +64,8 @@ def engine_numerics(device: torch.device, dtype: torch.dtype, backend: Attention
         "tp": str(1 if ranks is None else ranks.world_size),
         "invariant": "yes" if invariance_gap is None else "no",
     }
-    if backend.name == "triton":
-        import triton
-        components["triton"] = triton.__version__
+    if is_cuda(device):  # the Triton kernels (attention, LoRA) compile by its version
+        components["triton"] = _triton_version()
     if is_cpu(device):
         from shared.cpu_features import cpu_features
         from worker.engine import cpu_kernels
@@ -97,8 +96,16 @@ def linear_kinds(module: torch.nn.Module) -> list[str]:
     return kinds
 
 
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__
+
+
 def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
+    if is_cuda(device):
         major, minor = torch.cuda.get_device_capability(device)
         return (f"cuda {torch.cuda.get_device_name(device)} sm{major}{minor} "
                 f"CUDA {torch.version.cuda}")
