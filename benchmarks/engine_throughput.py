@@ -7,7 +7,8 @@ system, in one run: kvfleet and vLLM at each of --dtypes (bf16 and float32 by de
 `--dtype auto` picks on this CPU is marked), HF and transformers CB at --hf-dtype. Also: start-up
 to the first token of both engines, greedy agreement between dtypes, and both engines against
 this CPU's ceilings measured in the same run (benchmarks/roofline.py): prefill of random prompts
-in FLOP/s over the peak product rate (bf16 and float32, at the model's largest linear), decode
+in FLOP/s over the peak product rate (bf16 and float32, at the model's largest linear: the best
+of every implementation this machine has, kvfleet's or a library's, named), decode
 at 1 and 32 running streams over the memory roofline (every weight and every stream's K/V read
 once per step at the measured read bandwidth). `--model random:llama-3.2-1b` (-3b,
 qwen2.5-1.5b, qwen3-moe-30b-a3b-8l32e) runs a real model's shape with random weights, the same
@@ -55,7 +56,7 @@ import torch
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from shared.wire import SamplingParams
 from benchmarks.peer_env import dropped_line
-from benchmarks.roofline import ModelCost, peak_product_rate, read_bandwidth
+from benchmarks.roofline import ModelCost, product_rates, read_bandwidth
 from benchmarks.vllm_peer import SETUP_HINT, SETUPS, describe_setup, run_offline, vllm_python
 from shared.cpu_features import cpu_features
 from worker.engine.engine import Engine, EngineConfig
@@ -532,22 +533,27 @@ def roofline_section(args, path: str, requests: list[Request], dtype: str,
     its offline run at the same dtype, prompts and streams).
 
     Prefill: prompt FLOPs per second (benchmarks/roofline.py's count) over the peak product rate
-    measured at the model's largest linear shape, bf16 and float32. Decode at each of
+    measured at the model's largest linear shape, bf16 and float32: the best of every product
+    implementation this machine has (roofline.product_rates: kvfleet's forms, oneDNN's, MKL's,
+    torch's), each one's rate and the one that set the peak printed and reported. Decode at each of
     --decode-streams: tokens/s over the memory roofline, the step's floor of reading every weight
     and every stream's K/V once at the read bandwidth measured on a buffer of that size."""
     model = load_model(path, DTYPES[dtype])
     cost = ModelCost.of(model)
     cfg = model.config
     shape = (cfg.hidden_size, cost.q_width if cost.num_experts > 1 else cfg.intermediate_size)
-    peaks = {name: peak_product_rate(t, *shape) for name, t in DTYPES.items()}
-    print(f"\npeak product rate at [512, {shape[0]}] x [{shape[0]}, {shape[1]}]: " + "; ".join(
-        f"{name} " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items()) + " GFLOP/s"
-        for name, rates in peaks.items()))
-    report: dict = {"dtype": dtype, "peak_gflops": {n: r["peak"] / 1e9 for n, r in peaks.items()},
-                    "products_gflops": {n: {k: v / 1e9 for k, v in r.items()}
-                                        for n, r in peaks.items()}}
+    peaks = {name: product_rates(t, *shape) for name, t in DTYPES.items()}
+    print("\npeak product rate, the best of every implementation here:\n" + "\n".join(
+        f"  {rates.describe()}" for rates in peaks.values()))
+    report: dict = {"dtype": dtype, "isa": cpu_features().isa,
+                    "peak_gflops": {n: r.peak / 1e9 for n, r in peaks.items()},
+                    "peak_by": {n: r.peak_by for n, r in peaks.items()},
+                    "products_gflops": {n: {k: v / 1e9 for k, v in r.as_dict().items()}
+                                        for n, r in peaks.items()},
+                    "engine_products": {n: r.engine for n, r in peaks.items()},
+                    "products_skipped": {n: r.skipped for n, r in peaks.items() if r.skipped}}
     config = engine_config(args, dtype)
-    peak = peaks[dtype]["peak"]
+    peak, peak_by = peaks[dtype].peak, peaks[dtype].peak_by
     if args.prefill_prompts:
         prompts = prefill_prompts(args)
         flops = cost.prefill_flops([len(p) for p in prompts])
@@ -558,7 +564,7 @@ def roofline_section(args, path: str, requests: list[Request], dtype: str,
                              "kvfleet_of_peak": flops / ours / peak}
         print(f"prefill of {len(prompts)} x {args.prefill_len} tokens, {dtype}: kvfleet "
               f"{tokens / ours:.0f} tok/s = {flops / ours / 1e9:.0f} GFLOP/s, "
-              f"{flops / ours / peak:.0%} of the peak ({peak / 1e9:.0f})")
+              f"{flops / ours / peak:.0%} of the peak ({peak / 1e9:.0f}, {peak_by})")
         if vllm_run is not None and vllm_run.prefill_seconds:
             theirs = vllm_run.prefill_seconds
             report["prefill"] |= {"vllm_tokens_per_s": tokens / theirs,
