@@ -35,14 +35,15 @@ def client(redis_client) -> Client:
 
 def service(redis_url: str, tiny: TinyModel, worker_id: str, *, num_blocks: int = 64,
             block_size: int = 4, engine_config: dict | None = None,
-            handoffs: bool = True, **settings) -> WorkerService:
+            handoffs: bool = True, numerics: str = "", **settings) -> WorkerService:
+    """A worker of the tiny model; `numerics`: the fingerprint it says it computes with."""
     settings = WorkerSettings(
         redis_url=redis_url, model=MODEL, worker_id=worker_id,
         heartbeat_ttl_s=settings.pop("heartbeat_ttl_s", 0.5), heartbeat_interval_s=0.05,
         read_block_ms=10, **settings)
     redis_client = connect(redis_url)
     protocol = WorkerProtocol(redis_client, fleet_keys(redis_client), MODEL, worker_id,
-                              result_ttl_s=60)
+                              result_ttl_s=60, numerics=numerics)
     engine = tiny.engine(num_blocks=num_blocks, block_size=block_size, **(engine_config or {}))
     plane = TcpTransferPlane("127.0.0.1", 0, "127.0.0.1") if handoffs else None
     worker = WorkerService(settings, engine, redis_client, protocol, plane=plane)
@@ -289,3 +290,45 @@ def test_the_drain_key_starts_a_drain(redis_url, client, tiny):
     assert worker.drain.is_set()
     step_all(workers(worker), lambda: worker.exited)
     assert not client.redis.exists(client.keys.drain("w-key"))
+
+
+def drain_to_takers(redis_url, client, tiny, takers: dict[str, str], idle: tuple[str, ...] = ()):
+    """A source of numerics fp_a drains 3 streams to workers of the given numerics (by id) with
+    a long --numerics-prefer-ms; the workers in `idle` are alive (they beat) but their loops do
+    not turn for the first second of the drain. Returns the requests, the source, the takers."""
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+    prompts = [random_prompt(20, seed=90 + i) for i in range(3)]
+    common = dict(numerics_prefer_ms=60_000, heartbeat_ttl_s=5.0)
+    source = service(redis_url, tiny, "source", numerics="fp_a", **common)
+    ids = [client.send(p, params) for p in prompts]
+    step_all(workers(source), lambda: client.drain() or all(len(client.text(r)) >= 3
+                                                              for r in ids))
+    peers = {w: service(redis_url, tiny, w, numerics=fp, **common) for w, fp in takers.items()}
+    source.drain.set()
+    started = time.monotonic()
+    busy = [peer for w, peer in peers.items() if w not in idle]
+    step_all(workers(source, *busy), lambda: time.monotonic() - started > 1.0, max_turns=10**6)
+    step_all(workers(source, *peers.values()), lambda: all(client.final(r) for r in ids),
+             max_turns=10**6)
+    return ids, source, peers
+
+
+def test_a_drain_hands_its_streams_to_a_worker_of_its_numerics_first(redis_url, client, tiny):
+    """A worker of other numerics leaves the offers to a live worker of the source's, even while
+    that one is idle for a second; the streams end on the source's numerics alone."""
+    ids, source, peers = drain_to_takers(redis_url, client, tiny,
+                                         {"twin": "fp_a", "stranger": "fp_b"}, idle=("twin",))
+    assert metric(peers["twin"], "kvfleet_worker_handoffs_total", direction="in") == 3
+    assert metric(peers["stranger"], "kvfleet_worker_handoffs_total", direction="in") == 0
+    assert [client.final(r).numerics for r in ids] == ["fp_a"] * 3
+    assert metric(peers["twin"], "kvfleet_worker_resumes_other_numerics_total") == 0
+
+
+def test_with_no_worker_of_its_numerics_a_drain_hands_over_at_once_and_says_so(redis_url,
+                                                                              client, tiny):
+    ids, source, peers = drain_to_takers(redis_url, client, tiny, {"stranger": "fp_b"})
+    assert metric(peers["stranger"], "kvfleet_worker_handoffs_total", direction="in") == 3
+    assert [client.final(r).numerics for r in ids] == ["fp_a+fp_b"] * 3
+    assert metric(peers["stranger"], "kvfleet_worker_resumes_other_numerics_total") == 3
+    assert client.redis.hget(client.keys.request(ids[0]), "numerics") == b"fp_a+fp_b"
+

@@ -69,6 +69,7 @@ class Handoffs:
         self.redis = HandoffProtocol(service.client, service.protocol.keys,
                                      service.protocol.model, service.protocol.worker_id,
                                      service.protocol.numerics)
+        self.numerics = service.numerics  # whose offers this worker lets others take first
         self.plane = plane
         self.offered: dict[str, HandoffOffer] = {}  # req_id -> its standing offer
         self.handed: dict[str, _Handed] = {}  # req_id -> sent, not yet resolved
@@ -258,7 +259,7 @@ class Handoffs:
                 continue
             if offer.num_tokens + block > budget:
                 continue  # pull: only what fits now
-            if (time.time() - offer.created) * 1000 < self.service.numerics.wait_ms(
+            if (time.time() - offer.created) * 1000 < self.numerics.wait_ms(
                     offer.numerics, gone=offer.worker_id):
                 continue  # a live worker of the offer's numerics goes first, for a while
             taken = self.redis.take(offer.handoff_id)
