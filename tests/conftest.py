@@ -3,7 +3,12 @@ database per test.
 
 A test module that sets `pytestmark = pytest.mark.topologies` runs each of its tests that use
 `redis_url` twice: on a single Redis and on a local Redis Cluster of 3 primaries + 3 replicas
-(`redis_topology` says which). Every other test runs on a single Redis."""
+(`redis_topology` says which). Every other test runs on a single Redis.
+
+The processes tests start (ProcessFleet's gateways and workers, the integration tests' slow
+workers) are forked from fork servers (tests/helpers/forkserver.py) that imported each one's
+modules once: a worker starts with 5 s less CPU (torch, transformers, the engine), which a
+2-core host otherwise spends again on each of the ~30 workers the suite starts."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from _pytest.mark.expression import Expression
 from shared.redis_cluster import EmbeddedCluster
 from shared.redis_connect import connect
 from shared.redis_server import EmbeddedRedis
+from tests.helpers import forkserver
 
 
 def selects_cuda(markexpr: str) -> bool:
@@ -45,6 +51,33 @@ def pytest_plugin_registered(plugin):
 
 
 TOPOLOGIES = ("single", "cluster")
+
+# What each fork server imports before it forks: what its processes import before they serve (a
+# worker: also while it loads its model). Not the module a child runs (`kvfleet`'s __main__,
+# tests.integration.slow_worker): runpy runs that anew in the child.
+FORK_SERVERS = {
+    "gateway": ["kvfleet.cli", "gateway.app", "transformers.models.auto.tokenization_auto",
+                "transformers.models.llama.configuration_llama", "uvicorn"],
+    "worker": ["kvfleet.cli", "worker.main", "transformers.models.auto.tokenization_auto",
+               "transformers.models.auto.modeling_auto",
+               "transformers.models.llama.modeling_llama", "transformers.generation.utils"],
+    "slow_worker": ["redis", "shared.settings", "shared.wire", "tests.engine.tiny_models",
+                    "worker.engine.engine", "worker.engine.tp_rank", "worker.metrics",
+                    "worker.protocol", "worker.service"],
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_servers(tmp_path_factory):
+    """The session's fork servers, each started by the first process forked from it."""
+    servers = forkserver.ForkServers(FORK_SERVERS,
+                                     tmp_path_factory.getbasetemp() / "fork-servers")
+    forkserver.install(servers)
+    try:
+        yield servers
+    finally:
+        forkserver.install(None)
+        servers.close()
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,22 @@ import httpx
 
 from shared.redis_server import free_port
 from shared.wire import Keys
+from tests.helpers import forkserver
+from tests.helpers.forkserver import ForkServer
 
 
 class Proc:
-    """A `python -m kvfleet ...` child whose output goes to a log file we can show on failure."""
+    """A `python -m kvfleet ...` process whose output goes to a log file we can show on failure:
+    a child of ours, or forked by `fork_server` (tests/helpers/forkserver.py) with the same
+    arguments, environment and log."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str):
+    def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str,
+                 fork_server: ForkServer | None = None):
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        self._log = None
+        if fork_server is not None:
+            self.popen = fork_server.spawn("kvfleet", args, {**os.environ, **env}, self.log_path)
+            return
         self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen([sys.executable, "-m", "kvfleet", *args],
                                       env={**os.environ, **env}, stdout=self._log,
@@ -45,12 +54,15 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
 
 class ProcessFleet:
     """Gateway and workers on one Redis (or one Redis Cluster), under a key prefix of their own;
-    `queue_shards` stream shards per model (KVFLEET_QUEUE_SHARDS)."""
+    `queue_shards` stream shards per model (KVFLEET_QUEUE_SHARDS). Its processes are forked
+    from the `gateway` and `worker` fork servers where the tests installed them
+    (tests/conftest.py), else fresh interpreters."""
 
     def __init__(self, redis_url: str, log_dir: Path, worker_flags: list[str] | None = None,
                  queue_shards: int = 1, gateway_flags: list[str] | None = None):
@@ -80,6 +92,7 @@ class ProcessFleet:
     def start(self, *worker_ids: str, timeout_s: float = 180) -> list[Proc]:
         """The gateway and the named workers, all starting at once (each spends seconds on its
         imports and a worker more on its model): returns the workers once every one is ready."""
+        forkserver.start("gateway", "worker")  # where they are not running yet: side by side
         self.start_gateway(wait=False)
         workers = [self.start_worker(worker_id, wait=False) for worker_id in worker_ids]
         self.wait_gateway(timeout_s)
@@ -89,7 +102,7 @@ class ProcessFleet:
 
     def start_gateway(self, timeout_s: float = 120, wait: bool = True) -> Proc:
         self.gateway = Proc(["gateway", "--port", str(self.port), *self.gateway_flags], self.env,
-                            self.log_dir, "gateway")
+                            self.log_dir, "gateway", forkserver.server("gateway"))
         if wait:
             self.wait_gateway(timeout_s)
         return self.gateway
@@ -103,7 +116,8 @@ class ProcessFleet:
         """A worker with the fleet's flags; `env`: variables of its own beside the fleet's."""
         worker_id = worker_id or f"w{len(self.workers)}"
         proc = Proc(["worker", "--worker-id", worker_id, *self.worker_flags],
-                    {**self.env, **(env or {})}, self.log_dir, worker_id)
+                    {**self.env, **(env or {})}, self.log_dir, worker_id,
+                    forkserver.server("worker"))
         self.workers[worker_id] = proc
         if wait:
             self.wait_worker(worker_id, timeout_s)

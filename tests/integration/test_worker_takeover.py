@@ -19,6 +19,7 @@ import redis
 from shared.redis_server import free_port
 from shared.wire import Keys, SamplingParams
 from tests.engine.tiny_models import TinyModel, random_prompt
+from tests.helpers import forkserver
 from tests.integration.slow_worker import MODEL
 from tests.integration.test_worker_service import Client
 
@@ -32,6 +33,7 @@ STEP_S = 0.9  # > TTL_S: an entry delivered just before a step would look orphan
 MAX_RUNNING = 4  # per worker: 8 streams at once in the fleet
 MAX_TOKENS = 4
 ROOT = Path(__file__).resolve().parents[2]
+SLOW_WORKER = "tests.integration.slow_worker"
 
 
 class SlowWorker:
@@ -43,15 +45,19 @@ class SlowWorker:
         self.worker_id = worker_id
         self.metrics_port = free_port()
         self.log_path = log_dir / f"{worker_id}.log"
+        args = ["--redis-url", redis_url, "--worker-id", worker_id, "--step-s", str(step_s),
+                "--heartbeat-ttl-s", str(ttl_s), "--heartbeat-interval-s", str(heartbeat_s),
+                "--max-running", str(MAX_RUNNING), "--metrics-port", str(self.metrics_port),
+                "--tensor-parallel-size", str(tensor_parallel_size)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        server = forkserver.server("slow_worker")  # tests/conftest.py: its imports done once
+        if server is not None:
+            self.popen = server.spawn(SLOW_WORKER, args, env, self.log_path, cwd=ROOT)
+            return
         with open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "tests.integration.slow_worker", "--redis-url", redis_url,
-                 "--worker-id", worker_id, "--step-s", str(step_s), "--heartbeat-ttl-s",
-                 str(ttl_s), "--heartbeat-interval-s", str(heartbeat_s), "--max-running",
-                 str(MAX_RUNNING), "--metrics-port", str(self.metrics_port),
-                 "--tensor-parallel-size", str(tensor_parallel_size)],
-                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
+            self.popen = subprocess.Popen([sys.executable, "-m", SLOW_WORKER, *args], cwd=ROOT,
+                                          env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
 
     def takeovers(self) -> float:
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
