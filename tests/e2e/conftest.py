@@ -19,4 +19,4 @@ def fleet(tmp_path_factory):
             fleet.start("w0", "w-second")  # both load while the gateway starts
             yield fleet
         finally:
-            fleet.stop()
+            fleet.kill()

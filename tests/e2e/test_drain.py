@@ -206,4 +206,4 @@ def test_sigterm_drains_running_streams_to_a_peer_with_their_kv(redis_url, tmp_p
         for proc in fleet.workers.values():  # never leave one paused
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGCONT)
-        fleet.stop()
+        fleet.kill()

@@ -162,4 +162,4 @@ def test_sigkill_mid_stream_loses_and_repeats_nothing(redis_url, redis_topology,
         assert metric_total(metrics_url, "kvfleet_worker_resumes_other_numerics_total") \
             == len(moved)
     finally:
-        fleet.stop()
+        fleet.kill()

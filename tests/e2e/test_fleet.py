@@ -143,4 +143,4 @@ def test_a_request_queued_with_no_worker_is_served_when_one_starts(redis_server,
         thread.join(timeout=180)
         assert "Paris" in result["choices"][0]["message"]["content"]
     finally:
-        fleet.stop()
+        fleet.kill()

@@ -87,4 +87,4 @@ def test_a_killed_gateway_loses_and_repeats_nothing(redis_server, tmp_path):
         assert chunks[-1]["finish_reason"] == "length"
         assert before + "".join(c["text"] for c in chunks) == reference
     finally:
-        fleet.stop()
+        fleet.kill()

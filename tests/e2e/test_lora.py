@@ -120,5 +120,5 @@ def test_adapters_served_listed_mixed_and_resumed(redis_url, tmp_path, adapters)
                    for r in records)
     finally:
         client.close()
-        fleet.stop()
+        fleet.kill()
 

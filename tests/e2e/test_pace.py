@@ -112,4 +112,4 @@ def test_a_paced_worker_keeps_its_pace_and_answers_as_an_unpaced_one(redis_url, 
         assert over / gaps <= 0.05, (over, gaps, target_ms)
     finally:
         client.close()
-        fleet.stop()
+        fleet.kill()

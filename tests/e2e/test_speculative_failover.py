@@ -85,4 +85,4 @@ def test_speculating_workers_answer_as_a_plain_one_across_a_kill(redis_url, tmp_
         assert accepted > 0, "the rescuer's speculation accepted nothing"
     finally:
         client.close()
-        fleet.stop()
+        fleet.kill()

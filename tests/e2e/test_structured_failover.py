@@ -61,4 +61,4 @@ def test_constrained_stream_survives_sigkill(redis_server, tmp_path):
         attempt = client.hget(keys.request(record["id"]), RequestRecord.ATTEMPT)
         assert attempt not in (b"1", None), "the rescuer resumed the request"
     finally:
-        fleet.stop()
+        fleet.kill()

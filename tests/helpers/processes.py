@@ -147,10 +147,15 @@ class ProcessFleet:
             time.sleep(0.05)
         raise RuntimeError(f"not ready after {timeout_s} s:\n{proc.log_text()[-4000:]}")
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
         procs = [proc for proc in [*self.workers.values(), self.gateway] if proc is not None]
         for proc in procs:  # all at once: a clean shutdown takes each a second or more
             if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
+                proc.popen.send_signal(sig)
         for proc in procs:
             proc.wait_exit()
+
+    def kill(self) -> None:
+        """SIGKILL every process: the end of a test that asserts nothing of how they exit (a
+        worker's clean exit spends over a second in the interpreter's last garbage collection)."""
+        self.stop(signal.SIGKILL)
