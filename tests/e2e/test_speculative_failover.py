@@ -6,6 +6,8 @@ and still gives plain decoding's text, greedy and seeded sampling alike."""
 from __future__ import annotations
 
 import json
+import signal
+import time
 
 import pytest
 
@@ -53,13 +55,23 @@ def test_speculating_workers_answer_as_a_plain_one_across_a_kill(redis_url, tmp_
     client = connect(redis_url)
     try:
         (plain,) = fleet.start("plain")
-        reference = run_all(fleet.url)
-        assert all(r["finish_reason"] == "length" for r in reference)
-        plain.stop()
-        plain.wait_exit()
-        fleet.worker_flags = [*flags, "--speculative-config", json.dumps(SPEC)]
-        victim = fleet.start_worker("victim")
         keys = fleet.keys
+        fleet.worker_flags = [*flags, "--speculative-config", json.dumps(SPEC)]
+
+        # the speculating victim loads while the plain worker, which has taken every request,
+        # streams the reference; then the plain worker leaves (SIGTERM: it stops serving)
+        reference = run_all(fleet.url, on_started=when_streaming(
+            client, keys, lambda ids, owners, progress: all(o == b"plain" for o in owners),
+            lambda ids, owners: fleet.start_worker("victim", wait=False),
+            "the plain worker serving every request"))
+        assert all(r["finish_reason"] == "length" for r in reference)
+        plain.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while "worker plain stopped" not in plain.log_text():
+            assert time.monotonic() < deadline, plain.log_text()[-3000:]
+            time.sleep(0.02)
+        fleet.wait_worker("victim")
+        victim = fleet.workers["victim"]
 
         def start_rescuer_kill_victim(ids, owners):
             fleet.start_worker("rescuer", wait=False)
