@@ -10,9 +10,8 @@ import time
 import httpx
 import pytest
 import redis
-import torch
 
-from shared.models import DEFAULT_MODEL, resolve_model_path
+from shared.models import DEFAULT_MODEL
 from shared.wire import Keys, RequestRecord
 from tests.helpers.processes import ProcessFleet
 
@@ -78,21 +77,12 @@ def test_the_dashboard_history_samples_the_live_fleet(fleet):
     assert after[0]["kv_usage_pct"] is not None and after[0]["queue_depth"] is not None
 
 
-def test_greedy_output_equals_transformers_generate(fleet):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def test_greedy_output_equals_transformers_generate(fleet, hf_reference):
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
     answer = chat(fleet.url, messages, max_tokens=40)
-    path = resolve_model_path(DEFAULT_MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
-    with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=40, do_sample=False)
-    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    expected, num_tokens = hf_reference.greedy(messages, 40)
     assert answer["choices"][0]["message"]["content"] == expected
-    assert answer["usage"]["completion_tokens"] == out.shape[1] - ids.shape[1]
+    assert answer["usage"]["completion_tokens"] == num_tokens
 
 
 def test_bad_json_and_unknown_model_are_openai_shaped_4xx(fleet):

@@ -105,11 +105,10 @@ def test_errors_reach_the_client_as_openai_errors(sync_client):
         sync_client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=100_000)
 
 
-def test_echo_logprobs_score_a_prompt_like_a_transformers_forward(sync_client):
+def test_echo_logprobs_score_a_prompt_like_a_transformers_forward(sync_client, hf_reference):
     """`echo` + `logprobs` + `max_tokens: 0` (prompt scoring, e.g. lm-eval's loglikelihood):
     the prompt tokens' logprobs are those of log_softmax over a transformers forward."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from shared.models import load_tokenizer, resolve_model_path
 
@@ -121,9 +120,9 @@ def test_echo_logprobs_score_a_prompt_like_a_transformers_forward(sync_client):
     assert choice.finish_reason == "length" and reply.usage.completion_tokens == 0
     logprobs = choice.logprobs
     assert len(logprobs.tokens) == len(prompt_ids) and logprobs.token_logprobs[0] is None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
-        want = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0, :-1].float(), -1)
+        want = torch.log_softmax(
+            hf_reference.model(torch.tensor([prompt_ids])).logits[0, :-1].float(), -1)
     expected = want.gather(1, torch.tensor(prompt_ids[1:]).unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]), expected,
                                atol=1e-3, rtol=1e-3)

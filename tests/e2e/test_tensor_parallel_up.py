@@ -13,9 +13,8 @@ import uuid
 import httpx
 import pytest
 import redis
-import torch
 
-from shared.models import DEFAULT_MODEL, resolve_model_path
+from shared.models import DEFAULT_MODEL
 from shared.redis_server import free_port
 from shared.wire import Keys
 from tests.helpers.processes import Proc
@@ -26,20 +25,7 @@ MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 MAX_TOKENS = 24
 
 
-def hf_greedy_text() -> tuple[str, int]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_path(DEFAULT_MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
-    with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), out.shape[1] - ids.shape[1]
-
-
-def test_up_with_two_ranks_serves_the_greedy_text(redis_server, tmp_path):
+def test_up_with_two_ranks_serves_the_greedy_text(redis_server, tmp_path, hf_reference):
     port = free_port()
     prefix = f"tp-{uuid.uuid4().hex[:8]}:"
     env = {"KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_KEY_PREFIX": prefix}
@@ -60,7 +46,7 @@ def test_up_with_two_ranks_serves_the_greedy_text(redis_server, tmp_path):
                               timeout=180)
         assert response.status_code == 200, response.text
         answer = response.json()
-        text, num_tokens = hf_greedy_text()
+        text, num_tokens = hf_reference.greedy(MESSAGES, MAX_TOKENS)
         assert answer["choices"][0]["message"]["content"] == text
         assert answer["usage"]["completion_tokens"] == num_tokens
         log = fleet.log_text()
