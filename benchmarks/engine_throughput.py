@@ -55,6 +55,7 @@ import torch
 
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from shared.wire import SamplingParams
+from benchmarks.engine_prefill import prefill_prompts, prefill_seconds
 from benchmarks.peer_env import dropped_line
 from benchmarks.roofline import ModelCost, product_rates, read_bandwidth
 from benchmarks.vllm_peer import SETUP_HINT, SETUPS, describe_setup, run_offline, vllm_python
@@ -503,28 +504,6 @@ def agreement_section(outputs: dict[str, list[list[int]]]) -> dict:
             print(f"greedy agreement, {tested} vs {reference}: {same:.0%} of requests identical, "
                   f"{prefix:.0%} of tokens before the first difference")
     return report
-
-
-def prefill_prompts(args) -> list[list[int]]:
-    """--prefill-prompts seeded random prompts of --prefill-len tokens (every token computed: no
-    prefix is shared; ids below 16,000, inside every vocabulary here)."""
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 16000, (args.prefill_len,), generator=g).tolist()
-            for _ in range(args.prefill_prompts)]
-
-
-def prefill_seconds(model, prompts: list[list[int]], config: EngineConfig) -> float:
-    """Seconds kvfleet's engine takes to compute these prompts (one token out each): the best
-    of two runs, each on a fresh engine (an empty prefix cache)."""
-    best = float("inf")
-    for _ in range(2):
-        engine = Engine(copy.deepcopy(model), config)
-        engine.generate(prompts[:1], greedy(1))  # first-call costs out of the timing
-        engine = Engine(copy.deepcopy(model), config)
-        start = time.perf_counter()
-        engine.generate(prompts, [greedy(1)] * len(prompts))
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def roofline_section(args, path: str, requests: list[Request], dtype: str,
