@@ -178,17 +178,29 @@ def _reap(children: dict[int, str]) -> None:
 
 def _serve(preload: list[str]) -> dict:
     """Import `preload`, then fork a child for each request line on stdin, answering its pid on
-    stdout. Returns in a child only (its request); the server exits at the end of its input."""
+    stdout. Returns in a child only (its request); the server exits at the end of its input.
+    Idle, it sleeps in select() until a request comes or a child exits (SIGCHLD)."""
     replies = os.dup(1)  # the answers' pipe; whatever an import prints goes to the server's log
     os.dup2(2, 1)
     for name in preload:
         importlib.import_module(name)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # handled: the wakeup fd hears of it
     children: dict[int, str] = {}
     pending = b""
     while True:
-        readable, _, _ = select.select([0], [], [], 0.01)
+        readable, _, _ = select.select([0, wake_r], [], [])
+        if wake_r in readable:
+            while True:
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    break
         _reap(children)
-        if not readable:
+        if 0 not in readable:
             continue
         chunk = os.read(0, 65536)
         if not chunk:
@@ -200,8 +212,11 @@ def _serve(preload: list[str]) -> dict:
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
-            if pid == 0:
-                os.close(replies)
+            if pid == 0:  # as a fresh interpreter: SIGCHLD by default, none of our pipes
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (replies, wake_r, wake_w):
+                    os.close(fd)
                 return request
             children[pid] = request["status"]
             os.write(replies, json.dumps({"pid": pid}).encode() + b"\n")
