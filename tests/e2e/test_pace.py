@@ -28,7 +28,7 @@ from worker.engine.engine import EngineConfig, load_pretrained
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-STREAMS = 12
+STREAMS = 16  # the paced group reached 10 of 12 under a loaded host (below 10 otherwise): margin
 
 
 def single_stream_step_s() -> float:
