@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker (one accelerator)")
     add_settings_flags(worker, WorkerSettings)
 
-    from kvfleet import batch_worker, drain_cli, keys_cli
+    from kvfleet import batch_worker, drain_cli, keys_cli, timelines_cli
     from kvfleet.bench import command as bench
     from kvfleet.plan import command as plan
 
@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys_cli.add_arguments(sub.add_parser("keys", help="API keys: create, list, revoke"))
     drain_cli.add_arguments(sub.add_parser(
         "drain", help="ask one worker to drain: hand its streams to peers, finish, exit"))
+    timelines_cli.add_arguments(sub.add_parser(
+        "timelines", help="where finished requests' time went: queue, prefill, gaps"))
     return parser
 
 
@@ -74,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
 
         run_worker(settings)
         return 0
-    from kvfleet import batch_worker, drain_cli, keys_cli
+    from kvfleet import batch_worker, drain_cli, keys_cli, timelines_cli
     from kvfleet.bench import command as bench
     from kvfleet.plan import command as plan
 
     commands = {"plan": plan.run, "bench": bench.run, "batch-worker": batch_worker.run,
-                "keys": keys_cli.run, "drain": drain_cli.run}
+                "keys": keys_cli.run, "drain": drain_cli.run, "timelines": timelines_cli.run}
     return commands[args.command](args)
 
 

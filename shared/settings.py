@@ -267,6 +267,10 @@ class WorkerSettings(EngineSettings):
         "coalesce token events: a request's new tokens wait until this long after its last "
         "event and go out as one (its first and final events at once); fewer Redis events where "
         "steps are faster than the interval (docs/DEPLOY.md). 0: an event per request per step"))
+    timelines_kept: int = Field(10_000, ge=0, description=(
+        "finished requests' timelines kept in the model's timelines stream (queue, admission, "
+        "prefill, first token, decode gaps: `kvfleet timelines`, docs/OPERATIONS.md); the "
+        "oldest are trimmed. 0: none recorded"))
     result_ttl_s: int = Field(3600, description=(
         "how long a finished request's hash and checkpoint are kept (for re-attach)"))
     steal_after_ms: int = Field(50, ge=0, description=(

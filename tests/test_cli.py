@@ -16,7 +16,7 @@ from shared.wire import Heartbeat, Keys
 
 
 @pytest.mark.parametrize("command", ["up", "gateway", "worker", "plan", "bench", "batch-worker",
-                                     "keys", "drain"])
+                                     "keys", "drain", "timelines"])
 def test_every_command_has_help(command):
     result = subprocess.run([sys.executable, "-m", "kvfleet", command, "--help"],
                             capture_output=True, text=True, timeout=60)

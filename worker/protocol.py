@@ -58,6 +58,7 @@ from shared.wire.lua import run_per_node, run_pipelined
 from shared.wire.prefix_hash import BlockHash, pack_ids
 from shared.wire.records import field_value, text
 from shared.wire.scripts import Started
+from shared.wire.timeline import RequestTimeline
 from worker.affinity import (
     OwnStreamOwners, ResumePreference, resume_min_idle_ms, undelivered_entries)
 from worker.numerics import FleetNumerics
@@ -475,6 +476,17 @@ class WorkerProtocol:
                 pipe.xack(item.stream, self.keys.group, item.entry_id)
             pipe.execute()
         return accepted
+
+    def record_timelines(self, timelines: list[RequestTimeline], kept: int) -> None:
+        """Append finished requests' timelines to the model's timelines stream, keeping about
+        the last `kept` (`--timelines-kept`)."""
+        if not timelines:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for timeline in timelines:
+            pipe.xadd(self.keys.timelines(self.model), timeline.encode(), maxlen=kept,
+                      approximate=True)
+        pipe.execute()
 
     def _publish_elsewhere(self, undelivered: list) -> None:
         """Publish the messages a node handed back (channel, message, ...): inboxes whose slot

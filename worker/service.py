@@ -39,6 +39,7 @@ from worker.handoff.transfer import TransferPlane
 from worker.metrics import WorkerMetrics
 from worker.numerics import FleetNumerics
 from worker.protocol import Delivery, Publication, WorkerProtocol
+from worker.timelines import TimelineRecorder
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class WorkerService:
         self.inflight: dict[str, Inflight] = {}
         self._backlog: list[Publication] = []  # produced but not yet published (Redis was down)
         self.coalescer = EventCoalescer(settings.publish_interval_ms / 1000)
+        self.timelines = TimelineRecorder(protocol.worker_id, settings.timelines_kept)
         # The heartbeat the thread writes next (the protocol stamps model and time).
         self._stats_snapshot = Heartbeat(model=protocol.model, ts=0.0)
         # stream -> entry ids delivered to this worker and not yet finished here; the heartbeat
@@ -310,6 +312,7 @@ class WorkerService:
             self._hold(delivery)  # refreshed from now on, whatever the next step costs
         if not fresh:
             return
+        self.timelines.pulled(list(fresh.values()))
         try:
             started = self.protocol.start_attempts(list(fresh))
         except BaseException:
@@ -364,6 +367,7 @@ class WorkerService:
         so far were computed on is counted (its final event says so: `numerics`)."""
         self.inflight[delivery.request.req_id] = Inflight(
             delivery, started.attempt, len(started.checkpoint), started.numerics)
+        self.timelines.started(delivery, len(started.checkpoint))
         if started.other_numerics:
             log.warning("%s continues on other numerics than its first %d tokens (%s)",
                         delivery.request.req_id, len(started.checkpoint), started.numerics)
@@ -481,6 +485,7 @@ class WorkerService:
         self._backlog = pending  # kept until Redis has taken them
         accepted = self.protocol.publish(pending)
         self._backlog = []
+        self._record_timelines(pending, accepted)
         self.metrics.events_published(sum(accepted))
         for item, ok in zip(pending, accepted):
             if item.final_status is not None or not ok:  # acked, or no longer ours
@@ -491,6 +496,7 @@ class WorkerService:
                 self.engine.abort(item.req_id)
                 self.coalescer.forget(item.req_id)
                 del self.inflight[item.req_id]
+                self.timelines.forget(item.req_id)
                 self.handoffs.forget([item.req_id])
                 self.metrics.request_finished("abort")
 
@@ -501,7 +507,15 @@ class WorkerService:
             self._held_entries.setdefault(delivery.stream, set()).add(delivery.entry_id)
 
     def _release(self, delivery: Delivery) -> None:
+        self.timelines.forget(delivery.request.req_id)  # it ends here without a timeline
         self._release_entry(delivery.stream, delivery.entry_id)
+
+    def _record_timelines(self, items: list[Publication], accepted: list[bool]) -> None:
+        ended = self.timelines.published(items, accepted)
+        try:
+            self.protocol.record_timelines(ended, self.settings.timelines_kept)
+        except REDIS_FAILURES as exc:  # a diagnostic: never worth holding an answer back for
+            log.debug("timelines not recorded (%r)", exc)
 
     def _release_entry(self, stream: str, entry_id: str) -> None:
         with self._lock:

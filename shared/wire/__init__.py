@@ -12,6 +12,7 @@ records through their `encode`/`decode` (hash or stream fields) and messages thr
     status.py         RequestStatus and its finish reasons
     checkpoint.py     the checkpoint codec (uint32 little-endian token ids)
     records.py        QueueEntry (stream entry), RequestRecord (request hash), DeadLetterEntry
+    timeline.py       RequestTimeline (a finished request's phases on its worker), its summary
     heartbeat.py      Heartbeat (a worker's hash)
     api_keys.py       ApiKeyRecord
     batch.py          BatchStatus, FileRecord, BatchRecord

@@ -103,6 +103,11 @@ class Keys:
         gateways' in-memory index follows it)."""
         return f"{self.prefix}{{{model}}}:kv:events"
 
+    def timelines(self, model: str) -> str:
+        """Stream of `RequestTimeline` (shared/wire/timeline.py): where each finished request's
+        time went on its worker, capped at `--timelines-kept` entries."""
+        return f"{self.prefix}{{{model}}}:timelines"
+
     def worker_queue(self, model: str, worker_id: str, priority: str = "interactive") -> str:
         """A worker's own request stream (entries: QueueEntry): requests routed to it for its
         prefix cache; it reads them first, any other worker after a bounded wait."""

@@ -46,7 +46,7 @@ class Client:
         self.events: dict[str, list[TokenEvent]] = {}
 
     def send(self, prompt, params: SamplingParams, deadline: float | None = None,
-             req_id: str | None = None) -> str:
+             req_id: str | None = None, created: float = 0.0) -> str:
         req_id = req_id or f"r-{uuid.uuid4().hex[:8]}"
         if self.pubsub is None:
             self.pubsub = subscribe(self.redis, self.keys.tokens(req_id))
@@ -54,7 +54,8 @@ class Client:
             self.pubsub.ssubscribe(self.keys.tokens(req_id))
         else:
             self.pubsub.subscribe(self.keys.tokens(req_id))
-        request = GenerationRequest(req_id, MODEL, prompt, params, deadline=deadline)
+        request = GenerationRequest(req_id, MODEL, prompt, params, deadline=deadline,
+                                    created=created)
         self.redis.hset(self.keys.request(req_id), mapping=RequestRecord(request).encode())
         stream, fields = scripts.queue_entry(self.keys, request)
         self.redis.xadd(stream, fields)
