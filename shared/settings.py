@@ -356,7 +356,7 @@ class BatchSettings(BatchApiSettings):
 
 
 CpuProducts = Literal["auto", "onednn", "kvfleet"]
-CpuBf16Product = Literal["auto", "dot", "fma"]
+CpuBf16Product = Literal["auto", "dot", "fma", "amx"]
 
 
 class KernelSettings(BaseSettings):
@@ -372,10 +372,13 @@ class KernelSettings(BaseSettings):
         "included); the start-up log names the choice; another value, or `kvfleet` where the "
         "product cannot build, stops the engine at start-up with an error naming the variable"))
     cpu_bf16_product: CpuBf16Product = Field("auto", description=(
-        "how kvfleet's own bf16 product sums (worker/engine/cpu_matmul.cpp): `dot` (AVX512-BF16's "
-        "vdpbf16ps, two columns per instruction), `fma` (the bf16 weights widened to fp32 and "
-        "summed with fp32 FMAs, one column each), `auto` (by the CPU, never by a timing: `fma` "
-        "on Intel CPUs, where vdpbf16ps issues at half the FMA rate; `dot` elsewhere); the "
+        "how kvfleet's own bf16 product sums (worker/engine/cpu_matmul.cpp, cpu_amx.cpp): `dot` "
+        "(AVX512-BF16's vdpbf16ps, two columns per instruction), `fma` (the bf16 weights widened "
+        "to fp32 and summed with fp32 FMAs, one column each), `amx` (AMX tiles: tdpbf16ps over "
+        "weights packed once in tile layout; where the CPU has AMX-BF16 and Linux grants the "
+        "tile state, else an error at start-up naming the variable), `auto` (by the CPU, never "
+        "by a timing: `amx` where it has AMX-BF16 tiles, else `fma` on Intel CPUs, where "
+        "vdpbf16ps issues at half the FMA rate, `dot` elsewhere); the "
         "start-up log names the form. Answers differ between the forms by bf16 rounding: workers "
         "that resume each other's streams bit for bit must sum alike (every process of one "
         "machine kind chooses alike; the numerics fingerprint tells)"))

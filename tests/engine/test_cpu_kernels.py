@@ -262,9 +262,9 @@ def bf16_form_env(monkeypatch):
 
 @pytest.mark.skipif(not _FAST[torch.bfloat16], reason="kvfleet's bf16 product needs AVX512-BF16")
 def test_the_bf16_product_form_is_ruled_or_named(bf16_form_env):
-    """auto takes the CPU's rule (never a timing); dot and fma are taken as named, the linear
-    computing in that form (answers within a bf16 rounding of each other); another value is
-    refused by the variable's name. The report is the batch-invariant engine's (the default),
+    """auto takes the CPU's rule (never a timing); dot and fma (and amx where the CPU has AMX
+    tiles) are taken as named, the linear computing in that form (answers within a bf16
+    rounding of each other); another value is refused by the variable's name. The report is the batch-invariant engine's (the default),
     which takes kvfleet's product on every CPU with AVX512-BF16, AMX CPUs included."""
     assert bf16_form_env("auto")() == cpu_linear.bf16_form_rule(cpu_features())
     torch.manual_seed(11)
@@ -272,21 +272,25 @@ def test_the_bf16_product_form_is_ruled_or_named(bf16_form_env):
     x = torch.randn(9, 256, dtype=torch.bfloat16)
     outputs = {}
     for form, code in cpu_linear.BF16_FORM_CODES.items():
+        if form == "amx" and cpu_linear.amx_tiles() is not None:
+            continue  # refused where there are no tiles (test_cpu_amx.py)
         assert bf16_form_env(form)() == form
         product = KernelLinear(linear)
         assert product._code == code
         outputs[form] = product(x).double()
-        assert ({"dot": "vdpbf16ps", "fma": "fp32 FMAs"}[form]
+        assert ({"dot": "vdpbf16ps", "fma": "fp32 FMAs", "amx": "AMX tiles"}[form]
                 in cpu_linear.products_report(torch.bfloat16, invariant=True))
     scale = outputs["dot"].abs().max().item()
-    assert (outputs["dot"] - outputs["fma"]).abs().max().item() <= 2 ** -7 * scale
+    for form in outputs:
+        assert (outputs["dot"] - outputs[form]).abs().max().item() <= 2 ** -7 * scale
     with pytest.raises(ValueError, match="KVFLEET_CPU_BF16_PRODUCT='wide'"):
         bf16_form_env("wide")()
 
 
 def test_the_bf16_form_rule_follows_the_cpu_vendor_alone():
-    """fp32 FMAs on Intel (vdpbf16ps at half the FMA rate), vdpbf16ps elsewhere; the model name
-    and the load play no part, so every process of one machine kind sums alike."""
+    """Without AMX-BF16 tiles (test_cpu_amx.py has the rule with them): fp32 FMAs on Intel
+    (vdpbf16ps at half the FMA rate), vdpbf16ps elsewhere; the model name and the load play no
+    part, so every process of one machine kind sums alike."""
     flags = frozenset({"avx512f", "avx512_bf16"})
     intel = CpuFeatures("Intel(R) Xeon(R) Platinum 8581C", flags | {"amx_tile"}, "GenuineIntel")
     assert cpu_linear.bf16_form_rule(intel) == "fma"

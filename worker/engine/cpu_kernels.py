@@ -7,6 +7,7 @@ the loaded libraries, each built and loaded on its own.
 | prefill   | cpu_prefill.cpp   | kvfleet_paged_prefill (AVX-512)          | SDPA prefill          |
 | layer_ops | cpu_layer_ops.cpp | RMSNorm, RoPE, SiLU * up, K/V writes, LoRA terms | HF's decoder layers; LoRA in products |
 | matmul    | cpu_matmul.cpp    | kvfleet_linear (AVX-512)                 | oneDNN or F.linear    |
+| amx       | cpu_amx.cpp       | kvfleet_amx_linear (AMX tiles)           | matmul's bf16 forms   |
 
 Each kernel is its own library (kernel_build.py), typed from its own header (kernel_binding.py):
 a source that does not compile, or a library that does not load, disables only the functions it
@@ -44,7 +45,7 @@ class KernelSource:
 
 KERNELS = {name: KernelSource(_HERE / f"{stem}.cpp", _HERE / f"{stem}.h") for name, stem in (
     ("decode", "cpu_attention"), ("prefill", "cpu_prefill"), ("layer_ops", "cpu_layer_ops"),
-    ("matmul", "cpu_matmul"))}
+    ("matmul", "cpu_matmul"), ("amx", "cpu_amx"))}
 
 
 def kernel_cache_dir() -> Path:
@@ -127,10 +128,15 @@ def matmul_kernel() -> BoundKernel | UnavailableKernel:
     return kernel("matmul")
 
 
+@functools.cache
+def amx_kernel() -> BoundKernel | UnavailableKernel:
+    return kernel("amx")
+
+
 def clear_cache() -> None:
     """Load every kernel afresh at next use (the tests change the compiler or the sources)."""
     for cached in (_first_build, kernel, decode_kernel, prefill_kernel, layer_ops_kernel,
-                   matmul_kernel):
+                   matmul_kernel, amx_kernel):
         cached.cache_clear()
 
 

@@ -20,8 +20,9 @@ packs) or `kvfleet` (the own product wherever it builds).
 Batch-invariant products (`invariant`, the engine's `--deterministic`): kvfleet's product sums
 every output in one order whatever the rows of the call; oneDNN's and MKL's pick kernels by the
 call's shape, so a row's result can depend on how many rows came with it. Invariant engines take
-kvfleet's product wherever it builds: on AMX CPUs too, and on CPUs without AVX-512 its portable
-form (cpu_matmul.cpp), unless `KVFLEET_CPU_PRODUCTS=onednn` asks for oneDNN.
+kvfleet's product wherever it builds: on AMX CPUs too (bf16 on the tiles, cpu_amx.cpp, in its own
+invariant order), and on CPUs without AVX-512 its portable form (cpu_matmul.cpp), unless
+`KVFLEET_CPU_PRODUCTS=onednn` asks for oneDNN.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from shared.cpu_features import CpuFeatures, cpu_features
 from shared.settings import KernelSettings
 from worker.engine import torch_private
 from worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable
-from worker.engine.cpu_kernels import matmul_kernel
+from worker.engine.cpu_kernels import amx_kernel, matmul_kernel
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 _BATCH_HINT = 64  # rows the packing is tuned for (its speed hardly depends on the hint)
@@ -81,28 +82,54 @@ def own_product(dtype: torch.dtype, invariant: bool = False) -> bool:
     return supported == FAST or (supported == PORTABLE and (invariant or choice == "kvfleet"))
 
 
-BF16_FORM_CODES = {"dot": 1, "fma": 2}  # kvfleet_linear's dtype argument for each bf16 form
+# the dtype argument of each bf16 form: kvfleet_linear's (cpu_matmul.cpp) for dot and fma,
+# kvfleet_amx_linear's (cpu_amx.cpp) for amx
+BF16_FORM_CODES = {"dot": 1, "fma": 2, "amx": 3}
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+
+
+@functools.cache
+def amx_tiles() -> str | None:
+    """None where kvfleet's bf16 product computes on AMX tiles here (cpu_amx.cpp: the CPU has
+    them, the kernel built, Linux granted the tile state), else why not."""
+    try:
+        if int(amx_kernel().kvfleet_amx_supported(BF16_FORM_CODES["amx"])) == FAST:
+            return None
+        return "the CPU has no AMX-BF16 tiles, or Linux refused the process their state"
+    except KernelUnavailable as exc:
+        return str(exc)
 
 
 @functools.cache
 def bf16_form() -> str:
-    """How kvfleet's bf16 product sums here: `dot` (vdpbf16ps) or `fma` (fp32 FMAs over the
-    widened weights): KVFLEET_CPU_BF16_PRODUCT, else `bf16_form_rule` for this CPU. Never timed:
-    the forms round differently, and every process of one machine kind must choose alike (a
-    start-up timing on a loaded host chose either), or a stream resumed on another worker would
-    not continue bit for bit. In a portable build the forms are one product (`dot`)."""
+    """How kvfleet's bf16 product sums here: `dot` (vdpbf16ps), `fma` (fp32 FMAs over the widened
+    weights) or `amx` (tdpbf16ps on AMX tiles): KVFLEET_CPU_BF16_PRODUCT, else `bf16_form_rule`
+    for this CPU. Never timed: the forms round differently, and every process of one machine
+    kind must choose alike (a start-up timing on a loaded host chose either), or a stream resumed
+    on another worker would not continue bit for bit. Where the CPU has AMX but the kernel cannot
+    use it (a compiler without the intrinsics, Linux refusing the tile state: the same on every
+    process of the machine), the rule for a CPU without it. In a portable build the AVX-512 forms
+    are one product (`dot`)."""
     choice = KernelSettings().cpu_bf16_product
+    if choice == "amx" and amx_tiles() is not None:
+        raise ValueError(f"KVFLEET_CPU_BF16_PRODUCT=amx, but there are no AMX tiles here: "
+                         f"{amx_tiles()}")
     if choice != "auto":
         return choice
-    if matmul_kernel().kvfleet_linear_supported(BF16_FORM_CODES["fma"]) != FAST:
+    rule = bf16_form_rule(cpu_features(), tiles=amx_tiles() is None)
+    if rule != "amx" and matmul_kernel().kvfleet_linear_supported(BF16_FORM_CODES["fma"]) != FAST:
         return "dot"
-    return bf16_form_rule(cpu_features())
+    return rule
 
 
-def bf16_form_rule(features: CpuFeatures) -> str:
-    """`fma` on Intel CPUs, whose vdpbf16ps issues at half the FMA rate (measured 0.57x dot's time
-    at prefill sizes on a Xeon, family 6 model 207, without AMX; docs/BENCHMARKS.md); `dot`
-    elsewhere (AMD's Zen 4 and 5 issue it at the FMA rate, two products per lane)."""
+def bf16_form_rule(features: CpuFeatures, tiles: bool = True) -> str:
+    """`amx` on CPUs with AMX-BF16 tiles (where `tiles`: the kernel can use them), which compute
+    bf16 products several times the AVX-512 FMA rate per core; otherwise `fma` on Intel CPUs,
+    whose vdpbf16ps issues at half the FMA rate (measured 0.57x dot's time at prefill sizes on a
+    Xeon, family 6 model 207, without AMX; docs/BENCHMARKS.md); `dot` elsewhere (AMD's Zen 4 and
+    5 issue it at the FMA rate, two products per lane)."""
+    if tiles and AMX_FLAGS <= features.flags:
+        return "amx"
     return "fma" if features.vendor == "GenuineIntel" else "dot"
 
 
@@ -124,6 +151,8 @@ def product(linear: torch.nn.Linear, invariant: bool = False) -> torch.nn.Module
 def products_report(dtype: torch.dtype, invariant: bool = False) -> str:
     """What computes the linears of a CPU model in this dtype, for the start-up log."""
     if own_product(dtype, invariant):
+        if dtype == torch.bfloat16 and bf16_form() == "amx":
+            return "in kvfleet's product (cpu_amx.cpp, AMX tiles: tdpbf16ps)"
         portable = matmul_kernel().kvfleet_linear_supported(DTYPE_CODES[dtype]) == PORTABLE
         form = ("" if portable or dtype != torch.bfloat16 else
                 {"dot": ", vdpbf16ps", "fma": ", bf16 weights summed with fp32 FMAs"}[bf16_form()])
@@ -135,31 +164,42 @@ def products_report(dtype: torch.dtype, invariant: bool = False) -> str:
 
 class KernelLinear(torch.nn.Module):
     """nn.Linear's forward (bf16 or float32) through kvfleet's product (cpu_matmul.cpp), over its
-    weight packed once in 16-output blocks of columns (bf16: column pairs): fp32 sums, the bias
+    weight packed once in 16-output blocks of columns (bf16: column pairs; the `amx` form,
+    cpu_amx.cpp: the same with the columns padded to whole 32-column tiles): fp32 sums, the bias
     added in fp32, one rounding to the output dtype; every output summed in one order whatever
-    the thread count or the batch."""
+    the thread count or the batch. `form`: the bf16 form (default `bf16_form()`)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, form: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
+        self.form = (form or bf16_form()) if self.dtype == torch.bfloat16 else "float32"
         weight = linear.weight.detach().contiguous()
+        # what every call passes, looked up once (a decode step makes ~4 calls per layer)
+        self._code = (BF16_FORM_CODES[self.form] if self.dtype == torch.bfloat16
+                      else DTYPE_CODES[self.dtype])
+        self._amx = self.form == "amx"
         per = 2 if self.dtype == torch.bfloat16 else 1  # columns per step of the product
-        blocks, steps = -(-self.out_features // 16), -(-self.in_features // per)
+        columns = 32 if self._amx else per  # the packed columns: whole steps (amx: k tiles)
+        blocks, steps = -(-self.out_features // 16), -(-self.in_features // columns)
         # kept as a plain attribute, like PackedLinear's: nothing that casts or counts parameters
         # must take it for an [out, in] matrix
-        self.packed_weight = torch.empty(blocks * steps * per * 16, dtype=self.dtype)
-        matmul = matmul_kernel()
-        _check(matmul.kvfleet_pack_linear(
-            DTYPE_CODES[self.dtype], weight.data_ptr(), self.out_features, self.in_features,
-            self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_pack_linear")
+        self.packed_weight = torch.empty(blocks * steps * columns * 16, dtype=self.dtype)
+        if self._amx:
+            amx = amx_kernel()
+            _check(amx.kvfleet_amx_pack(
+                self._code, weight.data_ptr(), self.out_features, self.in_features,
+                self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_amx_pack")
+            self._kvfleet_amx_linear = amx.kvfleet_amx_linear
+        else:
+            matmul = matmul_kernel()
+            _check(matmul.kvfleet_pack_linear(
+                DTYPE_CODES[self.dtype], weight.data_ptr(), self.out_features, self.in_features,
+                self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_pack_linear")
+            self._kvfleet_linear = matmul.kvfleet_linear
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(),
                                                                         requires_grad=False)
         self._bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        # what every call passes, looked up once (a decode step makes ~4 calls per layer)
-        self._code = (BF16_FORM_CODES[bf16_form()] if self.dtype == torch.bfloat16
-                      else DTYPE_CODES[self.dtype])
-        self._kvfleet_linear = matmul.kvfleet_linear
         self._weight_ptr = self.packed_weight.data_ptr()
         self._bias_ptr = None if self._bias32 is None else self._bias32.data_ptr()
 
@@ -174,10 +214,17 @@ class KernelLinear(torch.nn.Module):
             rows = rows.contiguous()
         num_rows = rows.shape[0]
         out = torch.empty((num_rows, self.out_features), dtype=self.dtype)
-        _check(self._kvfleet_linear(self._code, rows.data_ptr(), num_rows, self.in_features,
-                              rows.stride(0), self._weight_ptr, self.out_features, self._bias_ptr,
-                              out.data_ptr(), self.out_features, torch.get_num_threads()),
-               "kvfleet_linear")
+        if self._amx:
+            status = self._kvfleet_amx_linear(
+                self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
+                self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
+                self.out_features, torch.get_num_threads())
+        else:
+            status = self._kvfleet_linear(
+                self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
+                self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
+                self.out_features, torch.get_num_threads())
+        _check(status, "kvfleet_amx_linear" if self._amx else "kvfleet_linear")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 

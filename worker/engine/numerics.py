@@ -79,8 +79,9 @@ def engine_numerics(device: torch.device, dtype: torch.dtype, backend: Attention
 
 def linear_kinds(module: torch.nn.Module) -> list[str]:
     """What computes each linear of a prepared model, as the fingerprint names it: kvfleet's
-    product with its form (cpu_matmul.cpp's dtype code), oneDNN's packed product, or the
-    module's own class (F.linear, or a tensor-parallel shard of one)."""
+    product with its form (its kernel's dtype code and name: float32, bf16 `dot`, `fma`, or
+    `amx` on the AMX tiles of cpu_amx.cpp, each summing in its own order), oneDNN's packed
+    product, or the module's own class (F.linear, or a tensor-parallel shard of one)."""
     from worker.engine.cpu_linear import KernelLinear, PackedLinear, SiblingLinear
     from worker.engine.model_prep import linear_products
 
@@ -88,7 +89,7 @@ def linear_kinds(module: torch.nn.Module) -> list[str]:
     for linear in linear_products(module).values():
         computing = linear.group.product if isinstance(linear, SiblingLinear) else linear
         if isinstance(computing, KernelLinear):
-            kinds.append(f"kvfleet product {computing._code}")
+            kinds.append(f"kvfleet product {computing._code} ({computing.form})")
         elif isinstance(computing, PackedLinear):
             kinds.append("oneDNN packed")
         else:

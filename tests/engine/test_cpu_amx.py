@@ -1,0 +1,296 @@
+"""kvfleet's bf16 product on AMX tiles (worker/engine/cpu_amx.cpp), on any x86 CPU through its
+emulation build: the tile instructions replaced by their scalar model (KVFLEET_AMX_EMULATE), the
+kernel's layout, loops over tiles and sum order checked against a numpy model of the same
+instructions (tests/engine/amx_model.py). On a CPU with AMX-BF16 the real tiles are compared
+with the emulation bit for bit (the one test skipped elsewhere, for want of the CPU feature).
+
+Two models of TDPBF16PS: the SDM's (even and odd columns summed apart per 32-column tile), which
+the emulation takes, and the intrinsics guide's (every column added in order), built as a second
+emulation (KVFLEET_AMX_EMULATE_SEQUENTIAL): the latter's sums are cpu_matmul.cpp's `fma` form's,
+bit for bit, where no denormal occurs, the former's are not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from shared.cpu_features import CpuFeatures, cpu_features
+from tests.engine import amx_model
+from worker.engine import cpu_kernels, cpu_linear, numerics
+from worker.engine.cpu_linear import BF16_FORM_CODES, KernelLinear
+from worker.engine.kernel_binding import BoundKernel, read_header
+from worker.engine.kernel_build import build
+
+AMX = BF16_FORM_CODES["amx"]
+HAS_AMX = cpu_linear.AMX_FLAGS <= cpu_features().flags
+SHAPES = [(83, 301), (37, 11), (160, 96), (16, 32)]  # partial blocks, k tails, whole tiles
+
+
+def build_emulation(directory, sequential: bool) -> BoundKernel:
+    """cpu_amx.cpp built with its scalar model of the tile instructions (the SDM's, or with
+    `sequential` the intrinsics guide's)."""
+    source = cpu_kernels.KERNELS["amx"]
+    wrapper = directory / f"cpu_amx_emulated{'_sequential' if sequential else ''}.cpp"
+    wrapper.write_text("#define KVFLEET_AMX_EMULATE 1\n"
+                       + ("#define KVFLEET_AMX_EMULATE_SEQUENTIAL 1\n" if sequential else "")
+                       + f'#include "{source.source}"\n')
+    library = build(wrapper, (source.source, source.header, *cpu_kernels.COMMON_HEADERS),
+                    compiler=cpu_kernels.compiler_name(), cache_dir=directory)
+    return BoundKernel(ctypes.CDLL(str(library)), read_header(source.header))
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory) -> BoundKernel:
+    return build_emulation(tmp_path_factory.mktemp("amx"), sequential=False)
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory) -> BoundKernel:
+    return build_emulation(tmp_path_factory.mktemp("amx_sequential"), sequential=True)
+
+
+def operands(n: int, k: int, m: int, seed: int, bias: bool = True, spikes: bool = True):
+    """Random bf16 weight [n, k] and x [m, k], bias n floats. With `spikes`, pairs of columns
+    whose products cancel exactly (x equal in both, weights +-H, H ~ 2^24): sums pass through
+    values whose fp32 steps are ~4, so a bf16 output (~17, steps of 2^-3) shows which order the
+    fp32 sums were taken in; without them bf16's rounding hides most order changes."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
+    if spikes:  # across tiles, within one tile's even columns, even to odd
+        for first, second in {(1, k - 1), (2, k // 2), (4, 6)}:
+            if first < second < k:
+                x[:, second] = x[:, first]
+                huge = (torch.randn(n, generator=generator) * 2.0 ** 24).to(torch.bfloat16)
+                weight[:, first], weight[:, second] = huge, -huge
+    return weight, x, (torch.randn(n, generator=generator) if bias else None)
+
+
+def packed(kernel, weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    out = torch.empty(amx_model.packed_size(n, k), dtype=torch.bfloat16)
+    assert kernel.kvfleet_amx_pack(AMX, weight.data_ptr(), n, k, out.data_ptr(), 2) == 0
+    return out
+
+
+def run(kernel, weight: torch.Tensor, tiles: torch.Tensor, x: torch.Tensor,
+        bias: torch.Tensor | None, threads: int = 2, code: int = AMX) -> torch.Tensor:
+    n, k = weight.shape
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    status = kernel(code, x.data_ptr(), x.shape[0], k, x.stride(0), tiles.data_ptr(), n,
+                    None if bias is None else bias.data_ptr(), y.data_ptr(), n, threads)
+    assert status == 0
+    return y
+
+
+def emulated_product(kernel: BoundKernel, weight, x, bias, threads: int = 2) -> torch.Tensor:
+    return run(kernel.kvfleet_amx_linear, weight, packed(kernel, weight), x, bias, threads)
+
+
+def modelled(weight, x, bias, sequential: bool = False) -> np.ndarray:
+    return amx_model.product(amx_model.bits(x), amx_model.bits(weight),
+                             None if bias is None else bias.numpy(), sequential)
+
+
+# ---- the emulation: layout, sums, invariance --------------------------------------------------
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_the_weights_pack_into_b_tiles(emulated, n, k):
+    """The packed weight is the model's B tiles ([n/16][k/32 x 16 pairs][16][2], zero padded),
+    in the emulation build and the engine's alike; with k a multiple of 32 it is cpu_matmul.cpp's
+    bf16 layout."""
+    weight, _, _ = operands(n, k, 1, seed=n + k)
+    expected = amx_model.pack(amx_model.bits(weight))
+    assert np.array_equal(amx_model.bits(packed(emulated, weight)), expected)
+    assert np.array_equal(amx_model.bits(packed(cpu_kernels.amx_kernel(), weight)), expected)
+    if k % 32 == 0:
+        blocks = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
+        assert cpu_kernels.matmul_kernel().kvfleet_pack_linear(
+            1, weight.data_ptr(), n, k, blocks.data_ptr(), 1) == 0
+        assert np.array_equal(amx_model.bits(blocks), expected)
+    untouched = torch.zeros(amx_model.packed_size(n, k), dtype=torch.bfloat16)
+    assert emulated.kvfleet_amx_pack(1, weight.data_ptr(), n, k, untouched.data_ptr(), 1) == -1
+    assert not untouched.any()  # dtype 1 is cpu_matmul.cpp's: refused, nothing written
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_the_emulated_tiles_sum_as_the_sdm_model(emulated, n, k):
+    """Every row count against the tiles (one A tile, two, a partial second; one B tile or two),
+    bias or none: the model's sums bit for bit, and within a bf16 rounding of the exact product."""
+    assert emulated.kvfleet_amx_supported(AMX) == 2 and emulated.kvfleet_amx_supported(1) == 0
+    for m, bias in ((1, True), (5, False), (16, True), (17, True), (32, False), (40, True)):
+        weight, x, b = operands(n, k, m, seed=m * 7 + k, bias=bias)
+        got = emulated_product(emulated, weight, x, b)
+        assert np.array_equal(amx_model.bits(got), modelled(weight, x, b)), (m, bias)
+        weight, x, b = operands(n, k, m, seed=m * 7 + k, bias=bias, spikes=False)
+        got = emulated_product(emulated, weight, x, b)
+        exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert (got.double() - exact).abs().max().item() <= 2 ** -7 * exact.abs().max().item()
+
+
+def test_a_rows_sums_do_not_depend_on_the_batch_or_the_threads(emulated):
+    """Row i's output is the same alone, in the first m rows for every m up to 40 (its place in
+    the A tiles changes), in a slice that starts elsewhere, and with 1 or 2 threads."""
+    weight, x, bias = operands(83, 301, 40, seed=3)
+    batch = emulated_product(emulated, weight, x, bias, threads=2)
+    tiles = packed(emulated, weight)
+    kernel = emulated.kvfleet_amx_linear
+    for m in range(1, 41):
+        for threads in (1, 2):
+            assert torch.equal(run(kernel, weight, tiles, x[:m], bias, threads), batch[:m]), m
+    for i in (0, 15, 16, 39):
+        assert torch.equal(run(kernel, weight, tiles, x[i:i + 1], bias, 1), batch[i:i + 1])
+    assert torch.equal(run(kernel, weight, tiles, x[7:30], bias), batch[7:30])
+    wide = torch.zeros(40, 320, dtype=torch.bfloat16)
+    wide[:, :301] = x  # rows 320 apart: the stride is the caller's
+    assert torch.equal(run(kernel, weight, tiles, wide[:, :301], bias), batch)
+
+
+# ---- the two models of TDPBF16PS against cpu_matmul.cpp's `fma` form ----------------------------
+
+def fma_form(weight, x, bias) -> torch.Tensor:
+    matmul = cpu_kernels.matmul_kernel()
+    fma = BF16_FORM_CODES["fma"]
+    assert matmul.kvfleet_linear_supported(fma) in (cpu_linear.FAST, cpu_linear.PORTABLE)
+    n, k = weight.shape
+    blocks = torch.empty(-(-n // 16) * 16 * (k + k % 2), dtype=torch.bfloat16)
+    assert matmul.kvfleet_pack_linear(fma, weight.data_ptr(), n, k, blocks.data_ptr(), 1) == 0
+    return run(matmul.kvfleet_linear, weight, blocks, x, bias, code=fma)
+
+
+def test_the_sequential_model_is_the_fma_form_bit_for_bit(sequential):
+    """The intrinsics guide's TDPBF16PS adds each column's exact product in k order with one
+    rounding, as the `fma` form's FMAs do: the same outputs bit for bit (no denormals occur)."""
+    for n, k in SHAPES:
+        for m in (1, 9, 33):
+            weight, x, bias = operands(n, k, m, seed=n * m + k)
+            got = emulated_product(sequential, weight, x, bias)
+            assert np.array_equal(amx_model.bits(got), modelled(weight, x, bias, sequential=True))
+            assert torch.equal(got, fma_form(weight, x, bias)), (n, k, m)
+
+
+def test_the_sdm_model_is_not_the_fma_form(emulated, sequential):
+    """The SDM's TDPBF16PS sums even and odd columns apart within each 32-column tile: another
+    order than the `fma` form's. Columns 2^24, 1, -2^24, 1 (x all ones): in order, 2^24 + 1
+    rounds back to 2^24 (a tie, to even) and the sum is 1; the SDM's even sum is 0, its odd sum
+    2, and so its output. On random operands the forms agree within a bf16 rounding, and
+    differ where the spikes make the order show (the numerics fingerprint tells them apart)."""
+    weight = torch.tensor([[2.0 ** 24, 1.0, -2.0 ** 24, 1.0]] * 16, dtype=torch.bfloat16)
+    x = torch.ones(1, 4, dtype=torch.bfloat16)
+    assert (fma_form(weight, x, None) == 1).all()
+    assert (emulated_product(sequential, weight, x, None) == 1).all()
+    tiles = emulated_product(emulated, weight, x, None)
+    assert (tiles == 2).all() and np.array_equal(amx_model.bits(tiles), modelled(weight, x, None))
+    weight, x, bias = operands(83, 301, 24, seed=12, spikes=False)
+    tiles, fma = emulated_product(emulated, weight, x, bias), fma_form(weight, x, bias)
+    scale = fma.double().abs().max().item()
+    assert (tiles.double() - fma.double()).abs().max().item() <= 2 ** -7 * scale
+    weight, x, bias = operands(83, 301, 24, seed=12)  # the spikes show the orders differ
+    assert not torch.equal(emulated_product(emulated, weight, x, bias), fma_form(weight, x, bias))
+
+
+def test_a_denormal_input_is_where_the_tiles_and_the_fma_form_part(emulated, sequential):
+    """Negative control: TDPBF16PS takes a denormal input as zero (DAZ), the fp32 FMAs do not. A
+    column of x holding the bf16 denormal 2^-127, against weights of 2^10: the `fma` form's
+    outputs are 2^-117, the tiles' (both models, as the numpy model says) zero."""
+    weight, x, _ = operands(40, 64, 3, seed=21)
+    x.zero_()
+    x[:, 5] = torch.tensor([0x0040], dtype=torch.int16).view(torch.bfloat16)  # 64 x 2^-133
+    weight[:, 5] = 2.0 ** 10
+    assert x[0, 5].item() == 2.0 ** -127
+    assert (fma_form(weight, x, None).float() == 2.0 ** -117).all()
+    for kernel, model in ((emulated, False), (sequential, True)):
+        got = emulated_product(kernel, weight, x, None)
+        assert (got == 0).all()
+        assert np.array_equal(amx_model.bits(got), modelled(weight, x, None, sequential=model))
+
+
+# ---- the engine's kernel and the form's selection -----------------------------------------------
+
+def test_the_engines_kernel_computes_only_on_amx_tiles():
+    """The engine's build says 1 (tiles granted by Linux) on a CPU with AMX-BF16, else 0, and
+    then refuses to compute rather than issue a tile instruction."""
+    amx = cpu_kernels.amx_kernel()
+    assert cpu_kernels.unavailable_reason("amx") is None
+    assert amx.kvfleet_amx_supported(AMX) == (1 if HAS_AMX else 0)
+    assert (cpu_linear.amx_tiles() is None) is HAS_AMX
+    if not HAS_AMX:
+        weight, x, bias = operands(16, 32, 2, seed=1)
+        y = torch.empty(2, 16, dtype=torch.bfloat16)
+        assert amx.kvfleet_amx_linear(AMX, x.data_ptr(), 2, 32, 32, packed(amx, weight).data_ptr(),
+                                      16, bias.data_ptr(), y.data_ptr(), 16, 1) == -1
+
+
+def test_the_bf16_form_rule_takes_the_tiles_where_the_cpu_has_them():
+    """`amx` by the CPU's flags (AMX-TILE and AMX-BF16) where the kernel has the tiles; without
+    them, or where the kernel has none, the rule for a CPU without AMX."""
+    flags = frozenset({"avx512f", "avx512_bf16"})
+    xeon = CpuFeatures("Intel(R) Xeon(R) Platinum 8581C", flags | cpu_linear.AMX_FLAGS,
+                       "GenuineIntel")
+    assert cpu_linear.bf16_form_rule(xeon) == "amx"
+    assert cpu_linear.bf16_form_rule(xeon, tiles=False) == "fma"
+    tile_only = CpuFeatures("Xeon", flags | {"amx_tile", "amx_int8"}, "GenuineIntel")
+    assert cpu_linear.bf16_form_rule(tile_only) == "fma"
+
+
+def test_amx_is_chosen_only_where_the_tiles_are(monkeypatch):
+    """auto picks `amx` exactly where the kernel has tiles; KVFLEET_CPU_BF16_PRODUCT=amx is
+    refused by name where it has none; the report names the tile kernel."""
+    for value in ("auto", "amx"):
+        monkeypatch.setenv("KVFLEET_CPU_BF16_PRODUCT", value)
+        cpu_linear.bf16_form.cache_clear()
+        try:
+            if value == "auto" or HAS_AMX:
+                assert (cpu_linear.bf16_form() == "amx") is HAS_AMX
+            else:
+                with pytest.raises(ValueError, match="KVFLEET_CPU_BF16_PRODUCT=amx"):
+                    cpu_linear.bf16_form()
+        finally:
+            cpu_linear.bf16_form.cache_clear()
+    monkeypatch.setattr(cpu_linear, "bf16_form", lambda: "amx")
+    monkeypatch.setattr(cpu_linear, "own_product", lambda dtype, invariant=False: True)
+    assert cpu_linear.products_report(torch.bfloat16, invariant=True) == (
+        "in kvfleet's product (cpu_amx.cpp, AMX tiles: tdpbf16ps)")
+
+
+def test_an_amx_linear_packs_whole_tiles_and_the_fingerprint_names_it():
+    """KernelLinear in the `amx` form packs k up to whole tiles and is named `amx` in the
+    numerics fingerprint's linears; without tiles its call fails (status -1), never computes."""
+    linear = torch.nn.Linear(301, 83).to(torch.bfloat16)
+    product = KernelLinear(linear, form="amx")
+    assert product.packed_weight.numel() == amx_model.packed_size(83, 301)
+    assert numerics.linear_kinds(torch.nn.Sequential(product)) == [f"kvfleet product {AMX} (amx)"]
+    x = torch.randn(3, 301).to(torch.bfloat16)
+    if not HAS_AMX:
+        with pytest.raises(RuntimeError, match="kvfleet_amx_linear failed with status -1"):
+            product(x)
+
+
+# ---- on AMX: the real tiles against the emulation ------------------------------------------------
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16 tiles (amx_tile, amx_bf16)")
+def test_the_real_tiles_compute_what_the_emulation_does(emulated, sequential):
+    """Bit for bit, every shape and row count, 1 or 2 threads, through KernelLinear too; where
+    they differ, the message says whether the hardware follows the intrinsics guide's model."""
+    amx = cpu_kernels.amx_kernel()
+    for n, k in SHAPES:
+        weight, x, bias = operands(n, k, 40, seed=n + 5 * k)
+        bias = bias.to(torch.bfloat16).float()  # as a bf16 linear's bias reaches the kernel
+        tiles = packed(amx, weight)
+        expected = emulated_product(emulated, weight, x, bias)
+        for m in range(1, 41):
+            for threads in (1, 2):
+                got = run(amx.kvfleet_amx_linear, weight, tiles, x[:m], bias, threads)
+                follows = torch.equal(got, emulated_product(sequential, weight, x[:m], bias))
+                assert torch.equal(got, expected[:m]), (
+                    f"n={n} k={k} m={m}: the tiles differ from the SDM's model"
+                    f"{' and equal the intrinsics guide' if follows else ' and from both models'}")
+        linear = torch.nn.Linear(k, n).to(torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            linear.bias.copy_(bias)
+        assert torch.equal(KernelLinear(linear, form="amx")(x), expected)

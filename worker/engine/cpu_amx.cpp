@@ -1,0 +1,407 @@
+// kvfleet's bf16 linear product on Intel's AMX tiles: y = x W^T (+ bias), fp32 sums, bf16 out
+// (cpu_linear.py's bf16 form `amx`, dtype code 3).
+//
+// Tiles. A tile register holds up to 16 rows of 64 bytes. TDPBF16PS multiplies an A tile (rows
+// of x: up to 16 rows x 32 bf16 columns) by a B tile (16 column pairs x 16 outputs x 2 bf16, the
+// "VNNI" layout: the two columns of a pair side by side) into a C tile of fp32 sums (the rows x
+// 16 outputs). The weight [n, k] is packed once (kvfleet_amx_pack) into those B tiles: blocks of
+// 16 outputs, each block its ceil(k / 32) tiles in k order, 1 KiB apiece, rows and columns past
+// n and k zero. It is cpu_matmul.cpp's bf16 layout ([n/16][k/2][16][2]) with k padded to a
+// whole tile, so a tile is 1 KiB read with a 64-byte stride.
+//
+// A product takes up to 32 rows of x (two A tiles) against two blocks (two B tiles) into four C
+// tiles (tmm0-3: C[r][b] = A[r] (tmm4+r) x B[b] (tmm6+b)); for each k tile in order it loads the
+// A and B tiles and issues one TDPBF16PS per C tile. The last k tile of an x whose k is no
+// multiple of 32 is read from a copy padded with zeros (a tile load reads 64 bytes per row: past
+// the row's end, the next row's values or memory past x). Rows past m are never loaded: the tile
+// configuration gives the A and C tiles the rows that are left.
+//
+// Sum order. Each output is the dot product of one row of x with one row of W. Its sums follow
+// from k alone: the k tiles in order, each a TDPBF16PS whose arithmetic on one output reads that
+// row of x and that output's weights only (the pseudo-code below); the rows that share its tile,
+// the thread that computes it, m and the thread count play no part, so outputs are bit-identical
+// across batch compositions and thread counts (as cpu_matmul.cpp's forms are). Zero padding adds
+// exact zeros to sums that start at +0, which leaves every sum as it was.
+//
+// What TDPBF16PS computes, per Intel's SDM (Vol. 2, TDPBF16PS "Operation"): for each output, two
+// fp32 sums start at zero, one over the even columns of the tile's 16 pairs and one over the odd
+// columns, each step a fused multiply-add (the bf16 x bf16 product is exact in fp32) rounded to
+// nearest even, input denormals treated as zero, output denormals flushed, MXCSR not consulted;
+// then the two are added and that added to the output's C element, rounded alike. Intel's
+// intrinsics guide gives an older pseudo-code for _tile_dpbf16ps: one sum per output, the even
+// and then the odd column of each pair added to it in k order, which is the order of
+// cpu_matmul.cpp's `fma` form. The two are both here as scalar models (below), so a test on an
+// AMX CPU can say which the hardware follows; the SDM's is the one the emulation build takes.
+//
+// Emulation. Every tile operation goes through the few inline functions of `tiles` below. In a
+// build with KVFLEET_AMX_EMULATE (a test makes one) they are plain C++ over 8 tile registers per
+// thread: the scalar model of the instructions, which runs on any CPU, so the layout, the loop
+// over tiles and the sum order are tested where there is no AMX; KVFLEET_AMX_EMULATE_SEQUENTIAL
+// takes the intrinsics guide's model instead. Otherwise they are the AMX intrinsics, in functions
+// compiled for AMX by a target attribute: the library builds with -march=native on any x86 CPU
+// (g++ 11 or later has the intrinsics), and kvfleet_amx_supported says 0 where the CPU lacks AMX.
+//
+// Permission. Linux gives a process the tile state (8 KiB of registers in every context switch)
+// only when it asks: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). The kernel asks once
+// per process (the permission is the process's, every thread has it), the first time it is asked
+// whether it computes; where Linux refuses, the form is unavailable and cpu_linear.py takes
+// another, so a tile instruction never runs without the state (it would raise SIGILL).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_amx.h"
+#include "cpu_kernels.h"
+
+#if !defined(KVFLEET_AMX_EMULATE)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+// the instruction sets a function that issues tile instructions or converts its sums needs
+#define KVFLEET_AMX_TARGET \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#else
+#define KVFLEET_AMX_TARGET
+#endif
+
+namespace {
+
+constexpr int kTilesCode = 3;   // kvfleet_amx_*'s dtype for bf16 on tiles
+constexpr int kLanes = 16;      // outputs per block: the fp32 columns of a C tile
+constexpr int kTileK = 32;      // bf16 columns per k tile: an A tile row, a B tile's 16 pairs
+constexpr int kTileRows = 16;   // rows of x per A tile
+constexpr int kRowBytes = 64;   // bytes per tile row
+constexpr int64_t kTileElems = kTileK * kLanes;  // bf16 elements of one B tile
+
+int64_t k_tiles(int64_t k) { return (k + kTileK - 1) / kTileK; }
+
+// LDTILECFG's 64-byte operand (palette 1): each tile's rows and bytes per row.
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// The tile registers' roles, fixed: C[r][b] = tmm(2r + b), A[r] = tmm(4 + r), B[b] = tmm(6 + b).
+// A configuration for r0 rows in the first A tile and r1 (0-16) in the second.
+TileConfig config_for(int r0, int r1) {
+    TileConfig config;
+    const int rows[8] = {r0, r0, r1, r1, r0, r1, kTileRows, kTileRows};
+    for (int t = 0; t < 8; ++t) {
+        config.rows[t] = static_cast<uint8_t>(rows[t]);
+        config.colsb[t] = rows[t] ? kRowBytes : 0;  // an unused tile: 0 rows and 0 bytes
+    }
+    return config;
+}
+
+#if defined(KVFLEET_AMX_EMULATE)
+namespace tiles {  // the scalar model of the tile instructions
+
+struct Tile {
+    int rows = 0, colsb = 0;
+    uint8_t data[kTileRows][kRowBytes] = {};
+};
+thread_local Tile reg[8];  // tile state is per thread, as the hardware's is
+
+float as_float(uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+float bf16(const uint8_t* at) {  // make_fp32: the bf16 bits as the high half of an fp32
+    uint16_t h;
+    std::memcpy(&h, at, 2);
+    return as_float(static_cast<uint32_t>(h) << 16);
+}
+float fp32(const uint8_t* at) {
+    float f;
+    std::memcpy(&f, at, 4);
+    return f;
+}
+// denormals as zero (DAZ on inputs, FTZ on results), the sign kept
+float flush(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.f, v) : v; }
+// one accumulation step of TDPBF16PS: the exact product added with one rounding (an FMA)
+float fma_step(float a, float b, float acc) { return flush(std::fma(flush(a), flush(b), flush(acc))); }
+[[maybe_unused]] float add_step(float a, float b) { return flush(flush(a) + flush(b)); }
+
+inline void configure(const TileConfig& config) {
+    for (int t = 0; t < 8; ++t) {
+        reg[t] = Tile{};
+        reg[t].rows = config.rows[t];
+        reg[t].colsb = config.colsb[t];
+    }
+}
+inline void release() {}
+inline void load(int t, const void* base, int64_t stride) {
+    for (int r = 0; r < reg[t].rows; ++r)
+        std::memcpy(reg[t].data[r], static_cast<const uint8_t*>(base) + r * stride, reg[t].colsb);
+}
+inline void zero(int t) { std::memset(reg[t].data, 0, sizeof(reg[t].data)); }
+inline void store(int t, void* base, int64_t stride) {
+    for (int r = 0; r < reg[t].rows; ++r)
+        std::memcpy(static_cast<uint8_t*>(base) + r * stride, reg[t].data[r], reg[t].colsb);
+}
+// TDPBF16PS tmm(c), tmm(a), tmm(b)
+inline void dpbf16ps(int c, int a, int b) {
+    Tile &dst = reg[c], &src1 = reg[a], &src2 = reg[b];
+    const int pairs = src1.colsb / 4, outputs = dst.colsb / 4;
+    for (int m = 0; m < dst.rows; ++m)
+        for (int n = 0; n < outputs; ++n) {
+            const uint8_t* x = src1.data[m];
+            float out = fp32(dst.data[m] + 4 * n);
+#if defined(KVFLEET_AMX_EMULATE_SEQUENTIAL)
+            // the intrinsics guide: the even then the odd product of each pair added in k order
+            for (int k = 0; k < pairs; ++k) {
+                out = fma_step(bf16(x + 4 * k), bf16(src2.data[k] + 4 * n), out);
+                out = fma_step(bf16(x + 4 * k + 2), bf16(src2.data[k] + 4 * n + 2), out);
+            }
+#else
+            // the SDM: even and odd products summed apart from zero, then together into C
+            float even = 0.f, odd = 0.f;
+            for (int k = 0; k < pairs; ++k) {
+                even = fma_step(bf16(x + 4 * k), bf16(src2.data[k] + 4 * n), even);
+                odd = fma_step(bf16(x + 4 * k + 2), bf16(src2.data[k] + 4 * n + 2), odd);
+            }
+            out = add_step(out, add_step(even, odd));
+#endif
+            std::memcpy(dst.data[m] + 4 * n, &out, 4);
+        }
+}
+
+}  // namespace tiles
+
+// The kernel's tile operations, by role (the registers above).
+template <int R> inline void load_a(const uint16_t* at, int64_t stride) { tiles::load(4 + R, at, stride); }
+template <int B> inline void load_b(const uint16_t* at) { tiles::load(6 + B, at, kRowBytes); }
+template <int R, int B> inline void zero_c() { tiles::zero(2 * R + B); }
+template <int R, int B> inline void dot_c() { tiles::dpbf16ps(2 * R + B, 4 + R, 6 + B); }
+template <int R, int B> inline void store_c(float* at) { tiles::store(2 * R + B, at, kRowBytes); }
+inline void configure(const TileConfig& config) { tiles::configure(config); }
+inline void release() { tiles::release(); }
+
+#else
+// The intrinsics paste the register's number into the instruction's text, so each role is
+// spelled out per register. Their asm names only the address of what a tile load reads: a
+// compiler barrier first, so that the bytes written just before (the padded copy, the
+// configuration) are in memory when the instruction reads them.
+inline void barrier() { asm volatile("" ::: "memory"); }
+
+template <int R> KVFLEET_AMX_TARGET inline void load_a(const uint16_t* at, int64_t stride) {
+    barrier();
+    if constexpr (R == 0) _tile_loadd(4, at, stride);
+    else _tile_loadd(5, at, stride);
+}
+template <int B> KVFLEET_AMX_TARGET inline void load_b(const uint16_t* at) {
+    if constexpr (B == 0) _tile_loadd(6, at, kRowBytes);
+    else _tile_loadd(7, at, kRowBytes);
+}
+template <int R, int B> KVFLEET_AMX_TARGET inline void zero_c() {
+    if constexpr (R == 0 && B == 0) _tile_zero(0);
+    else if constexpr (R == 0) _tile_zero(1);
+    else if constexpr (B == 0) _tile_zero(2);
+    else _tile_zero(3);
+}
+template <int R, int B> KVFLEET_AMX_TARGET inline void dot_c() {
+    if constexpr (R == 0 && B == 0) _tile_dpbf16ps(0, 4, 6);
+    else if constexpr (R == 0) _tile_dpbf16ps(1, 4, 7);
+    else if constexpr (B == 0) _tile_dpbf16ps(2, 5, 6);
+    else _tile_dpbf16ps(3, 5, 7);
+}
+template <int R, int B> KVFLEET_AMX_TARGET inline void store_c(float* at) {
+    if constexpr (R == 0 && B == 0) _tile_stored(0, at, kRowBytes);
+    else if constexpr (R == 0) _tile_stored(1, at, kRowBytes);
+    else if constexpr (B == 0) _tile_stored(2, at, kRowBytes);
+    else _tile_stored(3, at, kRowBytes);
+}
+KVFLEET_AMX_TARGET inline void configure(const TileConfig& config) {
+    barrier();
+    _tile_loadconfig(&config);
+}
+KVFLEET_AMX_TARGET inline void release() { _tile_release(); }
+
+// The CPU has the instructions (CPUID leaf 7) and Linux gave this process the tile state.
+bool tiles_granted() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx = (d >> 24 & 1) && (d >> 22 & 1);                 // AMX-TILE, AMX-BF16
+    const bool avx512 = (b >> 16 & 1) && (b >> 30 & 1) && (b >> 31 & 1);  // F, BW, VL
+    unsigned a1 = 0, b1, c1, d1;
+    const bool bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 >> 5 & 1);  // AVX512-BF16
+    if (!amx || !avx512 || !bf16) return false;
+    constexpr long kGetPermission = 0x1022, kRequestPermission = 0x1023, kTileData = 18;
+    if (syscall(SYS_arch_prctl, kRequestPermission, kTileData) != 0) return false;
+    unsigned long granted = 0;
+    return syscall(SYS_arch_prctl, kGetPermission, &granted) == 0 && (granted >> kTileData & 1);
+}
+#endif
+
+// The store of `rows` rows of one C tile's sums (fp32, 16 per row, 64 bytes apart) as bf16, bias
+// added in fp32: the lanes past n are left alone. The conversion is VCVTNEPS2BF16's: round to
+// nearest even, denormal inputs as zero (what cpu_matmul.cpp's AVX-512 forms store with).
+#if defined(KVFLEET_AMX_EMULATE)
+uint16_t to_bf16(float v) {
+    uint32_t bits;
+    v = tiles::flush(v);
+    std::memcpy(&bits, &v, 4);
+    if (v != v) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN: quieted, sign kept
+    return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+void store_rows(const float* sums, int rows, const float* bias, int valid, uint16_t* y,
+                int64_t y_stride) {
+    for (int r = 0; r < rows; ++r)
+        for (int lane = 0; lane < valid; ++lane)
+            y[r * y_stride + lane] = to_bf16(sums[r * kLanes + lane] + (bias ? bias[lane] : 0.f));
+}
+#else
+KVFLEET_AMX_TARGET void store_rows(const float* sums, int rows, const float* bias, int valid,
+                                   uint16_t* y, int64_t y_stride) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + r * kLanes), b);
+        _mm256_mask_storeu_epi16(y + r * y_stride, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+#endif
+
+struct Job {
+    const uint16_t* x;
+    int64_t m, k, x_stride;
+    const uint16_t* w;  // packed
+    int64_t n;
+    const float* bias;  // n floats, or null
+    uint16_t* y;
+    int64_t y_stride;
+};
+
+// x's rows [row, row + rows) (1-32; two A tiles where TwoA) against blocks [block, block + 1 or
+// 2] (TwoB); `tail`: the last k tile's columns of those rows padded with zeros (32 x 32), or null
+// where k is a multiple of 32.
+template <bool TwoA, bool TwoB>
+KVFLEET_AMX_TARGET void tile_product(const Job& j, int64_t row, int rows, int64_t block,
+                                     const uint16_t* tail) {
+    const int64_t tiles_k = k_tiles(j.k);
+    const uint16_t* w0 = j.w + block * tiles_k * kTileElems;
+    const uint16_t* w1 = w0 + tiles_k * kTileElems;
+    zero_c<0, 0>();
+    if constexpr (TwoB) zero_c<0, 1>();
+    if constexpr (TwoA) zero_c<1, 0>();
+    if constexpr (TwoA && TwoB) zero_c<1, 1>();
+    for (int64_t t = 0; t < tiles_k; ++t) {
+        const bool padded = tail && t == tiles_k - 1;
+        const uint16_t* a = padded ? tail : j.x + row * j.x_stride + t * kTileK;
+        const int64_t stride = padded ? kTileK : j.x_stride;  // elements between rows
+        load_a<0>(a, stride * 2);
+        if constexpr (TwoA) load_a<1>(a + kTileRows * stride, stride * 2);
+        load_b<0>(w0 + t * kTileElems);
+        if constexpr (TwoB) load_b<1>(w1 + t * kTileElems);
+        dot_c<0, 0>();
+        if constexpr (TwoB) dot_c<0, 1>();
+        if constexpr (TwoA) dot_c<1, 0>();
+        if constexpr (TwoA && TwoB) dot_c<1, 1>();
+    }
+    alignas(64) float sums[2][2][kTileRows * kLanes];
+    store_c<0, 0>(sums[0][0]);
+    if constexpr (TwoB) store_c<0, 1>(sums[0][1]);
+    if constexpr (TwoA) store_c<1, 0>(sums[1][0]);
+    if constexpr (TwoA && TwoB) store_c<1, 1>(sums[1][1]);
+    const int r0 = rows < kTileRows ? rows : kTileRows;
+    for (int b = 0; b < (TwoB ? 2 : 1); ++b) {
+        const int64_t col = (block + b) * kLanes;
+        const int valid = static_cast<int>(j.n - col < kLanes ? j.n - col : kLanes);
+        const float* bias = j.bias ? j.bias + col : nullptr;
+        uint16_t* y = j.y + row * j.y_stride + col;
+        store_rows(sums[0][b], r0, bias, valid, y, j.y_stride);
+        if (TwoA) store_rows(sums[1][b], rows - r0, bias, valid, y + kTileRows * j.y_stride, j.y_stride);
+    }
+}
+
+// every row of x against blocks [block, end), 32 rows at a time, on this thread's tiles
+KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t block, int64_t end) {
+    const int64_t tiles_k = k_tiles(j.k), tail_cols = j.k - (tiles_k - 1) * kTileK;
+    alignas(64) uint16_t tail[2 * kTileRows * kTileK];
+    for (int64_t row = 0; row < j.m; row += 2 * kTileRows) {
+        const int rows = static_cast<int>(j.m - row < 2 * kTileRows ? j.m - row : 2 * kTileRows);
+        const int r0 = rows < kTileRows ? rows : kTileRows;
+        configure(config_for(r0, rows - r0));
+        const uint16_t* padded = nullptr;
+        if (tail_cols < kTileK) {
+            std::memset(tail, 0, sizeof(tail));
+            for (int r = 0; r < rows; ++r)
+                std::memcpy(tail + r * kTileK, j.x + (row + r) * j.x_stride + (tiles_k - 1) * kTileK,
+                            tail_cols * 2);
+            padded = tail;
+        }
+        for (int64_t b = block; b < end; b += 2) {
+            const bool two_b = b + 1 < end;
+            if (rows > kTileRows)
+                two_b ? tile_product<true, true>(j, row, rows, b, padded)
+                      : tile_product<true, false>(j, row, rows, b, padded);
+            else
+                two_b ? tile_product<false, true>(j, row, rows, b, padded)
+                      : tile_product<false, false>(j, row, rows, b, padded);
+        }
+    }
+    release();  // the tile state back to its init state: no 8 KiB saved at every switch
+}
+
+void product(const Job& j, int threads) {
+    const int64_t num_blocks = (j.n + kLanes - 1) / kLanes;
+    // Threads take chunks of blocks as they finish the last (about 8 per thread, an even number
+    // of blocks each: whole pairs of B tiles), as cpu_matmul.cpp's do; the split decides which
+    // thread computes an output, never how it is summed.
+    const int64_t target = (num_blocks + 8 * threads - 1) / (8 * threads);
+    const int64_t size = (target + 1) / 2 * 2;
+    const int64_t num_chunks = (num_blocks + size - 1) / size;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t block = c * size;
+        chunk(j, block, block + size < num_blocks ? block + size : num_blocks);
+    }
+}
+
+}  // namespace
+
+extern "C" {  // the arguments of each: cpu_amx.h
+
+int kvfleet_amx_supported(int dtype) {
+    if (dtype != kTilesCode) return 0;
+#if defined(KVFLEET_AMX_EMULATE)
+    return 2;
+#else
+    static const bool granted = tiles_granted();  // asked once per process
+    return granted ? 1 : 0;
+#endif
+}
+
+int kvfleet_amx_pack(int dtype, const void* w, int64_t n, int64_t k, void* out, int threads) {
+    if (dtype != kTilesCode) return -1;
+    const uint16_t* from = static_cast<const uint16_t*>(w);
+    uint16_t* to = static_cast<uint16_t*>(out);
+    const int64_t pairs = k_tiles(k) * kTileK / 2, num_blocks = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < num_blocks; ++block)
+        for (int64_t q = 0; q < pairs; ++q)
+            for (int lane = 0; lane < kLanes; ++lane)
+                for (int h = 0; h < 2; ++h) {
+                    const int64_t row = block * kLanes + lane, col = 2 * q + h;
+                    to[((block * pairs + q) * kLanes + lane) * 2 + h] =
+                        row < n && col < k ? from[row * k + col] : uint16_t(0);
+                }
+    return 0;
+}
+
+int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                       const void* packed, int64_t n, const float* bias, void* y,
+                       int64_t y_stride, int threads) {
+    if (!kvfleet_amx_supported(dtype)) return -1;
+    if (m <= 0 || n <= 0) return 0;
+    product(Job{static_cast<const uint16_t*>(x), m, k, x_stride,
+                static_cast<const uint16_t*>(packed), n, bias, static_cast<uint16_t*>(y),
+                y_stride},
+            threads);
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,27 @@
+// The C interface of kvfleet's linear product on AMX tiles (cpu_amx.cpp). These declarations are
+// the one source of its types: cpu_amx.cpp includes them (the compiler refuses a definition that
+// differs), and kernel_binding.py reads them to type the ctypes binding.
+#pragma once
+#include <cstdint>
+
+extern "C" {
+
+// `dtype` 3 (bf16 on tiles, cpu_linear.py's BF16_FORM_CODES["amx"]): 1 where this process
+// computes it on AMX tiles (the CPU has AMX-TILE, AMX-BF16 and AVX512-BF16, and Linux granted
+// the tile state), 2 in an emulation build (KVFLEET_AMX_EMULATE: a scalar model of the tile
+// instructions computes), else 0; 0 for any other dtype.
+int kvfleet_amx_supported(int dtype);
+
+// w [n, k] bf16 row-major -> out: [n/16][k/32][16][16][2], the B tiles of each block of 16
+// outputs in k order (a tile: 16 column pairs x 16 outputs x 2), rows past n and columns past k
+// zero (16 * ceil(n / 16) * 32 * ceil(k / 32) elements). Returns 0, -1 for another dtype.
+int kvfleet_amx_pack(int dtype, const void* w, int64_t n, int64_t k, void* out, int threads);
+
+// y[i, :n] = x[i, :k] W^T (+ bias) for i < m, bf16 in and out, fp32 sums; x and y rows
+// `x_stride` / `y_stride` elements apart; bias n floats or null. Returns 0, -1 where this
+// process cannot compute `dtype` (kvfleet_amx_supported is 0).
+int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                       const void* packed, int64_t n, const float* bias, void* y,
+                       int64_t y_stride, int threads);
+
+}  // extern "C"
