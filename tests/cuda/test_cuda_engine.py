@@ -88,7 +88,7 @@ def test_speculative_steps_replay_their_bucket_graphs_with_plain_decodings_answe
     assert {key[1] for key in engine.runner.decode_graphs.graphs} == {0, 1, 2, 4}
     assert engine.generate(prompts, greedy(20)) == expected
     assert engine.stats().num_cuda_graph_steps > 0
-    assert engine.speculator.stats.num_accepted_tokens > 0
+    assert engine.speculation.speculator.stats.num_accepted_tokens > 0
 
 
 def test_tiny_bf16_greedy_agrees_with_hf_generate_on_cuda(saved_tiny, gpu):

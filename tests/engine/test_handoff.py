@@ -125,7 +125,7 @@ def rows(values: torch.Tensor, num_positions: int) -> torch.Tensor:
 
 def assert_blocks_arrived(engine: Engine, state: SequenceState, draft: bool = False) -> None:
     """The engine's pool holds the state's KV in the sequence's blocks, bit for bit."""
-    pool = engine.draft_pool if draft else engine.pool
+    pool = engine.speculation.pool if draft else engine.pool
     num = state.draft_num_computed_tokens if draft else state.num_computed_tokens
     values, scales = ((state.draft_values, state.draft_scales) if draft
                       else (state.values, state.scales))
@@ -346,7 +346,7 @@ def test_with_ngram_speculation(wide_llama):
     move(a, b, "x")
     got.finish(a, b)
     assert got.of("x") == want.of("x")
-    assert b.speculator.stats.num_drafts > 0
+    assert b.speculation.speculator.stats.num_drafts > 0
 
 
 def test_with_a_draft_model_its_blocks_move_too(wide_llama):
@@ -364,10 +364,10 @@ def test_with_a_draft_model_its_blocks_move_too(wide_llama):
     assert state.draft_values is not None and state.draft_num_computed_tokens > 0
     got.step(b)  # swapped in, one plain decode: the draft's blocks untouched yet
     assert_blocks_arrived(b, state, draft=True)
-    assert b.speculator.draft._computed["x"] == state.draft_num_computed_tokens
+    assert b.speculation.draft.computed_of(b._seqs["x"]) == state.draft_num_computed_tokens
     got.finish(a, b)
     assert got.of("x") == want.of("x")
-    assert b.speculator.stats.num_accepted_tokens > 0
+    assert b.speculation.speculator.stats.num_accepted_tokens > 0
 
 
 # ---- the wire and what an engine refuses ---------------------------------------------------------

@@ -276,7 +276,7 @@ def test_speculation_with_an_adapter_gives_its_plain_answer(adapters):
     produced = run_to_completion(engine)
     for i, (name, prompt, n) in enumerate(work):
         assert produced[f"r{i}"] == adapters.reference(name, prompt, n), f"r{i} ({name})"
-    assert engine.speculator.stats.num_drafts > 0
+    assert engine.speculation.speculator.stats.num_drafts > 0
 
 
 def test_a_resumed_request_continues_under_its_adapter(adapters):

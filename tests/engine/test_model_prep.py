@@ -82,10 +82,10 @@ def test_a_draft_model_goes_through_the_same_preparation(tiny):
     engine = Engine(copy.deepcopy(tiny.model),
                     EngineConfig(device="cpu", dtype="float32", num_blocks=64, block_size=4),
                     draft_model=draft)
-    assert engine.draft.num_fused_layers == engine.prepared.num_fused_layers // 2 == 1
-    assert type(engine.draft.module.model.layers[0]) is FusedDecoderLayer
+    assert engine.speculation.prepared.num_fused_layers == engine.prepared.num_fused_layers // 2 == 1
+    assert type(engine.speculation.prepared.module.model.layers[0]) is FusedDecoderLayer
     assert [type(m) for m in draft.modules()] == layer_types
-    assert (engine.draft.module.model.embed_tokens.weight.data_ptr()
+    assert (engine.speculation.prepared.module.model.embed_tokens.weight.data_ptr()
             == draft.model.embed_tokens.weight.data_ptr())
 
 

@@ -132,7 +132,7 @@ def test_answers_are_those_of_plain_decoding(wide_llama, small_draft, plain, dty
     got = run(engine, requests())
     for i, want in plain[dtype].items():
         assert got[i] == want, f"request {i} differs with {name} speculation at {dtype}"
-    stats = engine.speculator.stats
+    stats = engine.speculation.speculator.stats
     assert stats.num_drafts > 0, stats
     if name != "small draft":  # an unrelated random draft is (almost) never right: rollbacks
         assert stats.num_accepted_tokens > 0, stats
@@ -180,7 +180,7 @@ def test_float32_greedy_equals_transformers_generate(tiny_llama, small_draft, na
     produced = run_to_completion(engine)
     for i, prompt in enumerate(prompts):
         assert produced[f"g{i}"] == tiny_llama.reference(prompt, 48), f"prompt {i}"
-    assert engine.speculator.stats.num_drafts > 0
+    assert engine.speculation.speculator.stats.num_drafts > 0
 
 
 def test_speculation_never_preempts_and_frees_rejected_slots(wide_llama, small_draft):
@@ -299,7 +299,7 @@ def test_without_deterministic_numerics_verified_rows_take_another_kernel(wide_l
             spy = KernelRows(engine, patch)
             got = run(engine, requests())
         label = f"deterministic={deterministic}, prefill {prefill_path}"
-        stats = engine.speculator.stats
+        stats = engine.speculation.speculator.stats
         total = sum(len(step["verified"]) for step in spy.steps)
         # every verified chunk was seen (its last known token and its proposals), many of them
         assert total == stats.num_drafts + stats.num_draft_tokens > 10 * len(requests()), stats

@@ -22,6 +22,6 @@ def test_verified_proposals_on_two_ranks_equal_hf_generate():
         prompts = [random_prompt(5, seed=60) * 3, random_prompt(4, seed=61) * 4]
         produced = serve(engine, prompts, [24, 24])
         assert [produced["r0"], produced["r1"]] == [tiny.reference(p, 24) for p in prompts]
-        assert engine.speculator.stats.num_drafts > 0
+        assert engine.speculation.speculator.stats.num_drafts > 0
     finally:
         engine.close()

@@ -124,5 +124,5 @@ def test_verified_proposals_on_the_triton_kernel_equal_hf_generate(tiny_llama):
     assert any(bucket == (4, 4) and len(drafts) == 3 for bucket, drafts in steps)  # a padding stream
     assert any(min(drafts) < bucket[1] for bucket, drafts in steps)  # padding proposal rows
     assert all(bucket is not None for bucket, _ in steps)
-    stats = engine.speculator.stats
+    stats = engine.speculation.speculator.stats
     assert stats.num_accepted_tokens > 0 and max(stats.accepted_per_position[1:]) > 0

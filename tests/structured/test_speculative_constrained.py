@@ -36,7 +36,7 @@ def test_constrained_answers_are_those_of_plain_decoding(make_engine, tokenizer,
     speculative = make_engine(speculative_config=spec)
     got = submit(speculative)
     assert got == plain
-    stats = speculative.speculator.stats
+    stats = speculative.speculation.speculator.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
     text = tokenizer.decode(got["r0-0"], skip_special_tokens=True)
     assert text.startswith("abc abc abc abc abc abc ")
@@ -59,6 +59,6 @@ def test_a_stop_string_inside_a_verified_step_ends_the_answer_there(make_engine,
     plain = answers(make_engine())
     speculative = make_engine(speculative_config=SPEC)
     assert answers(speculative) == plain
-    assert speculative.speculator.stats.num_accepted_tokens > 0
+    assert speculative.speculation.speculator.stats.num_accepted_tokens > 0
     assert tokenizer.decode(plain["s1"]).endswith("abc abc abc abc abc")
     assert len(plain["s2"]) == 9

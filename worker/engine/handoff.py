@@ -161,25 +161,21 @@ def check_layout(state: SequenceState, layout: dict) -> None:
                            f"engine's: {ours})")
 
 
-def host_blocks(state: SequenceState, pool: KVCachePool,
-                draft_pool: KVCachePool | None) -> tuple[HostBlocks, HostBlocks | None]:
-    """The state's host copies (main pool, draft pool or None), checked against the pools they
-    go into: the blocks of exactly its computed positions, in the pools' formats."""
+def host_blocks(state: SequenceState, pool: KVCachePool) -> HostBlocks:
+    """The state's host copy of its blocks, checked against the pool it goes into: the blocks of
+    exactly its computed positions, in the pool's format (a draft model's: speculation/)."""
     num_tokens = state.num_tokens
     if not 0 < state.num_computed_tokens < num_tokens:
         raise HandoffError(f"handoff of {state.req_id!r}: {state.num_computed_tokens} computed "
                            f"of {num_tokens} tokens (a sequence with KV and a token to compute)")
-    host = _host_blocks(state, "values", "scales", state.num_computed_tokens, pool)
-    if state.draft_values is None and state.draft_scales is None:
-        return host, None
-    if draft_pool is None or not 0 < state.draft_num_computed_tokens <= state.num_computed_tokens:
+    if state.layout.get("draft") is None and not (state.draft_values is None
+                                                  and state.draft_scales is None):
         raise HandoffError(f"handoff of {state.req_id!r}: draft KV of "
                            f"{state.draft_num_computed_tokens} positions does not fit here")
-    return host, _host_blocks(state, "draft_values", "draft_scales",
-                              state.draft_num_computed_tokens, draft_pool)
+    return state_blocks(state, "values", "scales", state.num_computed_tokens, pool)
 
 
-def _host_blocks(state: SequenceState, values_name: str, scales_name: str, num_tokens: int,
+def state_blocks(state: SequenceState, values_name: str, scales_name: str, num_tokens: int,
                  pool: KVCachePool) -> HostBlocks:
     values, scales = getattr(state, values_name), getattr(state, scales_name)
     layout, block_size = pool.layout, pool.block_size

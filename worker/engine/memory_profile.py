@@ -46,10 +46,9 @@ def largest_step(max_batched_tokens: int, max_running: int, block_size: int,
             chunks.append(ScheduledChunk(seq, 0, length, table, emits_token=True))
         else:  # a stream verifying proposals: its last token, then the proposals
             seq = Sequence(f"profile-{i}", [0], params)
-            chunk = ScheduledChunk(seq, 0, per_stream, table, emits_token=True,
-                                   lookahead=num_speculative_tokens)
-            chunk.set_draft([0] * num_speculative_tokens)
-            chunks.append(chunk)
+            chunks.append(ScheduledChunk(seq, 0, 1 + num_speculative_tokens, table,
+                                         emits_token=True, lookahead=num_speculative_tokens,
+                                         draft=[0] * num_speculative_tokens))
     return SchedulerOutput(chunks=chunks)
 
 

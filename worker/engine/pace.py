@@ -391,6 +391,10 @@ class Pace:
                 self.margin.observe((gap + seconds) / predicted)
         self.model.observe(work, seconds)
 
+    def forget_last_step(self) -> None:
+        """The next step's gap from the last one is not the loop's (a warm-up ran between)."""
+        self._last_end = None
+
     def admitted(self, seq) -> None:
         """A new stream joined: its prompt length feeds the guess of the next one's."""
         self._prompt_tokens = 0.9 * self._prompt_tokens + 0.1 * seq.num_prompt_tokens
@@ -469,6 +473,6 @@ def warm_up(engine, seed: int = 0) -> float:
             engine.step()
     scheduler.num_generated_tokens, scheduler.num_prefill_tokens_computed = counters
     scheduler.pace = paced
-    engine.pace._last_end = None
+    engine.pace.forget_last_step()
     engine.pace.model.keep_as_prior()
     return time.perf_counter() - started

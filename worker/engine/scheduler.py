@@ -36,7 +36,8 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass, field, replace
 
 from shared.pace import StepFeatures
 from shared.wire import RequestStatus, TokenLogprob
@@ -49,7 +50,25 @@ from worker.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
+class Attachments:
+    """What the engine's features attach to a step's chunks before its output is built
+    (lifecycle.py, `Feature.attach`): speculation's proposals for the chunks that reserved
+    slots, LoRA's device slot of each chunk's adapter and the adapters put in slots for it."""
+
+    proposals: dict[str, list[int]] = field(default_factory=dict)  # req_id -> proposed tokens
+    lora_slots: dict[str, int] = field(default_factory=dict)  # req_id -> its adapter's slot
+    lora_loads: tuple[tuple[int, str, str], ...] = ()  # (slot, adapter name, path)
+
+    def merged(self, other: Attachments | None) -> Attachments:
+        if other is None:
+            return self
+        return Attachments({**self.proposals, **other.proposals},
+                           {**self.lora_slots, **other.lora_slots},
+                           self.lora_loads + other.lora_loads)
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """Positions `[start, start + num_tokens)` of `seq` are computed this step."""
 
@@ -59,10 +78,10 @@ class ScheduledChunk:
     block_table: list[int]  # the sequence's blocks, covering at least start + num_tokens positions
     emits_token: bool = False  # the chunk reaches the last known token: its logits give the next
     # speculation: slots reserved past the last known token, and the proposals that fill them
-    # (set before the forward, at most `lookahead`; `num_tokens` is then 1 + len(draft))
+    # (at most `lookahead`; `num_tokens` is then 1 + len(draft))
     lookahead: int = 0
     draft: list[int] = field(default_factory=list)
-    lora_slot: int = -1  # the device slot of its adapter (set before the forward); -1: base
+    lora_slot: int = -1  # the device slot of its adapter; -1: base
 
     @property
     def end(self) -> int:
@@ -78,10 +97,15 @@ class ScheduledChunk:
         """Logits rows the chunk needs: the last known token's and one per proposal."""
         return 1 + len(self.draft) if self.emits_token else 0
 
-    def set_draft(self, token_ids: list[int]) -> None:
-        """Fill the reserved slots with proposals (fewer leave slots unused this step)."""
-        self.draft = list(token_ids[:self.lookahead])
-        self.num_tokens = 1 + len(self.draft)
+    def attached(self, extras: Attachments) -> ScheduledChunk:
+        """The chunk as it runs: its reserved slots filled with its proposals (fewer leave
+        slots unused this step), its adapter's slot."""
+        req_id = self.seq.req_id
+        slot = extras.lora_slots.get(req_id, -1)
+        if not self.lookahead:
+            return self if slot < 0 else replace(self, lora_slot=slot)
+        draft = list(extras.proposals.get(req_id, [])[:self.lookahead])
+        return replace(self, num_tokens=1 + len(draft), draft=draft, lora_slot=slot)
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int, block_table: list[int]) -> ScheduledChunk:
@@ -93,19 +117,30 @@ class ScheduledChunk:
 
 
 @dataclass
+class _Scheduling:
+    """A step's work while the scheduler forms it (`Scheduler.schedule` builds the output)."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's work. Decoding chunks (1 token) and prefill chunks, in scheduling order.
+    """One step's work, built once and not changed after. Decoding chunks (1 token) and prefill
+    chunks, in scheduling order, with what the features attached (`Attachments`).
 
     Before the forward, the engine copies `swap_out` blocks to host memory (they were freed this
     step and may be written by it), then `swap_in` host copies into their new blocks.
     """
 
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted_req_ids: list[str] = field(default_factory=list)
-    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (req_id, its blocks)
-    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # (req_id, new blocks)
-    # (slot, adapter name, path): adapters put in slots for this step (set before the forward)
-    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)
+    chunks: Sequence_[ScheduledChunk] = ()
+    preempted_req_ids: Sequence_[str] = ()
+    swap_out: Sequence_[tuple[str, list[int]]] = ()  # (req_id, its blocks)
+    swap_in: Sequence_[tuple[str, list[int]]] = ()  # (req_id, new blocks)
+    # (slot, adapter name, path): adapters put in slots for this step
+    lora_loads: Sequence_[tuple[int, str, str]] = ()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -212,16 +247,21 @@ class Scheduler:
         """Running sequences whose next step is a decode (speculation proposes for these)."""
         return [s for s in self.running if s.num_uncomputed_tokens == 1]
 
-    def schedule(self, lookahead: dict[str, int] | None = None) -> SchedulerOutput:
-        """The next step; `lookahead`: req_id -> proposal slots a decoding sequence asks for."""
-        out = SchedulerOutput()
+    def schedule(self, lookahead: dict[str, int] | None = None,
+                 attach: Callable[[list[ScheduledChunk]], Attachments] | None = None
+                 ) -> SchedulerOutput:
+        """The next step; `lookahead`: req_id -> proposal slots a decoding sequence asks for;
+        `attach`: what the engine's features attach to the chunks before the output is built."""
+        out = _Scheduling()
         step = None if self.pace is None else self.pace.budget(self.running)
         budget = self._schedule_running(out, self.max_batched_tokens, lookahead or {}, step)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget, step)
-        return out
+        extras = Attachments() if attach is None else attach(out.chunks)
+        return SchedulerOutput([c.attached(extras) for c in out.chunks], out.preempted_req_ids,
+                               out.swap_out, out.swap_in, extras.lora_loads)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int,
+    def _schedule_running(self, out: _Scheduling, budget: int,
                           lookahead: dict[str, int], step: StepBudget | None) -> int:
         decodes_behind = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         i = 0
@@ -260,7 +300,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _reserve_lookahead(self, seq: Sequence, extra: int, out: SchedulerOutput) -> bool:
+    def _reserve_lookahead(self, seq: Sequence, extra: int, out: _Scheduling) -> bool:
         """Schedule `seq`'s decode with `extra` proposal slots, if free blocks hold them and
         still leave a block for every running stream (and the watermark): the others' next
         tokens come before anyone's proposals."""
@@ -278,7 +318,7 @@ class Scheduler:
         out.chunks.append(chunk)
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: _Scheduling) -> None:
         bm = self.block_manager
         # the blocks covering the computed tokens: all the sequence holds outside a step
         table = list(bm.block_table(seq.req_id)[:bm.blocks_for_tokens(seq.num_computed_tokens)])
@@ -306,7 +346,7 @@ class Scheduler:
         to_recompute = max(seq.num_computed_tokens - shared * self.block_manager.block_size, 0)
         return self.preemption.choose(len(table), to_recompute, self.swap_space.can_hold(len(table)))
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int,
+    def _schedule_waiting(self, out: _Scheduling, budget: int,
                           step: StepBudget | None) -> None:
         adapters = {s.lora.name for s in self.running if s.lora is not None}
         adapter_blocked = False  # an earlier adapter request waits: later ones wait behind it
@@ -332,7 +372,7 @@ class Scheduler:
         return self.adapter_ready(seq.req_id) and (
             seq.lora.name in adapters or len(adapters) < self.max_loras)
 
-    def _admit(self, index: int, out: SchedulerOutput, budget: int,
+    def _admit(self, index: int, out: _Scheduling, budget: int,
                step: StepBudget | None) -> bool:
         """Admit waiting sequence `index` (not swapped out) with its first chunk, if its whole
         known sequence fits (and, under a pace, some of its prompt fits the step's time)."""
@@ -368,7 +408,7 @@ class Scheduler:
         out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
         return True
 
-    def _swap_in(self, index: int, out: SchedulerOutput, budget: int,
+    def _swap_in(self, index: int, out: _Scheduling, budget: int,
                  step: StepBudget | None) -> bool:
         """Readmit swapped-out waiting sequence `index` into fresh blocks, if its whole KV fits
         (under a pace, its copy-in counts in the step's time)."""

@@ -1,30 +1,44 @@
 """Host copies of swapped-out streams' KV blocks: the engine's side of `--preemption swap`, and
-where a stream handed over by another engine waits for blocks (handoff.py)."""
+where a stream handed over by another engine waits for blocks (moves.py); and `Swapping`, their
+part of the engine's step lifecycle (lifecycle.py)."""
 
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 
 from worker.engine.device import is_cuda
 from worker.engine.kv_cache import HostBlocks, KVCachePool
+from worker.engine.lifecycle import Feature, Samples
+from worker.engine.model_runner import StepLogits
 from worker.engine.preemption import PreemptionCostModel
 from worker.engine.scheduler import SchedulerOutput
+from worker.engine.sequence import Sequence
+
+
+class SwapFollower(Protocol):
+    """A second pool whose KV follows the same block ids (a draft model's, speculation/draft.py):
+    host copies it holds go into a stream's new blocks with the stream's own."""
+
+    def swap_in(self, req_id: str, blocks: list[int]) -> int: ...
+
+    def discard(self, req_id: str) -> None: ...
+
+    @property
+    def num_held_bytes(self) -> int: ...
 
 
 class SwappedKV:
     """req_id -> the host copy of its blocks, while the scheduler holds the stream swapped out
     (preempted here, or handed over with its KV: `hold`)."""
 
-    def __init__(self, pool: KVCachePool, preemption: PreemptionCostModel,
-                 draft_pool: KVCachePool | None = None):
+    def __init__(self, pool: KVCachePool, preemption: PreemptionCostModel):
         self.pool = pool
-        self.draft_pool = draft_pool  # a draft model's, with the same block ids
         self.preemption = preemption  # observes every swap's bytes per second
         self.held: dict[str, HostBlocks] = {}
-        # a handed-over stream's draft KV (a preemption keeps none: the draft computes it again)
-        self.draft_held: dict[str, HostBlocks] = {}
+        self.followers: list[SwapFollower] = []
 
     def apply(self, sched: SchedulerOutput) -> None:
         """Copy preempted streams' blocks out (before this step may overwrite them), then copy
@@ -39,33 +53,51 @@ class SwappedKV:
             host = self.held.pop(req_id)
             self.pool.copy_in(host, blocks)
             moved += host.num_bytes
-            draft = self.draft_held.pop(req_id, None)
-            if draft is not None:  # its leading blocks: the draft's KV may cover fewer positions
-                self.draft_pool.copy_in(draft, blocks[:draft.num_blocks])
-                moved += draft.num_bytes
+            for follower in self.followers:  # their leading blocks: they may cover fewer
+                moved += follower.swap_in(req_id, blocks)
         if is_cuda(self.pool.device):
             torch.cuda.synchronize(self.pool.device)
         self.preemption.observe_swap(moved, time.perf_counter() - start)
 
-    def hold(self, req_id: str, host: HostBlocks, draft: HostBlocks | None = None) -> None:
-        """Keep a handed-over stream's copies until the scheduler swaps it in."""
+    def hold(self, req_id: str, host: HostBlocks) -> None:
+        """Keep a handed-over stream's copy until the scheduler swaps it in."""
         self.held[req_id] = host
-        if draft is not None:
-            self.draft_held[req_id] = draft
 
-    def take(self, req_id: str) -> tuple[HostBlocks, HostBlocks | None]:
-        """Remove a swapped-out stream's copies (it is handed over): its blocks', its draft's."""
-        return self.held.pop(req_id), self.draft_held.pop(req_id, None)
+    def take(self, req_id: str) -> HostBlocks:
+        """Remove a swapped-out stream's copy (it is handed over)."""
+        return self.held.pop(req_id)
 
     def discard(self, req_id: str) -> bool:
         """Drop the copies of a stream that left; whether there was one."""
-        self.draft_held.pop(req_id, None)
+        for follower in self.followers:
+            follower.discard(req_id)
         return self.held.pop(req_id, None) is not None
 
     def num_bytes_of(self, req_id: str) -> int:
-        return sum(h.num_bytes for h in (self.held.get(req_id), self.draft_held.get(req_id))
-                   if h is not None)
+        host = self.held.get(req_id)
+        return 0 if host is None else host.num_bytes
 
     @property
     def num_bytes(self) -> int:
-        return sum(h.num_bytes for h in (*self.held.values(), *self.draft_held.values()))
+        return sum(h.num_bytes for h in self.held.values()) + sum(
+            f.num_held_bytes for f in self.followers)
+
+
+class Swapping(Feature):
+    """Swap copies before each forward; what the preemption cost model learns from each step; a
+    leaving stream's copies dropped."""
+
+    def __init__(self, swapped: SwappedKV):
+        self.swapped = swapped
+
+    def before_execute(self, sched: SchedulerOutput) -> None:
+        self.swapped.apply(sched)
+
+    def executed(self, sched: SchedulerOutput, step: StepLogits, samples: Samples,
+                 start: float, seconds: float) -> None:
+        prefill_tokens = sum(c.num_tokens - len(c.draft) for c in sched.chunks
+                             if c.num_tokens - len(c.draft) > 1)
+        self.swapped.preemption.observe_step(prefill_tokens, sched.num_batched_tokens, seconds)
+
+    def leave(self, seq: Sequence) -> None:
+        self.swapped.discard(seq.req_id)

@@ -13,7 +13,8 @@ Life of an adapter request:
    it, and the room they free is its. The scheduler admits only requests holding their pin.
 3. `assign_slots` (after the schedule): the step's adapters (at most max_loras: the scheduler's
    rule) get slots; one not in a slot is loaded into a free one or into the least recently used
-   one this step does not need. The chunks carry their slot; the loads go in the step's plan,
+   one this step does not need. The chunks carry their slot (attached when the scheduler
+   builds the step's output, lora/feature.py); the loads go in the step's plan,
    so tensor-parallel ranks load the same adapters into the same slots (`ensure_slot`).
 4. `start_step` / `end_step` (around the forward, model_runner.py): the plan's chunks with a slot
    become the step's rows; every targeted linear adds its term for them. A step without adapter
@@ -184,9 +185,9 @@ class LoraManager:
 
     # ---- steps --------------------------------------------------------------------------------
 
-    def assign_slots(self, chunks: list[ScheduledChunk]) -> list[SlotLoad]:
-        """Put the step's adapters in slots (loading those not in one); set each chunk's
-        `lora_slot`; the loads, for the other ranks."""
+    def assign_slots(self, chunks: list[ScheduledChunk]) -> tuple[dict[str, int], list[SlotLoad]]:
+        """Put the step's adapters in slots (loading those not in one); req_id -> the slot of
+        each adapter chunk's adapter, and the loads (for the other ranks)."""
         names = list(dict.fromkeys(c.seq.lora.name for c in chunks if c.seq.lora is not None))
         loads: list[SlotLoad] = []
         slot_of: dict[str, int] = {}
@@ -199,9 +200,8 @@ class LoraManager:
                 loads.append((slot, name, weights.path))
             self.table.touch(slot)
             slot_of[name] = slot
-        for chunk in chunks:
-            chunk.lora_slot = -1 if chunk.seq.lora is None else slot_of[chunk.seq.lora.name]
-        return loads
+        return {c.seq.req_id: slot_of[c.seq.lora.name] for c in chunks
+                if c.seq.lora is not None}, loads
 
     def _fill(self, slot: int, weights: AdapterWeights) -> None:
         self.slots.load(slot, weights)

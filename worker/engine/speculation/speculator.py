@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 
 from shared.engine_config import SpeculativeConfig
-from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from worker.engine.scheduler import ScheduledChunk
 from worker.engine.sequence import Sequence
 from worker.engine.speculation.proposers import Proposer, make_proposer
 
@@ -118,7 +118,7 @@ class Speculator:
         self._positions = [Rate(_PRIOR_FIRST if i == 0 else _PRIOR_DEEPER, _POSITION_DECAY)
                            for i in range(k)]
         self._streams: dict[str, Rate] = {}  # each stream's first-proposal acceptance
-        self._proposals: dict[str, list[int]] = {}  # this step's, between plan and fill
+        self._proposals: dict[str, list[int]] = {}  # this step's, between plan and proposals
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
     # ---- before the step ----------------------------------------------------------------------
@@ -198,15 +198,12 @@ class Speculator:
         stream = self._streams.get(req_id)
         return everyone if stream is None else stream.value(everyone)
 
-    def fill(self, sched: SchedulerOutput) -> None:
-        """Put the proposals into the chunks that reserved slots for them."""
-        chunks = [c for c in sched.chunks if c.lookahead]
+    def proposals(self, chunks: list[ScheduledChunk]) -> dict[str, list[int]]:
+        """req_id -> the proposals of each chunk that reserved slots for them."""
+        chunks = [c for c in chunks if c.lookahead]
         if self.draft is not None and chunks:
-            for chunk, proposal in zip(chunks, self.draft.propose(chunks)):
-                chunk.set_draft(proposal)
-            return
-        for chunk in chunks:
-            chunk.set_draft(self._proposals.get(chunk.seq.req_id, []))
+            return {c.seq.req_id: p for c, p in zip(chunks, self.draft.propose(chunks))}
+        return {c.seq.req_id: self._proposals.get(c.seq.req_id, []) for c in chunks}
 
     # ---- after the step -----------------------------------------------------------------------
 

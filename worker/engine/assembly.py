@@ -1,0 +1,189 @@
+"""An engine's parts, built in the order their memory and their choices need, and its features
+registered in the order of the step lifecycle (lifecycle.py).
+
+The order: the model placed (and sharded) on the device; a draft model placed beside it
+(speculation/feature.py) and the LoRA slots allocated before the KV budget is planned (on CUDA
+both are memory in use); the pools; the scheduler with its stop rules, the sampler and the
+output constraints; the model packed for the device, the runner and its decode graphs; the
+draft's runner. The features then: tensor parallelism (its step goes to the other ranks before
+anything else touches the pools), swapping, speculation, LoRA adapters, the pace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from worker.engine.attention import AttentionBackend, resolve_attention_backend
+from worker.engine.block_manager import BlockManager
+from worker.engine.budget import plan_kv_budget, preemption_cost_model
+from worker.engine.config import EngineConfig
+from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.device import (
+    is_cuda, resolve_block_size, resolve_device, resolve_dtype, select_device)
+from worker.engine.invariance import invariance_gap
+from worker.engine.kv_cache import KVCachePool, KVLayout, MemoryBudget
+from worker.engine.kv_format import KVFormat, resolve_kv_format
+from worker.engine.lifecycle import Feature, Features
+from worker.engine.lora.feature import Adapters, NoAdapters
+from worker.engine.lora.manager import LoraManager
+from worker.engine.model_prep import (
+    PreparedModel, eos_token_ids_of, max_model_len_of, pack_for_cpu, prepare_model)
+from worker.engine.model_runner import ModelRunner
+from worker.engine.moves import SequenceMoves
+from worker.engine.numerics import Numerics, engine_numerics
+from worker.engine.pace import Pace
+from worker.engine.pacing import Pacing
+from worker.engine.preemption import PreemptionCostModel, SwapSpace
+from worker.engine.sampler import Sampler
+from worker.engine.scheduler import Scheduler
+from worker.engine.speculation.feature import Speculation
+from worker.engine.stopping import StopChecker
+from worker.engine.swapping import SwappedKV, Swapping
+from worker.engine.tp_group import RankGroup
+from worker.engine.tp_steps import RankSteps
+from worker.structured.compiler import GrammarCompiler
+from worker.structured.requests import ConstrainedRequests
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, repr=False)  # an engine compares and hashes by identity
+class EngineParts:
+    """What an engine is made of (engine.Engine holds them as its attributes)."""
+
+    config: EngineConfig  # with the block size resolved
+    ranks: RankGroup | None  # tensor parallelism: this rank's group
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    kv_format: KVFormat
+    attention_backend: AttentionBackend
+    budget: MemoryBudget
+    pool: KVCachePool
+    block_manager: BlockManager
+    swap_space: SwapSpace
+    preemption: PreemptionCostModel
+    swapped: SwappedKV
+    pace: Pace  # fits the step cost always; binds only with a target
+    scheduler: Scheduler
+    sampler: Sampler
+    constrained: ConstrainedRequests  # one grammar matcher per constrained request
+    prepared: PreparedModel  # the engine's own copy of the model; `model` is its module
+    model: torch.nn.Module
+    invariance_gap: str | None  # None: every row is computed batch-invariantly
+    numerics: Numerics  # what decides how this engine rounds
+    runner: ModelRunner
+    lora: LoraManager | None
+    speculation: Speculation | None
+    features: Features
+    moves: SequenceMoves  # its sequences out to and in from other engines (handoffs)
+
+
+def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: RankGroup | None,
+             draft_model: torch.nn.Module | None) -> EngineParts:
+    device = ranks.device if ranks is not None else resolve_device(config.device)
+    select_device(device)  # cuda:N is the current device from here on
+    dtype = resolve_dtype(config.dtype, device)
+    layout = KVLayout.from_model_config(model.config, resolve_kv_format(config.kv_dtype, dtype))
+    placed = prepare_model(model, device, dtype, ranks)
+    if placed.shard is not None:
+        layout = replace(layout, num_kv_heads=placed.shard.num_kv_heads)
+    speculation = Speculation.load(config, draft_model, ranks is not None, device, dtype,
+                                   layout.kv_format)
+    max_model_len = max_model_len_of(placed.module.config)
+    backend = resolve_attention_backend(
+        config.attention_backend, device, dtype, layout.kv_format, layout.head_dim,
+        deterministic=config.deterministic)
+    lora = None if not config.enable_lora else LoraManager.for_engine(
+        config, model, dtype, device, backend, ranks, placed.shard)
+    config = replace(config, block_size=resolve_block_size(
+        config.block_size, backend.cpu_kernel, dtype, layout.kv_format.storage))
+    graphs_mode = _graphs_mode(config, device, ranks, backend)
+    budget = plan_kv_budget(placed, layout, config, max_model_len, backend, ranks,
+                            None if speculation is None else speculation.kv_layout)
+    pool = KVCachePool(layout, budget.num_blocks, config.block_size, device)
+    if speculation is not None:
+        speculation.allocate(budget.num_blocks, config.block_size, device)
+    # with decode graphs the pool's last block is their padding rows' scratch, never handed out
+    num_usable_blocks = budget.num_blocks - (graphs_mode is not None)
+    if num_usable_blocks < 1:
+        raise ValueError("the KV budget holds no block beside the CUDA graphs' scratch block")
+    block_manager = BlockManager(num_usable_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+    swap_space = SwapSpace(config.swap_space_bytes // pool.block_bytes)
+    preemption = preemption_cost_model(config.preemption, pool, placed.module)
+    swapped = SwappedKV(pool, preemption)
+    eos = eos_token_ids_of(placed.module)
+    pace = Pace(config)
+    scheduler = Scheduler(
+        block_manager, StopChecker(eos, max_model_len, tokenizer), config.max_batched_tokens,
+        config.max_running, config.watermark, preemption=preemption, swap_space=swap_space,
+        max_loras=config.max_loras if lora else 0, adapter_ready=lora.is_ready if lora else None,
+        pace=pace if pace.enabled else None)
+    constrained = ConstrainedRequests(
+        GrammarCompiler(tokenizer, placed.module.config.vocab_size, eos, config.grammar_cache_size)
+        if tokenizer is not None else None)
+    # fused layers where the C++ attention kernel reads this pool
+    prepared = pack_for_cpu(placed, backend.cpu_kernel, config.deterministic)
+    gap = invariance_gap(prepared, backend, config.deterministic)
+    if config.deterministic and gap is not None and (ranks is None or ranks.is_driver):
+        log.warning("--deterministic: answers may depend on the batch: %s", gap)
+    numerics = engine_numerics(device, dtype, backend, layout.kv_format.name, config.block_size,
+                               prepared.module, gap, ranks)
+    if lora is not None:  # before any graph is captured: captured without terms
+        lora.install(prepared.module)
+    runner = ModelRunner(prepared.module, pool, attention_backend=backend,
+                         decode_graphs=_decode_graphs(graphs_mode, config, prepared.module, pool,
+                                                      budget.num_blocks, max_model_len),
+                         num_heads=prepared.num_heads, lora=lora)
+    if graphs_mode == "capture":  # after the runner installed its attention on the model
+        started = time.perf_counter()
+        runner.decode_graphs.capture()
+        graphs = runner.decode_graphs
+        log.info("captured decode CUDA graphs for batch sizes %s x proposals %s in %.1f s",
+                 graphs.buckets, graphs.proposal_buckets, time.perf_counter() - started)
+    features: list[Feature] = [] if ranks is None else [RankSteps(ranks, runner, config.block_size)]
+    features.append(Swapping(swapped))
+    if speculation is not None:
+        speculation.start(config, device, dtype, max_model_len, prepared.module.config.vocab_size)
+        swapped.followers += [] if speculation.draft is None else [speculation.draft]
+        features.append(speculation)
+    features += [NoAdapters() if lora is None else Adapters(lora), Pacing(pace)]
+    registered = Features(features)
+    moves = SequenceMoves(pool, block_manager, swapped, registered,
+                          prepared.module.config.vocab_size, dtype)
+    return EngineParts(config, ranks, device, dtype, max_model_len, layout.kv_format, backend,
+                       budget, pool, block_manager, swap_space, preemption, swapped, pace,
+                       scheduler, Sampler(eos), constrained, prepared, prepared.module, gap,
+                       numerics, runner, lora, speculation, registered, moves)
+
+
+def _graphs_mode(config: EngineConfig, device: torch.device, ranks: RankGroup | None,
+                 backend: AttentionBackend) -> str | None:
+    """'capture' (CUDA graphs), 'eager' (their static buffers, no capture) or None (off)."""
+    mode = config.cuda_graphs
+    if mode == "off" or (mode == "auto" and not is_cuda(device)):
+        return None
+    if ranks is not None:  # a step's collectives are not captured: ranks run eagerly
+        if mode == "auto":
+            return None
+        raise ValueError("cuda_graphs 'eager' is not supported with tensor parallelism")
+    if not backend.decode_graphs:
+        if mode == "auto":
+            return None
+        raise ValueError("cuda_graphs 'eager' needs the triton attention backend")
+    return "capture" if mode == "auto" else "eager"
+
+
+def _decode_graphs(graphs_mode: str | None, config: EngineConfig, model: torch.nn.Module,
+                   pool: KVCachePool, num_blocks: int, max_model_len: int) -> DecodeGraphs | None:
+    if graphs_mode is None:
+        return None
+    spec = config.speculative_config
+    return DecodeGraphs(model, pool, scratch_block=num_blocks - 1,
+                        max_batch=config.max_running, max_model_len=max_model_len,
+                        max_proposals=0 if spec is None else spec.num_speculative_tokens)
