@@ -11,18 +11,17 @@ it: thousands of bf16 rows, each of which a single different rounding anywhere b
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import pytest
 import torch
 
 from shared.wire import SamplingParams
+from tests.engine.kernel_variants import build_variant
 from tests.engine.tiny_models import build_wide_llama, random_prompt, run_to_completion
 from worker.engine import cpu_kernels, cpu_linear
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.kernel_binding import BoundKernel, read_header
-from worker.engine.kernel_build import build
+from worker.engine.kernel_binding import BoundKernel
 from worker.engine.model_prep import shared_copy
 from worker.engine.scheduler import SchedulerOutput
 
@@ -208,14 +207,8 @@ def test_without_deterministic_the_same_checks_see_a_difference(wide_heads_llama
 def build_portable(directory, scalar: bool) -> BoundKernel:
     """cpu_matmul.cpp built as on a CPU without AVX-512 (KVFLEET_MATMUL_PORTABLE): its AVX2 form
     where the CPU has AVX2, or (`scalar`) its plain C++ form."""
-    source = cpu_kernels.KERNELS["matmul"]
-    wrapper = directory / f"cpu_matmul_portable{'_scalar' if scalar else ''}.cpp"
-    wrapper.write_text("#define KVFLEET_MATMUL_PORTABLE 1\n"
-                       + ("#define KVFLEET_MATMUL_SCALAR 1\n" if scalar else "")
-                       + f'#include "{source.source}"\n')
-    library = build(wrapper, (source.source, source.header, *cpu_kernels.COMMON_HEADERS),
-                    compiler=cpu_kernels.compiler_name(), cache_dir=directory)
-    return BoundKernel(ctypes.CDLL(str(library)), read_header(source.header))
+    return build_variant("matmul", directory, ("KVFLEET_MATMUL_PORTABLE",)
+                         + (("KVFLEET_MATMUL_SCALAR",) if scalar else ()))
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,16 @@ bit for bit, where no denormal occurs, the former's are not.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
 
 from shared.cpu_features import CpuFeatures, cpu_features
 from tests.engine import amx_model
+from tests.engine.kernel_variants import build_variant
 from worker.engine import cpu_kernels, cpu_linear, numerics
 from worker.engine.cpu_linear import BF16_FORM_CODES, KernelLinear
-from worker.engine.kernel_binding import BoundKernel, read_header
-from worker.engine.kernel_build import build
+from worker.engine.kernel_binding import BoundKernel
 
 AMX = BF16_FORM_CODES["amx"]
 HAS_AMX = cpu_linear.AMX_FLAGS <= cpu_features().flags
@@ -33,14 +31,8 @@ SHAPES = [(83, 301), (37, 11), (160, 96), (16, 32)]  # partial blocks, k tails, 
 def build_emulation(directory, sequential: bool) -> BoundKernel:
     """cpu_amx.cpp built with its scalar model of the tile instructions (the SDM's, or with
     `sequential` the intrinsics guide's)."""
-    source = cpu_kernels.KERNELS["amx"]
-    wrapper = directory / f"cpu_amx_emulated{'_sequential' if sequential else ''}.cpp"
-    wrapper.write_text("#define KVFLEET_AMX_EMULATE 1\n"
-                       + ("#define KVFLEET_AMX_EMULATE_SEQUENTIAL 1\n" if sequential else "")
-                       + f'#include "{source.source}"\n')
-    library = build(wrapper, (source.source, source.header, *cpu_kernels.COMMON_HEADERS),
-                    compiler=cpu_kernels.compiler_name(), cache_dir=directory)
-    return BoundKernel(ctypes.CDLL(str(library)), read_header(source.header))
+    return build_variant("amx", directory, ("KVFLEET_AMX_EMULATE",)
+                         + (("KVFLEET_AMX_EMULATE_SEQUENTIAL",) if sequential else ()))
 
 
 @pytest.fixture(scope="module")

@@ -97,8 +97,9 @@ struct Bf16 {  // one column pair per step (vdpbf16ps)
 // even one), x widened to fp32 once per call (its rows k rounded up to even, the pad zero); each
 // output summed over its columns in order, one FMA per column: the portable product's sums, bit
 // for bit. Where vdpbf16ps issues at half the rate of fp32 FMAs (seen on Xeons without AMX), the
-// products run twice as fast at prefill and many-stream decode sizes; cpu_linear.py measures
-// both forms and takes the faster.
+// products run twice as fast at prefill and many-stream decode sizes; cpu_linear.py chooses the
+// form by the CPU (bf16_form_rule: `fma` on Intel), never by a timing, and on CPUs with AMX-BF16
+// takes the tiles instead (cpu_amx.cpp, the same bf16 layout with k padded to whole tiles).
 struct Bf16Fma {
     using X = float;
     using W = uint16_t;

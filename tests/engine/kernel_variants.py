@@ -1,0 +1,24 @@
+"""A C++ kernel built with defines of a test's choosing (a variant the engine never builds: the
+portable product, the AMX emulation), compiled and bound as the engine's kernels are."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from worker.engine import cpu_kernels
+from worker.engine.kernel_binding import BoundKernel, read_header
+from worker.engine.kernel_build import build
+
+
+def build_variant(name: str, directory: Path, defines: tuple[str, ...]) -> BoundKernel:
+    """Kernel `name` of cpu_kernels.KERNELS with each of `defines` set to 1 before its source,
+    built in `directory` (a wrapper source that includes it, named by the defines)."""
+    source = cpu_kernels.KERNELS[name]
+    stem = "_".join([source.source.stem, *(d.lower() for d in defines)])
+    wrapper = directory / f"{stem}.cpp"
+    wrapper.write_text("".join(f"#define {d} 1\n" for d in defines)
+                       + f'#include "{source.source}"\n')
+    library = build(wrapper, (source.source, source.header, *cpu_kernels.COMMON_HEADERS),
+                    compiler=cpu_kernels.compiler_name(), cache_dir=directory)
+    return BoundKernel(ctypes.CDLL(str(library)), read_header(source.header))
