@@ -19,6 +19,8 @@ def build_variant(name: str, directory: Path, defines: tuple[str, ...]) -> Bound
     wrapper = directory / f"{stem}.cpp"
     wrapper.write_text("".join(f"#define {d} 1\n" for d in defines)
                        + f'#include "{source.source}"\n')
+    # instrumented as the engine's kernels are under the sanitizer test (KVFLEET_KERNEL_SANITIZE)
     library = build(wrapper, (source.source, source.header, *cpu_kernels.COMMON_HEADERS),
-                    compiler=cpu_kernels.compiler_name(), cache_dir=directory)
+                    compiler=cpu_kernels.compiler_name(), cache_dir=directory,
+                    sanitize=cpu_kernels.sanitizer())
     return BoundKernel(ctypes.CDLL(str(library)), read_header(source.header))

@@ -30,6 +30,9 @@ SELECTION = [
     "tests/engine/test_cpu_layers.py::test_fused_layers_decode_what_hf_layers_decode[llama]",
     "tests/engine/test_cpu_kernels.py::test_own_product_follows_the_exact_product",
     "tests/engine/test_cpu_kernels.py::test_own_product_takes_strided_and_batched_input_and_still_copies",
+    # the AMX kernel's packing, and its emulation's tile loads: what the real tiles would read
+    "tests/engine/test_cpu_amx.py::test_the_weights_pack_into_b_tiles",
+    "tests/engine/test_cpu_amx.py::test_the_emulated_tiles_sum_as_the_sdm_model",
     *(f"tests/engine/test_cpu_attention.py::test_cpu_kernels_match_gather_and_sdpa[{case}]"
       for case in ("fp32-g1-d64-mixed", "bf16-default-shape-bs16", "bf16-g4-d64-bs5",
                    "bf16-prefill-g3-d64-bs64", "fp32-prefill-g6-d128-bs3",
