@@ -107,14 +107,16 @@ def run_client(url: str, args, out_dir: Path) -> dict:
     return json.loads(results.read_text())["summary"]
 
 
-def kvfleet_server(port: int, dtype: str, log_path: Path,
-                   model: str = DEFAULT_MODEL) -> subprocess.Popen:
-    """`kvfleet up` in a session of its own, so that stopping it reaches its children."""
+def kvfleet_server(port: int, dtype: str, log_path: Path, model: str = DEFAULT_MODEL,
+                   extra: list[str] | None = None,
+                   redis_port: int | None = None) -> subprocess.Popen:
+    """`kvfleet up` in a session of its own, so that stopping it reaches its children; `extra`
+    arguments for it, its embedded Redis on `redis_port` (default: a free port)."""
     command = [sys.executable, "-m", "kvfleet", "up", "--port", str(port), "--dtype", dtype,
-               "--workers", "1", "--model", model]
+               "--workers", "1", "--model", model, *(extra or ())]
     # every request of the trace is sent at once and must be served, as vLLM serves them: the
     # gateway's expected-wait admission limit (429 beyond 60 s by default) is off here
-    env = peer_env({"KVFLEET_EMBEDDED_REDIS_PORT": str(free_port()),
+    env = peer_env({"KVFLEET_EMBEDDED_REDIS_PORT": str(redis_port or free_port()),
                     "KVFLEET_MAX_QUEUE_WAIT_S": "0"})
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
