@@ -49,12 +49,13 @@ def _best_seconds(fn, repeats: int, rounds: int = 3) -> float:
     return best
 
 
-def kvfleet_forms(dtype: torch.dtype) -> dict[str, int]:
-    """kvfleet's product in each form its kernel computes `dtype` in here, by name, with the code
-    kvfleet_linear takes for it: bf16 `kvfleet dot` (vdpbf16ps) and `kvfleet fma` (fp32 FMAs over
-    the widened weights) where the build has AVX512-BF16, float32 `kvfleet fp32` on AVX-512,
-    `kvfleet portable` where only the portable build computes it; none where the kernel is
-    unavailable."""
+def kvfleet_forms(dtype: torch.dtype) -> dict[str, str | None]:
+    """kvfleet's product in each form its kernels compute `dtype` in here, by name, with the form
+    `KernelLinear` takes for it: bf16 `kvfleet dot` (vdpbf16ps) and `kvfleet fma` (fp32 FMAs over
+    the widened weights) where the build has AVX512-BF16, `kvfleet amx` (AMX tiles,
+    cpu_amx.cpp) where the CPU has AMX-BF16 and Linux grants the tiles, float32 `kvfleet fp32`
+    on AVX-512, `kvfleet portable` where only the portable build computes it; none where the
+    kernel is unavailable."""
     if dtype not in DTYPE_CODES:
         return {}
     try:
@@ -62,30 +63,23 @@ def kvfleet_forms(dtype: torch.dtype) -> dict[str, int]:
         if dtype == torch.float32:
             level = supported(DTYPE_CODES[dtype])
             return {} if not level else {
-                "kvfleet fp32" if level == cpu_linear.FAST else "kvfleet portable": 0}
+                "kvfleet fp32" if level == cpu_linear.FAST else "kvfleet portable": None}
         codes = cpu_linear.BF16_FORM_CODES
         if supported(codes["dot"]) == cpu_linear.PORTABLE:  # the forms are one product there
-            return {"kvfleet portable": codes["dot"]}
-        return {f"kvfleet {form}": code for form, code in codes.items()
-                if supported(code) == cpu_linear.FAST}
+            return {"kvfleet portable": "dot"}
+        forms = {f"kvfleet {form}": form for form in ("dot", "fma")
+                 if supported(codes[form]) == cpu_linear.FAST}
     except KernelUnavailable:
         return {}
+    if cpu_linear.amx_tiles() is None:
+        forms["kvfleet amx"] = "amx"
+    return forms
 
 
-def _kvfleet_product(code: int) -> Implementation:
+def _kvfleet_product(form: str | None) -> Implementation:
     def build(linear: torch.nn.Linear) -> Product:
-        packed = cpu_linear.KernelLinear(linear)  # the weight packed as the engine packs it
-        kernel, weight = matmul_kernel().kvfleet_linear, packed.packed_weight
-        n, k = packed.out_features, packed.in_features
-
-        def call(x: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(x.shape[0], n, dtype=x.dtype)
-            status = kernel(code, x.data_ptr(), x.shape[0], k, x.stride(0), weight.data_ptr(), n,
-                            None, out.data_ptr(), n, torch.get_num_threads())
-            if status != 0:
-                raise RuntimeError(f"kvfleet_linear({code}) failed with status {status}")
-            return out
-        return call
+        # the weight packed as the engine packs it for that form; called as the engine calls it
+        return cpu_linear.KernelLinear(linear, form=form)
     return build
 
 
@@ -116,7 +110,7 @@ def product_implementations(dtype: torch.dtype) -> dict[str, Implementation]:
     stored transposed ([in, out], another layout for the same libraries). One that torch lacks
     fails when built or called: product_rates reports it as skipped, not timed."""
     impls: dict[str, Implementation] = {
-        name: _kvfleet_product(code) for name, code in kvfleet_forms(dtype).items()}
+        name: _kvfleet_product(form) for name, form in kvfleet_forms(dtype).items()}
     if cpu_linear.packing_available(dtype):
         impls["oneDNN packed"] = cpu_linear.PackedLinear
     if torch.backends.mkldnn.is_available() and (

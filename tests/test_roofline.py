@@ -112,8 +112,9 @@ def _expected_names(dtype: torch.dtype) -> set[str]:
     elif _kvfleet_support(codes["dot"]) == cpu_linear.PORTABLE:
         names |= {"kvfleet portable"}
     else:
-        names |= {f"kvfleet {form}" for form, code in codes.items()
-                  if _kvfleet_support(code) == cpu_linear.FAST}
+        names |= {f"kvfleet {form}" for form in ("dot", "fma")
+                  if _kvfleet_support(codes[form]) == cpu_linear.FAST}
+        names |= {"kvfleet amx"} if cpu_linear.amx_tiles() is None else set()
     if cpu_linear.packing_available(dtype):
         names |= {"oneDNN packed"}
     if torch.backends.mkldnn.is_available() and (
