@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import redis
 
@@ -35,7 +35,9 @@ from worker.engine.engine import Engine, RequestOutput
 from worker.engine.lora import LoraRequest
 from worker.handoff.coordinator import OFFER_POLL_S, Handoffs
 from worker.handoff.drain import Drain
+from worker.handoff.protocol import HandoffProtocol
 from worker.handoff.transfer import TransferPlane
+from worker.inflight import Inflight, InflightTable, StreamCalls
 from worker.metrics import WorkerMetrics
 from worker.numerics import FleetNumerics
 from worker.protocol import Delivery, Publication, WorkerProtocol
@@ -44,14 +46,6 @@ from worker.timelines import TimelineRecorder
 log = logging.getLogger(__name__)
 
 LOAD_BEAT_MIN_S = 0.05  # the least time between two heartbeats (a change of load beats early)
-
-
-@dataclass
-class Inflight:
-    delivery: Delivery
-    attempt: int
-    num_output_tokens: int = 0  # published (its checkpoint's length)
-    numerics: str = ""  # the request's numerics chain (RequestRecord.NUMERICS) as started here
 
 
 class WorkerService:
@@ -74,16 +68,14 @@ class WorkerService:
         self.numerics = FleetNumerics(client, protocol.keys, protocol.model, protocol.worker_id,
                                       protocol.numerics, settings.numerics_prefer_ms,
                                       settings.heartbeat_interval_s)
-        self.inflight: dict[str, Inflight] = {}
+        # the streams served here, and their entries the heartbeat thread keeps fresh
+        self.inflight = InflightTable()
         self._backlog: list[Publication] = []  # produced but not yet published (Redis was down)
         self.coalescer = EventCoalescer(settings.publish_interval_ms / 1000)
         self.timelines = TimelineRecorder(protocol.worker_id, settings.timelines_kept)
         # The heartbeat the thread writes next (the protocol stamps model and time).
         self._stats_snapshot = Heartbeat(model=protocol.model, ts=0.0)
-        # stream -> entry ids delivered to this worker and not yet finished here; the heartbeat
-        # thread refreshes them. Written by the loop, read by the heartbeat thread, under _lock.
-        self._held_entries: dict[str, set[str]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the stats snapshot: the loop writes, the heartbeat reads
         self._load_changed = threading.Event()  # the loop's running/waiting changed: beat soon
         self._pubsub = None
         self._last_orphan_check = 0.0
@@ -96,14 +88,20 @@ class WorkerService:
         self.role = settings.role
         # set by SIGTERM, or by the heartbeat thread when it finds the drain key
         self.drain = drain or threading.Event()
-        self.drainer = Drain(self)
+        redis_calls = HandoffProtocol(client, protocol.keys, protocol.model, protocol.worker_id,
+                                      protocol.numerics)
+        streams = StreamCalls(self.flush, self.stream_left, self.give_back, self.resume,
+                              self.adopt)
         gap = engine.handoff_gap()
         if plane is not None and gap is not None:
             log.warning("KV handoffs off: %s (drain and --role prefill resume from checkpoints)",
                         gap)
             plane.close()
             plane = None
-        self.handoffs = Handoffs(self, plane)
+        self.handoffs = Handoffs(settings, engine, self.metrics, redis_calls, self.numerics,
+                                 self.inflight, streams, protocol.claim_handed, plane)
+        self.drainer = Drain(settings.drain_timeout_s, engine, self.metrics, self.inflight,
+                             self.handoffs, streams)
         if self.role != "both" and plane is None:
             log.warning("--role %s without KV handoffs: a prefill worker decodes its streams "
                         "itself, a decode worker serves only orphaned requests", self.role)
@@ -211,7 +209,8 @@ class WorkerService:
     # ---- admission -------------------------------------------------------------------------
 
     def _admit(self, block: bool) -> None:
-        """Take new work only while the pool holds its prompt plus the watermark (rule 2)."""
+        """Take new work only while the KV pool holds its prompt plus the watermark: what does
+        not fit stays queued for a worker with room."""
         now = time.monotonic()
         if now - self._last_orphan_check >= self.settings.heartbeat_interval_s:
             self._last_orphan_check = now
@@ -276,8 +275,7 @@ class WorkerService:
                                   self.prefix_root, self.engine.num_cached_prefix_blocks) \
             if self.affinity else None
         while self.engine.can_admit(self.engine_block_size()):
-            with self._lock:
-                held = frozenset(e for ids in self._held_entries.values() for e in ids)
+            held = self.inflight.held_ids()
             delivery = self.protocol.claim_orphan(min_idle_ms, held, prefer, self.numerics)
             if delivery is None:
                 return
@@ -309,7 +307,7 @@ class WorkerService:
                     self.protocol.ack(delivery.stream, delivery.entry_id)
                 continue
             fresh[req_id] = delivery
-            self._hold(delivery)  # refreshed from now on, whatever the next step costs
+            self.inflight.hold(delivery)  # refreshed from now on, whatever the next step costs
         if not fresh:
             return
         self.timelines.pulled(list(fresh.values()))
@@ -365,8 +363,8 @@ class WorkerService:
     def _inflight_started(self, delivery: Delivery, started: Started) -> None:
         """Serve a started stream from here on; one continued on other numerics than its tokens
         so far were computed on is counted (its final event says so: `numerics`)."""
-        self.inflight[delivery.request.req_id] = Inflight(
-            delivery, started.attempt, len(started.checkpoint), started.numerics)
+        self.inflight.put(delivery.request.req_id, Inflight(
+            delivery, started.attempt, len(started.checkpoint), started.numerics))
         self.timelines.started(delivery, len(started.checkpoint))
         if started.other_numerics:
             log.warning("%s continues on other numerics than its first %d tokens (%s)",
@@ -417,7 +415,7 @@ class WorkerService:
     def resume(self, delivery: Delivery, started: Started) -> None:
         """A handed-off stream fenced here whose KV could not be used: resume it from its
         checkpoint, as a claimer would."""
-        self._hold(delivery)
+        self.inflight.hold(delivery)
         checkpoint = started.checkpoint
         try:
             self.engine.add_request(delivery.request.req_id, delivery.request.prompt_token_ids,
@@ -434,7 +432,7 @@ class WorkerService:
 
     def adopt(self, delivery: Delivery, started: Started) -> None:
         """A handed-off stream now in the engine with its KV: serve it from here on."""
-        self._hold(delivery)
+        self.inflight.hold(delivery)
         self._inflight_started(delivery, started)
         if delivery.request.lora:
             self.metrics.lora_request_started(delivery.request.lora)
@@ -454,7 +452,7 @@ class WorkerService:
                                                 len(output.new_token_ids))
             inflight.num_output_tokens = output.num_output_tokens
             if output.finish_reason is not None:
-                del self.inflight[output.req_id]
+                self.inflight.pop(output.req_id)
                 left.append(output.req_id)
         self._publish_items(self.coalescer.step(items))
         if left:
@@ -489,26 +487,22 @@ class WorkerService:
         self.metrics.events_published(sum(accepted))
         for item, ok in zip(pending, accepted):
             if item.final_status is not None or not ok:  # acked, or no longer ours
-                self._release_entry(item.stream, item.entry_id)
+                self.inflight.release_entry(item.stream, item.entry_id)
             if not ok and item.req_id in self.inflight:
                 # Fenced: another worker owns a newer attempt; stop generating at once.
                 log.warning("attempt %d of %s is stale; stopping it", item.attempt, item.req_id)
                 self.engine.abort(item.req_id)
                 self.coalescer.forget(item.req_id)
-                del self.inflight[item.req_id]
+                self.inflight.pop(item.req_id)
                 self.timelines.forget(item.req_id)
                 self.handoffs.forget([item.req_id])
                 self.metrics.request_finished("abort")
 
     # ---- heartbeat -------------------------------------------------------------------------
 
-    def _hold(self, delivery: Delivery) -> None:
-        with self._lock:
-            self._held_entries.setdefault(delivery.stream, set()).add(delivery.entry_id)
-
     def _release(self, delivery: Delivery) -> None:
         self.timelines.forget(delivery.request.req_id)  # it ends here without a timeline
-        self._release_entry(delivery.stream, delivery.entry_id)
+        self.inflight.release(delivery)
 
     def _record_timelines(self, items: list[Publication], accepted: list[bool]) -> None:
         ended = self.timelines.published(items, accepted)
@@ -516,10 +510,6 @@ class WorkerService:
             self.protocol.record_timelines(ended, self.settings.timelines_kept)
         except REDIS_FAILURES as exc:  # a diagnostic: never worth holding an answer back for
             log.debug("timelines not recorded (%r)", exc)
-
-    def _release_entry(self, stream: str, entry_id: str) -> None:
-        with self._lock:
-            self._held_entries.get(stream, set()).discard(entry_id)
 
     def _snapshot_stats(self) -> None:
         stats, pace = self.engine.stats(), self.engine.pace_report()
@@ -560,7 +550,7 @@ class WorkerService:
         """One heartbeat: the stats snapshot, then the idle time of every held entry reset."""
         with self._lock:
             beat = self._stats_snapshot
-            entries = {stream: sorted(ids) for stream, ids in self._held_entries.items() if ids}
+        entries = self.inflight.held()
         self.protocol.heartbeat(beat, self.settings.heartbeat_ttl_s)
         self.protocol.refresh_pending(entries)
         if not self.drain.is_set() and self.handoffs.redis.drain_requested():

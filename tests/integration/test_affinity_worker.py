@@ -320,7 +320,7 @@ def test_a_dead_workers_request_is_resumed_first_by_the_worker_holding_its_prefi
         other._beat()
         time.sleep(0.1)
     other._claim_orphans()
-    assert other.inflight == {}  # it holds none of the prompt: it leaves the entry to the holder
+    assert not other.inflight  # it holds none of the prompt: it leaves the entry to the holder
     holder._claim_orphans()
     assert set(holder.inflight) == {second}
     run_until(holder, lambda: client.final(second))

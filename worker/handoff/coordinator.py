@@ -16,12 +16,20 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
 from shared.redis_connect import REDIS_FAILURES
+from shared.settings import WorkerSettings
 from shared.wire.handoff import HandoffOffer, new_handoff_id
+from worker.engine.engine import Engine
 from worker.engine.handoff import HandoffError, SequenceState
 from worker.handoff.protocol import HandoffProtocol
 from worker.handoff.transfer import Outgoing, TransferError, TransferPlane
+from worker.inflight import Inflight, InflightTable, StreamCalls
+from worker.metrics import WorkerMetrics
+from worker.numerics import FleetNumerics
+from worker.protocol import Delivery
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +53,7 @@ class _Handed:
     """A stream out of this engine, its KV sent, until its taker fences it or the lease ends."""
 
     offer: HandoffOffer
-    inflight: object  # worker.service.Inflight (the service imports this module)
+    inflight: Inflight
     state: SequenceState
     deadline: float  # time.monotonic() at the lease's end
 
@@ -60,16 +68,16 @@ class _Incoming:
 class Handoffs:
     """Offers, hand-overs and takes of one worker (`WorkerService.handoffs`)."""
 
-    def __init__(self, service, plane: TransferPlane | None):
-        """`service`: the worker.service.WorkerService whose loop drives this."""
-        self.service = service
-        self.settings = service.settings
-        self.engine = service.engine
-        self.metrics = service.metrics
-        self.redis = HandoffProtocol(service.client, service.protocol.keys,
-                                     service.protocol.model, service.protocol.worker_id,
-                                     service.protocol.numerics)
-        self.numerics = service.numerics  # whose offers this worker lets others take first
+    def __init__(self, settings: WorkerSettings, engine: Engine, metrics: WorkerMetrics,
+                 redis: HandoffProtocol, numerics: FleetNumerics, inflight: InflightTable,
+                 streams: StreamCalls, claim_handed: Callable[[str, str], Delivery | None],
+                 plane: TransferPlane | None):
+        """`inflight`: the streams the loop serves (shared with it and the drain); `streams`:
+        the loop's operations on one; `claim_handed`: the protocol's claim of a handed entry."""
+        self.settings, self.engine, self.metrics = settings, engine, metrics
+        self.redis = redis
+        self.numerics = numerics  # whose offers this worker lets others take first
+        self.inflight, self.streams, self.claim_handed = inflight, streams, claim_handed
         self.plane = plane
         self.offered: dict[str, HandoffOffer] = {}  # req_id -> its standing offer
         self.handed: dict[str, _Handed] = {}  # req_id -> sent, not yet resolved
@@ -105,8 +113,7 @@ class Handoffs:
     def offer_streams(self, reason: str, first_token_out: bool) -> None:
         """Offer every stream here that holds KV and is not offered yet (`first_token_out`:
         only those whose first token went out)."""
-        service = self.service
-        for req_id, inflight in list(service.inflight.items()):
+        for req_id, inflight in self.inflight.items():
             if req_id in self.offered or req_id in self.handed:
                 continue
             if first_token_out and inflight.num_output_tokens == 0:
@@ -166,23 +173,22 @@ class Handoffs:
     def _hand_over(self, handoff_id: str) -> Outgoing | None:
         """Publish the stream's pending events (the checkpoint then holds all its tokens), take
         it out of the engine with a host copy of its KV, lease it to the taker."""
-        service = self.service
         req_id = next((r for r, o in self.offered.items() if o.handoff_id == handoff_id), None)
-        if req_id is None or req_id not in service.inflight:
+        if req_id is None or req_id not in self.inflight:
             return None
         offer = self.offered.pop(req_id)
         self.metrics.handoff_offers.set(len(self.offered))
         try:
-            service.flush(req_id)
+            self.streams.flush(req_id)
         except REDIS_FAILURES as exc:
             log.warning("handoff of %s: could not publish its pending tokens (%r)", req_id, exc)
             return None
-        if req_id not in service.inflight:  # fenced meanwhile, or finished
+        if req_id not in self.inflight:  # fenced meanwhile, or finished
             return None
         state = self.engine.export_sequence(req_id)
         if state is None:  # holds no KV now (preempted for recompute): it stays here
             return None
-        inflight = service.inflight.pop(req_id)
+        inflight = self.inflight.pop(req_id)
         try:
             self.redis.lease(req_id, handoff_id, self.settings.handoff_lease_s)
         except REDIS_FAILURES as exc:
@@ -205,7 +211,7 @@ class Handoffs:
                 continue
             del self.handed[req_id]
             if verdict == "taken":
-                self.service.stream_left(handed.inflight)
+                self.streams.left(handed.inflight)
                 self.num_out += 1
                 self.metrics.handoff("out", handed.state.num_bytes)
                 log.info("handed %s to a peer with its KV (%d tokens, %.1f MB)", req_id,
@@ -216,15 +222,15 @@ class Handoffs:
                             req_id)
                 self._take_back(req_id, handed.inflight, handed.state)
 
-    def _take_back(self, req_id: str, inflight, state: SequenceState) -> None:
+    def _take_back(self, req_id: str, inflight: Inflight, state: SequenceState) -> None:
         try:
             self.engine.import_sequence(state)
         except HandoffError as exc:  # cannot happen with our own copy; resume elsewhere then
             log.error("handoff of %s: cannot take back its KV (%s); it resumes elsewhere",
                       req_id, exc)
-            self.service.give_back(inflight)
+            self.streams.give_back(inflight)
             return
-        self.service.inflight[req_id] = inflight
+        self.inflight.put(req_id, inflight)
 
     def give_back_handed(self) -> None:
         """A drain's end: streams still waiting for their taker are left to it if it fenced
@@ -233,12 +239,12 @@ class Handoffs:
             verdict = self.redis.resolve(req_id, handed.offer.handoff_id, take_back=True)
             del self.handed[req_id]
             if verdict == "taken":
-                self.service.stream_left(handed.inflight)
+                self.streams.left(handed.inflight)
                 self.num_out += 1
                 self.metrics.handoff("out", handed.state.num_bytes)
             else:
                 self.metrics.handoff_fallback("given_back")
-                self.service.give_back(handed.inflight)
+                self.streams.give_back(handed.inflight)
 
     # ---- the taker ------------------------------------------------------------------------
 
@@ -294,7 +300,6 @@ class Handoffs:
             self._continue(offer, state, incoming.started)
 
     def _continue(self, offer: HandoffOffer, state: SequenceState, started: float) -> None:
-        service = self.service
         fenced = self.redis.fence(offer.req_id, offer.handoff_id, self.settings.handoff_lease_s)
         if fenced == "lost":  # the source took it back (lease over): nothing to do here
             self.metrics.handoff_fallback("lost")
@@ -302,7 +307,7 @@ class Handoffs:
         if fenced == "finished":
             return
         checkpoint = fenced.checkpoint
-        delivery = service.protocol.claim_handed(offer.stream, offer.entry_id)
+        delivery = self.claim_handed(offer.stream, offer.entry_id)
         if delivery is None:  # acked meanwhile: nothing left to serve
             return
         if checkpoint != state.output_token_ids:
@@ -310,16 +315,16 @@ class Handoffs:
                         "resuming from the checkpoint", offer.req_id, len(checkpoint),
                         len(state.output_token_ids))
             self.metrics.handoff_fallback("checkpoint_mismatch")
-            service.resume(delivery, fenced)
+            self.streams.resume(delivery, fenced)
             return
         try:
             self.engine.import_sequence(state)
         except HandoffError as exc:
             log.warning("handoff of %s: %s; resuming from the checkpoint", offer.req_id, exc)
             self.metrics.handoff_fallback("incompatible")
-            service.resume(delivery, fenced)
+            self.streams.resume(delivery, fenced)
             return
-        service.adopt(delivery, fenced)
+        self.streams.adopt(delivery, fenced)
         self.num_in += 1
         stats = getattr(self.plane, "stats", None)
         if stats is not None:
