@@ -25,15 +25,18 @@ class EmbeddedCluster:
     def __init__(self, num_primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000):
         self.num_primaries = num_primaries
         self.replicas = replicas
-        args = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
-                "--cluster-require-full-coverage", "no",
-                "--cluster-allow-reads-when-down", "no")
+        self._args = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
+                      "--cluster-require-full-coverage", "no",
+                      "--cluster-allow-reads-when-down", "no")
+        self._make_nodes()
+
+    def _make_nodes(self) -> None:
         # The bus port is given explicitly: the default (port + 10000) may be taken or too high.
-        count = num_primaries * (1 + replicas)
+        count = self.num_primaries * (1 + self.replicas)
         self.bus_ports = [free_port() for _ in range(count)]
-        self.nodes = [EmbeddedRedis(extra_args=args + ("--cluster-config-file", f"nodes-{i}.conf",
-                                                       "--cluster-port", str(self.bus_ports[i])))
-                      for i in range(count)]
+        self.nodes = [EmbeddedRedis(extra_args=self._args + (
+            "--cluster-config-file", f"nodes-{i}.conf", "--cluster-port", str(self.bus_ports[i])))
+            for i in range(count)]
 
     @property
     def url(self) -> str:
@@ -43,14 +46,24 @@ class EmbeddedCluster:
     def urls(self) -> list[str]:
         return [node.url for node in self.nodes]
 
-    def start(self, timeout_s: float = 30.0) -> EmbeddedCluster:
-        try:
-            for node in self.nodes:
-                node.start()
-            self._form(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, timeout_s: float = 30.0, attempts: int = 2) -> EmbeddedCluster:
+        """Start the nodes and form the cluster; a formation that does not complete within
+        `timeout_s` (seen once on a loaded 2-core host: the nodes never all met) is retried with
+        fresh nodes on fresh ports, `attempts` times in all."""
+        for attempt in range(1, attempts + 1):
+            try:
+                for node in self.nodes:
+                    node.start()
+                self._form(timeout_s)
+                return self
+            except FormationTimeout:
+                self.stop()
+                if attempt == attempts:
+                    raise
+                self._make_nodes()
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _form(self, timeout_s: float) -> None:
@@ -133,6 +146,10 @@ def slot_range(index: int, count: int) -> tuple[int, int]:
     return low, high
 
 
+class FormationTimeout(RuntimeError):
+    """The cluster did not form (or recover) within its deadline."""
+
+
 def _wait(predicate, deadline: float, what: str) -> None:
     while time.monotonic() < deadline:
         try:
@@ -141,7 +158,7 @@ def _wait(predicate, deadline: float, what: str) -> None:
         except redis.RedisError:
             pass
         time.sleep(0.05)
-    raise RuntimeError(f"embedded Redis Cluster: {what}")
+    raise FormationTimeout(f"embedded Redis Cluster: {what}")
 
 
 def _known(client: redis.Redis) -> list[str]:
