@@ -121,6 +121,13 @@ class EngineConfig:
     swap_space: ByteSize = Field(
         4 << 30, ge=0, validation_alias=AliasChoices("swap_space", "swap_space_bytes"),
         description="host memory for swapped-out KV; when it is full, preemption recomputes")
+    kv_offloading_size: float = Field(0.0, ge=0, json_schema_extra={"default_text": "0 (off)"},
+                                      description=(
+        "GiB of host memory (vLLM's spelling) for a second tier of the prefix cache: blocks "
+        "evicted from the KV pool are copied there (least recently used dropped when full) and "
+        "a request whose prefix is there gets them back instead of recomputing them (pinned on "
+        "CUDA; on the CPU memory beside kv_memory; docs/OPERATIONS.md, \"The host tier\"). "
+        "0: off, nothing allocated"))
     attention_backend: AttentionBackend = Field("auto", description=(
         "`auto`: `triton` (the Triton paged-attention kernel) on CUDA where the triton package "
         "imports; on a CPU `cpu` (the C++ paged-attention kernels, built on first use with "
@@ -210,6 +217,17 @@ class EngineConfig:
                              f"({self.max_loras}): a step's adapters are all loaded")
         return self
 
+    @model_validator(mode="after")
+    def _check_offloading(self) -> EngineConfig:
+        # the tier's restores are copied into rank 0's pool only, and into the target's pool,
+        # not a draft model's: refused rather than served wrong
+        if self.kv_offloading_size and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size is not supported with tensor parallelism yet")
+        spec = self.speculative_config
+        if self.kv_offloading_size and spec is not None and spec.method == "draft_model":
+            raise ValueError("kv_offloading_size is not supported with a draft model yet")
+        return self
+
     @property
     def lora_cache_size(self) -> int:
         """Adapters kept loaded in host memory: max_cpu_loras, else 4 x max_loras."""
@@ -222,3 +240,7 @@ class EngineConfig:
     @property
     def swap_space_bytes(self) -> int:
         return self.swap_space
+
+    @property
+    def kv_offloading_size_bytes(self) -> int:
+        return int(self.kv_offloading_size * (1 << 30))

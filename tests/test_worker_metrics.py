@@ -43,6 +43,36 @@ class FakeStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    prefix_host_hit_tokens: int = 0
+    kv_offload_capacity_bytes: int = 0
+    kv_offload_used_bytes: int = 0
+    kv_offloaded_blocks: int = 0
+    kv_offload_evicted_blocks: int = 0
+    kv_offload_restored_blocks: int = 0
+
+
+def test_host_tier_counts_hits_by_tier_and_its_blocks():
+    metrics = WorkerMetrics("w1", "tiny", clock=FakeClock())
+    metrics.update_stats(FakeStats())
+    assert value(metrics, "kvfleet_worker_kv_offload_capacity_bytes") == 0  # off: all zeros
+    assert value(metrics, "kvfleet_worker_prefix_cache_tier_hit_tokens_total", tier="host") == 0
+    metrics.update_stats(FakeStats(prefix_queried_tokens=100, prefix_hit_tokens=48,
+                                   prefix_host_hit_tokens=32, kv_offload_capacity_bytes=1 << 20,
+                                   kv_offload_used_bytes=4096, kv_offloaded_blocks=10,
+                                   kv_offload_evicted_blocks=2, kv_offload_restored_blocks=8))
+    metrics.update_stats(FakeStats(prefix_queried_tokens=150, prefix_hit_tokens=64,
+                                   prefix_host_hit_tokens=40, kv_offload_capacity_bytes=1 << 20,
+                                   kv_offload_used_bytes=8192, kv_offloaded_blocks=12,
+                                   kv_offload_evicted_blocks=3, kv_offload_restored_blocks=10))
+    tier_hits = "kvfleet_worker_prefix_cache_tier_hit_tokens_total"
+    assert value(metrics, tier_hits, tier="host") == 40
+    assert value(metrics, tier_hits, tier="device") == 24
+    assert value(metrics, "kvfleet_worker_prefix_cache_hit_tokens_total") == 64
+    assert value(metrics, "kvfleet_worker_kv_offloaded_blocks_total") == 12
+    assert value(metrics, "kvfleet_worker_kv_offload_evicted_blocks_total") == 3
+    assert value(metrics, "kvfleet_worker_kv_offload_restored_blocks_total") == 10
+    assert value(metrics, "kvfleet_worker_kv_offload_used_bytes") == 8192
+    assert value(metrics, "kvfleet_worker_kv_offload_capacity_bytes") == 1 << 20
 
 
 class FakeClock:

@@ -17,6 +17,8 @@ from typing import Protocol
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
                                start_http_server)
 
+from worker.tier_metrics import TierMetrics, TierStats
+
 # Queue wait: from the gateway's XADD to this worker's admission; 1 ms .. 10 min.
 QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                         30.0, 60.0, 120.0, 300.0, 600.0)
@@ -38,7 +40,7 @@ class StepOutput(Protocol):
     finish_reason: str | None
 
 
-class StepStats(Protocol):
+class StepStats(TierStats, Protocol):
     """What the metrics read of `worker.engine.engine.EngineStats` (counts are cumulative)."""
 
     num_blocks_total: int
@@ -143,6 +145,7 @@ class WorkerMetrics:
         self._build_counters()
         self._build_gauges()
         self._build_histograms()
+        self.tier = TierMetrics(self.registry, LABELS, self._labels(), CumulativeDelta)
 
     # ---- metric definitions --------------------------------------------------------------
 
@@ -485,6 +488,7 @@ class WorkerMetrics:
         self.grammar_compiles.inc(self._compiles.step(stats.grammar_compiles))
         self.grammar_cache_hits.inc(self._grammar_hits.step(stats.grammar_cache_hits))
         self.cuda_graph_steps.inc(self._graph_steps.step(stats.num_cuda_graph_steps))
+        self.tier.update(stats)
         self.spec_drafts.inc(self._spec_drafts.step(stats.spec_num_drafts))
         self.spec_draft_tokens.inc(self._spec_draft_tokens.step(stats.spec_num_draft_tokens))
         self.spec_accepted.inc(self._spec_accepted.step(stats.spec_num_accepted_tokens))

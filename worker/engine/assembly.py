@@ -6,7 +6,8 @@ The order: the model placed (and sharded) on the device; a draft model placed be
 both are memory in use); the pools; the scheduler with its stop rules, the sampler and the
 output constraints; the model packed for the device, the runner and its decode graphs; the
 draft's runner. The features then: tensor parallelism (its step goes to the other ranks before
-anything else touches the pools), swapping, speculation, LoRA adapters, the pace.
+anything else touches the pools), swapping, the host tier of evicted prefix blocks (its copies
+into the pool after the swaps have read theirs), speculation, LoRA adapters, the pace.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from worker.engine.model_prep import (
 from worker.engine.model_runner import ModelRunner
 from worker.engine.moves import SequenceMoves
 from worker.engine.numerics import Numerics, engine_numerics
+from worker.engine.offloading import HostTier, Offloading
 from worker.engine.pace import Pace
 from worker.engine.pacing import Pacing
 from worker.engine.preemption import PreemptionCostModel, SwapSpace
@@ -81,6 +83,7 @@ class EngineParts:
     speculation: Speculation | None
     features: Features
     moves: SequenceMoves  # its sequences out to and in from other engines (handoffs)
+    tier: HostTier | None  # the host tier of evicted prefix blocks (`--kv-offloading-size`)
 
 
 def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: RankGroup | None,
@@ -112,8 +115,10 @@ def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: Ran
     num_usable_blocks = budget.num_blocks - (graphs_mode is not None)
     if num_usable_blocks < 1:
         raise ValueError("the KV budget holds no block beside the CUDA graphs' scratch block")
+    tier = _host_tier(config, pool)
     block_manager = BlockManager(num_usable_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching,
+                                 tier=None if tier is None else tier.index)
     swap_space = SwapSpace(config.swap_space_bytes // pool.block_bytes)
     preemption = preemption_cost_model(config.preemption, pool, placed.module)
     swapped = SwappedKV(pool, preemption)
@@ -148,6 +153,8 @@ def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: Ran
                  graphs.buckets, graphs.proposal_buckets, time.perf_counter() - started)
     features: list[Feature] = [] if ranks is None else [RankSteps(ranks, runner, config.block_size)]
     features.append(Swapping(swapped))
+    if tier is not None:
+        features.append(Offloading(tier))
     if speculation is not None:
         speculation.start(config, device, dtype, max_model_len, prepared.module.config.vocab_size)
         swapped.followers += [] if speculation.draft is None else [speculation.draft]
@@ -159,7 +166,15 @@ def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: Ran
     return EngineParts(config, ranks, device, dtype, max_model_len, layout.kv_format, backend,
                        budget, pool, block_manager, swap_space, preemption, swapped, pace,
                        scheduler, Sampler(eos), constrained, prepared, prepared.module, gap,
-                       numerics, runner, lora, speculation, registered, moves)
+                       numerics, runner, lora, speculation, registered, moves, tier)
+
+
+def _host_tier(config: EngineConfig, pool: KVCachePool) -> HostTier | None:
+    """The host tier of evicted prefix blocks (`--kv-offloading-size`), or None (off: nothing
+    is allocated, and the block manager drops what it evicts as before)."""
+    if not config.kv_offloading_size_bytes or not config.enable_prefix_caching:
+        return None
+    return HostTier(pool, config.kv_offloading_size_bytes)
 
 
 def _graphs_mode(config: EngineConfig, device: torch.device, ranks: RankGroup | None,

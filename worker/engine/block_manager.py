@@ -10,6 +10,11 @@ to 0 keeps its hash and content and waits in an LRU list; it is evicted only whe
 needed and no never-cached block is free. Blocks are shared only when full and are never written
 again, so a sequence never changes KV another sequence reads.
 
+The host tier (kv_tier.py, `--kv-offloading-size`): with one, a cached block the pool evicts
+is offered to it (`TierIndex.offload`), and a lookup that misses the pool goes on in the tier:
+each further block it holds is brought back into a free pool block, published again and counted
+as a hit (`prefix_host_hit_tokens` when a request takes it), its bytes copied in before the step.
+
 Announcements (prefix-affinity routing): every hash published to or evicted from the cache is
 recorded as a net change since the last `drain_announcements`, which the worker sends to Redis.
 """
@@ -17,8 +22,12 @@ recorded as a net change since the last `drain_announcements`, which the worker 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 from shared.wire.prefix_hash import BlockHash, hash_block, root_hash
+
+if TYPE_CHECKING:
+    from worker.engine.kv_tier import TierIndex
 
 
 class NetChange:
@@ -71,7 +80,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 root: BlockHash | None = None):
+                 root: BlockHash | None = None, tier: TierIndex | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -86,6 +95,9 @@ class BlockManager:
         self._num_published: dict[str, int] = {}  # leading blocks of a table already in the cache
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.tier = tier  # the host tier of evicted blocks; None: evicted blocks are gone
+        self.prefix_host_hit_tokens = 0  # of prefix_hit_tokens, those brought back from the tier
+        self._restored: set[int] = set()  # blocks brought back that no request took yet
         # hashes published to / evicted from the cache since the last drain_announcements;
         # bounded: without drains only published ones, at most num_blocks
         self._announcements = NetChange()
@@ -183,12 +195,44 @@ class BlockManager:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
+        spare = self.num_free_blocks  # free blocks that are not among the hits
+        live = 0  # hits other sequences hold: the request would not take them from the free ones
         for block_hash in self.block_hashes(req_id, token_ids, root)[:max_blocks]:
             block = self._cached.get(block_hash)
+            # from the tier only while the whole request would fit: a request left waiting
+            # would bring blocks back for others to evict again
+            if (block is None and self.tier is not None and spare > 0
+                    and self.blocks_for_tokens(len(token_ids)) - live <= self.num_free_blocks):
+                block = self._restore(block_hash)
             if block is None:
                 break
+            if self.tier is not None:
+                if self._ref_counts[block] == 0:
+                    # most recently used: the restores after it take other blocks
+                    self._evictable.move_to_end(block)
+                    spare -= 1
+                else:
+                    live += 1
             hits.append(block)
         return hits
+
+    def _restore(self, block_hash: BlockHash) -> int | None:
+        """A free block published again as `block_hash`, filled from the host tier before the
+        step (the block stays free, evictable, until a request takes it); None if the tier
+        does not hold it."""
+        if not self.tier.holds(block_hash):
+            return None
+        block = self._take_free_block()
+        if not self.tier.holds(block_hash):  # the block it evicted pushed it out of a full tier
+            self._free_uncached.appendleft(block)
+            return None
+        self._cached[block_hash] = block
+        self._block_hash[block] = block_hash
+        self._announcements.add(block_hash)
+        self._evictable[block] = None
+        self._restored.add(block)
+        self.tier.restore(block_hash, block)
+        return block
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queried_tokens += num_queried_tokens
@@ -218,6 +262,9 @@ class BlockManager:
         for block in cached_blocks:
             if self._ref_counts[block] == 0:
                 del self._evictable[block]
+                if block in self._restored:
+                    self._restored.discard(block)
+                    self.prefix_host_hit_tokens += self.block_size
             self._ref_counts[block] += 1
             table.append(block)
         if cached_blocks:
@@ -249,6 +296,9 @@ class BlockManager:
         if self._cached.get(block_hash) == block:
             del self._cached[block_hash]
             self._announcements.remove(block_hash)
+            if self.tier is not None:
+                self.tier.offload(block_hash, block)
+                self._restored.discard(block)
         self._block_hash[block] = None
         return block
 

@@ -253,6 +253,12 @@ class KVCachePool:
         values = self.kv_format.dequantize(rows, scales.index_select(0, block_rows), dtype)
         return values.view(-1, block_size * head_dim)
 
+    def block_range(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Views of blocks `[start, start + count)` in every layer: values
+        [layers, 2, KVH, count, block_size, D] and scales (8-bit formats; else None)."""
+        return (self._storage[:, :, :, start:start + count],
+                None if self._scales is None else self._scales[:, :, :, start:start + count])
+
     # ---- swapping -----------------------------------------------------------------------------
 
     def copy_out(self, blocks: list[int]) -> HostBlocks:

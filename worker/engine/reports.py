@@ -44,6 +44,13 @@ class EngineStats:
     spec_num_draft_tokens: int = 0  # proposals verified
     spec_num_accepted_tokens: int = 0  # of which accepted
     spec_accepted_per_position: tuple[int, ...] = ()  # [i]: proposals i + 1 accepted
+    # the host tier of evicted prefix blocks (offloading.py; zeros when off)
+    prefix_host_hit_tokens: int = 0  # of prefix_hit_tokens, those brought back from the tier
+    kv_offload_capacity_bytes: int = 0
+    kv_offload_used_bytes: int = 0
+    kv_offloaded_blocks: int = 0  # blocks copied into the tier
+    kv_offload_evicted_blocks: int = 0  # blocks dropped from the full tier
+    kv_offload_restored_blocks: int = 0  # blocks copied back into the pool
 
 
 def engine_stats(bm: BlockManager, sched: Scheduler, runner: ModelRunner, swap_used_bytes: int,
@@ -55,7 +62,8 @@ def engine_stats(bm: BlockManager, sched: Scheduler, runner: ModelRunner, swap_u
         num_blocks_total=bm.num_blocks, num_blocks_free=bm.num_free_blocks,
         num_running=len(sched.running), num_waiting=len(sched.waiting),
         num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queried_tokens,
-        prefix_hit_tokens=bm.prefix_hit_tokens, num_cached_blocks=bm.num_cached_blocks,
+        prefix_hit_tokens=bm.prefix_hit_tokens, prefix_host_hit_tokens=bm.prefix_host_hit_tokens,
+        num_cached_blocks=bm.num_cached_blocks,
         num_generated_tokens=sched.num_generated_tokens,
         num_prefill_tokens_computed=sched.num_prefill_tokens_computed,
         num_swap_preemptions=sched.num_swap_preemptions, swap_used_bytes=swap_used_bytes,

@@ -1,0 +1,203 @@
+"""What the host tier of the prefix cache (`--kv-offloading-size`) buys one worker's engine
+(issue 52, case a): a working set of tenant prefixes four times the KV pool, offload on vs off in
+the same run, alternated.
+
+T tenants (default 8) each have a system prompt of L random tokens (default 1,024); every request
+is one tenant's prefix and its own question (default 16 tokens), greedy, max_tokens 8. Requests
+come tenant after tenant, round-robin, `--concurrency` in flight (a closed loop: one enters as one
+leaves; default 1, since at 4x a pool of 8 tenants' prefixes holds two requests, and a second in
+flight would only wait for room, its TTFT the other's service time), so with the pool holding a quarter of the prefixes, least-recently-used eviction has
+always just dropped the prefix the next request needs: without the tier it recomputes it, with
+the tier it gets it back from host memory. The first pass over the tenants (both sides cold) is
+warm-up, not measured. The pool is sized from the working set (`num_blocks`); the tier holds the
+whole working set. Reported per side: TTFT p50/p90 (add_request to the step that returns the
+first token), output tokens/s and requests/s over the measured requests, prompt tokens computed,
+hits by tier; then the ratios (TTFT p90 off/on, throughput on/off), medians over `--repeats`
+alternated pairs, and whether the answers are identical on and off.
+
+    .venv/bin/python -m benchmarks.kv_tiers                     # the default run
+    .venv/bin/python -m benchmarks.kv_tiers --tenants 4 --prefix-tokens 256 --passes 2  # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks.engine_throughput import greedy, load_model
+from benchmarks.prefix_cache import percentile, random_tokens
+from shared.models import DEFAULT_MODEL, resolve_model_path
+from worker.engine.engine import Engine, EngineConfig
+
+
+@dataclass
+class Side:
+    """One run of the workload through a fresh engine, the tier on or off."""
+
+    label: str
+    seconds: float = 0.0  # of the measured requests: from the first one's add to the last's end
+    output_tokens: int = 0
+    requests: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)  # every request's, in order
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds
+
+    def line(self) -> str:
+        s = self.stats
+        return (f"  {self.label:>3}: TTFT p50 {percentile(self.ttft_s, 50) * 1000:7.1f} ms, p90 "
+                f"{percentile(self.ttft_s, 90) * 1000:7.1f} ms; {self.tokens_per_s:6.1f} output "
+                f"tok/s, {self.requests_per_s:5.2f} req/s; prompt tokens computed "
+                f"{s['num_prefill_tokens_computed']:,}; hits device "
+                f"{s['prefix_hit_tokens'] - s['prefix_host_hit_tokens']:,} host "
+                f"{s['prefix_host_hit_tokens']:,} of {s['prefix_queried_tokens']:,}; offloaded "
+                f"{s['kv_offloaded_blocks']} blocks, restored {s['kv_offload_restored_blocks']}")
+
+
+def workload(args, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    prefixes = [random_tokens(rng, args.prefix_tokens, vocab_size) for _ in range(args.tenants)]
+    return [prefixes[i % args.tenants] + random_tokens(rng, args.question_tokens, vocab_size)
+            for i in range(args.tenants * args.passes)]
+
+
+def drive(model, config: EngineConfig, label: str, prompts: list[list[int]], args) -> Side:
+    """A closed loop of `concurrency` requests; the first `tenants` are warm-up."""
+    engine = Engine(copy.deepcopy(model), config)
+    side = Side(label, outputs=[[] for _ in prompts])
+    added: dict[str, tuple[int, float]] = {}
+    first_token: dict[int, float] = {}
+    next_index, start = 0, None
+    while next_index < len(prompts) or engine.has_unfinished():
+        while next_index < len(prompts) and len(added) < args.concurrency:
+            if next_index == args.tenants:  # the measured part starts with its first request
+                start = time.perf_counter()
+            req_id = f"{label}-{next_index}"
+            engine.add_request(req_id, prompts[next_index], greedy(args.max_tokens))
+            added[req_id] = (next_index, time.perf_counter())
+            next_index += 1
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.error:
+                raise RuntimeError(f"{out.req_id} failed: {out.error}")
+            index, at = added[out.req_id]
+            if out.new_token_ids and index not in first_token:
+                first_token[index] = now - at
+            side.outputs[index].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                del added[out.req_id]
+    side.seconds = time.perf_counter() - start
+    measured = range(args.tenants, len(prompts))
+    side.ttft_s = [first_token[i] for i in measured]
+    side.output_tokens = sum(len(side.outputs[i]) for i in measured)
+    side.requests = len(measured)
+    assert all(len(o) == args.max_tokens for o in side.outputs), "a request stopped short"
+    side.stats = vars(engine.stats())
+    del engine
+    gc.collect()
+    return side
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--question-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--passes", type=int, default=3, help="passes over the tenants (first: warm-up)")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--working-set-ratio", type=float, default=4.0,
+                   help="the tenants' prefixes over the pool's tokens")
+    p.add_argument("--repeats", type=int, default=2, help="on/off pairs, alternated")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    probe = Engine(load_model(path, torch.float32), EngineConfig(device="cpu", dtype=args.dtype,
+                                                                  num_blocks=4))
+    dtype, block_size = probe.dtype, probe.config.block_size
+    block_bytes, vocab_size = probe.pool.block_bytes, probe.model.config.vocab_size
+    del probe
+    model = load_model(path, dtype)
+    working_set = args.tenants * args.prefix_tokens
+    num_blocks = int(working_set / args.working_set_ratio) // block_size
+    request_blocks = -(-(args.prefix_tokens + args.question_tokens + args.max_tokens) // block_size)
+    if num_blocks <= request_blocks:
+        sys.exit(f"a pool of {num_blocks} blocks would not hold one request ({request_blocks}): "
+                 f"more tenants, or a smaller --working-set-ratio")
+    tier_gib = 1.25 * (working_set // block_size + args.tenants) * block_bytes / (1 << 30)
+    prompts = workload(args, vocab_size)
+    base = dict(device="cpu", dtype=args.dtype, num_blocks=num_blocks,
+                max_running=args.concurrency)
+    print(f"# kv_tiers (a): {args.model}, {str(dtype).removeprefix('torch.')}, block size "
+          f"{block_size}; {args.tenants} tenants x {args.prefix_tokens}-token prefix = "
+          f"{working_set:,} tokens, pool {num_blocks * block_size:,} tokens "
+          f"({working_set / (num_blocks * block_size):.1f}x), tier {tier_gib:.3f} GiB; "
+          f"{len(prompts) - args.tenants} measured requests (+{args.tenants} warm-up), "
+          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}; "
+          f"{torch.get_num_threads()} torch threads on {platform.processor() or platform.machine()}",
+          flush=True)
+    sides: dict[str, list[Side]] = {"on": [], "off": []}
+    for repeat in range(args.repeats):
+        for label in (("off", "on") if repeat % 2 == 0 else ("on", "off")):
+            size = tier_gib if label == "on" else 0.0
+            side = drive(model, EngineConfig(**base, kv_offloading_size=size), label, prompts, args)
+            sides[label].append(side)
+            print(side.line(), flush=True)
+    median = {label: {"ttft_p90_s": statistics.median(percentile(s.ttft_s, 90) for s in runs),
+                      "ttft_p50_s": statistics.median(percentile(s.ttft_s, 50) for s in runs),
+                      "tokens_per_s": statistics.median(s.tokens_per_s for s in runs),
+                      "requests_per_s": statistics.median(s.requests_per_s for s in runs)}
+              for label, runs in sides.items()}
+    on, off = median["on"], median["off"]
+    ttft_ratio = off["ttft_p90_s"] / on["ttft_p90_s"]
+    throughput_ratio = on["tokens_per_s"] / off["tokens_per_s"]
+    identical = all(a.outputs == b.outputs for a in sides["on"] for b in sides["off"])
+    print("\n| medians | TTFT p50 | TTFT p90 | output tok/s | req/s |\n|---|---|---|---|---|")
+    for label in ("off", "on"):
+        m = median[label]
+        print(f"| tier {label} | {m['ttft_p50_s'] * 1000:.1f} ms | {m['ttft_p90_s'] * 1000:.1f} ms "
+              f"| {m['tokens_per_s']:.1f} | {m['requests_per_s']:.2f} |")
+    print(f"\nRATIO TTFT p90 off/on = {ttft_ratio:.1f}x (target >= 5x) -> "
+          f"{'MET' if ttft_ratio >= 5 else 'MISSED'}")
+    print(f"RATIO throughput on/off = {throughput_ratio:.2f}x (target >= 2x) -> "
+          f"{'MET' if throughput_ratio >= 2 else 'MISSED'}")
+    print(f"answers identical on and off: {identical}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "median": median, "ttft_p90_ratio": ttft_ratio,
+                       "throughput_ratio": throughput_ratio, "identical": identical,
+                       "runs": {k: [{"ttft_s": s.ttft_s, "seconds": s.seconds, **s.stats}
+                                    for s in v] for k, v in sides.items()}}, f, indent=1)
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
