@@ -91,6 +91,19 @@ def test_evicted_prefix_comes_back_from_the_tier_with_the_same_answers(tiny, dty
     assert plain.prefix_host_hit_tokens == plain.kv_offloaded_blocks == 0
 
 
+def test_seeded_answers_at_the_default_settings_are_the_same_with_the_tier(tiny_llama):
+    config = dict(dtype="auto")  # the engine's defaults: bf16 where the CPU has it
+    seeded = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    size = tier_gib(64, block_bytes_of(tiny_llama, **config))
+    work = prefixes(TENANTS)
+    without = run_turns(tiny_llama.engine(num_blocks=SMALL_POOL, **config), work, params=seeded)
+    engine = tiny_llama.engine(num_blocks=SMALL_POOL, kv_offloading_size=size, **config)
+    assert run_turns(engine, work, params=seeded) == [
+        (tokens, logprobs, cached + PREFIX * (i >= TENANTS))
+        for i, (tokens, logprobs, cached) in enumerate(without)]
+    assert engine.stats().prefix_host_hit_tokens == TENANTS * PREFIX
+
+
 def test_device_hits_are_not_counted_as_host_hits(tiny_llama):
     engine = tiny_llama.engine(num_blocks=256,
                                kv_offloading_size=tier_gib(16, block_bytes_of(tiny_llama)))
