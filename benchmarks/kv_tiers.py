@@ -15,6 +15,10 @@ first token), output tokens/s and requests/s over the measured requests, prompt 
 hits by tier; then the ratios (TTFT p90 off/on, throughput on/off), medians over `--repeats`
 alternated pairs, and whether the answers are identical on and off.
 
+Then the issue's per-hit target: one 2,000-token prefix (`--long-prefix-tokens`) served, pushed
+out of a pool that holds one request by another prefix, and asked for again: that request's TTFT
+with the tier (its blocks brought back) against without (recomputed), medians over the repeats.
+
     .venv/bin/python -m benchmarks.kv_tiers                     # the default run
     .venv/bin/python -m benchmarks.kv_tiers --tenants 4 --prefix-tokens 256 --passes 2  # quick
 """
@@ -129,48 +133,63 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--working-set-ratio", type=float, default=4.0,
                    help="the tenants' prefixes over the pool's tokens")
     p.add_argument("--repeats", type=int, default=2, help="on/off pairs, alternated")
+    p.add_argument("--long-prefix-tokens", type=int, default=2000,
+                   help="the per-hit part's prefix (0: skip it)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
-    probe = Engine(load_model(path, torch.float32), EngineConfig(device="cpu", dtype=args.dtype,
-                                                                  num_blocks=4))
-    dtype, block_size = probe.dtype, probe.config.block_size
-    block_bytes, vocab_size = probe.pool.block_bytes, probe.model.config.vocab_size
-    del probe
-    model = load_model(path, dtype)
-    working_set = args.tenants * args.prefix_tokens
-    num_blocks = int(working_set / args.working_set_ratio) // block_size
-    request_blocks = -(-(args.prefix_tokens + args.question_tokens + args.max_tokens) // block_size)
-    if num_blocks <= request_blocks:
-        sys.exit(f"a pool of {num_blocks} blocks would not hold one request ({request_blocks}): "
-                 f"more tenants, or a smaller --working-set-ratio")
-    tier_gib = 1.25 * (working_set // block_size + args.tenants) * block_bytes / (1 << 30)
-    prompts = workload(args, vocab_size)
-    base = dict(device="cpu", dtype=args.dtype, num_blocks=num_blocks,
-                max_running=args.concurrency)
-    print(f"# kv_tiers (a): {args.model}, {str(dtype).removeprefix('torch.')}, block size "
-          f"{block_size}; {args.tenants} tenants x {args.prefix_tokens}-token prefix = "
-          f"{working_set:,} tokens, pool {num_blocks * block_size:,} tokens "
-          f"({working_set / (num_blocks * block_size):.1f}x), tier {tier_gib:.3f} GiB; "
-          f"{len(prompts) - args.tenants} measured requests (+{args.tenants} warm-up), "
-          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}; "
-          f"{torch.get_num_threads()} torch threads on {platform.processor() or platform.machine()}",
-          flush=True)
+class Setup:
+    """What both parts share: the model in the engine's dtype, its block size and block bytes."""
+
+    def __init__(self, args):
+        path = resolve_model_path(args.model)
+        probe = Engine(load_model(path, torch.float32),
+                       EngineConfig(device="cpu", dtype=args.dtype, num_blocks=4))
+        self.dtype, self.block_size = probe.dtype, probe.config.block_size
+        self.block_bytes, self.vocab_size = probe.pool.block_bytes, probe.model.config.vocab_size
+        del probe
+        self.model = load_model(path, self.dtype)
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def gib(self, num_blocks: int) -> float:
+        return num_blocks * self.block_bytes / (1 << 30)
+
+
+def alternated(args, setup: Setup, base: dict, tier_gib: float, prompts: list[list[int]],
+               loop) -> dict[str, list[Side]]:
     sides: dict[str, list[Side]] = {"on": [], "off": []}
     for repeat in range(args.repeats):
         for label in (("off", "on") if repeat % 2 == 0 else ("on", "off")):
             size = tier_gib if label == "on" else 0.0
-            side = drive(model, EngineConfig(**base, kv_offloading_size=size), label, prompts, args)
+            side = drive(setup.model, EngineConfig(**base, kv_offloading_size=size), label,
+                         prompts, loop)
             sides[label].append(side)
             print(side.line(), flush=True)
+    return sides
+
+
+def working_set_part(args, setup: Setup) -> dict:
+    working_set = args.tenants * args.prefix_tokens
+    num_blocks = int(working_set / args.working_set_ratio) // setup.block_size
+    request_blocks = setup.blocks(args.prefix_tokens + args.question_tokens + args.max_tokens)
+    if num_blocks <= request_blocks:
+        sys.exit(f"a pool of {num_blocks} blocks would not hold one request ({request_blocks}): "
+                 f"more tenants, or a smaller --working-set-ratio")
+    tier_gib = 1.25 * setup.gib(working_set // setup.block_size + args.tenants)
+    prompts = workload(args, setup.vocab_size)
+    print(f"\n## (a) {args.tenants} tenants x {args.prefix_tokens}-token prefix = "
+          f"{working_set:,} tokens, pool {num_blocks * setup.block_size:,} tokens "
+          f"({working_set / (num_blocks * setup.block_size):.1f}x), tier {tier_gib:.3f} GiB; "
+          f"{len(prompts) - args.tenants} measured requests (+{args.tenants} warm-up), "
+          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}", flush=True)
+    base = dict(device="cpu", dtype=args.dtype, num_blocks=num_blocks,
+                max_running=args.concurrency)
+    sides = alternated(args, setup, base, tier_gib, prompts, args)
     median = {label: {"ttft_p90_s": statistics.median(percentile(s.ttft_s, 90) for s in runs),
                       "ttft_p50_s": statistics.median(percentile(s.ttft_s, 50) for s in runs),
                       "tokens_per_s": statistics.median(s.tokens_per_s for s in runs),
@@ -189,14 +208,50 @@ def main(argv=None) -> int:
           f"{'MET' if ttft_ratio >= 5 else 'MISSED'}")
     print(f"RATIO throughput on/off = {throughput_ratio:.2f}x (target >= 2x) -> "
           f"{'MET' if throughput_ratio >= 2 else 'MISSED'}")
-    print(f"answers identical on and off: {identical}")
+    print(f"answers identical on and off: {identical}", flush=True)
+    return {"median": median, "ttft_p90_ratio": ttft_ratio, "throughput_ratio": throughput_ratio,
+            "identical": identical,
+            "runs": {k: [{"ttft_s": s.ttft_s, "seconds": s.seconds, **s.stats} for s in v]
+                     for k, v in sides.items()}}
+
+
+def long_prefix_part(args, setup: Setup) -> dict:
+    rng = random.Random(args.seed + 1)
+    long, other = (random_tokens(rng, args.long_prefix_tokens, setup.vocab_size)
+                   for _ in range(2))
+    prompts = [prefix + random_tokens(rng, args.question_tokens, setup.vocab_size)
+               for prefix in (long, other, long)]
+    # exactly one request: the other prefix's request evicts every block of the first
+    num_blocks = setup.blocks(args.long_prefix_tokens + args.question_tokens + args.max_tokens)
+    print(f"\n## one {args.long_prefix_tokens:,}-token prefix pushed out of a pool that holds one "
+          f"request ({num_blocks} blocks) and asked for again: its TTFT", flush=True)
+    loop = argparse.Namespace(tenants=2, concurrency=1, max_tokens=args.max_tokens)
+    base = dict(device="cpu", dtype=args.dtype, num_blocks=num_blocks, max_running=1)
+    sides = alternated(args, setup, base, 1.25 * setup.gib(2 * num_blocks), prompts, loop)
+    ttft = {label: statistics.median(s.ttft_s[0] for s in runs) for label, runs in sides.items()}
+    ratio = ttft["off"] / ttft["on"]
+    print(f"RATIO {args.long_prefix_tokens:,}-token prefix from the tier vs recomputed: TTFT "
+          f"{ttft['on'] * 1000:.1f} vs {ttft['off'] * 1000:.1f} ms = {ratio:.1f}x "
+          f"(target >= 5x) -> {'MET' if ratio >= 5 else 'MISSED'}", flush=True)
+    return {"ttft_s": ttft, "ratio": ratio}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    setup = Setup(args)
+    print(f"# kv_tiers: {args.model}, {str(setup.dtype).removeprefix('torch.')}, block size "
+          f"{setup.block_size}; {args.repeats} alternated on/off pairs; "
+          f"{torch.get_num_threads()} torch threads on {platform.processor() or platform.machine()}",
+          flush=True)
+    results = {"args": vars(args), "working_set": working_set_part(args, setup)}
+    if args.long_prefix_tokens:
+        results["long_prefix"] = long_prefix_part(args, setup)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "median": median, "ttft_p90_ratio": ttft_ratio,
-                       "throughput_ratio": throughput_ratio, "identical": identical,
-                       "runs": {k: [{"ttft_s": s.ttft_s, "seconds": s.seconds, **s.stats}
-                                    for s in v] for k, v in sides.items()}}, f, indent=1)
-    return 0 if identical else 1
+            json.dump(results, f, indent=1)
+    return 0 if results["working_set"]["identical"] else 1
 
 
 if __name__ == "__main__":
