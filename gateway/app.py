@@ -40,7 +40,7 @@ from gateway.openai.serving_completion import CompletionServing
 from gateway.openai.serving_reattach import ReattachServing
 from gateway.openai.tokenization import ModelInfo, PromptProcessor
 from gateway.output.background import BackgroundTasks
-from shared.models import load_tokenizer, resolve_model_path, served_model_id
+from shared.models import load_tokenizer, resolve_model_path
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
         model_path = resolve_model_path(settings.model, settings.cache_dir)
         tokenizer = tokenizer or load_tokenizer(model_path)
         model_info = model_info or ModelInfo.from_pretrained(
-            served_model_id(settings.model), model_path, tokenizer)
-    served_id = model_info.served_id
+            settings.served_names()[0], model_path, tokenizer)
+    served_id = model_info.served_id  # the first served name: the others are its aliases
     pinned = check_startup_adapters(settings, served_id)
     background = BackgroundTasks()
     samplers: list[HistorySampler] = []
@@ -168,9 +168,11 @@ def _metrics(client: EngineClient, served_id: str) -> GatewayMetrics:
 def _served_models(settings: GatewaySettings, redis: RedisContext | None,
                    serving_of: Callable[[PromptProcessor], ModelServing], default: ModelServing,
                    prefix_router) -> ServedModels:
-    """The default model (loaded) and the fleet's other models and adapters (read from Redis;
-    the router follows each model as soon as a live worker serves it)."""
-    catalog = ModelCatalog(default.info.served_id, settings.model, redis)
+    """The default model (loaded; its other served names as aliases) and the fleet's other models
+    and adapters (read from Redis; the router follows each model as soon as a live worker serves
+    it)."""
+    aliases = [name for name in settings.served_names() if name != default.info.served_id]
+    catalog = ModelCatalog(default.info.served_id, settings.model, redis, aliases=aliases)
     if prefix_router is not None:
         catalog.on_new_model.append(prefix_router.follow)
     loader = ModelLoader(serving_of, settings.cache_dir)

@@ -31,7 +31,7 @@ class LocalFleet:
     are not."""
 
     def __init__(self, num_workers: int, env: dict[str, str], models: list[str] | None = None,
-                 *, prefill_workers: int = 0, decode_workers: int = 0):
+                 *, prefill_workers: int = 0, decode_workers: int = 0, named_model: str = ""):
         roles = [""] * num_workers + ["prefill"] * prefill_workers + ["decode"] * decode_workers
         # worker slot -> the model it serves and its role ("": the fleet's --model, --role, as
         # the child reads them)
@@ -39,6 +39,7 @@ class LocalFleet:
         self.worker_models = [model for model, _ in slots]
         self.worker_roles = [role for _, role in slots]
         self.num_workers = len(slots)
+        self.named_model = named_model  # the model --served-model-name names (--model)
         self.env = env
         self.gateway: subprocess.Popen | None = None
         self.batch: subprocess.Popen | None = None
@@ -53,6 +54,9 @@ class LocalFleet:
         extra = {"KVFLEET_WORKER_ID": f"{os.uname().nodename}-w{index}-{os.getpid()}"}
         if self.worker_models[index]:
             extra["KVFLEET_MODEL"] = self.worker_models[index]
+            if self.worker_models[index] != self.named_model:
+                # --served-model-name names --model: another model's workers serve their own id
+                extra["KVFLEET_SERVED_MODEL_NAME"] = ""
         if self.worker_roles[index]:
             extra["KVFLEET_ROLE"] = self.worker_roles[index]
         # Each worker's KV transfer plane listens on a free port of its own (KVFLEET_HANDOFF_PORT
@@ -174,7 +178,7 @@ def run_fleet(num_workers: int | None, env: dict[str, str]) -> int:
     for model in dict.fromkeys([settings.model, *models]):
         resolve_model_path(model, settings.cache_dir)
     fleet = LocalFleet(num_workers, env, models, prefill_workers=settings.prefill_workers,
-                       decode_workers=settings.decode_workers)
+                       decode_workers=settings.decode_workers, named_model=settings.model)
     try:
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         gateway_url = f"http://{host}:{settings.port}"

@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.engine_config import ENGINE_ONLY, EngineConfig
 from shared.lora import parse_lora_module
-from shared.models import DEFAULT_MODEL, default_cache_dir
+from shared.models import DEFAULT_MODEL, default_cache_dir, served_model_id
 from shared.wire.keys import Keys
 
 
@@ -37,6 +37,16 @@ class CommonSettings(BaseSettings):
         "`random:<shape>`: random weights of a real model's shape for benchmarks "
         "(llama-3.2-1b, llama-3.2-3b, qwen2.5-1.5b, qwen3-moe-30b-a3b-8l32e; "
         "shared/model_shapes.py)"))
+    # Not a JSON-decoded variable (NoDecode): the validator reads vLLM's spellings itself.
+    served_model_name: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, json_schema_extra={
+            "default_text": "`--model`'s directory name (an id: the id itself)"}, description=(
+            "the names the model is served under, as vLLM's flag: `--served-model-name "
+            "HuggingFaceTB/SmolLM2-135M-Instruct smol` (or comma-separated; the variable the "
+            "same, or a JSON list). The first is the model's name in /v1/models, in answers, "
+            "metrics labels, the fleet's Redis keys and the prefix hash; requests may name any "
+            "of them; the tokenizer still loads from --model. Gateways and workers of one model "
+            "must give the same first name; `kvfleet up` gives them to --model's workers"))
     key_prefix: str = Field("kvf:", description="prefix of every Redis key")
     queue_shards: int = Field(1, ge=1, description=(
         "stream shards per model: 1 on a single Redis, about one per primary on a cluster; "
@@ -54,9 +64,33 @@ class CommonSettings(BaseSettings):
         "the model's shared streams, taken by whichever worker has room (docs/ARCHITECTURE.md, "
         "\"Prefix-affinity routing\")"))
 
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _split_served_model_name(cls, value) -> list[str]:
+        return split_served_names(value)
+
     def keys(self) -> Keys:
         """The fleet's key names (prefix and stream shards)."""
         return Keys(self.key_prefix, queue_shards=self.queue_shards)
+
+    def served_names(self) -> list[str]:
+        """The model's names (`--served-model-name`, else its served id): the first is the one
+        reported and the one the fleet's keys and prefix hashes are made from."""
+        return self.served_model_name or [served_model_id(self.model)]
+
+
+def split_served_names(value) -> list[str]:
+    """`--served-model-name`'s names, in order, each once: from a list of entries (the flag's
+    words) or a text (the variable), split at spaces and commas; a text starting with `[` is a
+    JSON list (what `kvfleet up` passes its children)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip().startswith("[") else [value]
+    if not isinstance(value, list) or not all(isinstance(entry, str) for entry in value):
+        raise ValueError("served_model_name: names expected, as text or a JSON list of text")
+    names = [name for entry in value for name in re.split(r"[\s,]+", entry) if name]
+    return list(dict.fromkeys(names))
 
 
 class BatchApiSettings(CommonSettings):

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from shared.models import resolve_model_path, served_model_id
+from shared.models import resolve_model_path
 from shared.settings import WorkerSettings
 from shared.redis_connect import connect
 from worker.cpu_share import cpu_share
@@ -107,18 +107,24 @@ def run_worker(settings: WorkerSettings, stop: threading.Event | None = None,
         engine.close()  # tensor-parallel ranks stop with rank 0
 
 
+def worker_protocol(settings: WorkerSettings, client, worker_id: str,
+                    numerics: str = "") -> WorkerProtocol:
+    """The worker's side of the fleet's Redis, for the model's first served name
+    (`--served-model-name`, else its served id): its streams, heartbeat, announced blocks."""
+    return WorkerProtocol(client, settings.keys(), settings.served_names()[0], worker_id,
+                          result_ttl_s=settings.result_ttl_s,
+                          steal_after_ms=settings.steal_after_ms,
+                          affinity_steal_after_ms=settings.affinity_steal_after_ms,
+                          owners_refresh_s=settings.heartbeat_interval_s,
+                          owner_gone_grace_s=settings.heartbeat_ttl_s, numerics=numerics)
+
+
 def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
            stop: threading.Event, drain: threading.Event) -> None:
     # Socket timeout above the blocking XREADGROUP's BLOCK, so a quiet stream never times out.
     client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5,
                      health_check_interval=30)
-    protocol = WorkerProtocol(client, settings.keys(), served_model_id(settings.model),
-                              worker_id, result_ttl_s=settings.result_ttl_s,
-                              steal_after_ms=settings.steal_after_ms,
-                              affinity_steal_after_ms=settings.affinity_steal_after_ms,
-                              owners_refresh_s=settings.heartbeat_interval_s,
-                              owner_gone_grace_s=settings.heartbeat_ttl_s,
-                              numerics=engine.numerics.fingerprint)
+    protocol = worker_protocol(settings, client, worker_id, engine.numerics.fingerprint)
     metrics = WorkerMetrics(worker_id, protocol.model, settings.cost_per_hour)
     metrics_url = None
     if settings.metrics_port >= 0:

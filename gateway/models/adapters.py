@@ -39,19 +39,23 @@ class StartupAdapter:
     base_model: str
 
 
-def startup_adapters(entries: list[str], default_model: str) -> list[StartupAdapter]:
-    """`--lora-modules` as adapters of the default model; ValueError names a bad entry."""
+def startup_adapters(entries: list[str], default_model: str,
+                     aliases: list[str] | tuple[str, ...] = ()) -> list[StartupAdapter]:
+    """`--lora-modules` as adapters of the default model (a base named by one of its `aliases`
+    is the default model, by its first served name); ValueError names a bad entry."""
     adapters: dict[str, StartupAdapter] = {}
+    names = {default_model, *aliases}
     for entry in entries:
         name, path = parse_lora_module(entry)
         base = default_model
         if entry.strip().startswith("{"):
             base = json.loads(entry).get("base_model_name") or default_model
-        if base != default_model:
+        if base not in names:
             raise ValueError(f"--lora-modules {name}: base_model_name `{base}` is not --model "
                              f"(`{default_model}`); register adapters of other models at run "
                              "time (POST /v1/load_lora_adapter)")
-        if name == default_model:
+        base = default_model
+        if name in names:
             raise ValueError(f"--lora-modules: `{name}` is the served model's own name")
         if name in adapters:
             raise ValueError(f"--lora-modules: the name `{name}` is given twice")
@@ -62,7 +66,7 @@ def startup_adapters(entries: list[str], default_model: str) -> list[StartupAdap
 def check_startup_adapters(settings: GatewaySettings, served_id: str) -> list[LoraRecord]:
     """The start-up adapters as pinned records, each checked against the default model (blocking:
     at start); ValueError says which one is bad and why."""
-    adapters = startup_adapters(settings.lora_modules, served_id)
+    adapters = startup_adapters(settings.lora_modules, served_id, settings.served_names())
     if not adapters:
         return []
     config = read_model_config(settings.model, settings.cache_dir)
@@ -111,7 +115,8 @@ class AdapterRegistry:
         if self._redis is None:
             raise APIError(503, "The adapter registry needs the fleet's Redis.",
                            error_type="service_unavailable")
-        base = base_model or self._catalog.default_model
+        # an alias of the default model names it: the record's `parent` is its first name
+        base = self._catalog.canonical(base_model or self._catalog.default_model)
         await self._check_names(name, base)
         config = await self._models.config(base)
         try:

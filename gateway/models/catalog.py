@@ -7,7 +7,9 @@ every REFRESH_S, and at once when a request names something it does not know (at
 MISS_REFRESH_S however many such requests come, so a client naming nonsense costs little Redis;
 concurrent misses wait for the one refresh).
 Names are one namespace: a served model wins over an adapter of the same name (registration
-refuses such a name, but a worker may start serving it later).
+refuses such a name, but a worker may start serving it later). The default model's other served
+names (`--served-model-name`'s after the first) are aliases: a request naming one is a request
+for the default model under its first name (its queues, answers and metrics label).
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ class ModelCatalog:
     registered adapters, replaced whole at each refresh (readers never see half of one)."""
 
     def __init__(self, default_model: str, default_source: str, redis: RedisContext | None,
-                 *, refresh_s: float = REFRESH_S, miss_refresh_s: float = MISS_REFRESH_S,
+                 *, aliases: list[str] | tuple[str, ...] = (), refresh_s: float = REFRESH_S,
+                 miss_refresh_s: float = MISS_REFRESH_S,
                  clock: Callable[[], float] = time.monotonic):
         self.default_model = default_model
+        self.aliases = {alias: default_model for alias in aliases if alias != default_model}
         self._default_source = default_source
         self._redis = redis
         self.refresh_s = refresh_s
@@ -73,6 +77,7 @@ class ModelCatalog:
 
     def lookup(self, name: str) -> Target | None:
         """What `name` means now, from the last refresh; None if nothing."""
+        name = self.canonical(name)
         if name in self.sources:
             return Target.of_model(name)
         record = self.adapters.get(name)
@@ -90,8 +95,13 @@ class ModelCatalog:
             raise model_not_found(name)
         return target
 
+    def canonical(self, name: str) -> str:
+        """The served model an alias names (its first served name); any other name as it is."""
+        return self.aliases.get(name, name)
+
     def is_served_model(self, name: str) -> bool:
-        return name in self.sources
+        """`name` is a served model's name or an alias of one."""
+        return self.canonical(name) in self.sources
 
     # ---- refreshing --------------------------------------------------------------------
 
