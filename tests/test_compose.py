@@ -23,6 +23,7 @@ from shared.wire import Keys
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 KVFLEET_SERVICES = ("gateway", "worker", "worker-cpu", "batch")
+OBSERVABILITY_SERVICES = ("prometheus", "grafana")  # --profile observability
 REDIS_URL = "redis://redis:6379/0"
 # Compose variables the tests set, so that they must reach the right places.
 CUSTOM = {"KVFLEET_GATEWAY_HOST_PORT": "18123", "KVFLEET_REDIS_HOST_PORT": "16399",
@@ -70,7 +71,8 @@ def load_compose(source: str, env: dict[str, str], *extra_files: Path,
     base_env = {k: v for k, v in os.environ.items()
                 if not k.startswith(("KVFLEET_", "COMPOSE_"))}
     result = subprocess.run(
-        ["docker", "compose", *files, "--profile", "cpu", "--profile", "gpu", "config",
+        ["docker", "compose", *files, "--profile", "cpu", "--profile", "gpu", "--profile",
+         "observability", "config",
          "--format", "json"], capture_output=True, text=True, timeout=60, cwd=ROOT,
         env={**base_env, **env})
     assert result.returncode == 0, f"docker compose config rejected the file:\n{result.stderr}"
@@ -133,7 +135,7 @@ def gpu_devices(service: dict) -> list[dict]:
 
 
 def test_the_services_are_the_fleet(compose):
-    assert set(compose["services"]) == {"redis", *KVFLEET_SERVICES}
+    assert set(compose["services"]) == {"redis", *KVFLEET_SERVICES, *OBSERVABILITY_SERVICES}
 
 
 def test_redis_persists_with_aof_everysec_and_stays_off_the_network(compose):

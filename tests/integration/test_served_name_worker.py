@@ -6,7 +6,6 @@ the first name's root: the gateway's router finds them for the same prompt."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import httpx
 import pytest
@@ -18,6 +17,7 @@ from shared.redis_connect import connect
 from shared.settings import GatewaySettings, WorkerSettings
 from shared.wire.prefix_hash import block_hashes, root_hash
 from tests.engine.tiny_models import VOCAB, TinyModel, random_prompt
+from tests.helpers.service_thread import serving
 from worker.main import worker_protocol
 from worker.service import WorkerService
 
@@ -42,13 +42,8 @@ def worker(redis_url, tiny):
     client = connect(redis_url)
     protocol = worker_protocol(settings, client, settings.worker_id)
     service = WorkerService(settings, tiny.engine(num_blocks=64, block_size=BS), client, protocol)
-    service.connect()
-    stop = threading.Event()
-    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
-    thread.start()
-    yield service
-    stop.set()
-    thread.join(10)
+    with serving(service):
+        yield service
     client.close()
 
 
