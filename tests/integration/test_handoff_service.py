@@ -216,10 +216,12 @@ def test_a_source_that_dies_before_handing_over_is_resumed_from_the_checkpoint(r
     prompt = random_prompt(12, seed=72)
     [expected] = reference_texts(redis_url, tiny, client, [prompt], params)
     source = service(redis_url, tiny, "source", role="prefill")
+    # built before the source dies: building it takes longer than the source's heartbeat lasts
+    # on a loaded host, and then the taker finds the source gone and never tries the fetch
+    taker = service(redis_url, tiny, "taker", role="decode", heartbeat_ttl_s=0.3)
     req_id = client.send(prompt, params)
     step_all(workers(source), lambda: source.handoffs.offered)
     source.handoffs.close()  # its transfer plane is gone with it; its heartbeat lasts 0.5 s
-    taker = service(redis_url, tiny, "taker", role="decode", heartbeat_ttl_s=0.3)
     step_all(workers(taker), lambda: client.final(req_id))
     assert client.text(req_id) == expected
     assert metric(taker, "kvfleet_worker_handoff_fallbacks_total", reason="transfer_failed") == 1
