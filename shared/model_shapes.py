@@ -5,8 +5,12 @@ once under the model cache: the shape's config with the default model's tokenize
 (SmolLM2's 49,152 tokens), seeded random weights in bf16 safetensors, so that kvfleet and a peer
 (vLLM) load the same weights from the same directory. Random weights answer nonsense: benchmarks
 ask for fixed lengths (`ignore_eos`). The shapes follow the published configs but for the
-vocabulary; the MoE shape is Qwen3-30B-A3B's layer cut to 8 layers of 32 experts (8 active), so
-that it fits a small host.
+vocabulary (and a context of 8,192 positions); the MoE shape is Qwen3-30B-A3B's layer cut to 8
+layers of 32 experts (8 active), so that it fits a small host.
+
+The big shapes (Llama-3.1-8B and -70B, Qwen3-32B) are for simulated workers (worker/sim/), whose
+cost models need a model's shape and never its weights: as `random:` weights they are costly to
+make (16 to 140 GB) and no test makes them.
 
 `--load-format dummy` (vLLM's spelling, worker/engine/model_prep.py) is the other way: any model
 directory's config with random weights, nothing read from its weight files.
@@ -18,7 +22,7 @@ from pathlib import Path
 
 RANDOM_PREFIX = "random:"
 SEED = 0
-_VOCAB = 49152  # SmolLM2's tokenizer, which the shapes are served with
+VOCAB_SIZE = 49152  # SmolLM2's tokenizer, which the shapes are served with
 
 _LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
               rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=500000.0,
@@ -28,11 +32,23 @@ SHAPES: dict[str, dict] = {
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64),
     "llama-3.2-3b": _LLAMA | dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                                   num_attention_heads=24, num_key_value_heads=8, head_dim=128),
+    # the Llama 3.1 configs untie the LM head from the embeddings (3.2's small ones tie them)
+    "llama-3.1-8b": _LLAMA | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                  tie_word_embeddings=False),
+    "llama-3.1-70b": _LLAMA | dict(hidden_size=8192, intermediate_size=28672,
+                                   num_hidden_layers=80, num_attention_heads=64,
+                                   num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
     "qwen2.5-1.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
                          hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=8192,
                          rope_theta=1000000.0, tie_word_embeddings=True, hidden_size=1536,
                          intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2),
+    "qwen3-32b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu",
+                      rms_norm_eps=1e-6, max_position_embeddings=8192, rope_theta=1000000.0,
+                      attention_bias=False, tie_word_embeddings=False, hidden_size=5120,
+                      intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128),
     "qwen3-moe-30b-a3b-8l32e": dict(
         model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_act="silu",
         rms_norm_eps=1e-6, max_position_embeddings=8192, rope_theta=1000000.0,
@@ -61,7 +77,7 @@ def shape_config(name: str, **overrides):
 
     fields = dict(SHAPES[name])
     model_type = fields.pop("model_type")
-    fields.update(vocab_size=_VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    fields.update(vocab_size=VOCAB_SIZE, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                   torch_dtype="bfloat16")
     return AutoConfig.for_model(model_type, **(fields | overrides))
 

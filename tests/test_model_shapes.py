@@ -20,6 +20,9 @@ from worker.engine.model_prep import load_pretrained
 PUBLISHED = {
     "llama-3.2-1b": (1_235_814_400, 128_256, 2048, True),
     "llama-3.2-3b": (3_212_749_824, 128_256, 3072, True),
+    # the big shapes are built on the meta device only: no weights are made
+    "llama-3.1-8b": (8_030_261_248, 128_256, 4096, False),
+    "llama-3.1-70b": (70_553_706_496, 128_256, 8192, False),
     "qwen2.5-1.5b": (1_543_714_304, 151_936, 1536, True),
 }
 
@@ -41,6 +44,16 @@ def test_the_moe_shape_is_qwen3_30b_a3b_layers_cut_down():
             config.num_attention_heads, config.num_key_value_heads, config.head_dim) == \
         (2048, 768, 8, 32, 4, 128)
     assert (config.num_hidden_layers, config.num_experts) == (8, 32)
+
+
+def test_the_qwen3_32b_shape_has_the_published_config():
+    config = shape_config("qwen3-32b")  # the config only: its weights would be 63 GB
+    assert (config.model_type, config.architectures) == ("qwen3", ["Qwen3ForCausalLM"])
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim) == \
+        (5120, 25600, 64, 64, 8, 128)
+    assert (config.tie_word_embeddings, config.rms_norm_eps,
+            config.rope_parameters["rope_theta"]) == (False, 1e-6, 1e6)
 
 
 def test_an_unknown_shape_names_the_known_ones(tmp_path):
