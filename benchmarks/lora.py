@@ -59,7 +59,7 @@ from benchmarks.http_peers import WORKLOAD, free_port, stop_session, wait_first_
 from benchmarks.peer_env import dropped_line, peer_env
 from benchmarks.vllm_peer import REPO, SETUP_HINT, VllmServer, describe_setup, vllm_python
 from kvfleet.bench.client import BenchTarget
-from kvfleet.bench.load import LoadSpec, replay
+from kvfleet.bench.loadgen import LoadSpec, replay
 from kvfleet.bench.trace import TraceRequest, load_trace
 from shared.cpu_features import cpu_features
 from shared.models import DEFAULT_MODEL, resolve_model_path

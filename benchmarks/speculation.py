@@ -15,7 +15,7 @@ with a message when its virtualenv is missing; `--dtype` what kvfleet's auto pic
 Every run gets a server of its own, started on this machine, timed to its first answer, warmed
 up with one short request unrelated to the workloads, stopped after the run: a server that had
 served the same requests would hold them in its prefix cache, and suffix decoding in its tree of
-recent outputs. One client for all: `kvfleet bench`'s (kvfleet/bench/client.py, load.py),
+recent outputs. One client for all: `kvfleet bench`'s (kvfleet/bench/client.py, loadgen.py),
 streaming, closed loop: each of N streams sends its next request when its previous answer ends.
 
 - Quoting (benchmarks/data/quoting-32.jsonl, benchmarks/quoting_trace.py): chat messages to
@@ -74,7 +74,7 @@ from benchmarks.peer_env import dropped_line, peer_env
 from benchmarks.quoting_trace import OUT as QUOTING, load_requests
 from benchmarks.vllm_peer import REPO, SETUP_HINT, SETUPS, VllmServer, describe_setup, vllm_python
 from kvfleet.bench.client import BenchTarget, RequestRecord
-from kvfleet.bench.load import LoadSpec, RunResult, replay
+from kvfleet.bench.loadgen import LoadSpec, RunResult, replay
 from kvfleet.bench.trace import TraceRequest, load_trace
 from shared.cpu_features import cpu_features
 from shared.models import DEFAULT_MODEL, resolve_model_path

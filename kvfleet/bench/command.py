@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 
-from kvfleet import arg_types
 from kvfleet.bench.client import ENDPOINT_PATHS, BenchTarget, RequestRecord
-from kvfleet.bench.load import CANCELLED_AT_LIMIT, LoadSpec, RunResult, replay
+from kvfleet.bench.loadgen import CANCELLED_AT_LIMIT, LoadSpec, RunResult, replay
+from kvfleet.text import arg_types
 from kvfleet.bench.probe import (
     FleetUnreachable, count_workers, resolve_model, speculation_counts, speculation_summary)
 from kvfleet.bench.report import (

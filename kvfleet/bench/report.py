@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvfleet.bench.client import RequestRecord
 from kvfleet.bench.stats import Distribution, Summary
-from kvfleet.units import format_money, format_number, format_seconds
+from kvfleet.text.units import format_money, format_number, format_seconds
 
 _INDENT = "  "
 _ROUND_DIGITS = 6

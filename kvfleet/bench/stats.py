@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvfleet.bench.client import RequestRecord
-from kvfleet.bench.load import RunResult
+from kvfleet.bench.loadgen import RunResult
 from kvfleet.plan.capacity import cost_per_million_tokens
 
 PERCENTILES = (50, 90, 99)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from kvfleet.bench.load import LoadSpec, RunResult
+from kvfleet.bench.loadgen import LoadSpec, RunResult
 from kvfleet.bench.stats import Summary
 
 SWEEP_BY_CHOICES = ("rate", "concurrency")

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from kvfleet import arg_types
+from kvfleet.text import arg_types
 from kvfleet.plan.capacity import (
     DEFAULT_HEAD_DIM,
     KV_DTYPE_BYTES,
@@ -32,7 +32,7 @@ from kvfleet.plan.redis_side import (
     redis_plan_text,
 )
 from kvfleet.plan.report import plan_to_json, plan_to_text
-from kvfleet.units import format_bytes
+from kvfleet.text.units import format_bytes
 from shared.settings import CommonSettings
 from shared.wire import Keys
 

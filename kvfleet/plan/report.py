@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from kvfleet.plan.capacity import ContextFit, Plan, PlanInputs
 from kvfleet.plan.pace import MeasuredPace
-from kvfleet.units import format_bytes, format_money, format_number
+from kvfleet.text.units import format_bytes, format_money, format_number
 
 _INDENT = "  "
 
