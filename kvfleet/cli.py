@@ -72,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "worker":
         settings = settings_from_args(WorkerSettings, args)
+        from worker.sim.checks import check_sim_settings
+
+        check_sim_settings(settings)  # before the engine's modules load
+        if settings.simulated:  # the forward replaced by a cost model (worker/sim/host.py)
+            from worker.sim.host import run_sim_workers
+
+            run_sim_workers(settings)
+            return 0
         from worker.main import run_worker
 
         run_worker(settings)

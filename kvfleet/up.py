@@ -17,6 +17,7 @@ import time
 from shared.models import resolve_model_path
 from shared.redis_server import EmbeddedRedis
 from shared.settings import UpSettings, WorkerSettings
+from worker.sim.checks import WORKERS_PER_PROCESS as SIM_WORKERS_PER_PROCESS, check_sim_settings
 
 log = logging.getLogger("kvfleet.up")
 
@@ -24,6 +25,7 @@ log = logging.getLogger("kvfleet.up")
 # spin for ~0.1 ms first (libgomp counts ~100,000 spins a millisecond), so that the next parallel
 # region of the same step finds them awake (docs/BENCHMARKS.md has the measurements).
 WORKER_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+SIM_OFF = {"KVFLEET_SIM_WORKERS": "0", "KVFLEET_SIM_DEVICE": "", "KVFLEET_SIM_STEP_COST": ""}
 
 
 class LocalFleet:
@@ -31,14 +33,19 @@ class LocalFleet:
     are not."""
 
     def __init__(self, num_workers: int, env: dict[str, str], models: list[str] | None = None,
-                 *, prefill_workers: int = 0, decode_workers: int = 0, named_model: str = ""):
+                 *, prefill_workers: int = 0, decode_workers: int = 0, named_model: str = "",
+                 sim_workers: int = 0):
         roles = [""] * num_workers + ["prefill"] * prefill_workers + ["decode"] * decode_workers
         # worker slot -> the model it serves and its role ("": the fleet's --model, --role, as
         # the child reads them)
         slots = [(model, role) for model in (models or [""]) for role in roles]
         self.worker_models = [model for model, _ in slots]
         self.worker_roles = [role for _, role in slots]
-        self.num_workers = len(slots)
+        # then the processes of simulated workers (worker/sim/host.py), of --model: how many each
+        self.sim_counts = [0] * len(slots) + sim_process_counts(sim_workers)
+        self.worker_models += [""] * (len(self.sim_counts) - len(slots))
+        self.worker_roles += [""] * (len(self.sim_counts) - len(slots))
+        self.num_workers = len(self.sim_counts)
         self.named_model = named_model  # the model --served-model-name names (--model)
         self.env = env
         self.gateway: subprocess.Popen | None = None
@@ -52,6 +59,9 @@ class LocalFleet:
     def start_worker(self, index: int) -> None:
         threads = max(1, (os.cpu_count() or 1) // self.num_workers)
         extra = {"KVFLEET_WORKER_ID": f"{os.uname().nodename}-w{index}-{os.getpid()}"}
+        # a real worker is no simulation; a simulation process runs its share of --sim-workers
+        extra.update(SIM_OFF if not self.sim_counts[index] else
+                     {"KVFLEET_SIM_WORKERS": str(self.sim_counts[index])})
         if self.worker_models[index]:
             extra["KVFLEET_MODEL"] = self.worker_models[index]
             if self.worker_models[index] != self.named_model:
@@ -128,6 +138,14 @@ class LocalFleet:
                 proc.wait()
 
 
+def sim_process_counts(sim_workers: int) -> list[int]:
+    """Simulated workers per process: at most WORKERS_PER_PROCESS each, spread evenly."""
+    if sim_workers <= 0:
+        return []
+    processes = -(-sim_workers // SIM_WORKERS_PER_PROCESS)
+    return [sim_workers // processes + (i < sim_workers % processes) for i in range(processes)]
+
+
 def worker_models(settings: UpSettings) -> list[str]:
     """The models `up` starts workers of: --worker-models, else --model."""
     named = [m.strip() for m in settings.worker_models.split(",") if m.strip()]
@@ -135,22 +153,27 @@ def worker_models(settings: UpSettings) -> list[str]:
 
 
 def fleet_workers(num_workers: int | None, settings: UpSettings) -> int:
-    """The --workers count (not given: 1, or 0 beside prefill or decode workers), checked with
-    the prefill and decode workers: SystemExit naming the flag when the fleet could not serve."""
+    """The --workers count (not given: 1, or 0 beside prefill, decode or simulated workers),
+    checked with the prefill and decode workers: SystemExit naming the flag when the fleet could
+    not serve."""
+    worker = WorkerSettings()  # the --workers ones' role and every worker's handoff port
+    check_sim_settings(worker)
+    if (worker.sim_device or worker.sim_step_cost) and not worker.sim_workers:
+        raise SystemExit("kvfleet up: --sim-device / --sim-step-cost model simulated workers: "
+                         "give --sim-workers N")
     extra = settings.prefill_workers + settings.decode_workers
     if num_workers is None:
-        num_workers = 0 if extra else 1
-    if num_workers < 0 or num_workers + extra < 1:
+        num_workers = 0 if extra or worker.sim_workers else 1
+    if num_workers < 0 or num_workers + extra + worker.sim_workers < 1:
         raise SystemExit("kvfleet up: --workers must be at least 1 (or give --prefill-workers "
-                         "and --decode-workers)")
-    worker = WorkerSettings()  # the --workers ones' role and every worker's handoff port
+                         "and --decode-workers, or --sim-workers)")
     prefill = settings.prefill_workers + (num_workers if worker.role == "prefill" else 0)
     decode = settings.decode_workers + (num_workers if worker.role == "decode" else 0)
     if prefill and not decode:
         raise SystemExit("kvfleet up: prefill workers need --decode-workers: each hands its "
                          "streams to a decode worker after their first token; without one it "
                          "would decode them all itself")
-    if decode == num_workers + extra:
+    if decode and decode == num_workers + extra:
         raise SystemExit("kvfleet up: decode workers take no new requests: give "
                          "--prefill-workers (or --workers) too")
     if worker.handoff_port > 0 and num_workers + extra > 1:
@@ -174,11 +197,16 @@ def run_fleet(num_workers: int | None, env: dict[str, str]) -> int:
         redis_server = EmbeddedRedis(port=settings.embedded_redis_port or None).start()
         os.environ["KVFLEET_REDIS_URL"] = redis_server.url
         log.info("started an embedded Redis at %s (removed on exit)", redis_server.url)
-    # Convert the default model once here, so gateway and workers don't race to do it.
+    # Convert the default model once here, so gateway and workers don't race to do it (with
+    # weights only where real workers load them).
+    real = num_workers + settings.prefill_workers + settings.decode_workers > 0
     for model in dict.fromkeys([settings.model, *models]):
-        resolve_model_path(model, settings.cache_dir)
-    fleet = LocalFleet(num_workers, env, models, prefill_workers=settings.prefill_workers,
-                       decode_workers=settings.decode_workers, named_model=settings.model)
+        resolve_model_path(model, settings.cache_dir, weights=real and model in models)
+    sim_workers = WorkerSettings().sim_workers
+    fleet = LocalFleet(num_workers if real else 0, env, models,
+                       prefill_workers=settings.prefill_workers,
+                       decode_workers=settings.decode_workers, named_model=settings.model,
+                       sim_workers=sim_workers)
     try:
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         gateway_url = f"http://{host}:{settings.port}"
@@ -186,6 +214,8 @@ def run_fleet(num_workers: int | None, env: dict[str, str]) -> int:
         fleet.start()
         split = (f" + {settings.prefill_workers} prefill + {settings.decode_workers} decode"
                  if settings.prefill_workers or settings.decode_workers else "")
+        split += (f" + {sim_workers} simulated in {len(sim_process_counts(sim_workers))} "
+                  "process(es)" if sim_workers else "")
         log.info("fleet up: gateway on http://%s:%d, %d worker(s)%s of each of %s; Ctrl-C stops "
                  "it", settings.host, settings.port, num_workers, split, ", ".join(models))
         return fleet.supervise(stop)

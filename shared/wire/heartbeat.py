@@ -53,6 +53,11 @@ class Heartbeat:
     # its numerics fingerprint (worker/engine/numerics.py): workers with the same one continue
     # each other's streams bit for bit ("" = unknown: a worker older than the field)
     numerics: str = ""
+    # a simulated worker (worker/sim/): its cost model ("" = a real worker), the steps it played
+    # and those that ended later than modelled (over 5%: its figures do not hold)
+    simulated: str = ""
+    sim_steps: int = 0
+    sim_lagged_steps: int = 0
 
     def encode(self) -> dict[str, str | int | float]:
         """The HSET mapping; an empty metrics_url is left out."""

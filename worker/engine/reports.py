@@ -51,6 +51,11 @@ class EngineStats:
     kv_offloaded_blocks: int = 0  # blocks copied into the tier
     kv_offload_evicted_blocks: int = 0  # blocks dropped from the full tier
     kv_offload_restored_blocks: int = 0  # blocks copied back into the pool
+    # a simulated engine (worker/sim/): its cost model ("" for a real one), steps played, and
+    # those that ended later than modelled (clock.py)
+    simulated: str = ""
+    sim_steps: int = 0
+    sim_lagged_steps: int = 0
 
 
 def engine_stats(bm: BlockManager, sched: Scheduler, runner: ModelRunner, swap_used_bytes: int,

@@ -1,0 +1,118 @@
+"""Simulated workers (worker/sim/) behind the real worker service and a real Redis (and a real
+Redis Cluster): they serve, a dead one's stream resumes on another without a seam, their
+heartbeats and metrics say what they simulate and how many steps they played late, and one
+process runs several of them (`kvfleet worker --sim-workers N`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from shared.engine_config import EngineConfig
+from shared.settings import WorkerSettings
+from shared.redis_connect import connect
+from shared.wire import Heartbeat, SamplingParams
+from tests.engine.tiny_models import random_prompt
+from tests.helpers.channels import fleet_keys
+from tests.integration.test_worker_service import MODEL, client, run_until  # noqa: F401 (fixture)
+from tests.sim.test_sim_engine import LinearCost
+from worker.protocol import WorkerProtocol
+from worker.service import WorkerService
+from worker.sim.clock import StepClock
+from worker.sim.engine import SimEngine
+from worker.sim.tokens import AnswerLengths
+
+pytestmark = pytest.mark.topologies
+
+
+def sim_service(redis_url: str, worker_id: str, answers: str = "max") -> WorkerService:
+    settings = WorkerSettings(redis_url=redis_url, model=MODEL, worker_id=worker_id,
+                              heartbeat_ttl_s=0.3, heartbeat_interval_s=0.05, read_block_ms=10)
+    engine = SimEngine(EngineConfig(device="cpu", block_size=4, pace_warmup=False),
+                       LinearCost(base_s=0.002, token_s=0.0001), vocab_size=49152,
+                       eos_token_ids=[2], max_model_len=2048, num_blocks=128,
+                       answer_lengths=AnswerLengths.parse(answers), clock=StepClock(1.0))
+    client = connect(redis_url)
+    protocol = WorkerProtocol(client, fleet_keys(client), MODEL, worker_id, result_ttl_s=60,
+                              numerics=engine.numerics.fingerprint)
+    service = WorkerService(settings, engine, client, protocol)
+    service.connect()
+    return service
+
+
+def test_a_dead_simulated_workers_stream_resumes_on_another_without_a_seam(redis_url, client):
+    prompt = random_prompt(30, seed=4)
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=3)
+    reference = sim_service(redis_url, "sim-ref", answers="fixed:33")
+    ref_id = client.send(prompt, params)
+    run_until(reference, lambda: client.final(ref_id))
+    expected = client.text(ref_id)
+    final = client.final(ref_id)
+    assert len(expected) == 33 and final.finish_reason == "stop"  # the drawn length's EOS
+
+    dying = sim_service(redis_url, "sim-dying", answers="fixed:33")
+    req_id = client.send(prompt, params)
+    run_until(dying, lambda: (client.drain(), len(client.text(req_id)) >= 8)[1])
+    time.sleep(0.4)  # `dying` stops without a word; its heartbeat lapses
+    rescuer = sim_service(redis_url, "sim-rescuer", answers="fixed:33")
+    run_until(rescuer, lambda: client.final(req_id))
+    assert client.text(req_id) == expected
+    assert max(e.attempt for e in client.events[req_id]) == 2
+    assert client.redis.hget(client.keys.request(req_id), "worker") == b"sim-rescuer"
+
+    rescuer._beat()
+    beat = Heartbeat.decode(client.redis.hgetall(client.keys.worker("sim-rescuer")))
+    assert beat.simulated.startswith("linear test cost; time scale 1")
+    assert beat.sim_steps == rescuer.engine.stats().sim_steps > 0
+    assert beat.numerics == reference.engine.numerics.fingerprint
+    text = rescuer.metrics.render().decode()
+    assert f'kvfleet_worker_sim_steps_total{{model="{MODEL}",worker="sim-rescuer"}} ' \
+        f'{float(beat.sim_steps)}' in text
+    assert f'kvfleet_worker_sim_lagged_steps_total{{model="{MODEL}",worker="sim-rescuer"}}' in text
+
+
+def test_one_process_runs_several_simulated_workers_of_a_shape_without_its_weights(
+        redis_url, client, tmp_path):
+    """`kvfleet worker --sim-workers 3 --sim-device h100 --model random:llama-3.1-70b`: the
+    model's config and tokenizer only (no weights are made), three workers with their own
+    names, pools of the H100's memory beside 70B's weights at tensor parallel 2, one metrics
+    endpoint; they serve, and stop when asked."""
+    from worker.sim.host import run_sim_workers
+
+    keys = client.keys
+    settings = WorkerSettings(
+        redis_url=redis_url, model="random:llama-3.1-70b", served_model_name=[MODEL],
+        sim_workers=3, sim_device="h100", tensor_parallel_size=2, worker_id="simhost",
+        heartbeat_interval_s=0.05, read_block_ms=10, cache_dir=tmp_path, metrics_host="127.0.0.1",
+        key_prefix=keys.prefix, queue_shards=keys.queue_shards)
+    stop = threading.Event()
+    host = threading.Thread(target=run_sim_workers, args=(settings, stop))
+    host.start()
+    try:
+        names = [f"simhost-s{i}" for i in range(3)]
+        deadline = time.monotonic() + 120
+        while not all(client.redis.exists(keys.worker(n)) for n in names):
+            assert time.monotonic() < deadline and host.is_alive(), "no heartbeats"
+            time.sleep(0.1)
+        beats = [Heartbeat.decode(client.redis.hgetall(keys.worker(n))) for n in names]
+        assert all("llama-3.1-70b" in b.simulated and "h100" in b.simulated for b in beats)
+        # 70B in bf16 over 2 H100s: ~65 GiB of weights each, ~5 GiB of KV a device left
+        per_token_per_device = 2 * 80 * 4 * 128 * 2
+        blocks = beats[0].blocks_total
+        assert 3.0 * 2**30 < blocks * 16 * per_token_per_device < 7.5 * 2**30
+        assert len({b.metrics_url for b in beats}) == 1 and beats[0].metrics_url
+        req_id = client.send(random_prompt(40, seed=9),
+                             SamplingParams(max_tokens=12, ignore_eos=True))
+        deadline = time.monotonic() + 30
+        while client.final(req_id) is None:
+            assert time.monotonic() < deadline, "the simulated fleet did not answer"
+            time.sleep(0.05)
+        assert len(client.text(req_id)) == 12
+        assert not any(p.name.startswith("random-llama-3.1-70b") and
+                       not p.name.endswith("-config") for p in tmp_path.iterdir())
+    finally:
+        stop.set()
+        host.join(timeout=60)
+    assert not host.is_alive()

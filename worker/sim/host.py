@@ -1,0 +1,190 @@
+"""Simulated workers in one process: `kvfleet worker --sim-workers N` (and `kvfleet up
+--sim-workers N`, which starts such processes of at most `checks.WORKERS_PER_PROCESS` each).
+
+Each simulated worker is the real `WorkerService` (its Redis protocol, heartbeat, admission by KV
+room and pace, prefix announcements, checkpoints and resume, drain, timelines, metrics) over a
+`SimEngine` (engine.py) with a name of its own (`<worker id>-s<i>`) and a Redis connection of its
+own; its loop and heartbeat run in threads of this process. The model is read as a gateway
+reads it (its config and tokenizer, never weights: `random:llama-3.1-70b` costs nothing to
+load), the cost model built once for them all. Their metrics are served together on one
+`/metrics` endpoint (each series carries its worker's label).
+
+SIGINT stops every simulated worker at once (their requests resume from checkpoints elsewhere);
+SIGTERM drains them all (a second stops them); `kvfleet drain <id>` drains one.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from shared.model_shapes import is_random_model, shape_name
+from shared.models import load_tokenizer, resolve_model_path
+from shared.redis_connect import connect
+from shared.settings import WorkerSettings
+from shared.wire import Heartbeat
+from worker.engine.model_prep import max_model_len_of
+from worker.engine.pace import warm_up
+from worker.sim.checks import HEARTBEAT_SOURCE, ONE_BYTE_KV, check_sim_settings
+from worker.sim.clock import StepClock
+from worker.sim.cost import (
+    RooflineCost, measured_cost_from_file, measured_cost_from_heartbeat, model_shape)
+from worker.sim.engine import DEFAULT_BLOCK_SIZE, SimEngine
+from worker.sim.tokens import AnswerLengths
+
+log = logging.getLogger("kvfleet.sim")
+
+@dataclass(frozen=True)
+class SimModel:
+    """What simulated workers read of the model: its config, tokenizer, vocabulary and stops."""
+
+    config: dict
+    path: str  # config and tokenizer (no weights needed)
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_model_len: int
+
+
+def read_model(settings: WorkerSettings) -> SimModel:
+    from transformers import AutoConfig
+
+    path = resolve_model_path(settings.model, settings.cache_dir, weights=False)
+    config = AutoConfig.from_pretrained(path)
+    eos = getattr(config, "eos_token_id", None)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return SimModel(config.to_dict(), path, config.vocab_size, eos, max_model_len_of(config))
+
+
+def build_cost(settings: WorkerSettings, model: SimModel, client=None):
+    """The cost model: the roofline of --sim-device for the model, or the measured curve of
+    --sim-step-cost (a file, or `worker:<id>`'s heartbeat in the fleet's Redis)."""
+    block_size = settings.block_size or DEFAULT_BLOCK_SIZE
+    if settings.sim_device:
+        kv_bytes = 1 if settings.kv_dtype in ONE_BYTE_KV else 2
+        shape = shape_name(settings.model) if is_random_model(settings.model) else model.config
+        return RooflineCost(settings.sim_device, shape, settings.tensor_parallel_size,
+                            kv_bytes=kv_bytes, block_size=block_size)
+    source = settings.sim_step_cost
+    if not source.startswith(HEARTBEAT_SOURCE):
+        return measured_cost_from_file(source)
+    worker_id = source[len(HEARTBEAT_SOURCE):]
+    raw = client.hgetall(settings.keys().worker(worker_id)) if client is not None else {}
+    if not raw:
+        raise ValueError(f"--sim-step-cost {source}: no live worker {worker_id!r} in Redis")
+    return measured_cost_from_heartbeat(Heartbeat.decode(raw), f"worker {worker_id}")
+
+
+def pool_blocks(settings: WorkerSettings, model: SimModel, cost) -> tuple[int, str]:
+    """The simulated KV pool in blocks, and where its size comes from."""
+    config = settings.engine_config()
+    block_size = settings.block_size or DEFAULT_BLOCK_SIZE
+    if isinstance(cost, RooflineCost):
+        use, tokens = config.gpu_memory_utilization, config.max_batched_tokens
+        pool = cost.kv_pool_bytes(use, tokens)
+        return cost.kv_blocks(block_size, use, tokens), (
+            f"{pool / 2**30:.1f} GiB a device: {cost.device.name}'s memory x {use:g} less the "
+            "weights and activations")
+    kv_bytes = 1 if settings.kv_dtype in ONE_BYTE_KV else 2
+    per_token = model_shape(model.config).kv_bytes_per_token(kv_bytes)
+    blocks = config.kv_memory_bytes // (block_size * per_token)
+    if blocks < 1:
+        raise ValueError(f"--kv-memory {config.kv_memory_bytes} B holds no block of {block_size} "
+                         f"tokens at {per_token} B a token")
+    return blocks, f"--kv-memory {config.kv_memory_bytes / 2**30:.2f} GiB"
+
+
+def build_sim_engine(settings: WorkerSettings, model: SimModel, cost,
+                     tokenizer=None) -> SimEngine:
+    blocks, note = pool_blocks(settings, model, cost)
+    return SimEngine(settings.engine_config(), cost, vocab_size=model.vocab_size,
+                       eos_token_ids=model.eos_token_ids, max_model_len=model.max_model_len,
+                       num_blocks=blocks,
+                       answer_lengths=AnswerLengths.parse(settings.sim_answer_tokens),
+                       clock=StepClock(settings.sim_time_scale), tokenizer=tokenizer,
+                       seed=settings.sim_seed, pool_note=note)
+
+
+def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = None) -> None:
+    """Run `--sim-workers` simulated workers (at least one) until SIGINT, SIGTERM's drains end,
+    or `stop` is set."""
+    from worker.main import worker_protocol
+    from worker.metrics import WorkerMetrics
+    from worker.service import WorkerService
+
+    if not settings.redis_url:
+        raise SystemExit("kvfleet worker: set --redis-url or KVFLEET_REDIS_URL")
+    check_sim_settings(settings)
+    count = settings.sim_workers or 1
+    stop = stop or threading.Event()
+    base_id = settings.resolved_worker_id()
+    ids = [base_id] if count == 1 else [f"{base_id}-s{i}" for i in range(count)]
+    stops = {worker_id: threading.Event() for worker_id in ids}
+    drains = {worker_id: threading.Event() for worker_id in ids}
+    if threading.current_thread() is threading.main_thread():
+        def on_term(*_):
+            for worker_id in ids:
+                (stops if drains[worker_id].is_set() else drains)[worker_id].set()
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, on_term)
+    model = read_model(settings)
+    tokenizer = load_tokenizer(model.path)  # for stop strings; shared, read only
+    setup = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+    try:
+        cost = build_cost(settings, model, setup)
+    except ValueError as exc:
+        raise SystemExit(f"kvfleet worker: {exc}") from None
+    finally:
+        setup.close()
+    try:
+        pool_blocks(settings, model, cost)
+    except ValueError as exc:
+        raise SystemExit(f"kvfleet worker: {exc}") from None
+    log.info("%d simulated worker(s) of %s: %s; time scale %g", count, settings.served_names()[0],
+             cost.describe(), settings.sim_time_scale)
+    registry, metrics_url = CollectorRegistry(auto_describe=False), None
+    if settings.metrics_port >= 0:
+        server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host,
+                                      registry=registry)
+        host = settings.metrics_advertise_host or socket.gethostname()
+        metrics_url = f"http://{host}:{server.server_port}/metrics"
+        log.info("metrics of the simulated workers at %s", metrics_url)
+
+    def serve(worker_id: str) -> None:
+        mine = settings.model_copy(update={"worker_id": worker_id})
+        engine = build_sim_engine(mine, model, cost, tokenizer)
+        config = engine.config
+        if config.pace_warmup and engine.pace.enabled:
+            warm_up(engine)
+        client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5,
+                         health_check_interval=30)
+        protocol = worker_protocol(mine, client, worker_id, engine.numerics.fingerprint)
+        metrics = WorkerMetrics(worker_id, protocol.model, settings.cost_per_hour)
+        registry.register(metrics.registry)
+        service = WorkerService(mine, engine, client, protocol, metrics, metrics_url, None,
+                                drain=drains[worker_id])
+        try:
+            service.run(stops[worker_id])
+        except Exception:
+            log.exception("simulated worker %s failed", worker_id)
+            raise
+        finally:
+            engine.close()
+            client.close()
+
+    threads = [threading.Thread(target=serve, args=(worker_id,), name=f"sim-{worker_id}",
+                                daemon=True) for worker_id in ids]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        if stop.wait(0.5):
+            for event in stops.values():
+                event.set()
+            for thread in threads:
+                thread.join(timeout=30)
+            break
+    log.info("simulated workers stopped")
