@@ -19,8 +19,8 @@ import random
 import statistics
 import time
 
+from gateway.fleet.affinity import Router, WorkerLoads
 from gateway.fleet.prefix_index import PrefixIndex
-from gateway.fleet.router import Router, WorkerLoads
 from shared.wire import Heartbeat, Keys
 from shared.wire.prefix_hash import block_hashes, root_hash
 

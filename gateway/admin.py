@@ -17,9 +17,9 @@ from fastapi import APIRouter, Depends, Header
 from redis.asyncio import Redis
 
 from gateway.admission.auth import ApiKeyStore, invalid_api_key
-from gateway.errors import APIError
 from gateway.fleet.load import read_heartbeats
 from gateway.fleet.redis_context import RedisContext
+from gateway.http.errors import APIError
 from shared.redis_connect import REDIS_FAILURES
 from shared.settings import GatewaySettings
 from shared.wire import Heartbeat, Keys

@@ -22,23 +22,23 @@ from gateway.dashboard.history import (FleetHistory, HistorySampler, history_rou
                                        redis_snapshot_reader)
 from gateway.dashboard.metrics import GatewayMetrics, RejectionCounter, metrics_route
 from gateway.dashboard.router import dashboard_router
-from gateway.errors import install_error_handlers
 from gateway.fleet.client import EngineClient
 from gateway.fleet.redis_client import RedisEngineClient
 from gateway.fleet.redis_context import RedisContext
+from gateway.http.errors import install_error_handlers
+from gateway.http.request_id import RequestIdMiddleware
 from gateway.models.adapters import AdapterRegistry, check_startup_adapters
 from gateway.models.catalog import ModelCatalog
 from gateway.models.loader import ModelLoader, ModelServing
 from gateway.models.served import ServedModels
+from gateway.models.tokenization import ModelInfo, PromptProcessor
 from gateway.openai.batches import batch_router
 from gateway.openai.lora_routes import lora_router
 from gateway.openai.routes import router
-from gateway.openai.utility_routes import utility_router
-from gateway.request_id import RequestIdMiddleware
 from gateway.openai.serving_chat import ChatServing
 from gateway.openai.serving_completion import CompletionServing
 from gateway.openai.serving_reattach import ReattachServing
-from gateway.openai.tokenization import ModelInfo, PromptProcessor
+from gateway.openai.utility_routes import utility_router
 from gateway.output.background import BackgroundTasks
 from shared.models import load_tokenizer, resolve_model_path
 from shared.settings import GatewaySettings

@@ -566,7 +566,7 @@ class WorkerService:
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         """A full beat every heartbeat interval; between them, when the loop's requests running
         or waiting changed, at most every LOAD_BEAT_MIN_S, only the heartbeat hash, so that the
-        gateways' routers see a worker's load (gateway/fleet/router.py) within a fraction of the
+        gateways' routers see a worker's load (gateway/fleet/affinity.py) within a fraction of the
         interval."""
         full_at = 0.0
         while not stop.is_set():

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gateway.errors import TooManyRequests
 from gateway.fleet.client import EngineClient, QueueLoad
+from gateway.http.errors import TooManyRequests
 from shared.settings import GatewaySettings
 from shared.wire import GenerationRequest
 

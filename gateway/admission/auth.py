@@ -15,8 +15,8 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admission.early_answer import UnreadBody
-from gateway.errors import APIError
 from gateway.fleet.redis_context import RedisContext
+from gateway.http.errors import APIError
 from shared.wire import ApiKeyRecord, Keys, api_key_field
 
 PROTECTED_PREFIX = "/v1/"

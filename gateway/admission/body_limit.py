@@ -11,7 +11,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admission.early_answer import UnreadBody
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 
 
 class BodySizeLimit:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from redis.exceptions import RedisError
 
 from gateway.admission.auth import Principal
-from gateway.errors import APIError, TooManyRequests
 from gateway.fleet.redis_context import RedisContext
+from gateway.http.errors import APIError, TooManyRequests
 from shared.settings import GatewaySettings
 from shared.wire import scripts
 

@@ -138,7 +138,7 @@ class _FanoutCollector:
 
 
 class _RouterCollector:
-    """Reads a Router's stats per model and its prefix indexes (gateway/fleet/router.py) when
+    """Reads a Router's stats per model and its prefix indexes (gateway/fleet/affinity.py) when
     scraped."""
 
     def __init__(self, router):

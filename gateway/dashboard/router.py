@@ -14,9 +14,9 @@ from redis.exceptions import RedisError
 
 from gateway.dashboard.metrics import GatewayMetrics
 from gateway.dashboard.page import render_page
-from gateway.errors import error_body
 from gateway.fleet.load import read_heartbeats, stream_depth
 from gateway.fleet.redis_context import RedisContext
+from gateway.http.errors import error_body
 from shared.wire import PRIORITIES, Heartbeat, Keys
 from shared.wire.records import text
 

@@ -18,13 +18,13 @@ from gateway.fleet.client import (
     QueueLoad,
     RequestSnapshot,
 )
+from gateway.fleet.affinity import Route, Router
 from gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
 from gateway.fleet.homes import GatewayHomes
 from gateway.fleet.inboxes import Inboxes
 from gateway.fleet.load import queue_undelivered, read_heartbeats
 from gateway.fleet.pace import fleet_pace
 from gateway.fleet.redis_context import RedisContext
-from gateway.fleet.router import Route, Router
 from gateway.fleet.tasks import stop_task
 from shared.redis_connect import REDIS_FAILURES
 from shared.settings import GatewaySettings

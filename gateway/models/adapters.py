@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.errors import APIError, bad_request
 from gateway.fleet.redis_context import RedisContext
 from gateway.fleet.tasks import stop_task
+from gateway.http.errors import APIError, bad_request
 from gateway.models.loader import read_model_config
 from gateway.models.served import ServedModels
 from shared.lora import AdapterError, LoraRecord, inspect_adapter, parse_lora_module

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.errors import model_not_found
 from gateway.fleet.load import read_heartbeats
 from gateway.fleet.redis_context import RedisContext
 from gateway.fleet.tasks import stop_task
+from gateway.http.errors import model_not_found
 from shared.lora import LoraRecord
 from shared.redis_connect import REDIS_FAILURES
 from shared.wire.records import text

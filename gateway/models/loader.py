@@ -12,28 +12,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
-from gateway.errors import APIError
-from gateway.openai.tokenization import ModelInfo, PromptProcessor
+from gateway.http.errors import APIError
+from gateway.models.tokenization import ModelInfo, PromptProcessor
 from shared.models import load_tokenizer, resolve_model_path
-
-if TYPE_CHECKING:
-    from gateway.openai.serving_chat import ChatServing
-    from gateway.openai.serving_completion import CompletionServing
 
 log = logging.getLogger(__name__)
 
 LOAD_RETRY_S = 30.0  # a model that failed to load is tried again after this long
 
 
+Completions = TypeVar("Completions")
+Chat = TypeVar("Chat")
+
+
 @dataclass(frozen=True)
-class ModelServing:
-    """The handlers of one served model (its adapters' requests included: same tokenizer)."""
+class ModelServing(Generic[Completions, Chat]):
+    """The handlers of one served model (its adapters' requests included: same tokenizer). The
+    handlers are the request path's (gateway/openai: `CompletionServing`, `ChatServing`, built by
+    the app); this layer below it holds them without knowing their types."""
 
     processor: PromptProcessor
-    completions: CompletionServing
-    chat: ChatServing
+    completions: Completions
+    chat: Chat
 
     @property
     def info(self) -> ModelInfo:

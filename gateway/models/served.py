@@ -1,12 +1,12 @@
 """Which model answers a request: the catalog says what its `model` names (a served model or an
-adapter of one), the loader holds that model's handlers; and what /v1/models lists."""
+adapter of one), the loader holds that model's handlers; and each model's context length, which
+/v1/models lists (the cards themselves are gateway/openai/routes.py's)."""
 
 from __future__ import annotations
 
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 from gateway.models.catalog import ModelCatalog, Target
 from gateway.models.loader import ModelLoader, ModelServing
-from gateway.openai.responses import ModelCard
 
 
 def no_live_worker(model: str, named: str) -> APIError:
@@ -51,21 +51,7 @@ class ServedModels:
             raise no_live_worker(model, model)
         return await self.loader.config(model, source)
 
-    def cards(self, created: int) -> list[ModelCard]:
-        """/v1/models as vLLM lists it: the served models (`root`: where they load from), then
-        the adapters (`root`: the adapter's directory, `parent`: its base model)."""
-        cards = []
-        for model, source in self.catalog.sources.items():
-            cards.append(ModelCard(id=model, created=created, root=source,
-                                   max_model_len=self._context(model)))
-        for record in self.catalog.adapters.values():
-            if record.name not in self.catalog.sources:  # a served model wins the name
-                cards.append(ModelCard(id=record.name, created=record.created or created,
-                                       root=record.path, parent=record.base_model,
-                                       max_model_len=self._context(record.base_model)))
-        return cards
-
-    def _context(self, model: str) -> int | None:
+    def context_length(self, model: str) -> int | None:
         """The context length of a loaded model (None until a request loads it)."""
         ready = self.loader.ready(model)
         return ready.info.context_length if ready is not None else None

@@ -1,2 +1,3 @@
 """The OpenAI-compatible HTTP layer: request and response schemas, routes, the serving handlers
-(completions, chat, re-attach, files and batches) and prompt tokenisation."""
+(completions, chat, re-attach, files and batches); prompt tokenisation is the model's
+(gateway/models/tokenization.py)."""

@@ -23,9 +23,9 @@ from rq import Queue
 
 from batch.jobs import enqueue_batch, window_seconds
 from batch.store import BatchStore
-from gateway.errors import APIError, bad_request
 from gateway.fleet.redis_context import RedisContext
-from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.http.errors import APIError, bad_request
+from gateway.openai.request_schemas import ChatCompletionRequest, CompletionRequest
 from shared.settings import BatchApiSettings
 from shared.wire import BatchRecord, BatchStatus, FileRecord
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from gateway.errors import bad_request
-from gateway.openai.protocol import SamplingRequest
+from gateway.http.errors import bad_request
+from gateway.openai.request_schemas import SamplingRequest
 from shared.structured import ConstraintError, OutputConstraint, validate
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gateway.models.tokenization import PromptProcessor
 from gateway.openai.responses import CompletionLogprobs, PromptLogprob, PromptLogprobs
-from gateway.openai.tokenization import PromptProcessor
 from gateway.output.choice_stream import ChoiceDelta
 from shared.wire import TokenLogprob
 

@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.errors import APIError
-from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from gateway.openai.responses import ModelList
+from gateway.http.errors import APIError
+from gateway.models.served import ServedModels
+from gateway.openai.request_schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from gateway.openai.responses import ModelCard, ModelList
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,23 @@ async def list_models(request: Request) -> ModelList:
     """What the fleet serves now: the default model, the live workers' models, the adapters."""
     models = request.app.state.models
     await models.catalog.refresh_throttled()  # what it lists is not a second old
-    return ModelList(data=models.cards(request.app.state.started))
+    return ModelList(data=model_cards(models, request.app.state.started))
+
+
+def model_cards(models: ServedModels, created: int) -> list[ModelCard]:
+    """/v1/models as vLLM lists it: the served models (`root`: where they load from), then
+    the adapters (`root`: the adapter's directory, `parent`: its base model)."""
+    catalog = models.catalog
+    cards = []
+    for model, source in catalog.sources.items():
+        cards.append(ModelCard(id=model, created=created, root=source,
+                               max_model_len=models.context_length(model)))
+    for record in catalog.adapters.values():
+        if record.name not in catalog.sources:  # a served model wins the name
+            cards.append(ModelCard(id=record.name, created=record.created or created,
+                                   root=record.path, parent=record.base_model,
+                                   max_model_len=models.context_length(record.base_model)))
+    return cards
 
 
 @router.get("/health")

@@ -13,14 +13,14 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from gateway.dashboard.metrics import GatewayMetrics, RequestTracker
-from gateway.errors import bad_request, error_body, model_not_found
 from gateway.fleet.client import EngineClient, EngineError
+from gateway.http.errors import bad_request, error_body, model_not_found
 from gateway.models.catalog import Target
+from gateway.models.tokenization import PromptProcessor
 from gateway.openai.constraints import request_constraint
 from gateway.openai.fields import check_extra_fields
-from gateway.openai.protocol import MAX_CHOICES, SamplingRequest
+from gateway.openai.request_schemas import MAX_CHOICES, SamplingRequest
 from gateway.openai.responses import UsageInfo
-from gateway.openai.tokenization import PromptProcessor
 from gateway.output.background import BackgroundTasks
 from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
 from gateway.output.merge import merge_choices

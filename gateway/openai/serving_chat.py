@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from gateway.dashboard.metrics import RequestTracker
-from gateway.errors import bad_request
+from gateway.http.errors import bad_request
 from gateway.openai.chat_output import ChatOutput, ChatOutputOptions
 from gateway.openai.constraints import check, request_constraint
 from gateway.openai.fields import UNSUPPORTED_CHAT
 from gateway.openai.prompt_logprobs import prompt_logprobs_of, vllm_prompt_logprobs
-from gateway.openai.protocol import ChatCompletionRequest
+from gateway.openai.request_schemas import ChatCompletionRequest
 from gateway.openai.responses import (
     ChatChoice,
     ChatChoiceLogprobs,

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from gateway.dashboard.metrics import RequestTracker
 from gateway.openai.fields import UNSUPPORTED_COMPLETIONS
 from gateway.openai.prompt_logprobs import echo_logprobs, prompt_logprobs_of, vllm_prompt_logprobs
-from gateway.openai.protocol import CompletionRequest
+from gateway.openai.request_schemas import CompletionRequest
 from gateway.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of, running_usage
 from gateway.openai.sse_chunks import CompletionChunkEncoder

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.errors import APIError
 from gateway.fleet.client import EngineClient
+from gateway.http.errors import APIError
 from gateway.models.served import ServedModels
 from gateway.openai.responses import ResumedChoice, ResumedChunk, chunk_json
 from gateway.openai.serving import sse, stream_with_errors

@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.errors import bad_request
-from gateway.openai.protocol import ChatCompletionRequest, ChatMessage, TokenIds
-from gateway.openai.protocol_tools import ToolDefinition
+from gateway.http.errors import bad_request
+from gateway.openai.request_schemas import ChatCompletionRequest, ChatMessage, TokenIds
+from gateway.openai.request_schemas_tools import ToolDefinition
 
 utility_router = APIRouter()
 

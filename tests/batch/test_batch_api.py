@@ -16,8 +16,8 @@ from rq import Queue
 
 from batch.jobs import BatchRunner, line_request_id, requeue_orphans
 from batch.store import BatchStore
-from gateway.errors import install_error_handlers
 from gateway.fleet.redis_context import RedisContext
+from gateway.http.errors import install_error_handlers
 from gateway.openai.batches import batch_router
 from shared.settings import BatchSettings
 from shared.wire import BatchStatus, Keys

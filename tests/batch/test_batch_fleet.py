@@ -20,8 +20,8 @@ import redis
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.errors import install_error_handlers
 from gateway.fleet.redis_context import RedisContext
+from gateway.http.errors import install_error_handlers
 from gateway.openai.batches import batch_router
 from shared.models import DEFAULT_MODEL, resolve_model_path
 from shared.redis_server import free_port

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.openai.tokenization import ModelInfo
+from gateway.models.tokenization import ModelInfo
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from shared.settings import GatewaySettings
 from tests.gateway.fakes import FakeEngineClient

@@ -9,8 +9,8 @@ from redis.asyncio import Redis
 
 from gateway.admission.admission import QueueWaitEstimator
 from gateway.app import create_app
-from gateway.errors import TooManyRequests
 from gateway.fleet.client import QueueLoad
+from gateway.http.errors import TooManyRequests
 from shared.settings import GatewaySettings
 from shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
 from tests.gateway.helpers import MODEL

@@ -258,8 +258,8 @@ async def test_worker_error_in_stream_is_an_error_event_then_done(http, engine, 
 def test_default_temperature_follows_the_model_unless_configured(tmp_path):
     from transformers import GenerationConfig
 
-    from gateway.openai.protocol import ChatCompletionRequest
-    from gateway.openai.tokenization import _generation_temperature
+    from gateway.openai.request_schemas import ChatCompletionRequest
+    from gateway.models.tokenization import _generation_temperature
 
     GenerationConfig(do_sample=False).save_pretrained(tmp_path / "greedy")
     GenerationConfig(do_sample=True, temperature=0.6).save_pretrained(tmp_path / "sampled")

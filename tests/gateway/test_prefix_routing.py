@@ -12,9 +12,9 @@ import time
 import pytest
 
 from gateway.dashboard.router import add_routing, routing_summary
+from gateway.fleet.affinity import Router
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.redis_client import RedisEngineClient
-from gateway.fleet.router import Router
 from shared.redis_connect import connect
 from shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
 from shared.wire.affinity import ANNOUNCE_BLOCKS, announce_blocks

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.openai.tokenization import ModelInfo
+from gateway.models.tokenization import ModelInfo
 from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from shared.redis_connect import connect
 from shared.settings import GatewaySettings, WorkerSettings

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from gateway.errors import APIError, bad_request
+from gateway.http.errors import APIError, bad_request
 from gateway.output.detokenizer import TextDecoder
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator)
 
-from gateway.openai.protocol_tools import (
+from gateway.openai.request_schemas_tools import (
     ResponseFormat, StructuredOutputs, ToolCallIn, ToolChoice, ToolDefinition)
 from shared.wire import OutputConstraint, SamplingParams
 
