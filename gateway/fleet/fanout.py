@@ -131,6 +131,11 @@ class TokenFanout:
         self._links.clear()
 
     @property
+    def poll_timeout_s(self) -> float:
+        """How long one read of a pub/sub connection waits (below redis-py's socket timeout)."""
+        return self._poll_timeout_s
+
+    @property
     def num_subscribed(self) -> int:
         """Streams waiting on events (one per request stream, on whichever channel)."""
         return sum(len(queues) for routes in self._routes.values() for queues in routes.values())
@@ -449,7 +454,7 @@ class PubSubLink:
             try:
                 await self.ensure_connection()
                 response = await self._pubsub.parse_response(
-                    block=False, timeout=self.fanout._poll_timeout_s)
+                    block=False, timeout=self.fanout.poll_timeout_s)
                 if response is not None and not self._deliver(response):
                     message = await self._pubsub.handle_message(response)
                     if message is not None:

@@ -203,6 +203,12 @@ class KernelLinear(torch.nn.Module):
         self._weight_ptr = self.packed_weight.data_ptr()
         self._bias_ptr = None if self._bias32 is None else self._bias32.data_ptr()
 
+    @property
+    def code(self) -> int:
+        """The product's code for this linear's dtype and bf16 form, which every call passes
+        (and the numerics fingerprint names)."""
+        return self._code
+
     def __deepcopy__(self, memo) -> KernelLinear:
         return _copy_sharing_packed_weight(self, memo)
 

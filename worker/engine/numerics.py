@@ -89,7 +89,7 @@ def linear_kinds(module: torch.nn.Module) -> list[str]:
     for linear in linear_products(module).values():
         computing = linear.group.product if isinstance(linear, SiblingLinear) else linear
         if isinstance(computing, KernelLinear):
-            kinds.append(f"kvfleet product {computing._code} ({computing.form})")
+            kinds.append(f"kvfleet product {computing.code} ({computing.form})")
         elif isinstance(computing, PackedLinear):
             kinds.append("oneDNN packed")
         else:
