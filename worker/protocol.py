@@ -1,5 +1,8 @@
-"""The worker's side of the fleet protocol: every Redis read and write a worker makes, through
-the scripts and records of the wire contract (shared/wire/).
+"""The worker's side of the fleet protocol: the Redis reads and writes of the loop and the
+heartbeat, through the scripts and records of the wire contract (shared/wire/). The others are
+beside it, each with its part: prefix-affinity routing's in affinity.py, the prefix cache's
+announcements in announcer.py, the numerics view in numerics.py, the handoffs' in
+handoff/protocol.py.
 
 Ordering guarantees (docs/ARCHITECTURE.md, "The Redis protocol"):
 - `read_batch` delivers the next requests (by priority, up to a count) only while their prompts
