@@ -64,7 +64,7 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
             redis = owned_redis = RedisContext.from_settings(settings)
         client = RedisEngineClient.from_settings(settings, redis)
     if tokenizer is None or model_info is None:
-        model_path = resolve_model_path(settings.model, settings.cache_dir)
+        model_path = resolve_model_path(settings.model, settings.cache_dir, weights=False)
         tokenizer = tokenizer or load_tokenizer(model_path)
         model_info = model_info or ModelInfo.from_pretrained(
             settings.served_names()[0], model_path, tokenizer)

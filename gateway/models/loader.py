@@ -45,7 +45,7 @@ class ModelServing(Generic[Completions, Chat]):
 def load_processor(served_id: str, source: str, cache_dir: Path | None) -> PromptProcessor:
     """A served model's prompt processor from its source (blocking, seconds: run it in a thread;
     its tokenising thread's copy of the tokenizer is made here too, not on the event loop)."""
-    path = resolve_model_path(source, cache_dir)
+    path = resolve_model_path(source, cache_dir, weights=False)
     tokenizer = load_tokenizer(path)
     processor = PromptProcessor(tokenizer, ModelInfo.from_pretrained(served_id, path, tokenizer))
     processor.prepare_offload()
@@ -54,7 +54,7 @@ def load_processor(served_id: str, source: str, cache_dir: Path | None) -> Promp
 
 def read_model_config(source: str, cache_dir: Path | None) -> dict:
     """The model's config.json as a dict (blocking): what an adapter is checked against."""
-    path = resolve_model_path(source, cache_dir)
+    path = resolve_model_path(source, cache_dir, weights=False)
     config_file = Path(path) / "config.json"
     if config_file.is_file():
         return json.loads(config_file.read_text())
