@@ -2,7 +2,7 @@
 
 Two cost models answer `step_seconds(work)`:
 
-`RooflineCost` (`--device h100`): a roofline from the accelerator's published ceilings
+`RooflineCost` (`--sim-device h100`): a roofline from the accelerator's published ceilings
 (worker/sim/accelerators.py) and the model's shape (`ModelShape`, from a transformers-style
 config). For a step of R decode rows reading C KV positions and P prompt tokens with attention
 pairs A (the curve's units):
@@ -29,7 +29,7 @@ The KV pool of a simulated worker (`kv_blocks`) follows vLLM's accounting: the d
 x `memory_utilization` (vLLM's gpu_memory_utilization, 0.9), less the weights each device holds,
 less a reserve for the runtime and the activations of the largest step.
 
-`MeasuredCost` (`--step-cost FILE`): a real worker's fitted curve (shared/pace.py's
+`MeasuredCost` (`--sim-step-cost FILE`): a real worker's fitted curve (shared/pace.py's
 `StepCostCurve`, the JSON of a heartbeat's `step_cost`), replayed.
 
 A step with no token costs nothing (but for the copies of the blocks it swaps): the engine runs
