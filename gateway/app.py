@@ -72,7 +72,7 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
     pinned = check_startup_adapters(settings, served_id)
     background = BackgroundTasks()
     samplers: list[HistorySampler] = []
-    prefix_router = getattr(client, "router", None)  # --routing affinity
+    prefix_router = getattr(client, "router", None)  # --routing affinity or random
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -160,7 +160,7 @@ def _metrics(client: EngineClient, served_id: str) -> GatewayMetrics:
         metrics.watch_shard_shares(client.homes)
     if getattr(client, "fanout", None) is not None:  # a Redis fleet
         metrics.watch_fanout(client.fanout)
-    if getattr(client, "router", None) is not None:  # --routing affinity
+    if getattr(client, "router", None) is not None:  # --routing affinity or random
         metrics.watch_router(client.router)
     return metrics
 

@@ -57,12 +57,14 @@ class CommonSettings(BaseSettings):
                                            "`~/.cache/kvfleet/models`"},
         description="where the default model is converted to safetensors")
     log_level: str = Field("INFO", description="logging level: DEBUG, INFO, WARNING, ERROR")
-    routing: Literal["affinity", "shared"] = Field("affinity", description=(
+    routing: Literal["affinity", "shared", "random"] = Field("affinity", description=(
         "`affinity`: workers announce the blocks of their prefix cache and gateways send a "
         "request to the own stream of the worker holding most of its prompt (load permitting), "
         "from which any other worker takes it after a bounded wait; `shared`: every request to "
-        "the model's shared streams, taken by whichever worker has room (docs/ARCHITECTURE.md, "
-        "\"Prefix-affinity routing\")"))
+        "the model's shared streams, taken by whichever worker has room; `random`: every "
+        "request to the own stream of a uniformly random live worker, blind to caches and "
+        "loads (a baseline; idle workers still take entries waiting on busy ones after "
+        "`--affinity-steal-after-ms`) (docs/ARCHITECTURE.md, \"Prefix-affinity routing\")"))
 
     @field_validator("served_model_name", mode="before")
     @classmethod

@@ -137,6 +137,10 @@ class _FanoutCollector:
         return out
 
 
+# the routes each routing policy takes (Route.reason), every one exported from the start
+ROUTES = {"affinity": ("affinity", "least_loaded", "shared"), "random": ("random", "shared")}
+
+
 class _RouterCollector:
     """Reads a Router's stats per model and its prefix indexes (gateway/fleet/affinity.py) when
     scraped."""
@@ -149,8 +153,9 @@ class _RouterCollector:
         routed = CounterMetricFamily(
             "kvfleet_gateway_routed", "Requests by where the router sent them: `affinity` (the "
             "own stream of the worker holding most of the prompt), `least_loaded` (no worker "
-            "the load allows holds enough of it: the least loaded one's own stream), `shared` "
-            "(the shared streams: no index or live worker yet).", labels=["model", "route"])
+            "the load allows holds enough of it: the least loaded one's own stream), `random` "
+            "(`--routing random`: a uniformly random worker's own stream), `shared` (the shared "
+            "streams: no index or live worker yet).", labels=["model", "route"])
         by_worker = CounterMetricFamily(
             "kvfleet_gateway_routed_to_worker", "Requests this gateway routed to a worker's own "
             "stream, by worker.", labels=["model", "worker"])
@@ -161,7 +166,7 @@ class _RouterCollector:
             "kvfleet_gateway_routed_cached_tokens", "Of those, the tokens the router expected "
             "the chosen worker to find in its prefix cache.", labels=["model"])
         for model, stats in sorted(router.model_stats.items()):
-            for reason in ("affinity", "least_loaded", "shared"):
+            for reason in ROUTES[getattr(router, "policy", "affinity")]:
                 routed.add_metric([model, reason], stats.routed.get(reason, 0))
             for worker_id, count in sorted(stats.by_worker.items()):
                 by_worker.add_metric([model, worker_id], count)

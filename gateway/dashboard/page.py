@@ -202,7 +202,9 @@ function render(d) {
     : (d.totals.prefix_hit_rate * 100).toFixed(1) + "%";
   $("routing").textContent = d.routing.mode === "affinity"
     ? "affinity " + d.routing.affinity + " · least loaded " + d.routing.least_loaded
-      + " · shared " + d.routing.shared : "shared routing";
+      + " · shared " + d.routing.shared
+    : d.routing.mode === "random"
+    ? "random " + d.routing.random + " · shared " + d.routing.shared : "shared routing";
   $("ttft-p50").textContent = fmtS(d.ttft_p50_s);
   $("ttft-p99").textContent = fmtS(d.ttft_p99_s);
   $("in-flight").textContent = d.in_flight + " in flight";

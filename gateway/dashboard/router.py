@@ -126,9 +126,13 @@ def fleet_totals(workers: list[dict[str, Any]], model: str) -> dict[str, Any]:
 def routing_summary(router) -> dict[str, Any]:
     """This gateway's routing mode and what its router decided since it started."""
     if router is None:
-        return {"mode": "shared", "affinity": None, "least_loaded": None, "shared": None}
-    return {"mode": "affinity", "affinity": router.stats.routed.get("affinity", 0),
-            "least_loaded": router.stats.routed.get("least_loaded", 0),
+        return {"mode": "shared", "affinity": None, "least_loaded": None, "random": None,
+                "shared": None}
+    random_policy = router.policy == "random"
+    return {"mode": router.policy,
+            "affinity": None if random_policy else router.stats.routed.get("affinity", 0),
+            "least_loaded": None if random_policy else router.stats.routed.get("least_loaded", 0),
+            "random": router.stats.routed.get("random", 0) if random_policy else None,
             "shared": router.stats.routed.get("shared", 0)}
 
 

@@ -1,5 +1,7 @@
 """Prefix-affinity routing in the gateway (docs/ARCHITECTURE.md, "Prefix-affinity routing"): which
-worker's own stream a request goes to, or the shared streams.
+worker's own stream a request goes to, or the shared streams. The same router, with policy
+`random` (`--routing random`), is the cache-blind baseline: a uniformly random live worker that
+reads new requests, whatever its cache or load.
 
 `route` runs on the request path and touches no Redis: it hashes the prompt's blocks the way the
 workers do (shared/wire/prefix_hash.py: from the root of the model and of the request's LoRA
@@ -18,12 +20,19 @@ of requests sharing a new system prompt goes to one worker, not to all of them b
 announcement. A worker that drains or only decodes (role `decode`) reads no new requests: it is
 never chosen. Only without an index or a live worker that reads new requests does a request go
 to the shared streams, where the first worker with room takes it.
+
+With policy `random` the router follows no announcements (no prefix index): each request goes to
+the own stream of a worker drawn uniformly from the model's live workers that read new requests
+(by the same heartbeats), from a `random.Random` the caller may seed. The workers' steal rules
+are the same, so an idle worker still takes an entry waiting on a busy one after
+`--affinity-steal-after-ms`: random routing degrades gracefully, as affinity does when load wins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,8 +74,9 @@ class Route:
     worker: str | None
     cached_tokens: int  # prompt tokens the chosen worker is expected to find in its cache
     # "affinity": the worker holds (or is about to hold) at least min_blocks of its prompt;
-    # "least_loaded": none that the load allows does, the least loaded takes it; "shared": no
-    # index or no live worker yet, the shared streams
+    # "least_loaded": none that the load allows does, the least loaded takes it; "random": a
+    # uniformly random worker (policy random); "shared": no index or no live worker yet, the
+    # shared streams
     reason: str
     seconds: float = 0.0  # time spent routing
 
@@ -100,11 +110,21 @@ class WorkerLoads:
                    self.in_flight.get(worker_id, 0))
 
 
+POLICIES = ("affinity", "random")
+
+
 class Router:
-    """Routes one gateway's requests; `follow` begins following Redis for a model."""
+    """Routes one gateway's requests; `follow` begins following Redis for a model. `policy`:
+    "affinity" (the prefix index and the load rule) or "random" (a uniformly random live worker,
+    drawn from `rng`: a seeded one makes the choices reproducible)."""
 
     def __init__(self, redis: Redis, keys: Keys, *, balance: float = 1.5, min_blocks: int = 1,
-                 listing_ttl_ms: int = 10_000):
+                 listing_ttl_ms: int = 10_000, policy: str = "affinity",
+                 rng: random.Random | None = None):
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.rng = rng or random.Random()
         self.redis = redis
         self.keys = keys
         self.balance = balance
@@ -125,15 +145,18 @@ class Router:
         self.observe: Callable[[str, float], None] | None = None
 
     def follow(self, model: str) -> None:
-        """Start following the model's announcements and workers' loads (in the background;
-        until the index has its first snapshot, requests go to the shared streams). Call from
-        the event loop; a model already followed is left as it is."""
-        if model in self.indexes:
+        """Start following the model's announcements (policy affinity only) and workers' loads
+        (in the background; until the index has its first snapshot, or the loads their first
+        read, requests go to the shared streams). Call from the event loop; a model already
+        followed is left as it is."""
+        if model in self.loads:
             return
-        index = PrefixIndex(self.redis, self.keys, model, listing_ttl_ms=self.listing_ttl_ms)
-        self.indexes[model] = index
         self.loads[model] = WorkerLoads()
-        self._tasks.append(asyncio.create_task(index.run(), name=f"prefix-index-{model}"))
+        if self.policy == "affinity":
+            index = PrefixIndex(self.redis, self.keys, model,
+                                listing_ttl_ms=self.listing_ttl_ms)
+            self.indexes[model] = index
+            self._tasks.append(asyncio.create_task(index.run(), name=f"prefix-index-{model}"))
         self._tasks.append(asyncio.create_task(self._follow_loads(model),
                                                name=f"worker-loads-{model}"))
 
@@ -212,6 +235,8 @@ class Router:
             self.loads[model].ended(worker_id)
 
     def _decide(self, model: str, prompt_token_ids: Sequence[int], root: bytes) -> Route:
+        if self.policy == "random":
+            return self._random(model)
         index, loads = self.indexes.get(model), self.loads.get(model)
         if index is None or not index.synced:
             return Route(None, 0, "shared")
@@ -248,6 +273,17 @@ class Router:
             for block_id in ids[size]:
                 mine[block_id] = now + EXPECTED_S
         return Route(best, cached[best], "affinity" if enough(best) else "least_loaded")
+
+    def _random(self, model: str) -> Route:
+        """A uniformly random live worker that reads new requests; none yet: the shared
+        streams. Its cache is not looked at (the entry's `cached` is 0: the worker counts the
+        whole prompt against its budget until its own prefix cache says otherwise)."""
+        loads = self.loads.get(model)
+        workers = sorted(w for w, beat in loads.beats.items() if takes_new_requests(beat)) \
+            if loads is not None else []
+        if not workers:
+            return Route(None, 0, "shared")
+        return Route(self.rng.choice(workers), 0, "random")
 
     def _block_ids(self, root: bytes, prompt: Sequence[int],
                    beats: dict[str, Heartbeat]) -> dict[int, list[bytes]]:

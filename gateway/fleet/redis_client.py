@@ -173,7 +173,7 @@ class RedisEngineClient(EngineClient):
                                    command_timeout_s=self._command_timeout_s)
                       if shard_shares and self.keys.queue_shards > 1 else None)
         self._homes_task: asyncio.Task | None = None
-        # Prefix-affinity routing (None: every request to the shared streams).
+        # Prefix-affinity or random routing (None: every request to the shared streams).
         self.router = router
 
     @classmethod
@@ -185,8 +185,9 @@ class RedisEngineClient(EngineClient):
                    shard_shares=settings.gateway_shard_shares,
                    inboxes=settings.gateway_inboxes,
                    router=Router(context.redis, context.keys, balance=settings.affinity_balance,
-                                 min_blocks=settings.affinity_min_blocks)
-                   if settings.routing == "affinity" else None)
+                                 min_blocks=settings.affinity_min_blocks,
+                                 policy=settings.routing)
+                   if settings.routing != "shared" else None)
 
     @classmethod
     def from_url(cls, redis_url: str, keys: Keys, *, connect_timeout_s: float = 2.0,

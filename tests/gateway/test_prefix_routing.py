@@ -160,7 +160,7 @@ async def test_the_router_picks_the_worker_holding_the_longest_prefix(router, sy
     add_routing(rows, router, MODEL)
     assert [(r["indexed_blocks"], r["routed"]) for r in rows] == [(4, 2), (9, 2), (12, 0)]
     assert routing_summary(router) == {"mode": "affinity", "affinity": 3, "least_loaded": 1,
-                                       "shared": 0}
+                                       "random": None, "shared": 0}
 
 
 async def test_load_wins_over_affinity_when_the_holder_is_busy(router, sync, keys):

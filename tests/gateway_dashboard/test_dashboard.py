@@ -240,7 +240,7 @@ def test_data_json(fleet, base_url):
                               "prefix_hit_rate": round((100 + 100) / (400 + 400), 4)}
     # this test's gateway routes every request to the shared streams
     assert body["routing"] == {"mode": "shared", "affinity": None, "least_loaded": None,
-                               "shared": None}
+                               "random": None, "shared": None}
     assert (a["indexed_blocks"], a["routed"], a["own_queue"]) == (None, None, 0)
     assert [(w["itl_p99_ms"], w["target_itl_ms"], w["ttft_p99_ms"], w["target_ttft_ms"],
              w["pace_room"]) for w in body["workers"]] == [(42.4, 50.0, 950.0, 800.0, 6),
