@@ -88,6 +88,8 @@ def request_body(target: BenchTarget, request: TraceRequest) -> dict:
     if target.endpoint == "chat":
         body["messages"] = (list(request.messages) if request.messages is not None
                             else [{"role": "user", "content": request.prompt}])
+    elif request.prompt_token_ids is not None:
+        body["prompt"] = list(request.prompt_token_ids)
     else:
         body["prompt"] = request.prompt
     if target.temperature is not None:

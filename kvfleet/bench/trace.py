@@ -26,6 +26,9 @@ class TraceRequest:
     # the `model` this request names instead of the run's --model (a trace spread over several
     # models or LoRA adapters); None: the run's
     model: str | None = None
+    # the prompt as token ids, sent instead of `prompt` to the completions endpoint (a prompt of
+    # an exact length, not tokenised by the server); traces read from a file have none
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 def load_trace(path: str | Path, num_requests: int | None = None) -> list[TraceRequest]:
