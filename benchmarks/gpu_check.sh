@@ -32,6 +32,7 @@ else:
 PYEOF
 
 need="transformers safetensors gguf pydantic_settings redis msgpack pytest pytest_timeout llguidance"
+need="$need opentelemetry"
 if ! "$PY" -c "import ${need// /, }" 2>/dev/null; then
     if [ -d benchmarks/wheelhouse ]; then
         echo "== installing the Python dependencies from benchmarks/wheelhouse (offline)"

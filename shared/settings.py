@@ -56,6 +56,14 @@ class CommonSettings(BaseSettings):
         json_schema_extra={"default_text": "`$XDG_CACHE_HOME/kvfleet/models`, else "
                                            "`~/.cache/kvfleet/models`"},
         description="where the default model is converted to safetensors")
+    otlp_traces_endpoint: str = Field("", json_schema_extra={"default_text": "none (off)"},
+                                      description=(
+        "send OpenTelemetry traces to this OTLP collector, as vLLM's flag: an OTLP/HTTP URL "
+        "(`http://collector:4318`; `/v1/traces` is added to a URL without a path), or a gRPC "
+        "one with `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc` (needs the "
+        "opentelemetry-exporter-otlp-proto-grpc package). The gateway's span of each request, "
+        "the workers' spans under it; the standard `OTEL_*` variables apply (service name, "
+        "sampler, headers: docs/OPERATIONS.md, \"Traces\"). none: no tracer, nothing exported"))
     log_level: str = Field("INFO", description="logging level: DEBUG, INFO, WARNING, ERROR")
     routing: Literal["affinity", "shared", "random"] = Field("affinity", description=(
         "`affinity`: workers announce the blocks of their prefix cache and gateways send a "

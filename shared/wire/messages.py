@@ -89,10 +89,15 @@ class GenerationRequest:
     # first use, so a resumed request is served by the same adapter.
     lora: str = ""
     lora_path: str = ""
+    # The W3C trace context of the gateway's request span (shared/tracing.py; '' = none: tracing
+    # off, or an older gateway): a worker opens its spans of this request under it.
+    traceparent: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["params"] = self.params.to_dict()
+        if not data["traceparent"]:
+            del data["traceparent"]  # tracing off: the record as before
         return data
 
     @classmethod
