@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -20,13 +21,15 @@ from gateway.admission.body_limit import BodySizeLimit
 from gateway.admission.ratelimit import RateLimiter
 from gateway.dashboard.history import (FleetHistory, HistorySampler, history_router,
                                        redis_snapshot_reader)
-from gateway.dashboard.metrics import GatewayMetrics, RejectionCounter, metrics_route
+from gateway.dashboard.metrics import (GENERATION_ENDPOINTS, GatewayMetrics, RejectionCounter,
+                                       metrics_route)
 from gateway.dashboard.router import dashboard_router
 from gateway.fleet.client import EngineClient
 from gateway.fleet.redis_client import RedisEngineClient
 from gateway.fleet.redis_context import RedisContext
 from gateway.http.errors import install_error_handlers
 from gateway.http.request_id import RequestIdMiddleware
+from gateway.http.tracing import TraceMiddleware
 from gateway.models.adapters import AdapterRegistry, check_startup_adapters
 from gateway.models.catalog import ModelCatalog
 from gateway.models.loader import ModelLoader, ModelServing
@@ -40,8 +43,12 @@ from gateway.openai.serving_completion import CompletionServing
 from gateway.openai.serving_reattach import ReattachServing
 from gateway.openai.utility_routes import utility_router
 from gateway.output.background import BackgroundTasks
+from shared import tracing
 from shared.models import load_tokenizer, resolve_model_path
 from shared.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +56,22 @@ SHUTDOWN_DRAIN_S = 5.0  # how long cancellations still in flight may take at shu
 
 
 def create_app(settings: GatewaySettings, client: EngineClient | None = None, tokenizer=None,
-               *, model_info: ModelInfo | None = None, redis: RedisContext | None = None
-               ) -> FastAPI:
+               *, model_info: ModelInfo | None = None, redis: RedisContext | None = None,
+               tracer_provider: TracerProvider | None = None) -> FastAPI:
     """The app. Its one Redis context (`redis`; without one and without `client`, built here from
     settings and closed with the app) serves the engine client, API keys, rate limits, the
     dashboard and the batch routes. Without `client`, a RedisEngineClient on that context
     (connected in the lifespan). A `client` without `redis` (a fake, in tests) makes an app
     without Redis: settings' API keys only, no rate limits, no dashboard, batch routes are 503s.
     Without `tokenizer`, the default model's; without `model_info`, read from the model's config.
-    Start-up adapters (`lora_modules`) are checked here: a bad one raises ValueError."""
+    Start-up adapters (`lora_modules`) are checked here: a bad one raises ValueError. Traces
+    go to `tracer_provider`, else to the one `--otlp-traces-endpoint` makes (shut down with the
+    app); with neither, none (shared/tracing.py)."""
     owned_redis = None
+    owned_provider = None
+    if tracer_provider is None:
+        tracer_provider = owned_provider = tracing.tracer_provider(
+            settings.otlp_traces_endpoint, tracing.GATEWAY_SERVICE)
     if client is None:
         if redis is None:
             redis = owned_redis = RedisContext.from_settings(settings)
@@ -99,6 +112,8 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
             await client.close()
             if owned_redis is not None:
                 await owned_redis.aclose()
+            if owned_provider is not None:  # its last spans exported
+                await asyncio.to_thread(owned_provider.shutdown)
 
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
     metrics = _metrics(client, served_id)
@@ -149,6 +164,9 @@ def create_app(settings: GatewaySettings, client: EngineClient | None = None, to
                        exempt_paths=("/v1/files",))
     app.add_middleware(ApiKeyAuth, store=api_keys)
     app.add_middleware(RejectionCounter, metrics=metrics)  # sees every 413
+    if tracer_provider is not None:  # a span per generation request, refusals included
+        app.add_middleware(TraceMiddleware, tracer=tracer_provider.get_tracer("kvfleet.gateway"),
+                           paths=GENERATION_ENDPOINTS)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries X-Request-Id
     return app
 

@@ -68,6 +68,11 @@ SHARED_NAMES: dict[str, tuple[str, dict[str, str]]] = {
         "kvfleet/bench/report.py": "a benchmark run's and a sweep's",
         "kvfleet/plan/report.py": "a capacity plan's",
     }),
+    "tracing.py": ("OpenTelemetry traces (--otlp-traces-endpoint), one layer each", {
+        "shared/tracing.py": "the setup: provider, exporter, the context's wire form",
+        "gateway/http/tracing.py": "the gateway's: a request's HTTP span and its GenAI attributes",
+        "worker/tracing.py": "a worker's: a request's spans there, from its timeline's instants",
+    }),
 }
 
 

@@ -11,6 +11,7 @@ import threading
 
 import torch
 
+from shared import tracing
 from shared.models import resolve_model_path
 from shared.settings import WorkerSettings
 from shared.redis_connect import connect
@@ -100,11 +101,18 @@ def run_worker(settings: WorkerSettings, stop: threading.Event | None = None,
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set() if drain.is_set() else drain.set())
     worker_id = settings.resolved_worker_id()
+    try:  # --otlp-traces-endpoint: this worker's spans (shared/tracing.py); checked before loading
+        provider = tracing.tracer_provider(settings.otlp_traces_endpoint, tracing.WORKER_SERVICE,
+                                           worker_id)
+    except ValueError as exc:
+        raise SystemExit(f"kvfleet worker: {exc}") from None
     engine = build_engine(settings)
     try:
-        _serve(settings, engine, worker_id, stop, drain)
+        _serve(settings, engine, worker_id, stop, drain, provider)
     finally:
         engine.close()  # tensor-parallel ranks stop with rank 0
+        if provider is not None:
+            provider.shutdown()  # its last spans exported
 
 
 def worker_protocol(settings: WorkerSettings, client, worker_id: str,
@@ -120,7 +128,7 @@ def worker_protocol(settings: WorkerSettings, client, worker_id: str,
 
 
 def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
-           stop: threading.Event, drain: threading.Event) -> None:
+           stop: threading.Event, drain: threading.Event, tracer_provider=None) -> None:
     # Socket timeout above the blocking XREADGROUP's BLOCK, so a quiet stream never times out.
     client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5,
                      health_check_interval=30)
@@ -139,7 +147,7 @@ def _serve(settings: WorkerSettings, engine: Engine, worker_id: str,
     log.info("worker %s (role %s, numerics %s) serving %s from %s", worker_id, settings.role,
              protocol.numerics, protocol.model, settings.redis_url)
     service = WorkerService(settings, engine, client, protocol, metrics, metrics_url, plane,
-                            drain=drain)
+                            drain=drain, tracer_provider=tracer_provider)
     if service.handoffs.addr:
         log.info("KV transfer plane at %s", service.handoffs.addr)
     service.run(stop)

@@ -42,6 +42,7 @@ from worker.metrics import WorkerMetrics
 from worker.numerics import FleetNumerics
 from worker.protocol import Delivery, Publication, WorkerProtocol
 from worker.timelines import TimelineRecorder
+from worker.tracing import RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class WorkerService:
     def __init__(self, settings: WorkerSettings, engine: Engine, client: redis.Redis,
                  protocol: WorkerProtocol, metrics: WorkerMetrics | None = None,
                  metrics_url: str | None = None, plane: TransferPlane | None = None, *,
-                 drain: threading.Event | None = None):
+                 drain: threading.Event | None = None, tracer_provider=None):
         self.settings = settings
         self.metrics = metrics or WorkerMetrics(protocol.worker_id, protocol.model,
                                                 settings.cost_per_hour)
@@ -72,7 +73,9 @@ class WorkerService:
         self.inflight = InflightTable()
         self._backlog: list[Publication] = []  # produced but not yet published (Redis was down)
         self.coalescer = EventCoalescer(settings.publish_interval_ms / 1000)
-        self.timelines = TimelineRecorder(protocol.worker_id, settings.timelines_kept)
+        self.timelines = TimelineRecorder(  # and the spans, with a tracer provider (tracing on)
+            protocol.worker_id, settings.timelines_kept,
+            spans=RequestSpans.of(tracer_provider, protocol.model))
         # The heartbeat the thread writes next (the protocol stamps model and time).
         self._stats_snapshot = Heartbeat(model=protocol.model, ts=0.0)
         self._lock = threading.Lock()  # the stats snapshot: the loop writes, the heartbeat reads

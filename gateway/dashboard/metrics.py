@@ -373,6 +373,8 @@ class RequestTracker:
         self._last_token_at: float | None = None
         self.ttft_s: float | None = None
         self.finished = False
+        # tracing on: the request's span (gateway/http/tracing.py RequestSpan), told the same
+        self.span = None
         metrics.request_started(endpoint, self.model)
 
     def on_tokens(self, n: int) -> None:
@@ -383,17 +385,24 @@ class RequestTracker:
         if self._last_token_at is None:
             self.ttft_s = now - self.started_at
             self._metrics.first_token(self.ttft_s, self.model)
+            if self.span is not None:
+                self.span.first_token(self.ttft_s)
         else:
             self._metrics.tokens(n, now - self._last_token_at, self.model)
         self._last_token_at = now
 
-    def finish(self, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
-        """The response ended with `outcome` (finish reason, `error`, or `abort`)."""
+    def finish(self, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0,
+               reasons: list[str | None] | None = None) -> None:
+        """The response ended with `outcome` (finish reason, `error`, or `abort`); `reasons`:
+        each choice's finish reason, for the span."""
         if self.finished:
             return
         self.finished = True
+        e2e_s = self._clock() - self.started_at
         self._metrics.request_finished(self.endpoint, outcome, prompt_tokens, completion_tokens,
-                                       self._clock() - self.started_at, self.ttft_s, self.model)
+                                       e2e_s, self.ttft_s, self.model)
+        if self.span is not None:
+            self.span.finish(outcome, prompt_tokens, completion_tokens, e2e_s, reasons)
 
     def discard(self) -> None:
         """The handler raised instead of answering: leave in-flight, count nothing here (the

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from gateway.dashboard.metrics import GatewayMetrics, RequestTracker
 from gateway.fleet.client import EngineClient, EngineError
 from gateway.http.errors import bad_request, error_body, model_not_found
+from gateway.http.tracing import RequestSpan
 from gateway.models.catalog import Target
 from gateway.models.tokenization import PromptProcessor
 from gateway.openai.constraints import request_constraint
@@ -146,6 +147,9 @@ class OpenAIServing:
             req_hex = self.client.new_request_hex("cmpl-")
             self._log_who(request, req_hex)
             requests = self.build_requests(req_hex, prompts, request, constraint, target)
+            tracker.span = RequestSpan.current()  # tracing on: the middleware's span
+            if tracker.span is not None:  # its context goes with every choice
+                tracker.span.submitted(target.name, f"cmpl-{req_hex}", request.stream, requests)
             await self.admit(requests, principal)
             choices = await self.submit_all(requests)
             # The response id is the request id (`kvf:req:{id}` in Redis); the answer names the

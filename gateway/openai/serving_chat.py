@@ -127,8 +127,8 @@ class ChatServing(OpenAIServing):
                                   finish_reason=reason, stop_reason=final.stop_reason,
                                   prompt_logprobs=prompt_logprobs))
         info = usage.info()
-        tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
-                       info.completion_tokens)
+        reasons = [c.finish_reason for c in out]
+        tracker.finish(outcome_of(reasons), info.prompt_tokens, info.completion_tokens, reasons)
         return ChatCompletionResponse(id=response_id, created=created, model=model,
                                       choices=out, usage=info,
                                       system_fingerprint=usage.system_fingerprint())
@@ -170,7 +170,8 @@ class ChatServing(OpenAIServing):
             info = usage.info()
             if request.include_usage:
                 yield frames.usage(info, usage.system_fingerprint())
-            tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens)
+            tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens,
+                           finish_reasons)
         except Exception:
             tracker.finish("error")
             raise

@@ -58,8 +58,8 @@ class CompletionServing(OpenAIServing):
                 prompt_logprobs=(vllm_prompt_logprobs(self.processor, prompt_entries, prompt)
                                  if request.prompt_logprobs is not None else None)))
         info = usage.info()
-        tracker.finish(outcome_of([c.finish_reason for c in out]), info.prompt_tokens,
-                       info.completion_tokens)
+        reasons = [c.finish_reason for c in out]
+        tracker.finish(outcome_of(reasons), info.prompt_tokens, info.completion_tokens, reasons)
         return CompletionResponse(id=response_id, created=created, model=model,
                                   choices=out, usage=info,
                                   system_fingerprint=usage.system_fingerprint())
@@ -104,7 +104,8 @@ class CompletionServing(OpenAIServing):
             info = usage.info()
             if request.include_usage:
                 yield frames.usage(info, usage.system_fingerprint())
-            tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens)
+            tracker.finish(outcome_of(finish_reasons), info.prompt_tokens, info.completion_tokens,
+                           finish_reasons)
         except Exception:
             tracker.finish("error")
             raise

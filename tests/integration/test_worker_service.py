@@ -46,7 +46,7 @@ class Client:
         self.events: dict[str, list[TokenEvent]] = {}
 
     def send(self, prompt, params: SamplingParams, deadline: float | None = None,
-             req_id: str | None = None, created: float = 0.0) -> str:
+             req_id: str | None = None, created: float = 0.0, traceparent: str = "") -> str:
         req_id = req_id or f"r-{uuid.uuid4().hex[:8]}"
         if self.pubsub is None:
             self.pubsub = subscribe(self.redis, self.keys.tokens(req_id))
@@ -55,7 +55,7 @@ class Client:
         else:
             self.pubsub.subscribe(self.keys.tokens(req_id))
         request = GenerationRequest(req_id, MODEL, prompt, params, deadline=deadline,
-                                    created=created)
+                                    created=created, traceparent=traceparent)
         self.redis.hset(self.keys.request(req_id), mapping=RequestRecord(request).encode())
         stream, fields = scripts.queue_entry(self.keys, request)
         self.redis.xadd(stream, fields)
@@ -90,6 +90,7 @@ class Client:
 def make_service(redis_url: str, tiny: TinyModel, worker_id: str, **settings) -> WorkerService:
     settings_tokenizer = settings.pop("tokenizer", None)
     engine_config = settings.pop("engine_config", {})
+    tracer_provider = settings.pop("tracer_provider", None)
     settings = WorkerSettings(redis_url=redis_url, model=MODEL, worker_id=worker_id,
                               heartbeat_ttl_s=settings.pop("heartbeat_ttl_s", 0.3),
                               heartbeat_interval_s=0.05, read_block_ms=10, **settings)
@@ -97,7 +98,7 @@ def make_service(redis_url: str, tiny: TinyModel, worker_id: str, **settings) ->
     protocol = WorkerProtocol(client, fleet_keys(client), MODEL, worker_id, result_ttl_s=60,
                               steal_after_ms=settings.steal_after_ms)
     engine = tiny.engine(tokenizer=settings_tokenizer, num_blocks=64, block_size=4, **engine_config)
-    service = WorkerService(settings, engine, client, protocol)
+    service = WorkerService(settings, engine, client, protocol, tracer_provider=tracer_provider)
     service.connect()
     return service
 
