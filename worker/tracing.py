@@ -8,8 +8,9 @@ with the times they had, under the context the gateway put in the request
 (`GenerationRequest.traceparent`; none: a trace of their own):
 
     queue        created -> pulled   in a stream until this worker took it (first delivery only)
-    worker       pulled  -> end      this worker's part, with the request's attributes
-      admit      pulled  -> started  fencing the attempt, the engine's add
+    worker       pulled  -> end      this worker's part, with the request's attributes; an
+                                     event `started` when it entered the engine (after fencing
+                                     its attempt), `left` when it left before its end
       prefill    started -> first    the engine's wait, the prompt's chunks, the first token
       decode     first   -> last     the later tokens (published)
 
@@ -59,13 +60,15 @@ class RequestSpans:
         worker = self._tracer.start_span(
             "worker", parent, kind=SpanKind.CONSUMER, start_time=_ns(timeline.pulled),
             attributes=self._attributes(timeline, left))
+        if timeline.started:
+            worker.add_event("started", timestamp=_ns(timeline.started))
         if left:
             worker.add_event("left", timestamp=_ns(timeline.end))
         elif timeline.finish == "error":
             worker.set_status(Status(StatusCode.ERROR, "the request failed here"))
         inside = set_span_in_context(worker)
         started = timeline.started or timeline.pulled
-        phases = [("admit", timeline.pulled, started)]
+        phases = []
         if timeline.first:
             phases.append(("prefill", started, timeline.first))
             if timeline.last > timeline.first:

@@ -69,19 +69,19 @@ def test_the_workers_spans_are_children_of_the_propagated_context(redis_url, cli
     run_until(worker, lambda: client.final(req_id))
 
     spans = spans_by_name(exporter)
-    assert sorted(spans) == ["POST /v1/completions", "admit", "decode", "prefill", "queue",
-                             "worker"]
-    [queue], [mine], [admit], [prefill], [decode] = (
-        spans[n] for n in ("queue", "worker", "admit", "prefill", "decode"))
+    assert sorted(spans) == ["POST /v1/completions", "decode", "prefill", "queue", "worker"]
+    [queue], [mine], [prefill], [decode] = (
+        spans[n] for n in ("queue", "worker", "prefill", "decode"))
     trace_id, parent_id = parent.context.trace_id, parent.context.span_id
-    for span in (queue, mine, admit, prefill, decode):
+    for span in (queue, mine, prefill, decode):
         assert span.context.trace_id == trace_id
     assert queue.parent.span_id == mine.parent.span_id == parent_id  # under the gateway's span
-    assert admit.parent.span_id == prefill.parent.span_id == decode.parent.span_id == \
-        mine.context.span_id
+    assert prefill.parent.span_id == decode.parent.span_id == mine.context.span_id
     # the timeline's instants, in order
-    assert queue.start_time <= queue.end_time == mine.start_time == admit.start_time
-    assert admit.end_time == prefill.start_time <= prefill.end_time == decode.start_time
+    [started] = mine.events
+    assert started.name == "started"
+    assert queue.start_time <= queue.end_time == mine.start_time <= started.timestamp
+    assert started.timestamp == prefill.start_time <= prefill.end_time == decode.start_time
     assert decode.end_time <= mine.end_time
     attributes = mine.attributes
     assert attributes["gen_ai.request.id"] == req_id
@@ -133,7 +133,7 @@ def test_a_resume_on_another_worker_continues_the_same_trace(redis_url, client, 
     assert rescued["gen_ai.response.finish_reasons"] == ("length",)
     assert "gen_ai.latency.time_in_queue" not in rescued  # a resume's wait is no queueing
     assert workers["dying"].attributes["kvfleet.left"] is True
-    assert [e.name for e in workers["dying"].events] == ["left"]
+    assert [e.name for e in workers["dying"].events] == ["started", "left"]
     assert len(spans_by_name(exporter)["queue"]) == 1  # the first delivery's only
 
 
