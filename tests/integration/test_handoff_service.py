@@ -37,6 +37,7 @@ def service(redis_url: str, tiny: TinyModel, worker_id: str, *, num_blocks: int 
             block_size: int = 4, engine_config: dict | None = None,
             handoffs: bool = True, numerics: str = "", **settings) -> WorkerService:
     """A worker of the tiny model; `numerics`: the fingerprint it says it computes with."""
+    tracer_provider = settings.pop("tracer_provider", None)
     settings = WorkerSettings(
         redis_url=redis_url, model=MODEL, worker_id=worker_id,
         heartbeat_ttl_s=settings.pop("heartbeat_ttl_s", 0.5), heartbeat_interval_s=0.05,
@@ -46,7 +47,8 @@ def service(redis_url: str, tiny: TinyModel, worker_id: str, *, num_blocks: int 
                               result_ttl_s=60, numerics=numerics)
     engine = tiny.engine(num_blocks=num_blocks, block_size=block_size, **(engine_config or {}))
     plane = TcpTransferPlane("127.0.0.1", 0, "127.0.0.1") if handoffs else None
-    worker = WorkerService(settings, engine, redis_client, protocol, plane=plane)
+    worker = WorkerService(settings, engine, redis_client, protocol, plane=plane,
+                           tracer_provider=tracer_provider)
     worker.connect()
     return worker
 

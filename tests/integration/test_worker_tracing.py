@@ -1,7 +1,7 @@
 """A worker's spans (worker/tracing.py) with a tiny model and a real Redis: opened under the
 context the request carries through Redis (`GenerationRequest.traceparent`), the phases from the
-timeline's instants, a resume on another worker in the same trace, a request without a context
-in a trace of its own, and nothing with tracing off."""
+timeline's instants, a resume on another worker and a drain's handoff in the same trace, a
+request without a context in a trace of its own, and nothing with tracing off."""
 
 from __future__ import annotations
 
@@ -135,6 +135,37 @@ def test_a_resume_on_another_worker_continues_the_same_trace(redis_url, client, 
     assert workers["dying"].attributes["kvfleet.left"] is True
     assert [e.name for e in workers["dying"].events] == ["started", "left"]
     assert len(spans_by_name(exporter)["queue"]) == 1  # the first delivery's only
+
+
+def test_a_drains_handoff_continues_the_same_trace_on_the_taker(redis_url, client, tiny,
+                                                                provider, exporter):
+    from tests.integration.test_handoff_service import metric, service, step_all, workers
+
+    parent = gateway_span(provider)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    source = service(redis_url, tiny, "source", tracer_provider=provider)
+    req_id = client.send(random_prompt(20, seed=41), params, created=time.time(),
+                         traceparent=traceparent_of(parent))
+    step_all(workers(source), lambda: len(client.text(req_id)) >= 3 or client.drain())
+    taker = service(redis_url, tiny, "taker", tracer_provider=provider)
+    source.drain.set()
+    step_all(workers(source, taker), lambda: client.final(req_id))
+    assert source.exited  # its drain handed the stream over with its KV
+    assert metric(taker, "kvfleet_worker_handoffs_total", direction="in") == 1
+
+    spans = {s.attributes["kvfleet.worker.id"]: s for s in spans_by_name(exporter)["worker"]}
+    assert sorted(spans) == ["source", "taker"]
+    for span in spans.values():
+        assert span.context.trace_id == parent.context.trace_id
+        assert span.parent.span_id == parent.context.span_id
+    handed, took = spans["source"], spans["taker"]
+    assert handed.attributes["kvfleet.left"] is True
+    assert "gen_ai.response.finish_reasons" not in handed.attributes
+    assert handed.end_time <= took.end_time
+    assert took.attributes["kvfleet.resumed_tokens"] >= 3
+    assert took.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert took.attributes["gen_ai.usage.output_tokens"] == \
+        24 - took.attributes["kvfleet.resumed_tokens"]
 
 
 def test_tracing_off_makes_no_spans_and_keeps_no_instants_without_timelines(redis_url, client,
