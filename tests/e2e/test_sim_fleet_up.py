@@ -14,6 +14,7 @@ import httpx
 import pytest
 import redis
 
+from shared.models import default_cache_dir
 from shared.redis_server import free_port
 from shared.wire import Heartbeat, Keys
 from tests.helpers.processes import Proc
@@ -27,8 +28,7 @@ WORKERS = 40
 def test_up_runs_a_fleet_of_simulated_h100s_behind_the_real_gateway(redis_server, tmp_path):
     port = free_port()
     prefix = f"sim-{uuid.uuid4().hex[:8]}:"
-    env = {"KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_KEY_PREFIX": prefix,
-           "KVFLEET_CACHE_DIR": str(tmp_path / "models")}
+    env = {"KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_KEY_PREFIX": prefix}
     fleet = Proc(["up", "--sim-workers", str(WORKERS), "--sim-device", "h100", "--model", MODEL,
                   "--tensor-parallel-size", "2", "--sim-answer-tokens", "fixed:9",
                   "--port", str(port)], env, tmp_path, "up")
@@ -63,7 +63,7 @@ def test_up_runs_a_fleet_of_simulated_h100s_behind_the_real_gateway(redis_server
             steps += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                          if line.startswith("kvfleet_worker_sim_steps_total{"))
         assert steps >= 3 * 8  # each answer's prefill and decode steps, played by the workers
-        assert not any(p.name == "random-qwen3-32b" for p in (tmp_path / "models").iterdir())
+        assert not (default_cache_dir() / "random-qwen3-32b").exists()  # no weights made
     finally:
         fleet.popen.send_signal(signal.SIGINT)
         fleet.wait_exit(timeout_s=40)

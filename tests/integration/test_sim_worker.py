@@ -11,6 +11,7 @@ import time
 import pytest
 
 from shared.engine_config import EngineConfig
+from shared.models import default_cache_dir
 from shared.settings import WorkerSettings
 from shared.redis_connect import connect
 from shared.wire import Heartbeat, SamplingParams
@@ -74,7 +75,7 @@ def test_a_dead_simulated_workers_stream_resumes_on_another_without_a_seam(redis
 
 
 def test_one_process_runs_several_simulated_workers_of_a_shape_without_its_weights(
-        redis_url, client, tmp_path):
+        redis_url, client):
     """`kvfleet worker --sim-workers 3 --sim-device h100 --model random:llama-3.1-70b`: the
     model's config and tokenizer only (no weights are made), three workers with their own
     names, pools of the H100's memory beside 70B's weights at tensor parallel 2, one metrics
@@ -85,7 +86,7 @@ def test_one_process_runs_several_simulated_workers_of_a_shape_without_its_weigh
     settings = WorkerSettings(
         redis_url=redis_url, model="random:llama-3.1-70b", served_model_name=[MODEL],
         sim_workers=3, sim_device="h100", tensor_parallel_size=2, worker_id="simhost",
-        heartbeat_interval_s=0.05, read_block_ms=10, cache_dir=tmp_path, metrics_host="127.0.0.1",
+        heartbeat_interval_s=0.05, read_block_ms=10, metrics_host="127.0.0.1",
         key_prefix=keys.prefix, queue_shards=keys.queue_shards)
     stop = threading.Event()
     host = threading.Thread(target=run_sim_workers, args=(settings, stop))
@@ -110,8 +111,10 @@ def test_one_process_runs_several_simulated_workers_of_a_shape_without_its_weigh
             assert time.monotonic() < deadline, "the simulated fleet did not answer"
             time.sleep(0.05)
         assert len(client.text(req_id)) == 12
-        assert not any(p.name.startswith("random-llama-3.1-70b") and
-                       not p.name.endswith("-config") for p in tmp_path.iterdir())
+        # only the config and tokenizer were made (the models' cache is the user's default)
+        cache = default_cache_dir()
+        assert (cache / "random-llama-3.1-70b-config" / "config.json").is_file()
+        assert not (cache / "random-llama-3.1-70b").exists()
     finally:
         stop.set()
         host.join(timeout=60)
