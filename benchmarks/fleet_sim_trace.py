@@ -188,8 +188,8 @@ class RunRow:
     ttft_p90_s: float | None
     itl_p99_s: float | None
     cached_share: float | None  # prefix hits / prompt tokens looked up, by the workers
-    requests_per_worker: tuple[int, int]  # min, max
-    prompt_tokens_per_worker: tuple[int, int]  # min, max (looked up in the prefix cache)
+    requests_per_worker: tuple[int, int] | None  # min, max (None: not read)
+    prompt_tokens_per_worker: tuple[int, int] | None  # min, max (looked up in the prefix cache)
     lag_share: float | None
     verdict: str
     wrong_prompt_lengths: int = 0  # ok requests whose usage.prompt_tokens was not the trace's
@@ -197,10 +197,15 @@ class RunRow:
 
 
 def summarise(routing: str, rate: float, records: list[RequestRecord], scale: TimeScale,
-              beats: dict[str, BeatCounters], requests_by_worker: dict[str, int],
+              beats: dict[str, BeatCounters] | None, requests_by_worker: dict[str, int],
               num_workers: int, prompt_tokens: int) -> RunRow:
     """A run's row: client-side latencies and throughput scaled back by k; cached share, load
-    and lag from the workers' heartbeat deltas. A worker that served nothing counts as 0."""
+    and lag from the workers' heartbeat deltas. A worker that served nothing counts as 0.
+    `beats` None (a peer without kvfleet's heartbeats): the cached share from the answers'
+    usage.prompt_tokens_details.cached_tokens where any is reported, no load, no lag verdict
+    ("unchecked")."""
+    if beats is None:
+        return _peer_row(routing, rate, records, scale, prompt_tokens)
     ok = [r for r in records if r.ok]
     first = min((r.sent_at_s for r in records if r.sent_at_s is not None), default=0.0)
     last = max((r.finished_at_s for r in ok if r.finished_at_s is not None), default=first)
@@ -227,6 +232,18 @@ def summarise(routing: str, rate: float, records: list[RequestRecord], scale: Ti
         lag_share=share, verdict=lag_verdict(share),
         wrong_prompt_lengths=sum(r.prompt_tokens != prompt_tokens for r in ok),
         errors=dict(sorted(errors.items(), key=lambda e: -e[1])[:3]))
+
+
+def _peer_row(routing: str, rate: float, records: list[RequestRecord], scale: TimeScale,
+              prompt_tokens: int) -> RunRow:
+    row = summarise(routing, rate, records, scale, {}, {}, 0, prompt_tokens)
+    ok = [r for r in records if r.ok]
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    prompts = sum(r.prompt_tokens or 0 for r in ok)
+    row.cached_share = cached / prompts if cached and prompts else None
+    row.requests_per_worker = row.prompt_tokens_per_worker = None
+    row.lag_share, row.verdict = None, "unchecked"
+    return row
 
 
 @dataclass(frozen=True)
@@ -256,20 +273,25 @@ def _num(value: float | None, fmt: str = "{:.2f}") -> str:
         else fmt.format(value)
 
 
+def _span(span: tuple[int, int] | None, left: int, right: int) -> str:
+    if span is None:
+        return f"{'-':>{left}} {'':<{right}}"
+    return f"{span[0]:>{left}}-{span[1]:<{right}}"
+
+
 def table(rows: list[RunRow]) -> list[str]:
     """Our rows (modelled time), one line each."""
-    head = (f"{'routing':<9} {'req/s':>6} {'sent':>5} {'ok':>5} {'out tok/s':>10} "
+    head = (f"{'routing':<13} {'req/s':>6} {'sent':>5} {'ok':>5} {'out tok/s':>10} "
             f"{'TTFT p50':>9} {'TTFT p90':>9} {'ITL p99':>8} {'cached':>7} "
             f"{'req/worker':>11} {'prompt tok/worker':>18} {'lag':>6}  verdict")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.routing:<9} {r.rate:>6g} {r.sent:>5} {r.ok:>5} "
+            f"{r.routing:<13} {r.rate:>6g} {r.sent:>5} {r.ok:>5} "
             f"{_num(r.output_tokens_per_s, '{:.0f}'):>10} {_num(r.ttft_p50_s):>9} "
             f"{_num(r.ttft_p90_s):>9} {_num(r.itl_p99_s, '{:.3f}'):>8} "
             f"{_num(r.cached_share, '{:.1%}'):>7} "
-            f"{r.requests_per_worker[0]:>5}-{r.requests_per_worker[1]:<5} "
-            f"{r.prompt_tokens_per_worker[0]:>8}-{r.prompt_tokens_per_worker[1]:<9} "
+            f"{_span(r.requests_per_worker, 5, 5)} {_span(r.prompt_tokens_per_worker, 8, 9)} "
             f"{_num(r.lag_share, '{:.1%}'):>6}  {r.verdict}")
     return lines
 
@@ -287,17 +309,22 @@ def published_table() -> list[str]:
 
 def target_lines(rows: list[RunRow]) -> list[str]:
     """Issue 51's target at each rate both ran: affinity's TTFT p90 at least 20x lower than
-    random's, output tokens/s at least 1.5x random's (meaningful at 60 requests/s)."""
+    random's, output tokens/s at least 1.5x random's (meaningful at 60 requests/s); the same
+    ratios of Dynamo's KV router over its random one, where both ran."""
     lines = []
     for rate in sorted({r.rate for r in rows}):
         by = {r.routing: r for r in rows if r.rate == rate}
-        a, b = by.get("affinity"), by.get("random")
-        if a is None or b is None:
-            continue
-        ttft = b.ttft_p90_s / a.ttft_p90_s if a.ttft_p90_s and b.ttft_p90_s else None
-        tps = a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else None
-        valid = a.verdict == b.verdict == "ok"
-        lines.append(f"  {rate:g} req/s: random/affinity TTFT p90 {_num(ttft, '{:.1f}x')} "
-                     f"(target >= 20x), affinity/random tok/s {_num(tps, '{:.2f}x')} "
-                     f"(target >= 1.5x){'' if valid else '  [a run is INVALID]'}")
+        for cache_aware, blind in (("affinity", "random"), ("dynamo-kv", "dynamo-random")):
+            if cache_aware in by and blind in by:
+                lines.append(_target_line(rate, by[cache_aware], by[blind]))
     return lines
+
+
+def _target_line(rate: float, a: RunRow, b: RunRow) -> str:
+    ttft = b.ttft_p90_s / a.ttft_p90_s if a.ttft_p90_s and b.ttft_p90_s else None
+    tps = a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else None
+    flag = "  [a run is INVALID]" if "INVALID" in (a.verdict, b.verdict) else ""
+    ours = a.routing == "affinity"  # the targets are kvfleet's; Dynamo's ratios are beside them
+    return (f"  {rate:g} req/s: {b.routing}/{a.routing} TTFT p90 {_num(ttft, '{:.1f}x')}"
+            f"{' (target >= 20x)' if ours else ''}, {a.routing}/{b.routing} tok/s "
+            f"{_num(tps, '{:.2f}x')}{' (target >= 1.5x)' if ours else ''}{flag}")

@@ -9,7 +9,8 @@ import statistics
 
 import pytest
 
-from benchmarks.fleet_sim import DYNAMO_VERDICT, dynamo_verdict, parse_args
+from benchmarks.fleet_sim import kv_tokens, parse_args
+from benchmarks.fleet_sim_dynamo import dynamo_python
 from benchmarks.fleet_sim_trace import (FIRST_ID, LAST_ID, LLMD_AT_60, LLMD_SUMMARY,
                                         BeatCounters, RunRow, TimeScale, TraceShape, deltas,
                                         generate, lag_share, lag_verdict, poisson_arrivals,
@@ -128,6 +129,14 @@ def test_tables_print_ours_and_llm_ds_labelled_as_theirs():
     assert target_lines(rows) == [
         "  60 req/s: random/affinity TTFT p90 100.0x (target >= 20x), affinity/random tok/s "
         "2.00x (target >= 1.5x)  [a run is INVALID]"]
+    peers = [RunRow("dynamo-kv", 60, 10, 10, 8000.0, 0.2, 1.0, 0.03, None, None, None, None,
+                    "unchecked"),
+             RunRow("dynamo-random", 60, 10, 10, 4000.0, 2.0, 10.0, 0.03, None, None, None,
+                    None, "unchecked")]
+    assert target_lines(peers) == [
+        "  60 req/s: dynamo-random/dynamo-kv TTFT p90 10.0x, dynamo-kv/dynamo-random tok/s "
+        "2.00x"]
+    assert table(peers)[2].split()[-4:] == ["-", "-", "-", "unchecked"]
     published = "\n".join(published_table())
     assert "THEIRS" in published and "real GPUs" in published
     assert "8,730" in published and "0.54s" in published and "4,429" in published
@@ -135,11 +144,33 @@ def test_tables_print_ours_and_llm_ds_labelled_as_theirs():
     assert [r.scheduler for r in LLMD_SUMMARY] == [r.scheduler for r in LLMD_AT_60]
 
 
-def test_the_command_line_and_the_dynamo_verdict(tmp_path):
+def test_a_peers_row_has_no_heartbeats():
+    """Dynamo's rows: the cached share from the answers' usage where reported, no load, no lag
+    verdict."""
+    records = [record(0, 1.0, [0.5] * 4, 5), record(1, 2.0, [0.5] * 4, 5, sent=1.0)]
+    records[0].cached_tokens, records[1].cached_tokens = 40, 0
+    row = summarise("dynamo-kv", 10, records, TimeScale(10), None, {}, 8, 52)
+    assert row.cached_share == pytest.approx(40 / 104)
+    assert (row.requests_per_worker, row.prompt_tokens_per_worker) == (None, None)
+    assert (row.lag_share, row.verdict) == (None, "unchecked")
+    assert row.ttft_p90_s == pytest.approx(0.19)
+    records[0].cached_tokens = 0  # none reported: unknown, not 0%
+    assert summarise("dynamo-kv", 10, records, TimeScale(10), None, {}, 8, 52).cached_share \
+        is None
+
+
+def test_the_command_line_and_the_dynamo_peer(tmp_path):
     args = parse_args(["--rates", "3,60", "--routings", "affinity,random"])
     assert args.rates == [3.0, 60.0] and args.routings == ["affinity", "random"]
     assert args.output_tokens == 1000 and args.workers == 8 and args.tensor_parallel == 2
+    assert parse_args([]).routings == ["affinity", "shared", "random"]
+    assert parse_args(["--dynamo-venv", "x"]).routings == [
+        "affinity", "shared", "random", "dynamo-kv", "dynamo-random"]
     with pytest.raises(SystemExit):
         parse_args(["--routings", "round-robin"])
-    assert dynamo_verdict(None) == DYNAMO_VERDICT and "pypi.nvidia.com" in DYNAMO_VERDICT
-    assert "no virtualenv python" in dynamo_verdict(str(tmp_path))
+    assert dynamo_python(None) == (None, "no --dynamo-venv given")
+    python, why = dynamo_python(str(tmp_path))
+    assert python is None and "no virtualenv python" in why
+    # the mockers' KV pool: a simulated H100 pair's for Qwen3-32B (~339k tokens; llm-d's vLLM
+    # reported 307k a pod)
+    assert 300_000 < kv_tokens(args) < 360_000 and kv_tokens(args) % 16 == 0
