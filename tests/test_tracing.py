@@ -4,55 +4,18 @@ service name; the standard variables choose the protocol and the name."""
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from shared import tracing
 from shared.settings import WorkerSettings
-
-
-class Receiver:
-    """An OTLP/HTTP traces receiver: each POST's ExportTraceServiceRequest, with its path."""
-
-    def __init__(self):
-        self.requests: list[tuple[str, ExportTraceServiceRequest]] = []
-        received = self.requests
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                received.append((self.path, ExportTraceServiceRequest.FromString(body)))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def spans(self) -> list[tuple[dict, object]]:
-        """(resource attributes, span) of every span received."""
-        found = []
-        for _path, request in self.requests:
-            for resource_spans in request.resource_spans:
-                attributes = {a.key: a.value.string_value
-                              for a in resource_spans.resource.attributes}
-                for scope_spans in resource_spans.scope_spans:
-                    found.extend((attributes, span) for span in scope_spans.spans)
-        return found
+from tests.helpers.otlp import Receiver
 
 
 @pytest.fixture
 def receiver():
     receiver = Receiver()
     yield receiver
-    receiver.server.shutdown()
+    receiver.close()
 
 
 @pytest.fixture(autouse=True)
