@@ -1,0 +1,143 @@
+"""A fleet of two accelerator kinds at the promised pace against the sum of each kind alone
+(issue 51, item 7: "a fleet of mixed H100 and A100 workers at pace against the sum of each
+alone", target at least 0.9x), on simulated workers.
+
+    .venv/bin/python -m benchmarks.sim_mixed                     # 8 H100 + 8 A100, Llama-3.1-8B
+    .venv/bin/python -m benchmarks.sim_mixed --per-kind 4 --duration 30 --target-itl-ms 40
+
+Three fleets in turn, each on its own embedded Redis with one gateway: `--per-kind` simulated H100
+workers alone, as many A100 workers alone, and both kinds together (two `kvfleet worker
+--sim-workers N --sim-device KIND` processes). Every worker promises the same `--target-itl-ms`
+(the pace: a worker admits only the streams it serves at that pace, so an A100 takes fewer than
+an H100, not slower ones). The same closed loop of `--streams` streaming completions (more than
+the fleet runs at pace, so that each fleet is full) runs `--duration` seconds against each.
+Printed: each fleet's output tokens/s (modelled), ITL p50/p99 against the target, and the mixed
+fleet over the sum of the two alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from benchmarks.sim_scale import (ScaleResult, _healthy, closed_loop, modelled, read_beats,
+                                  step_counts)
+from shared.redis_server import EmbeddedRedis, free_port
+from shared.wire import Keys
+
+TARGET_RATIO = 0.9
+
+
+def run_fleet(args, kinds: list[str], log_dir: Path) -> ScaleResult:
+    k = args.time_scale
+    redis_server = EmbeddedRedis(port=free_port()).start()
+    env = {**os.environ, "KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_MODEL": args.model,
+           "KVFLEET_TARGET_ITL_MS": str(args.target_itl_ms),
+           "KVFLEET_AFFINITY_STEAL_AFTER_MS": str(int(250 * k))}
+    port = free_port()
+    name = "+".join(kinds)
+    cmds = [[sys.executable, "-m", "kvfleet", "gateway", "--port", str(port)]]
+    for kind in kinds:
+        cmds.append([sys.executable, "-m", "kvfleet", "worker", "--sim-workers",
+                     str(args.per_kind), "--sim-device", kind, "--sim-time-scale", str(k),
+                     "--worker-id", f"{kind}", "--metrics-port", "-1",
+                     "--tensor-parallel-size", str(args.tensor_parallel)])
+    logs = [open(log_dir / f"{name}-{i}.log", "w") for i in range(len(cmds))]
+    procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+             for cmd, log in zip(cmds, logs)]
+    client, keys = redis.Redis.from_url(redis_server.url), Keys("kvf:")
+    workers = args.per_kind * len(kinds)
+    try:
+        deadline = time.monotonic() + 600
+        while step_counts(read_beats(client, keys)).workers < workers or not _healthy(
+                f"http://127.0.0.1:{port}"):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit(f"the {name} fleet did not come up: see {log_dir}")
+            time.sleep(1.0)
+        before = step_counts(read_beats(client, keys))
+        started = time.perf_counter()
+        records = asyncio.run(closed_loop([f"http://127.0.0.1:{port}"], args.model,
+                                          args.streams, args.duration, args.prompt_tokens,
+                                          args.output_tokens, args.seed))
+        duration = time.perf_counter() - started
+        time.sleep(2.5)
+        counts = step_counts(read_beats(client, keys)).since(before)
+        return modelled(records, duration, k, workers, counts, os.getloadavg()[0])
+    finally:
+        for proc in procs:
+            proc.send_signal(2)
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for log in logs:
+            log.close()
+        redis_server.stop()
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:,.1f}"
+
+
+def report(results: dict[str, ScaleResult], args) -> str:
+    lines = [f"{args.per_kind} simulated workers a kind, {args.model} at TP {args.tensor_parallel}, "
+             f"pace {args.target_itl_ms:g} ms; {args.streams} streams of {args.prompt_tokens} + "
+             f"{args.output_tokens} tokens for {args.duration:g} s at time scale "
+             f"{args.time_scale:g}",
+             "| fleet | modelled out tok/s | ITL p50 / p99 ms | requests (failed) | lag share |",
+             "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        lag = f"{r.counts.share:.1%}" + ("" if r.counts.valid else " INVALID")
+        lines.append(f"| {name} | {r.output_tokens_per_s:,.0f} | {_ms(r.itl_p50_s)} / "
+                     f"{_ms(r.itl_p99_s)} | {r.requests} ({r.failed}) | {lag} |")
+    kinds = args.kinds.split(",")
+    alone = sum(results[k].output_tokens_per_s for k in kinds)
+    mixed = results["+".join(kinds)].output_tokens_per_s
+    ratio = mixed / alone if alone else 0.0
+    lines.append(f"mixed / sum of each alone: {ratio:.2f} (target at least {TARGET_RATIO}: "
+                 f"{'met' if ratio >= TARGET_RATIO else 'NOT met'})")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default="h100,a100")
+    parser.add_argument("--per-kind", type=int, default=8)
+    parser.add_argument("--model", default="random:llama-3.1-8b")
+    parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--target-itl-ms", type=float, default=40.0)
+    parser.add_argument("--streams", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of load, real")
+    parser.add_argument("--time-scale", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log_dir = Path(tempfile.mkdtemp(prefix="sim-mixed-"))
+    kinds = args.kinds.split(",")
+    results = {}
+    for fleet in [[kind] for kind in kinds] + [kinds]:
+        name = "+".join(fleet)
+        results[name] = run_fleet(args, fleet, log_dir)
+        print(f"{name}: {results[name].output_tokens_per_s:,.0f} modelled out tok/s",
+              flush=True)
+    print(report(results, args))
+    print(f"logs: {log_dir}")
+    return 1 if any(r.failed for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

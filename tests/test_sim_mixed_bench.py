@@ -1,0 +1,21 @@
+"""benchmarks/sim_mixed.py's verdict: the mixed fleet against the sum of each kind alone."""
+
+from __future__ import annotations
+
+from benchmarks.sim_mixed import parse_args, report
+from benchmarks.sim_scale import ScaleResult, StepCounts
+
+
+def result(tps: float, lagged: int = 0) -> ScaleResult:
+    return ScaleResult(10.0, 4, StepCounts(4, 1000, lagged), 100, 0, tps, 0.1, 0.2, 0.01, 0.03,
+                       1.0, {})
+
+
+def test_the_mixed_fleet_is_judged_against_the_sum_of_each_kind_alone():
+    args = parse_args(["--kinds", "h100,a100"])
+    met = report({"h100": result(8000), "a100": result(5000), "h100+a100": result(11800)}, args)
+    assert "mixed / sum of each alone: 0.91 (target at least 0.9: met)" in met
+    missed = report({"h100": result(8000), "a100": result(5000),
+                     "h100+a100": result(11000, lagged=60)}, args)
+    assert "0.85 (target at least 0.9: NOT met)" in missed
+    assert "6.0% INVALID" in missed  # a lagging run says so beside its figure
