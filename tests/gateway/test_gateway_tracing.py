@@ -113,6 +113,18 @@ async def test_a_refused_request_still_has_its_span(traced, exporter, engine):
     assert span.attributes["http.response.status_code"] == 404
     assert f"{span.context.trace_id:032x}" == TRACE_ID
     assert "gen_ai.usage.input_tokens" not in span.attributes and not engine.submitted
+    assert span.status.status_code != StatusCode.ERROR  # the client's error, not the server's
+
+
+async def test_a_fleet_that_cannot_take_the_request_marks_the_span_an_error(traced, exporter,
+                                                                           engine):
+    engine.unavailable = True  # Redis refuses the enqueue: 503
+    response = await traced.post("/v1/chat/completions", json={"model": MODEL,
+                                                                "messages": MESSAGES})
+    assert response.status_code == 503
+    [span] = exporter.get_finished_spans()
+    assert span.attributes["http.response.status_code"] == 503
+    assert span.status.status_code == StatusCode.ERROR
 
 
 async def test_other_routes_make_no_span(traced, exporter):
