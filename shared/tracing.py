@@ -98,11 +98,11 @@ def traces_url(endpoint: str) -> str:
 
 def traceparent_of(span: trace.Span) -> str:
     """The W3C `traceparent` of `span` ('' for a span that is not recorded)."""
-    if not span.get_span_context().is_valid:
+    context = span.get_span_context()
+    if not context.is_valid:
         return ""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    return carrier.get(TRACEPARENT, "")
+    # what TraceContextTextMapPropagator.inject writes (version 00), without its carrier
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
 
 
 def context_of(headers: dict[str, str]) -> Context:

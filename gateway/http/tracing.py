@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from opentelemetry import trace
+from opentelemetry import context, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -47,19 +47,27 @@ class TraceMiddleware:
         request_id = (scope.get("state") or {}).get("request_id")
         if request_id:
             attributes["http.request.header.x-request-id"] = [request_id]
-        with self.tracer.start_as_current_span(
-                f"{method} {path}", context=context_of(carrier), kind=SpanKind.SERVER,
-                attributes=attributes) as span:
+        span = self.tracer.start_span(f"{method} {path}", context_of(carrier), SpanKind.SERVER,
+                                      attributes)
 
-            async def send_traced(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    status = message["status"]
-                    span.set_attribute("http.response.status_code", status)
-                    if status >= 500:
-                        span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
-                await send(message)
+        async def send_traced(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:
+                    span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+            await send(message)
 
+        token = context.attach(trace.set_span_in_context(span))  # the handler's current span
+        try:
             await self.app(scope, receive, send_traced)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            context.detach(token)
+            span.end()
 
 
 class RequestSpan:
