@@ -119,3 +119,43 @@ def test_one_process_runs_several_simulated_workers_of_a_shape_without_its_weigh
         stop.set()
         host.join(timeout=60)
     assert not host.is_alive()
+
+
+def test_simulated_workers_make_the_spans_a_real_worker_makes(redis_url, client):
+    """--otlp-traces-endpoint reaches simulated workers too: a request with the gateway's trace
+    context gets its worker span from the simulated worker that served it, in that trace."""
+    from tests.helpers.otlp import Receiver, span_attributes
+    from worker.sim.host import run_sim_workers
+
+    keys = client.keys
+    receiver = Receiver()
+    settings = WorkerSettings(
+        redis_url=redis_url, model="random:llama-3.1-8b", served_model_name=[MODEL],
+        sim_workers=2, sim_device="h100", worker_id="simtrace", heartbeat_interval_s=0.05,
+        read_block_ms=10, metrics_port=-1, key_prefix=keys.prefix,
+        queue_shards=keys.queue_shards, otlp_traces_endpoint=receiver.url)
+    stop = threading.Event()
+    host = threading.Thread(target=run_sim_workers, args=(settings, stop))
+    host.start()
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    try:
+        deadline = time.monotonic() + 60
+        while not all(client.redis.exists(keys.worker(f"simtrace-s{i}")) for i in range(2)):
+            assert time.monotonic() < deadline and host.is_alive(), "no heartbeats"
+            time.sleep(0.1)
+        req_id = client.send(random_prompt(20, seed=5),
+                             SamplingParams(max_tokens=6, ignore_eos=True),
+                             traceparent=f"00-{trace_id}-00f067aa0ba902b7-01")
+        while client.final(req_id) is None:
+            assert time.monotonic() < deadline, "no answer"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        host.join(timeout=60)  # the provider's shutdown exports the last spans
+        receiver.close()
+    spans = [(resource, span) for resource, span in receiver.spans() if span.name == "worker"]
+    assert len(spans) == 1
+    resource, span = spans[0]
+    assert span.trace_id.hex() == trace_id and span.parent_span_id.hex() == "00f067aa0ba902b7"
+    assert resource["service.instance.id"] == "simtrace"
+    assert span_attributes(span)["gen_ai.usage.output_tokens"] == 6

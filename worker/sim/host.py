@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from shared import tracing
 from shared.model_shapes import is_random_model, shape_name
 from shared.models import load_tokenizer, resolve_model_path
 from shared.redis_connect import connect
@@ -137,6 +138,11 @@ def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = Non
                 (stops if drains[worker_id].is_set() else drains)[worker_id].set()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, on_term)
+    try:  # --otlp-traces-endpoint: the simulated workers' spans, one provider for the process
+        provider = tracing.tracer_provider(settings.otlp_traces_endpoint, tracing.WORKER_SERVICE,
+                                           base_id)
+    except ValueError as exc:
+        raise SystemExit(f"kvfleet worker: {exc}") from None
     model = read_model(settings)
     tokenizer = load_tokenizer(model.path)  # for stop strings; shared, read only
     setup = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
@@ -172,7 +178,7 @@ def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = Non
         metrics = WorkerMetrics(worker_id, protocol.model, settings.cost_per_hour)
         registry.register(metrics.registry)
         service = WorkerService(mine, engine, client, protocol, metrics, metrics_url, None,
-                                drain=drains[worker_id])
+                                drain=drains[worker_id], tracer_provider=provider)
         try:
             service.run(stops[worker_id])
         except Exception:
@@ -193,4 +199,6 @@ def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = Non
             for thread in threads:
                 thread.join(timeout=30)
             break
+    if provider is not None:
+        provider.shutdown()  # their last spans exported
     log.info("simulated workers stopped")
