@@ -4,9 +4,10 @@ tensor parallel 2 on H100s, beside llm-d's published table (theirs, measured on 
 
     .venv/bin/python -m benchmarks.fleet_sim --rates 10 --duration 10 --output-tokens 200 \\
         --time-scale 10                                              # a brief check
-    # the full run (a quiet machine; the shape and ladder ends of llm-d's report):
+    # the full run (a quiet machine; llm-d's shape, the ends of its ladder of rates; hours:
+    # every modelled second is 20 on the host; raise --time-scale if a row says INVALID):
     .venv/bin/python -m benchmarks.fleet_sim --rates 3,10,30,60 --duration 25 --warmup \\
-        --output-tokens 1000 --time-scale 20 --routings affinity,shared,random
+        --output-tokens 1000 --time-scale 20 --dynamo-venv DIR   # DIR: see fleet_sim_dynamo.py
 
 **The trace** (benchmarks/fleet_sim_trace.py, from `--seed`): 150 tenants, each with a
 6,000-token shared prefix, 5 users per tenant sending 1,200-token queries (a new query every
@@ -61,7 +62,7 @@ import redis
 from benchmarks.fleet_sim_trace import (QUERY_MODES, BeatCounters, RunRow, TimeScale,
                                         TraceShape, deltas, generate, prefixes,
                                         published_table, summarise, table, target_lines,
-                                        trace_requests)
+                                        trace_requests, warmup_requests)
 from benchmarks.fleet_sim_dynamo import ROUTER_MODES, SERVED_NAME, DynamoFleet, dynamo_python
 from benchmarks.http_peers import stop_session, wait_first_answer
 from benchmarks.peer_env import dropped_line, peer_env
@@ -179,8 +180,7 @@ def warm_up(fleet: SimFleet, args, shape: TraceShape, tenant_prefixes) -> None:
     """One request per tenant (its prefix and a query of its own, one answer token), at
     WARMUP_RATE modelled requests/s: every routing meets the sweep with the prefixes seated."""
     warm = TraceShape(shape.tenants, 1, shape.prefix_tokens, shape.query_tokens, 1)
-    requests = generate(warm, WARMUP_RATE, 10 * shape.tenants / WARMUP_RATE, args.seed + 1,
-                        tenant_prefixes)[:shape.tenants]
+    requests = warmup_requests(warm, WARMUP_RATE, args.seed, tenant_prefixes)
     asyncio.run(replay_trace(fleet.url, trace_requests(requests, warm),
                              TimeScale(args.time_scale), args.request_timeout_s))
 

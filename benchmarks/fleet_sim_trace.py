@@ -113,6 +113,20 @@ def generate(shape: TraceShape, rate: float, duration_s: float, seed: int = 0,
     return requests
 
 
+def warmup_requests(shape: TraceShape, rate: float, seed: int = 0,
+                    tenant_prefixes: list[tuple[int, ...]] | None = None) -> list[SimRequest]:
+    """One request per tenant, in a seeded order, `rate` per second (evenly spaced): its prefix
+    and a query of its own (llm-d's warm-up stage seats every group's prompts before the
+    ladder)."""
+    tenant_prefixes = tenant_prefixes or prefixes(shape, seed)
+    rng = random.Random(f"warmup-{seed}")
+    order = list(range(shape.tenants))
+    rng.shuffle(order)
+    return [SimRequest(i, i / rate, tenant, 0,
+                       tenant_prefixes[tenant] + tuple(_ids(rng, shape.query_tokens)))
+            for i, tenant in enumerate(order)]
+
+
 def trace_requests(requests: list[SimRequest], shape: TraceShape) -> list[TraceRequest]:
     """The client's requests: token ids to /v1/completions, `output_tokens` with ignore_eos."""
     return [TraceRequest(r.arrival_s, f"tenant {r.tenant} user {r.user}", shape.output_tokens,

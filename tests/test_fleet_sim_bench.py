@@ -15,7 +15,7 @@ from benchmarks.fleet_sim_trace import (FIRST_ID, LAST_ID, LLMD_AT_60, LLMD_SUMM
                                         BeatCounters, RunRow, TimeScale, TraceShape, deltas,
                                         generate, lag_share, lag_verdict, poisson_arrivals,
                                         prefixes, published_table, summarise, table,
-                                        target_lines, trace_requests)
+                                        target_lines, trace_requests, warmup_requests)
 from kvfleet.bench.client import BenchTarget, RequestRecord, request_body
 
 SMALL = TraceShape(tenants=6, users=3, prefix_tokens=40, query_tokens=12, output_tokens=5)
@@ -47,6 +47,15 @@ def test_the_trace_has_llm_ds_shape_and_is_seeded():
     assert not {r.prompt_token_ids[40:] for r in other} & {r.prompt_token_ids[40:] for r in one}
     with pytest.raises(ValueError, match="queries"):
         generate(TraceShape(queries="sometimes"), 1, 1)
+
+
+def test_the_warm_up_sends_one_request_per_tenant():
+    warm = warmup_requests(SMALL, rate=15.0, seed=3)
+    assert sorted(r.tenant for r in warm) == list(range(SMALL.tenants))
+    assert [r.arrival_s for r in warm] == [i / 15.0 for i in range(SMALL.tenants)]
+    tenant_prefix = prefixes(SMALL, 3)
+    assert all(r.prompt_token_ids[:40] == tenant_prefix[r.tenant] for r in warm)
+    assert warm == warmup_requests(SMALL, rate=15.0, seed=3)
 
 
 def test_arrivals_are_poisson_at_the_rate():
