@@ -17,8 +17,10 @@ from shared.redis_connect import connect
 from shared.wire import Heartbeat, SamplingParams
 from tests.engine.tiny_models import random_prompt
 from tests.helpers.channels import fleet_keys
+from tests.integration.test_handoff_service import metric, prefilled_tokens, step_all, workers
 from tests.integration.test_worker_service import MODEL, client, run_until  # noqa: F401 (fixture)
 from tests.sim.test_sim_engine import LinearCost
+from worker.handoff.transfer import TcpTransferPlane
 from worker.protocol import WorkerProtocol
 from worker.service import WorkerService
 from worker.sim.clock import StepClock
@@ -28,17 +30,21 @@ from worker.sim.tokens import AnswerLengths
 pytestmark = pytest.mark.topologies
 
 
-def sim_service(redis_url: str, worker_id: str, answers: str = "max") -> WorkerService:
+def sim_service(redis_url: str, worker_id: str, answers: str = "max",
+                handoffs: bool = False, **settings) -> WorkerService:
     settings = WorkerSettings(redis_url=redis_url, model=MODEL, worker_id=worker_id,
-                              heartbeat_ttl_s=0.3, heartbeat_interval_s=0.05, read_block_ms=10)
+                              heartbeat_ttl_s=settings.pop("heartbeat_ttl_s", 0.3),
+                              heartbeat_interval_s=0.05, read_block_ms=10, **settings)
     engine = SimEngine(EngineConfig(device="cpu", block_size=4, pace_warmup=False),
                        LinearCost(base_s=0.002, token_s=0.0001), vocab_size=49152,
                        eos_token_ids=[2], max_model_len=2048, num_blocks=128,
-                       answer_lengths=AnswerLengths.parse(answers), clock=StepClock(1.0))
+                       answer_lengths=AnswerLengths.parse(answers), clock=StepClock(1.0),
+                       kv_bytes_per_token=4096)
     client = connect(redis_url)
     protocol = WorkerProtocol(client, fleet_keys(client), MODEL, worker_id, result_ttl_s=60,
                               numerics=engine.numerics.fingerprint)
-    service = WorkerService(settings, engine, client, protocol)
+    plane = TcpTransferPlane("127.0.0.1", 0, "127.0.0.1") if handoffs else None
+    service = WorkerService(settings, engine, client, protocol, plane=plane)
     service.connect()
     return service
 
@@ -72,6 +78,30 @@ def test_a_dead_simulated_workers_stream_resumes_on_another_without_a_seam(redis
     assert f'kvfleet_worker_sim_steps_total{{model="{MODEL}",worker="sim-rescuer"}} ' \
         f'{float(beat.sim_steps)}' in text
     assert f'kvfleet_worker_sim_lagged_steps_total{{model="{MODEL}",worker="sim-rescuer"}}' in text
+
+
+def test_simulated_prefill_and_decode_workers_apart_hand_streams_over(redis_url, client):
+    """--role prefill / decode between simulated workers: the decode worker takes every stream
+    after its first token with its KV's modelled size (no bytes of KV), prefills nothing, and
+    the answers are those one worker gives."""
+    params = SamplingParams(max_tokens=16, temperature=0.7, seed=9, ignore_eos=True)
+    prompts = [random_prompt(25, seed=80 + i) for i in range(4)]
+    ref = workers(sim_service(redis_url, "sim-one"))
+    ref_ids = [client.send(p, params) for p in prompts]
+    step_all(ref, lambda: all(client.final(r) for r in ref_ids))
+    expected = [client.text(r) for r in ref_ids]
+    prefill = sim_service(redis_url, "sim-prefill", handoffs=True, role="prefill",
+                          heartbeat_ttl_s=0.5)
+    decode = sim_service(redis_url, "sim-decode", handoffs=True, role="decode",
+                         heartbeat_ttl_s=0.5)
+    ids = [client.send(p, params) for p in prompts]
+    step_all(workers(prefill, decode), lambda: all(client.final(r) for r in ids))
+    assert [client.text(r) for r in ids] == expected
+    assert metric(decode, "kvfleet_worker_handoffs_total", direction="in") == 4
+    assert prefilled_tokens(decode) == 0 and prefilled_tokens(prefill) == 4 * 25
+    # counted as the KV's modelled size: 25 prompt tokens in 7 blocks of 4, 4096 bytes a token
+    assert metric(prefill, "kvfleet_worker_handoff_bytes_total", direction="out") == \
+        4 * 7 * 4 * 4096
 
 
 def test_one_process_runs_several_simulated_workers_of_a_shape_without_its_weights(

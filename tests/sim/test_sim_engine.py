@@ -9,6 +9,7 @@ import pytest
 from shared.engine_config import EngineConfig
 from shared.pace import StepCostCurve, StepFeatures
 from shared.wire import RequestStatus, SamplingParams
+from worker.engine.handoff import HandoffError, SequenceState
 from worker.engine.lora import LoraLoadError, LoraRequest
 from worker.sim.clock import INVALID_LAG_SHARE, SimLag, StepClock
 from worker.sim.cost import RooflineCost
@@ -50,13 +51,16 @@ class LinearCost:
         return "linear test cost"
 
 
-def engine(cost=None, time=None, scale=1.0, blocks=256, answers="max", **config) -> SimEngine:
+def engine(cost=None, time=None, scale=1.0, blocks=256, answers="max", kv_bytes=1000,
+           **config) -> SimEngine:
     time = time or FakeTime()
-    return SimEngine(EngineConfig(device="cpu", block_size=4, pace_warmup=False, **config),
+    config.setdefault("block_size", 4)
+    return SimEngine(EngineConfig(device="cpu", pace_warmup=False, **config),
                      cost or LinearCost(), vocab_size=VOCAB, eos_token_ids=[EOS],
                      max_model_len=1024, num_blocks=blocks,
                      answer_lengths=AnswerLengths.parse(answers),
-                     clock=StepClock(scale, clock=time.now, sleep=time.sleep))
+                     clock=StepClock(scale, clock=time.now, sleep=time.sleep),
+                     kv_bytes_per_token=kv_bytes)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -181,7 +185,6 @@ def test_what_is_not_simulated_is_refused_with_the_reason():
     with pytest.raises(LoraLoadError, match="serves no LoRA adapters"):
         eng.add_request("l", prompt(5, 1), SamplingParams(max_tokens=2),
                         lora=LoraRequest("a", "/nonexistent", b"root"))
-    assert eng.handoff_gap() == "a simulated worker holds no KV to move"
     assert eng.kv_bytes_of("l") == 0 and not eng.has_unfinished()
     with pytest.raises(ValueError, match="speculative decoding"):
         engine(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
@@ -206,3 +209,39 @@ def test_a_roofline_worker_is_slower_per_step_on_an_a100_than_on_an_h100():
     assert 1.3 < times["a100"] / times["h100"] < 2.0
     assert eng.stats().num_generated_tokens == 32 and eng.scheduler.running == []
     assert RequestStatus.FINISHED_LENGTH.is_finished
+
+
+def test_a_handed_over_stream_continues_in_another_engine_with_its_kv_swapped_in():
+    """A simulated handoff carries the tokens and the KV's modelled size, no bytes; the taker
+    swaps the blocks in (the cost model charges the copy) and computes nothing again."""
+    params = SamplingParams(max_tokens=20, temperature=0.5, ignore_eos=True)
+    p = prompt(30, 9)
+    whole = engine().generate([p], params)[0]
+    source = engine()
+    source.add_request("h", p, params)
+    early = []
+    while len(early) < 5:
+        for out in source.step():
+            early += out.new_token_ids
+    assert source.kv_bytes_of("h") == source.block_manager.blocks_for_tokens(34) * 4 * 1000
+    state = source.export_sequence("h")
+    assert not source.has_unfinished() and state.values.numel() == 1
+    assert state.layout["modelled_bytes"] == 9 * 4 * 1000 and state.num_computed_tokens == 34
+    header, views = state.encode()  # what the transfer plane sends: a header and one byte
+    assert sum(len(v) for v in views) == 1
+    payload = b"".join(bytes(v) for v in views)
+    cost = LinearCost()
+    taker = engine(cost)
+    taker.import_sequence(SequenceState.decode(header, payload))
+    rest = []
+    while taker.has_unfinished():
+        for out in taker.step():
+            rest += out.new_token_ids
+    assert early + rest == whole
+    assert cost.calls[0].swap_blocks == 9 and cost.calls[0].prefill_tokens == 0
+    assert taker.stats().num_prefill_tokens_computed == 0
+    # another block size, another KV size, or a real engine's state: refused, nothing taken
+    for other in (engine(block_size=8), engine(kv_bytes=999)):
+        with pytest.raises(HandoffError, match="another layout"):
+            other.import_sequence(SequenceState.decode(header, payload))
+        assert not other.has_unfinished()

@@ -67,7 +67,9 @@ class SequenceState:
 
     @property
     def num_bytes(self) -> int:
-        return tensor_bytes(*(getattr(self, name) for name in _TENSORS))
+        """Bytes of KV it moves (a simulated engine's state: the size modelled, worker/sim/)."""
+        return self.layout.get("modelled_bytes") or tensor_bytes(
+            *(getattr(self, name) for name in _TENSORS))
 
     def encode(self) -> tuple[bytes, list[memoryview]]:
         """A header (msgpack: every field but the tensors, plus each tensor's dtype/shape) and the

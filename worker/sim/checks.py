@@ -32,6 +32,9 @@ def check_sim_settings(settings: WorkerSettings) -> None:
     if source and not source.startswith(HEARTBEAT_SOURCE) and not Path(source).is_file():
         raise SystemExit(f"kvfleet: --sim-step-cost {source!r}: no such file (or give "
                          f"{HEARTBEAT_SOURCE}<id> for a live worker's curve)")
+    if settings.sim_workers > 1 and settings.handoff_port > 0:
+        raise SystemExit("kvfleet: simulated workers of one process share its host: "
+                         "--handoff-port must be 0 (a free port each) or -1 (off)")
     if settings.speculative_config is not None:
         raise SystemExit("kvfleet: simulated workers do not simulate speculative decoding "
                          "(--speculative-config)")

@@ -14,22 +14,24 @@ over parts that hold no weights and no KV tensors:
 
 What is not simulated is refused as an engine without it refuses it: LoRA adapters (as without
 --enable-lora), output constraints (as an engine built without a tokenizer), speculative decoding
-(at start-up); preemption recomputes (no host copy of KV is modelled); KV handoffs are off, so
-`--role` and drains resume streams from their checkpoints (handoff_gap says so).
+(at start-up); preemption recomputes (no host copy of KV is modelled). KV handoffs move a
+stream's tokens and the modelled size of its KV between simulated engines (`SimMoves`), so
+`--role prefill` / `decode` and drains work as between real workers.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
 
 from shared.engine_config import EngineConfig
+from shared.wire import RequestStatus
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import Engine
-from worker.engine.handoff import HandoffError
+from worker.engine.handoff import HandoffError, SequenceState, check_layout
 from worker.engine.lifecycle import Feature, Features
 from worker.engine.lora.feature import NoAdapters
 from worker.engine.model_runner import StepLogits
@@ -123,25 +125,60 @@ class SimRunner:
         return StepLogits([c for c in sched.chunks if c.emits_token], None)
 
 
-class NoMoves:
-    """A simulated engine moves no KV: handoffs are off (checkpoints resume the streams)."""
+@dataclass(frozen=True)
+class ModelledKV:
+    """A handed-over sequence's KV as a simulated engine takes it: its blocks, no bytes."""
 
-    GAP = "a simulated worker holds no KV to move"
+    num_blocks: int
 
-    def gap(self) -> str:
-        return self.GAP
+
+class SimMoves:
+    """A running sequence's move to another simulated engine (KV handoffs): its state carries its
+    tokens and what its KV would weigh, not the KV (`modelled_bytes` in its layout, a one-byte
+    payload); the taking engine swaps it in as a real one swaps in a handed-over copy, so the
+    cost model charges the copy over the accelerator's host link (`swap_blocks`): the transfer
+    between hosts is taken to run at least as fast (RDMA, NVLink), and not modelled apart.
+    Only a simulated engine of the same model, block size and KV size takes it."""
+
+    def __init__(self, block_manager: BlockManager, block_size: int, kv_bytes_per_token: int):
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def gap(self) -> None:
+        return None
 
     def layout(self) -> dict:
-        return {"simulated": True}
+        return {"simulated": True, "block_size": self.block_size,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "prefix_root": self.block_manager.root.hex()}
 
     def exportable(self, seq) -> bool:
-        return False
+        return (seq is not None and seq.status is RequestStatus.RUNNING
+                and seq.num_computed_tokens > 0
+                and (seq.params.prompt_logprobs is None or seq.prompt_logprobs_sent))
 
     def kv_bytes(self, seq) -> int:
-        return 0
+        blocks = self.block_manager.blocks_for_tokens(seq.num_computed_tokens)
+        return blocks * self.block_size * self.kv_bytes_per_token
 
-    def check(self, state):
-        raise HandoffError(f"handoff of {state.req_id!r}: {self.GAP}")
+    def export(self, seq) -> SequenceState:
+        return SequenceState(seq.req_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                             seq.params, seq.num_computed_tokens, seq.num_cached_tokens,
+                             seq.lora, {**self.layout(), "modelled_bytes": self.kv_bytes(seq)},
+                             torch.zeros(1, dtype=torch.uint8), None)  # the wire wants bytes
+
+    def check(self, state: SequenceState) -> ModelledKV:
+        """What the state's KV takes here (HandoffError when this engine cannot take it)."""
+        theirs = {k: v for k, v in state.layout.items() if k != "modelled_bytes"}
+        check_layout(replace(state, layout=theirs), self.layout())
+        if not 0 < state.num_computed_tokens < state.num_tokens:
+            raise HandoffError(f"handoff of {state.req_id!r}: {state.num_computed_tokens} "
+                               f"computed of {state.num_tokens} tokens")
+        return ModelledKV(self.block_manager.blocks_for_tokens(state.num_computed_tokens))
+
+    def hold(self, state: SequenceState, kv: ModelledKV) -> None:
+        """Nothing to keep: the swap-in the scheduler plans is the copy the cost model charges."""
 
 
 class SimEngine(Engine):
@@ -149,7 +186,8 @@ class SimEngine(Engine):
 
     def __init__(self, config: EngineConfig, cost, *, vocab_size: int, eos_token_ids: list[int],
                  max_model_len: int, num_blocks: int, answer_lengths: AnswerLengths,
-                 clock: StepClock, tokenizer=None, seed: int = 0, pool_note: str = ""):
+                 clock: StepClock, tokenizer=None, seed: int = 0, pool_note: str = "",
+                 kv_bytes_per_token: int = 0):
         # Engine.__init__ assembles real parts; these are the simulated ones, the same names
         if config.speculative_config is not None:
             raise ValueError("a simulated worker does not simulate speculative decoding")
@@ -176,7 +214,7 @@ class SimEngine(Engine):
         self.features = Features([start, self.keys, NoAdapters(), Pacing(self.pace)])
         self.runner = SimRunner(cost, clock, start)
         self.sampler = SimSampler(self.tokens, self.keys)
-        self.moves = NoMoves()
+        self.moves = SimMoves(self.block_manager, config.block_size, kv_bytes_per_token)
         self.lora = self.speculation = self.tier = None
         self.invariance_gap = None  # a row's token depends on its request alone
         self.numerics = Numerics({"simulated": "tokens from the request (worker/sim/tokens.py)",

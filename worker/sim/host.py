@@ -36,6 +36,7 @@ from worker.sim.checks import HEARTBEAT_SOURCE, ONE_BYTE_KV, check_sim_settings
 from worker.sim.clock import StepClock
 from worker.sim.cost import (
     RooflineCost, measured_cost_from_file, measured_cost_from_heartbeat, model_shape)
+from worker.handoff.transfer import TcpTransferPlane
 from worker.sim.engine import DEFAULT_BLOCK_SIZE, SimEngine
 from worker.sim.tokens import AnswerLengths
 
@@ -105,12 +106,15 @@ def pool_blocks(settings: WorkerSettings, model: SimModel, cost) -> tuple[int, s
 def build_sim_engine(settings: WorkerSettings, model: SimModel, cost,
                      tokenizer=None) -> SimEngine:
     blocks, note = pool_blocks(settings, model, cost)
+    kv_bytes = 1 if settings.kv_dtype in ONE_BYTE_KV else 2
+    per_token = (cost.shape if isinstance(cost, RooflineCost) else model_shape(model.config)
+                 ).kv_bytes_per_token(kv_bytes)
     return SimEngine(settings.engine_config(), cost, vocab_size=model.vocab_size,
                        eos_token_ids=model.eos_token_ids, max_model_len=model.max_model_len,
                        num_blocks=blocks,
                        answer_lengths=AnswerLengths.parse(settings.sim_answer_tokens),
                        clock=StepClock(settings.sim_time_scale), tokenizer=tokenizer,
-                       seed=settings.sim_seed, pool_note=note)
+                       seed=settings.sim_seed, pool_note=note, kv_bytes_per_token=per_token)
 
 
 def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = None) -> None:
@@ -177,7 +181,9 @@ def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = Non
         protocol = worker_protocol(mine, client, worker_id, engine.numerics.fingerprint)
         metrics = WorkerMetrics(worker_id, protocol.model, settings.cost_per_hour)
         registry.register(metrics.registry)
-        service = WorkerService(mine, engine, client, protocol, metrics, metrics_url, None,
+        plane = None if settings.handoff_port < 0 else TcpTransferPlane(
+            settings.handoff_host, settings.handoff_port, settings.handoff_advertise_host)
+        service = WorkerService(mine, engine, client, protocol, metrics, metrics_url, plane,
                                 drain=drains[worker_id], tracer_provider=provider)
         try:
             service.run(stops[worker_id])
