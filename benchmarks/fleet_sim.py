@@ -25,8 +25,8 @@ embedded Redis with a fresh key prefix; every rate runs on it in turn (as llm-d'
 one deployment), after an optional `--warmup` (one request per tenant at 15 requests/s, as
 llm-d's warm-up stage seats the prefixes). The gateway's queue-wait admission limit is off and
 its timeouts long (the trace is served whole, as llm-d's random scheduler served it, with 100 s
-TTFTs). What is real time in the fleet but modelled time in the workers is scaled by K too: the
-steal delay (`--affinity-steal-after-ms` 250 x K) and the token publish interval.
+TTFTs). The simulated workers scale the fleet's own timings by K themselves (heartbeats, the
+steal delays, the token publish interval: worker/sim/host.py's SCALED_TIMINGS).
 
 **The time scale** `--time-scale K`: the simulated workers play every step K times longer; the
 client sends at K x the modelled arrivals; TTFT and ITL are divided by K, tok/s multiplied.
@@ -78,7 +78,6 @@ from worker.sim.cost import RooflineCost
 ROUTINGS = ("affinity", "shared", "random")
 PEER_ROUTINGS = tuple(ROUTER_MODES)  # Dynamo's KV and random routers
 MODEL = "random:qwen3-32b"
-STEAL_AFTER_MS = 250  # the workers' default --affinity-steal-after-ms, in modelled time
 WARMUP_RATE = 15.0  # llm-d's warm-up stage: 15 requests/s
 DYNAMO_NOTE = (
     "its mockers time steps with Dynamo's default model (hardcoded polynomials), not an H100 "
@@ -104,8 +103,7 @@ class SimFleet:
                         "KVFLEET_MAX_QUEUE_WAIT_S": "0",
                         "KVFLEET_REQUEST_TIMEOUT_S": str(args.request_timeout_s),
                         "KVFLEET_FIRST_EVENT_TIMEOUT_S": str(args.request_timeout_s),
-                        "KVFLEET_AFFINITY_STEAL_AFTER_MS": str(int(STEAL_AFTER_MS * k)),
-                        "KVFLEET_PUBLISH_INTERVAL_MS": str(args.publish_interval_ms * k)})
+                        "KVFLEET_PUBLISH_INTERVAL_MS": str(args.publish_interval_ms)})
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, env=env, stdout=self.log,
                                         stderr=subprocess.STDOUT, start_new_session=True)

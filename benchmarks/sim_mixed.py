@@ -40,11 +40,11 @@ def run_fleet(args, kinds: list[str], log_dir: Path) -> ScaleResult:
     k = args.time_scale
     redis_server = EmbeddedRedis(port=free_port()).start()
     env = {**os.environ, "KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_MODEL": args.model,
-           "KVFLEET_TARGET_ITL_MS": str(args.target_itl_ms),
-           "KVFLEET_AFFINITY_STEAL_AFTER_MS": str(int(250 * k))}
+           "KVFLEET_TARGET_ITL_MS": str(args.target_itl_ms)}
     port = free_port()
     name = "+".join(kinds)
-    cmds = [[sys.executable, "-m", "kvfleet", "gateway", "--port", str(port)]]
+    cmds = [[sys.executable, "-m", "kvfleet", "gateway", "--port", str(port),
+             "--max-queue-wait-s", "0"]]  # real time: off, the closed loop bounds the queue
     for kind in kinds:
         cmds.append([sys.executable, "-m", "kvfleet", "worker", "--sim-workers",
                      str(args.per_kind), "--sim-device", kind, "--sim-time-scale", str(k),

@@ -105,8 +105,7 @@ def run_config(args, config: str, flags: list[str], streams: int, log_dir: Path)
     k = args.time_scale
     redis_server = EmbeddedRedis(port=free_port()).start()
     env = {**os.environ, "KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_MODEL": args.model,
-           "KVFLEET_PUBLISH_INTERVAL_MS": str(args.publish_interval_ms * k),
-           "KVFLEET_AFFINITY_STEAL_AFTER_MS": str(int(250 * k))}
+           "KVFLEET_PUBLISH_INTERVAL_MS": str(args.publish_interval_ms)}
     port = free_port()
     cmds = [[sys.executable, "-m", "kvfleet", "gateway", "--port", str(port),
              "--max-queue-wait-s", "0", "--max-queue-depth", "0"],

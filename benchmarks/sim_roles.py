@@ -114,8 +114,7 @@ def run_fleet(args, roles: list[str], log_dir: Path) -> RolesResult:
     k = args.time_scale
     redis_server = EmbeddedRedis(port=free_port()).start()
     env = {**os.environ, "KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_MODEL": args.model,
-           "KVFLEET_HANDOFF_ADVERTISE_HOST": "127.0.0.1",
-           "KVFLEET_AFFINITY_STEAL_AFTER_MS": str(int(250 * k))}
+           "KVFLEET_HANDOFF_ADVERTISE_HOST": "127.0.0.1"}
     port = free_port()
     name = "+".join(roles)
     per_role = args.workers // len(roles)

@@ -46,7 +46,10 @@ from worker.tracing import RequestSpans
 
 log = logging.getLogger(__name__)
 
-LOAD_BEAT_MIN_S = 0.05  # the least time between two heartbeats (a change of load beats early)
+# the least time between two heartbeats (a change of load beats early): this share of the
+# heartbeat interval, at least LOAD_BEAT_MIN_S
+LOAD_BEAT_SHARE = 0.05
+LOAD_BEAT_MIN_S = 0.05
 
 
 class WorkerService:
@@ -568,7 +571,8 @@ class WorkerService:
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         """A full beat every heartbeat interval; between them, when the loop's requests running
-        or waiting changed, at most every LOAD_BEAT_MIN_S, only the heartbeat hash, so that the
+        or waiting changed, at most every 5% of the interval (LOAD_BEAT_SHARE; at least
+        LOAD_BEAT_MIN_S), only the heartbeat hash, so that the
         gateways' routers see a worker's load (gateway/fleet/affinity.py) within a fraction of the
         interval."""
         full_at = 0.0
@@ -586,5 +590,5 @@ class WorkerService:
             left_s = self.settings.heartbeat_interval_s - (time.monotonic() - full_at)
             self._load_changed.wait(max(left_s, 0.0))
             self._load_changed.clear()
-            stop.wait(LOAD_BEAT_MIN_S)
+            stop.wait(max(LOAD_BEAT_MIN_S, LOAD_BEAT_SHARE * self.settings.heartbeat_interval_s))
 

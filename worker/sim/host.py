@@ -103,6 +103,24 @@ def pool_blocks(settings: WorkerSettings, model: SimModel, cost) -> tuple[int, s
     return blocks, f"--kv-memory {config.kv_memory_bytes / 2**30:.2f} GiB"
 
 
+# The fleet's own timings, in real seconds on a real fleet: under a time scale k they stand for
+# modelled time as the steps do, so they run k times longer too (a heartbeat every k s at k, a
+# steal after 250 x k ms...): the simulated fleet's protocol keeps its proportions to the steps,
+# and the host does k times less of that work a real second.
+SCALED_TIMINGS = ("heartbeat_interval_s", "heartbeat_ttl_s", "steal_after_ms",
+                  "affinity_steal_after_ms", "resume_prefer_ms", "numerics_prefer_ms",
+                  "publish_interval_ms", "drain_timeout_s", "handoff_lease_s")
+
+
+def scaled_timings(settings: WorkerSettings) -> WorkerSettings:
+    """The settings with the fleet's timings (`SCALED_TIMINGS`) times --sim-time-scale."""
+    k = settings.sim_time_scale
+    if k == 1:
+        return settings
+    return settings.model_copy(update={name: type(getattr(settings, name))(
+        getattr(settings, name) * k) for name in SCALED_TIMINGS})
+
+
 def build_sim_engine(settings: WorkerSettings, model: SimModel, cost,
                      tokenizer=None) -> SimEngine:
     blocks, note = pool_blocks(settings, model, cost)
@@ -171,7 +189,7 @@ def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = Non
         log.info("metrics of the simulated workers at %s", metrics_url)
 
     def serve(worker_id: str) -> None:
-        mine = settings.model_copy(update={"worker_id": worker_id})
+        mine = scaled_timings(settings).model_copy(update={"worker_id": worker_id})
         engine = build_sim_engine(mine, model, cost, tokenizer)
         config = engine.config
         if config.pace_warmup and engine.pace.enabled:
