@@ -72,9 +72,10 @@ def best_fixed(rows: list[PaceRow], target_s: float) -> PaceRow | None:
 
 
 async def load(url: str, model: str, streams: int, duration_s: float, prompt_tokens: int,
-               output_tokens: int, seed: int, at_end) -> tuple[int, int]:
-    """A closed loop of non-streamed completions for `duration_s`; `at_end()` is called then,
-    before the requests still running are cancelled; (answered, failed)."""
+               output_tokens: int, seed: int, at_end, marks=()) -> tuple[int, int]:
+    """A closed loop of non-streamed completions for `duration_s`; each `(seconds, callback)` of
+    `marks` is called that long into it, `at_end()` when the time is up, before the requests
+    still running are cancelled; (answered, failed)."""
     rng = random.Random(seed)
     done = failed = 0
     async with httpx.AsyncClient(base_url=url, timeout=3600,
@@ -93,7 +94,12 @@ async def load(url: str, model: str, streams: int, duration_s: float, prompt_tok
                 failed += not ok
 
         tasks = [asyncio.create_task(loop()) for _ in range(streams)]
-        await asyncio.sleep(duration_s)
+        waited = 0.0
+        for at_s, callback in sorted(marks, key=lambda m: m[0]):
+            await asyncio.sleep(at_s - waited)
+            waited = at_s
+            callback()
+        await asyncio.sleep(duration_s - waited)
         at_end()
         for task in tasks:
             task.cancel()

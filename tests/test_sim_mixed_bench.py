@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from benchmarks.sim_mixed import parse_args, report
-from benchmarks.sim_scale import ScaleResult, StepCounts
+from benchmarks.sim_pace import PaceRow
+from benchmarks.sim_scale import StepCounts
 
 
-def result(tps: float, lagged: int = 0) -> ScaleResult:
-    return ScaleResult(10.0, 4, StepCounts(4, 1000, lagged), 100, 0, tps, 0.1, 0.2, 0.01, 0.03,
-                       1.0, {})
+def result(tps: float, lagged: int = 0) -> PaceRow:
+    return PaceRow("x", tps, 0.03, 0, 0, StepCounts(4, 1000, lagged))
 
 
 def test_the_mixed_fleet_is_judged_against_the_sum_of_each_kind_alone():
