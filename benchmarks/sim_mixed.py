@@ -21,70 +21,43 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import redis
-
 from benchmarks.sim_pace import PaceRow, load, summarise
-from benchmarks.sim_scale import _healthy, read_beats, step_counts
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.wire import Keys
+from benchmarks.sim_fleet import SimFleet, kvfleet
+from shared.redis_server import free_port
 
 TARGET_RATIO = 0.9
 
 
 def run_fleet(args, kinds: list[str], log_dir: Path) -> PaceRow:
     k = args.time_scale
-    redis_server = EmbeddedRedis(port=free_port()).start()
-    env = {**os.environ, "KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_MODEL": args.model,
-           "KVFLEET_TARGET_ITL_MS": str(args.target_itl_ms)}
     port = free_port()
     name = "+".join(kinds)
-    cmds = [[sys.executable, "-m", "kvfleet", "gateway", "--port", str(port),
-             "--max-queue-wait-s", "0"]]  # real time: off, the closed loop bounds the queue
+    # the gateway's queue-wait limit is real time: off, the closed loop bounds the queue
+    commands = {f"{name}-gateway": kvfleet("gateway", "--port", str(port),
+                                           "--max-queue-wait-s", "0")}
     for kind in kinds:
-        cmds.append([sys.executable, "-m", "kvfleet", "worker", "--sim-workers",
-                     str(args.per_kind), "--sim-device", kind, "--sim-time-scale", str(k),
-                     "--worker-id", f"{kind}", "--metrics-port", "-1",
-                     "--tensor-parallel-size", str(args.tensor_parallel)])
-    logs = [open(log_dir / f"{name}-{i}.log", "w") for i in range(len(cmds))]
-    procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-             for cmd, log in zip(cmds, logs)]
-    client, keys = redis.Redis.from_url(redis_server.url), Keys("kvf:")
-    workers = args.per_kind * len(kinds)
-    try:
-        deadline = time.monotonic() + 600
-        while step_counts(read_beats(client, keys)).workers < workers or not _healthy(
-                f"http://127.0.0.1:{port}"):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise SystemExit(f"the {name} fleet did not come up: see {log_dir}")
-            time.sleep(1.0)
+        commands[f"{name}-{kind}"] = kvfleet(
+            "worker", "--sim-workers", str(args.per_kind), "--sim-device", kind,
+            "--sim-time-scale", str(k), "--worker-id", kind, "--metrics-port", "-1",
+            "--tensor-parallel-size", str(args.tensor_parallel))
+    env = {"KVFLEET_MODEL": args.model, "KVFLEET_TARGET_ITL_MS": str(args.target_itl_ms)}
+    with SimFleet(commands, env, log_dir) as fleet:
         url, marks = f"http://127.0.0.1:{port}", {}
+        fleet.wait_ready(args.per_kind * len(kinds), [url])
 
         def mark(name: str) -> None:  # the fleet's counters at the window's ends
-            marks[name] = (read_beats(client, keys), time.perf_counter())
+            marks[name] = (fleet.beats(), time.perf_counter())
 
         asyncio.run(load(url, args.model, args.streams, args.warmup + args.duration,
                          args.prompt_tokens, args.output_tokens, args.seed, lambda: mark("end"),
                          [(args.warmup, lambda: mark("start"))]))
-        (before, started), (after, ended) = marks["start"], marks["end"]
-        return summarise(name, before, after, ended - started, k, 0, 0)
-    finally:
-        for proc in procs:
-            proc.send_signal(2)
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for log in logs:
-            log.close()
-        redis_server.stop()
+    (before, started), (after, ended) = marks["start"], marks["end"]
+    return summarise(name, before, after, ended - started, k, 0, 0)
 
 
 def _ms(value: float | None) -> str:

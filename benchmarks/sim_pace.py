@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,12 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import redis
-
-from benchmarks.sim_scale import StepCounts, _healthy, prompt_text, read_beats, step_counts
+from benchmarks.sim_fleet import SimFleet, StepCounts, kvfleet, step_counts
+from benchmarks.sim_scale import prompt_text
 from shared.pace import StepFeatures
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.wire import Heartbeat, Keys
+from shared.redis_server import free_port
+from shared.wire import Heartbeat
 from worker.sim.cost import RooflineCost
 
 TARGET_SHARE = 0.9
@@ -109,49 +106,28 @@ async def load(url: str, model: str, streams: int, duration_s: float, prompt_tok
 
 def run_config(args, config: str, flags: list[str], streams: int, log_dir: Path) -> PaceRow:
     k = args.time_scale
-    redis_server = EmbeddedRedis(port=free_port()).start()
-    env = {**os.environ, "KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_MODEL": args.model,
-           "KVFLEET_PUBLISH_INTERVAL_MS": str(args.publish_interval_ms)}
     port = free_port()
-    cmds = [[sys.executable, "-m", "kvfleet", "gateway", "--port", str(port),
-             "--max-queue-wait-s", "0", "--max-queue-depth", "0"],
-            [sys.executable, "-m", "kvfleet", "worker", "--sim-workers", str(args.workers),
-             "--sim-device", args.device, "--sim-time-scale", str(k), "--worker-id", "pace",
-             "--metrics-port", "-1", "--tensor-parallel-size", str(args.tensor_parallel),
-             *flags]]
-    logs = [open(log_dir / f"{config.replace(' ', '-')}-{i}.log", "w") for i in range(2)]
-    procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-             for cmd, log in zip(cmds, logs)]
-    client, keys = redis.Redis.from_url(redis_server.url), Keys("kvf:")
-    try:
-        deadline = time.monotonic() + 600
-        while step_counts(read_beats(client, keys)).workers < args.workers or \
-                not _healthy(f"http://127.0.0.1:{port}"):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise SystemExit(f"the {config} fleet did not come up: see {log_dir}")
-            time.sleep(1.0)
-        before = read_beats(client, keys)
-        started, ended = time.perf_counter(), {}
+    name = config.replace(" ", "-")
+    commands = {f"{name}-gateway": kvfleet("gateway", "--port", str(port), "--max-queue-wait-s",
+                                           "0", "--max-queue-depth", "0"),
+                f"{name}-workers": kvfleet(
+                    "worker", "--sim-workers", str(args.workers), "--sim-device", args.device,
+                    "--sim-time-scale", str(k), "--worker-id", "pace", "--metrics-port", "-1",
+                    "--tensor-parallel-size", str(args.tensor_parallel), *flags)}
+    env = {"KVFLEET_MODEL": args.model,
+           "KVFLEET_PUBLISH_INTERVAL_MS": str(args.publish_interval_ms)}
+    with SimFleet(commands, env, log_dir) as fleet:
+        url, ended = f"http://127.0.0.1:{port}", {}
+        fleet.wait_ready(args.workers, [url])
+        before, started = fleet.beats(), time.perf_counter()
 
         def at_end() -> None:  # the fleet's counts when the load's time is up
-            ended["beats"], ended["at"] = read_beats(client, keys), time.perf_counter()
+            ended["beats"], ended["at"] = fleet.beats(), time.perf_counter()
 
-        done, failed = asyncio.run(load(f"http://127.0.0.1:{port}", args.model, streams,
-                                        args.duration, args.prompt_tokens, args.output_tokens,
-                                        args.seed, at_end))
-        after, seconds = ended["beats"], ended["at"] - started
-    finally:
-        for proc in procs:
-            proc.send_signal(2)
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for log in logs:
-            log.close()
-        redis_server.stop()
-    return summarise(config, before, after, seconds, k, done, failed)
+        done, failed = asyncio.run(load(url, args.model, streams, args.duration,
+                                        args.prompt_tokens, args.output_tokens, args.seed,
+                                        at_end))
+    return summarise(config, before, ended["beats"], ended["at"] - started, k, done, failed)
 
 
 def summarise(config: str, before: list[Heartbeat], after: list[Heartbeat], seconds: float,

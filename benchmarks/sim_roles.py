@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,14 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import redis
 
-from benchmarks.sim_scale import StepCounts, _healthy, prompt_text, read_beats, step_counts
+from benchmarks.sim_fleet import SimFleet, StepCounts, kvfleet, step_counts
+from benchmarks.sim_scale import prompt_text
 from kvfleet.bench.client import BenchTarget, RequestRecord, stream_request
 from kvfleet.bench.stats import distribution
 from kvfleet.bench.trace import TraceRequest
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.wire import Keys
+from shared.redis_server import free_port
 
 TARGET_RATIO = 1.5
 
@@ -112,46 +109,24 @@ async def burst_into_steady(url: str, model: str, args, rng: random.Random
 
 def run_fleet(args, roles: list[str], log_dir: Path) -> RolesResult:
     k = args.time_scale
-    redis_server = EmbeddedRedis(port=free_port()).start()
-    env = {**os.environ, "KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_MODEL": args.model,
-           "KVFLEET_HANDOFF_ADVERTISE_HOST": "127.0.0.1"}
     port = free_port()
     name = "+".join(roles)
     per_role = args.workers // len(roles)
-    cmds = [[sys.executable, "-m", "kvfleet", "gateway", "--port", str(port),
-             "--max-queue-wait-s", "0"]]
+    commands = {f"{name}-gateway": kvfleet("gateway", "--port", str(port),
+                                           "--max-queue-wait-s", "0")}
     for role in roles:
-        cmds.append([sys.executable, "-m", "kvfleet", "worker", "--sim-workers", str(per_role),
-                     "--sim-device", args.device, "--sim-time-scale", str(k), "--role", role,
-                     "--worker-id", role, "--metrics-port", "-1", "--tensor-parallel-size",
-                     str(args.tensor_parallel)])
-    logs = [open(log_dir / f"{name}-{i}.log", "w") for i in range(len(cmds))]
-    procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-             for cmd, log in zip(cmds, logs)]
-    client, keys = redis.Redis.from_url(redis_server.url), Keys("kvf:")
-    try:
-        deadline = time.monotonic() + 600
-        while step_counts(read_beats(client, keys)).workers < per_role * len(roles) or \
-                not _healthy(f"http://127.0.0.1:{port}"):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise SystemExit(f"the {name} fleet did not come up: see {log_dir}")
-            time.sleep(1.0)
-        before = step_counts(read_beats(client, keys))
+        commands[f"{name}-{role}"] = kvfleet(
+            "worker", "--sim-workers", str(per_role), "--sim-device", args.device,
+            "--sim-time-scale", str(k), "--role", role, "--worker-id", role, "--metrics-port",
+            "-1", "--tensor-parallel-size", str(args.tensor_parallel))
+    env = {"KVFLEET_MODEL": args.model, "KVFLEET_HANDOFF_ADVERTISE_HOST": "127.0.0.1"}
+    with SimFleet(commands, env, log_dir) as fleet:
+        fleet.wait_ready(per_role * len(roles), [f"http://127.0.0.1:{port}"])
+        before = step_counts(fleet.beats())
         steady, burst, burst_start, burst_end = asyncio.run(burst_into_steady(
             f"http://127.0.0.1:{port}", args.model, args, random.Random(args.seed)))
         time.sleep(2.5)
-        counts = step_counts(read_beats(client, keys)).since(before)
-    finally:
-        for proc in procs:
-            proc.send_signal(2)
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for log in logs:
-            log.close()
-        redis_server.stop()
+        counts = step_counts(fleet.beats()).since(before)
     calm_from = burst_start - args.calm_s * k
     calm, during = split_gaps(steady, burst_start, burst_end, calm_from)
     ttft = distribution([r.ttft_s / k for r in burst if r.ttft_s is not None])

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,47 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import redis
 
+from benchmarks.sim_fleet import SimFleet, StepCounts, kvfleet, step_counts
 from kvfleet.bench.client import BenchTarget, RequestRecord, stream_request
 from kvfleet.bench.stats import distribution
 from kvfleet.bench.trace import TraceRequest
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.wire import Heartbeat, Keys
-from worker.sim.clock import INVALID_LAG_SHARE
+from shared.redis_server import free_port
 
 WORDS = ("river", "stone", "market", "window", "garden", "signal", "copper", "lantern", "harbor",
          "meadow", "engine", "violet", "canyon", "ledger", "orbit", "thistle")
-
-
-@dataclass(frozen=True)
-class StepCounts:
-    """The fleet's played and lagged steps (summed over its heartbeats)."""
-
-    workers: int
-    steps: int
-    lagged: int
-
-    def since(self, before: StepCounts) -> StepCounts:
-        return StepCounts(self.workers, self.steps - before.steps, self.lagged - before.lagged)
-
-    @property
-    def share(self) -> float:
-        return self.lagged / self.steps if self.steps else 0.0
-
-    @property
-    def valid(self) -> bool:
-        return self.steps > 0 and self.share <= INVALID_LAG_SHARE
-
-
-def step_counts(beats: list[Heartbeat]) -> StepCounts:
-    simulated = [b for b in beats if b.simulated]
-    return StepCounts(len(simulated), sum(b.sim_steps for b in simulated),
-                      sum(b.sim_lagged_steps for b in simulated))
-
-
-def read_beats(client: redis.Redis, keys: Keys) -> list[Heartbeat]:
-    return [Heartbeat.decode(client.hgetall(k)) for k in client.scan_iter(keys.worker("*"))]
 
 
 @dataclass(frozen=True)
@@ -144,58 +111,27 @@ async def closed_loop(urls: list[str], model: str, streams: int, duration_s: flo
 
 
 def run_scale(args, k: float, log_dir: Path) -> ScaleResult:
-    redis_server = EmbeddedRedis(port=free_port()).start()
-    prefix = f"simscale{int(k)}:"
-    env = {**os.environ, "KVFLEET_REDIS_URL": redis_server.url, "KVFLEET_KEY_PREFIX": prefix,
-           "KVFLEET_PUBLISH_INTERVAL_MS": str(args.publish_interval_ms)}
     ports = [free_port(), free_port()]
-    fleet_cmd = [sys.executable, "-m", "kvfleet", "up", "--sim-workers", str(args.workers),
-                 "--sim-device", args.device, "--model", args.model, "--tensor-parallel-size",
-                 str(args.tensor_parallel), "--sim-time-scale", str(k), "--port", str(ports[0]),
-                 "--metrics-port", "-1", "--max-queue-wait-s", "0"]
     # the gateways' back-pressure limit is real time (a queue wait of 60 s is 6 modelled s at
     # x10): off, the closed loop bounds the queue
-    gateway_cmd = [sys.executable, "-m", "kvfleet", "gateway", "--model", args.model,
-                   "--port", str(ports[1]), "--max-queue-wait-s", "0"]
-    logs = [open(log_dir / f"{name}-x{k:g}.log", "w") for name in ("up", "gateway2")]
-    procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-             for cmd, log in zip((fleet_cmd, gateway_cmd), logs)]
-    client = redis.Redis.from_url(redis_server.url)
-    keys = Keys(prefix)
-    try:
-        deadline = time.monotonic() + 600
-        while step_counts(read_beats(client, keys)).workers < args.workers or not all(
-                _healthy(f"http://127.0.0.1:{p}") for p in ports):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise SystemExit(f"the fleet did not come up: see {log_dir}")
-            time.sleep(1.0)
-        before = step_counts(read_beats(client, keys))
+    commands = {f"up-x{k:g}": kvfleet(
+        "up", "--sim-workers", str(args.workers), "--sim-device", args.device, "--model",
+        args.model, "--tensor-parallel-size", str(args.tensor_parallel), "--sim-time-scale",
+        str(k), "--port", str(ports[0]), "--metrics-port", "-1", "--max-queue-wait-s", "0"),
+        f"gateway2-x{k:g}": kvfleet("gateway", "--model", args.model, "--port", str(ports[1]),
+                                    "--max-queue-wait-s", "0")}
+    env = {"KVFLEET_PUBLISH_INTERVAL_MS": str(args.publish_interval_ms)}
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with SimFleet(commands, env, log_dir, prefix=f"simscale{int(k)}:") as fleet:
+        fleet.wait_ready(args.workers, urls)
+        before = step_counts(fleet.beats())
         started = time.perf_counter()
-        records = asyncio.run(closed_loop([f"http://127.0.0.1:{p}" for p in ports], args.model,
-                                          args.streams, args.duration, args.prompt_tokens,
-                                          args.output_tokens, args.seed))
+        records = asyncio.run(closed_loop(urls, args.model, args.streams, args.duration,
+                                          args.prompt_tokens, args.output_tokens, args.seed))
         duration = time.perf_counter() - started
         time.sleep(2.5)  # a heartbeat after the last step
-        counts = step_counts(read_beats(client, keys)).since(before)
-        return modelled(records, duration, k, args.workers, counts, os.getloadavg()[0])
-    finally:
-        for proc in procs:
-            proc.send_signal(2)
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for log in logs:
-            log.close()
-        redis_server.stop()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+        counts = step_counts(fleet.beats()).since(before)
+    return modelled(records, duration, k, args.workers, counts, os.getloadavg()[0])
 
 
 def _ms(value: float | None) -> str:
