@@ -42,11 +42,11 @@ def module_files() -> dict[str, Path]:
     return modules
 
 
-def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
-    """The project modules `name` imports anywhere in its text: at module level, inside
-    functions and under TYPE_CHECKING alike (a cycle through a lazy import is still a cycle)."""
+def import_lines(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """(project module, line) of every import of module `name` anywhere in its text: at module
+    level, inside functions and under TYPE_CHECKING alike (tests/test_package_loops.py too)."""
     is_package = path.name == "__init__.py"
-    found = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -59,8 +59,14 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
                        for alias in node.names]
         else:
             continue
-        found.update(t for t in targets if t in known and t != name)
+        found += [(t, node.lineno) for t in targets if t in known and t != name]
     return found
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports anywhere in its text (a cycle through a lazy import is
+    still a cycle)."""
+    return {target for target, _ in import_lines(name, path, known)}
 
 
 def import_graph() -> dict[str, set[str]]:

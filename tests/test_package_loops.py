@@ -9,12 +9,10 @@ A loop is reported with its packages and one import (file:line) of each edge of 
 
 from __future__ import annotations
 
-import ast
 from collections import deque
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("shared", "worker", "batch", "gateway", "kvfleet", "benchmarks")
+from tests.test_architecture import ROOT, import_lines, module_files
 
 # Imports that close loops older than this check, each with why it is not undone yet: the check
 # takes them out of the graph and then finds no loop. The list only shrinks: an entry whose
@@ -36,34 +34,7 @@ KNOWN_BACK_EDGES = {
 }
 
 
-def module_files() -> dict[str, Path]:
-    """Every module of the packages, by dotted name (a package by its __init__)."""
-    modules = {}
-    for top in PACKAGES:
-        for path in sorted((ROOT / top).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return modules
-
-
-def imports_of(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
-    """(imported project module, line) for every import in the module's text, at any depth."""
-    is_package = path.name == "__init__.py"
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: resolve against this module's package
-                package = name.split(".")[: len(name.split(".")) - node.level + is_package]
-                base = ".".join([*package, base] if base else package)
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
-                       for alias in node.names]
-        else:
-            continue
-        found += [(t, node.lineno) for t in targets if t in known and t != name]
-    return found
+imports_of = import_lines  # (project module, line) of each import, at any depth
 
 
 Edges = dict[str, dict[str, str]]  # package -> imported package -> one import, "file:line"
