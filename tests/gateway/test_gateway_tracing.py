@@ -11,9 +11,6 @@ import httpx
 import msgpack
 import pytest
 import uvicorn
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.app import create_app
@@ -25,24 +22,12 @@ from shared.wire import Keys
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL
+from tests.helpers.otlp import exporter, provider  # noqa: F401 (fixtures)
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 CLIENT_TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
 MESSAGES = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture
-def exporter() -> InMemorySpanExporter:
-    return InMemorySpanExporter()
-
-
-@pytest.fixture
-def provider(exporter) -> TracerProvider:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider
-    provider.shutdown()
 
 
 @pytest.fixture

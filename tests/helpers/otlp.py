@@ -1,12 +1,32 @@
 """An OTLP/HTTP traces receiver in the test process: what a collector would get from a fleet
-with `--otlp-traces-endpoint` (tests/test_tracing.py, tests/e2e/test_traces.py)."""
+with `--otlp-traces-endpoint` (tests/test_tracing.py, tests/e2e/test_traces.py); and an in-memory
+exporter with its tracer provider, as fixtures (the gateway's and the worker's tracing tests)."""
 
 from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    """The spans a test's tracer provider ends, in memory."""
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def provider(exporter) -> TracerProvider:
+    """A tracer provider exporting every span to `exporter` as it ends."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider
+    provider.shutdown()
 
 
 class Receiver:

@@ -9,7 +9,6 @@ import time
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shared.tracing import traceparent_of
@@ -17,6 +16,7 @@ from shared.wire import GenerationRequest, SamplingParams
 from tests.engine.tiny_models import TinyModel, random_prompt
 from tests.helpers.channels import fleet_keys
 from tests.integration.test_worker_service import Client, make_service, run_until
+from tests.helpers.otlp import exporter, provider  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +27,6 @@ def tiny() -> TinyModel:
 @pytest.fixture
 def client(redis_client) -> Client:
     return Client(redis_client, fleet_keys(redis_client))
-
-
-@pytest.fixture
-def exporter() -> InMemorySpanExporter:
-    return InMemorySpanExporter()
-
-
-@pytest.fixture
-def provider(exporter) -> TracerProvider:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider
-    provider.shutdown()
 
 
 def gateway_span(provider: TracerProvider):
