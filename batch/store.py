@@ -13,8 +13,8 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
-from shared.wire import BatchRecord, BatchStatus, FileRecord, Keys
-from shared.wire import batch_scripts as scripts
+from kvfleet.shared.wire import BatchRecord, BatchStatus, FileRecord, Keys
+from kvfleet.shared.wire import batch_scripts as scripts
 
 
 @dataclass

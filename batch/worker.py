@@ -18,11 +18,11 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq import Queue, SimpleWorker
 
-from batch.jobs import requeue_orphans
-from batch.store import BatchStore
-from shared.redis_connect import connect
-from shared.settings import BatchSettings
-from shared.wire import Keys
+from kvfleet.batch.jobs import requeue_orphans
+from kvfleet.batch.store import BatchStore
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.settings import BatchSettings
+from kvfleet.shared.wire import Keys
 
 log = logging.getLogger(__name__)
 

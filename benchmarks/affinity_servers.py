@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.http_peers import free_port, stop_session, wait_first_answer
 from benchmarks.peer_env import peer_env
 from benchmarks.vllm_peer import REPO
-from shared.wire import Keys, RequestRecord
+from kvfleet.shared.wire import Keys, RequestRecord
 
 SGLANG_ROUTER_HINT = ("make it with `bash benchmarks/sglang_router_env.sh` (or point "
                       "KVFLEET_SGLANG_ROUTER_VENV at one)")

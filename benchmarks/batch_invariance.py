@@ -28,10 +28,10 @@ import time
 import torch
 
 from benchmarks.engine_throughput import WORKLOAD, greedy, load_requests, openmp_wait
-from shared.cpu_features import cpu_features
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.model_prep import load_pretrained
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.model_prep import load_pretrained
 
 CONDITIONS = {  # name -> EngineConfig fields (and how the run is made)
     "batch 64": {"max_running": 64},

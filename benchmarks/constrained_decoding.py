@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from shared.wire import SamplingParams
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from benchmarks.engine_throughput import load_requests
-from shared.structured import OutputConstraint
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.shared.structured import OutputConstraint
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 WORKLOAD = str(Path(__file__).resolve().parent / "data" / "chat-mix-64.jsonl")
 # Longer than any answer the trace allows: 400 strings of up to 8 characters.

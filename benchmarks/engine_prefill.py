@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from shared.wire import SamplingParams
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -53,15 +53,15 @@ from pathlib import Path
 
 import torch
 
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from shared.wire import SamplingParams
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.shared.wire import SamplingParams
 from benchmarks.engine_prefill import prefill_prompts, prefill_seconds
 from benchmarks.peer_env import dropped_line
 from benchmarks.roofline import ModelCost, product_rates, read_bandwidth
 from benchmarks.vllm_peer import SETUP_HINT, SETUPS, describe_setup, run_offline, vllm_python
-from shared.cpu_features import cpu_features
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.device import resolve_dtype
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.device import resolve_dtype
 
 # The benchmark trace ships with the repository (the first 64 requests of the chat-mix trace, the
 # default --num-requests); --workload picks another.

@@ -38,9 +38,9 @@ import redis
 
 from benchmarks.fleet_load import (Answer, ClosedLoop, References, measure_capacity,
                                    served_tokens_per_s, start_two_workers, stream_answer)
-from shared.redis_server import EmbeddedRedis
-from shared.wire import Keys, RequestRecord
-from shared.wire.checkpoint import TOKEN_BYTES
+from kvfleet.shared.redis_server import EmbeddedRedis
+from kvfleet.shared.wire import Keys, RequestRecord
+from kvfleet.shared.wire.checkpoint import TOKEN_BYTES
 from tests.helpers.processes import ProcessFleet
 
 

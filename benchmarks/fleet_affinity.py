@@ -50,7 +50,7 @@ from benchmarks.peer_env import dropped_line
 from kvfleet.bench.client import BenchTarget, RequestRecord, stream_request
 from kvfleet.bench.stats import Distribution, distribution
 from kvfleet.bench.trace import TraceRequest
-from shared.models import DEFAULT_MODEL
+from kvfleet.shared.models import DEFAULT_MODEL
 
 CONFIGS = ("single", "shared", "affinity", "sglang")
 

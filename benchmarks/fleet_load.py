@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from shared.models import DEFAULT_MODEL
+from kvfleet.shared.models import DEFAULT_MODEL
 from tests.helpers.processes import ProcessFleet
 
 NUM_PROMPTS = 48

@@ -68,12 +68,12 @@ from benchmarks.http_peers import stop_session, wait_first_answer
 from benchmarks.peer_env import dropped_line, peer_env
 from kvfleet.bench.client import BenchTarget, RequestRecord
 from kvfleet.bench.loadgen import LoadSpec, replay
-from shared.models import resolve_model_path
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.settings import WorkerSettings
-from shared.wire import Heartbeat, Keys
-from shared.wire import RequestRecord as StoredRequest
-from worker.sim.cost import RooflineCost
+from kvfleet.shared.models import resolve_model_path
+from kvfleet.shared.redis_server import EmbeddedRedis, free_port
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.wire import Heartbeat, Keys
+from kvfleet.shared.wire import RequestRecord as StoredRequest
+from kvfleet.worker.sim.cost import RooflineCost
 
 ROUTINGS = ("affinity", "shared", "random")
 PEER_ROUTINGS = tuple(ROUTER_MODES)  # Dynamo's KV and random routers

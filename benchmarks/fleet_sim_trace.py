@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from kvfleet.bench.client import RequestRecord
 from kvfleet.bench.stats import distribution
 from kvfleet.bench.trace import TraceRequest
-from worker.sim.clock import INVALID_LAG_SHARE
+from kvfleet.worker.sim.clock import INVALID_LAG_SHARE
 
 FIRST_ID = 1_000  # SmolLM2's special and byte tokens are below
 LAST_ID = 49_000  # its vocabulary has 49,152

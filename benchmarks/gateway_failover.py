@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.fleet_load import ClosedLoop, References, start_two_workers
-from shared.models import DEFAULT_MODEL
-from shared.redis_server import EmbeddedRedis
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.redis_server import EmbeddedRedis
 from tests.helpers.processes import ProcessFleet
 
 

@@ -60,9 +60,9 @@ def quantile(values: list[float], q: float) -> float:
 def run_gateway(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from gateway.app import create_app, tune_gc_for_serving
-    from shared.models import DEFAULT_MODEL
-    from shared.settings import GatewaySettings
+    from kvfleet.gateway.app import create_app, tune_gc_for_serving
+    from kvfleet.shared.models import DEFAULT_MODEL
+    from kvfleet.shared.settings import GatewaySettings
 
     raise_fd_limit()
     settings = GatewaySettings(redis_url=args.redis_url, model=DEFAULT_MODEL, key_prefix=PREFIX,
@@ -80,7 +80,7 @@ async def worker_loop(args: argparse.Namespace) -> None:
     from redis.asyncio import Redis
     from redis.exceptions import ResponseError
 
-    from shared.wire import Keys, QueueEntry, TokenEvent, Usage
+    from kvfleet.shared.wire import Keys, QueueEntry, TokenEvent, Usage
 
     keys = Keys(PREFIX)
     redis = Redis.from_url(args.redis_url)
@@ -285,7 +285,7 @@ async def direct_pubsub(args) -> Recorder:
     """The baseline: subscribe each request's channel on one connection, XADD, read."""
     from redis.asyncio import Redis
 
-    from shared.wire import GenerationRequest, Keys, QueueEntry, SamplingParams, TokenEvent
+    from kvfleet.shared.wire import GenerationRequest, Keys, QueueEntry, SamplingParams, TokenEvent
 
     keys = Keys(PREFIX)
     redis = Redis.from_url(args.redis_url)
@@ -371,8 +371,8 @@ def wait_http(url: str, timeout_s: float = 120) -> None:
 
 
 def main_run(args: argparse.Namespace) -> None:
-    from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-    from shared.redis_server import EmbeddedRedis, free_port
+    from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+    from kvfleet.shared.redis_server import EmbeddedRedis, free_port
 
     raise_fd_limit()
     args.model = DEFAULT_MODEL

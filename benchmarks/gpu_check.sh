@@ -53,7 +53,7 @@ echo "   ($(( $(date +%s) - start )) s so far)"
 
 echo "== throughput: kvfleet vs HF generate vs transformers continuous batching"
 models=default,8b
-"$PY" -c "from shared.models import DEFAULT_MODEL, resolve_model_path; resolve_model_path(DEFAULT_MODEL)" \
+"$PY" -c "from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path; resolve_model_path(DEFAULT_MODEL)" \
     >/dev/null 2>&1 || { echo "   the default model is not available offline here: 8B-shaped model only"; models=8b; }
 timeout $(( 470 - ( $(date +%s) - start ) )) env OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 "$PY" -m benchmarks.gpu_throughput \
     --models "$models" --json "$OUT/gpu_throughput.json" || status=1

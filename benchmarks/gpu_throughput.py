@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.wire import SamplingParams
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 # The trace ships with the repository: the chat-mix trace's first 64 requests (the default
 # --num-requests), verbatim.

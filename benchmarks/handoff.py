@@ -48,14 +48,14 @@ from pathlib import Path
 import httpx
 import torch
 
-from shared.cpu_features import cpu_features
-from shared.models import DEFAULT_MODEL
-from shared.redis_connect import connect
-from shared.redis_server import EmbeddedRedis
-from shared.wire import Heartbeat, RequestRecord
-from shared.wire.checkpoint import TOKEN_BYTES
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.redis_server import EmbeddedRedis
+from kvfleet.shared.wire import Heartbeat, RequestRecord
+from kvfleet.shared.wire.checkpoint import TOKEN_BYTES
 from tests.helpers.processes import ProcessFleet
-from worker.handoff.transfer import Outgoing, TcpTransferPlane, measure_wire_rate
+from kvfleet.worker.handoff.transfer import Outgoing, TcpTransferPlane, measure_wire_rate
 
 WORKER_FLAGS = ["--kv-memory", "1GiB", "--num-threads", "1", "--dtype", "auto",
                 "--handoff-advertise-host", "127.0.0.1"]

@@ -48,8 +48,8 @@ import httpx
 
 from benchmarks.peer_env import dropped_line, peer_env
 from benchmarks.vllm_peer import REPO, SETUP_HINT, SETUPS, VllmServer, describe_setup, vllm_python
-from shared.cpu_features import cpu_features
-from shared.models import DEFAULT_MODEL, resolve_model_path, served_model_id
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path, served_model_id
 
 WORKLOAD = str(REPO / "benchmarks" / "data" / "chat-mix-64.jsonl")
 

@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_throughput import greedy, load_model
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from shared.byte_size import parse_bytes
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.kv_cache import KVLayout
-from worker.engine.kv_format import resolve_kv_format
-from worker.engine.scoring import teacher_forced_logprobs
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.shared.byte_size import parse_bytes
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.kv_cache import KVLayout
+from kvfleet.worker.engine.kv_format import resolve_kv_format
+from kvfleet.worker.engine.scoring import teacher_forced_logprobs
 
 CORPUS = Path(__file__).resolve().parent / "data" / "kv_corpus.txt"
 REFERENCE = "fp32"

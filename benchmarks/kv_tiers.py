@@ -40,8 +40,8 @@ import torch
 
 from benchmarks.engine_throughput import greedy, load_model
 from benchmarks.prefix_cache import percentile, random_tokens
-from shared.models import DEFAULT_MODEL, resolve_model_path
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 
 @dataclass

@@ -61,8 +61,8 @@ from benchmarks.vllm_peer import REPO, SETUP_HINT, VllmServer, describe_setup, v
 from kvfleet.bench.client import BenchTarget
 from kvfleet.bench.loadgen import LoadSpec, replay
 from kvfleet.bench.trace import TraceRequest, load_trace
-from shared.cpu_features import cpu_features
-from shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
 
 ADAPTER_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 REGISTRATION_TARGET_S = 2.0

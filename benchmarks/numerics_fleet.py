@@ -27,9 +27,9 @@ from pathlib import Path
 
 import redis
 
-from shared.cpu_features import cpu_features
-from shared.redis_server import EmbeddedRedis
-from shared.wire import Keys
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.redis_server import EmbeddedRedis
+from kvfleet.shared.wire import Keys
 
 
 def _spin(stop) -> None:

@@ -32,9 +32,9 @@ import httpx
 import redis
 
 from benchmarks.fleet_load import start_two_workers
-from shared.models import DEFAULT_MODEL
-from shared.redis_server import EmbeddedRedis
-from shared.wire import Heartbeat, Keys, RequestRecord
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.redis_server import EmbeddedRedis
+from kvfleet.shared.wire import Heartbeat, Keys, RequestRecord
 from tests.helpers.processes import ProcessFleet
 
 

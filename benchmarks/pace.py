@@ -49,14 +49,14 @@ from pathlib import Path
 import httpx
 import torch
 
-from shared.cpu_features import cpu_features
-from shared.models import DEFAULT_MODEL, resolve_model_path
-from shared.redis_connect import connect
-from shared.redis_server import EmbeddedRedis
-from shared.wire import Heartbeat, SamplingParams
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.redis_server import EmbeddedRedis
+from kvfleet.shared.wire import Heartbeat, SamplingParams
 from tests.helpers.processes import ProcessFleet
-from worker.engine.engine import Engine, EngineConfig, load_pretrained
-from worker.engine.pace import warm_up
+from kvfleet.worker.engine.engine import Engine, EngineConfig, load_pretrained
+from kvfleet.worker.engine.pace import warm_up
 
 VOCAB = (200, 48_000)
 

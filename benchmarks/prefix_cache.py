@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_throughput import WORKLOAD, greedy, load_model, load_requests
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 
 @dataclass

@@ -17,9 +17,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.engine_throughput import WORKLOAD, greedy, load_requests
-from shared.cpu_features import cpu_features
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 
 def main(argv=None) -> int:

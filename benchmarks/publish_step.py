@@ -21,11 +21,11 @@ import time
 import redis
 from redis.crc import key_slot
 
-from shared.redis_cluster import EmbeddedCluster
-from shared.redis_connect import connect, is_cluster
-from shared.redis_server import EmbeddedRedis
-from shared.wire import Keys, RequestStatus, TokenEvent
-from worker.protocol import Publication, WorkerProtocol
+from kvfleet.shared.redis_cluster import EmbeddedCluster
+from kvfleet.shared.redis_connect import connect, is_cluster
+from kvfleet.shared.redis_server import EmbeddedRedis
+from kvfleet.shared.wire import Keys, RequestStatus, TokenEvent
+from kvfleet.worker.protocol import Publication, WorkerProtocol
 
 KEYS = Keys("pb:")
 

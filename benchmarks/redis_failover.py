@@ -27,9 +27,9 @@ from pathlib import Path
 import redis
 
 from benchmarks.fleet_load import Answer, start_two_workers, stream_answer
-from shared.redis_cluster import EmbeddedCluster
-from shared.redis_connect import connect
-from shared.wire.checkpoint import TOKEN_BYTES
+from kvfleet.shared.redis_cluster import EmbeddedCluster
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire.checkpoint import TOKEN_BYTES
 from tests.helpers.processes import ProcessFleet
 
 

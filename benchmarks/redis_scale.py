@@ -65,12 +65,12 @@ import time
 
 import redis
 
-from shared.redis_cluster import EmbeddedCluster
-from shared.redis_connect import connect
-from shared.redis_server import EmbeddedRedis
-from shared.wire import (GenerationRequest, Heartbeat, Keys, RequestStatus, SamplingParams,
+from kvfleet.shared.redis_cluster import EmbeddedCluster
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.redis_server import EmbeddedRedis
+from kvfleet.shared.wire import (GenerationRequest, Heartbeat, Keys, RequestStatus, SamplingParams,
                          TokenEvent)
-from worker.protocol import Publication, WorkerProtocol
+from kvfleet.worker.protocol import Publication, WorkerProtocol
 
 MODEL = "bench"
 PREFIX = "bench:"
@@ -154,7 +154,7 @@ def synthetic_gateway(url: str, shards: int, start_at: float, stop_at: float, co
 
 async def _gateway(url, shards, start_at, stop_at, concurrency, shard_shares, inboxes,
                    out) -> None:
-    from gateway.fleet.redis_client import RedisEngineClient
+    from kvfleet.gateway.fleet.redis_client import RedisEngineClient
 
     client = RedisEngineClient.from_url(url, Keys(PREFIX, queue_shards=shards),
                                         shard_shares=shard_shares, inboxes=inboxes,

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from shared.cpu_features import cpu_features
-from worker.engine import cpu_linear, torch_private
-from worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable
-from worker.engine.cpu_kernels import matmul_kernel
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.worker.engine import cpu_linear, torch_private
+from kvfleet.worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable
+from kvfleet.worker.engine.cpu_kernels import matmul_kernel
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # x [rows, in] -> [rows, out]
 Implementation = Callable[[torch.nn.Linear], Product]  # packs what it needs once, per linear

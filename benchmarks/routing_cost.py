@@ -19,10 +19,10 @@ import random
 import statistics
 import time
 
-from gateway.fleet.affinity import Router, WorkerLoads
-from gateway.fleet.prefix_index import PrefixIndex
-from shared.wire import Heartbeat, Keys
-from shared.wire.prefix_hash import block_hashes, root_hash
+from kvfleet.gateway.fleet.affinity import Router, WorkerLoads
+from kvfleet.gateway.fleet.prefix_index import PrefixIndex
+from kvfleet.shared.wire import Heartbeat, Keys
+from kvfleet.shared.wire.prefix_hash import block_hashes, root_hash
 
 MODEL = "bench-model"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import redis
 
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.wire import Heartbeat, Keys
-from worker.sim.clock import INVALID_LAG_SHARE
+from kvfleet.shared.redis_server import EmbeddedRedis, free_port
+from kvfleet.shared.wire import Heartbeat, Keys
+from kvfleet.worker.sim.clock import INVALID_LAG_SHARE
 
 
 @dataclass(frozen=True)

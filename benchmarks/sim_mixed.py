@@ -28,7 +28,7 @@ from pathlib import Path
 
 from benchmarks.sim_pace import PaceRow, load, summarise
 from benchmarks.sim_fleet import SimFleet, kvfleet
-from shared.redis_server import free_port
+from kvfleet.shared.redis_server import free_port
 
 TARGET_RATIO = 0.9
 

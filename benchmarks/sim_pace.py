@@ -36,10 +36,10 @@ from pathlib import Path
 import httpx
 from benchmarks.sim_fleet import SimFleet, StepCounts, kvfleet, step_counts
 from benchmarks.sim_scale import prompt_text
-from shared.pace import StepFeatures
-from shared.redis_server import free_port
-from shared.wire import Heartbeat
-from worker.sim.cost import RooflineCost
+from kvfleet.shared.pace import StepFeatures
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.wire import Heartbeat
+from kvfleet.worker.sim.cost import RooflineCost
 
 TARGET_SHARE = 0.9
 

@@ -34,7 +34,7 @@ from benchmarks.sim_scale import prompt_text
 from kvfleet.bench.client import BenchTarget, RequestRecord, stream_request
 from kvfleet.bench.stats import distribution
 from kvfleet.bench.trace import TraceRequest
-from shared.redis_server import free_port
+from kvfleet.shared.redis_server import free_port
 
 TARGET_RATIO = 1.5
 

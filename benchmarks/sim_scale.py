@@ -39,7 +39,7 @@ from benchmarks.sim_fleet import SimFleet, StepCounts, kvfleet, step_counts
 from kvfleet.bench.client import BenchTarget, RequestRecord, stream_request
 from kvfleet.bench.stats import distribution
 from kvfleet.bench.trace import TraceRequest
-from shared.redis_server import free_port
+from kvfleet.shared.redis_server import free_port
 
 WORDS = ("river", "stone", "market", "window", "garden", "signal", "copper", "lantern", "harbor",
          "meadow", "engine", "violet", "canyon", "ledger", "orbit", "thistle")

@@ -39,10 +39,10 @@ from kvfleet.bench.client import BenchTarget
 from kvfleet.bench.loadgen import LoadSpec, replay
 from kvfleet.bench.stats import Slo, Summary, summarise
 from kvfleet.bench.trace import TraceRequest
-from shared.models import DEFAULT_MODEL
-from shared.pace import COEFFICIENTS, StepCostCurve
-from shared.redis_server import EmbeddedRedis, free_port
-from shared.wire import Heartbeat, Keys
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.pace import COEFFICIENTS, StepCostCurve
+from kvfleet.shared.redis_server import EmbeddedRedis, free_port
+from kvfleet.shared.wire import Heartbeat, Keys
 
 WORDS = ("river", "stone", "market", "window", "garden", "signal", "copper", "lantern", "harbor",
          "meadow", "engine", "violet", "canyon", "ledger", "orbit", "thistle")

@@ -76,9 +76,9 @@ from benchmarks.vllm_peer import REPO, SETUP_HINT, SETUPS, VllmServer, describe_
 from kvfleet.bench.client import BenchTarget, RequestRecord
 from kvfleet.bench.loadgen import LoadSpec, RunResult, replay
 from kvfleet.bench.trace import TraceRequest, load_trace
-from shared.cpu_features import cpu_features
-from shared.models import DEFAULT_MODEL, resolve_model_path
-from shared.settings import WorkerSettings
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.settings import WorkerSettings
 
 # the worker's counters in vLLM's names (vllm:spec_decode_*), under kvfleet_worker_ (or kvfleet_)
 SPEC_COUNTERS = {"drafts": "spec_decode_num_drafts_total",

@@ -26,9 +26,9 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.wire import SamplingParams
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.tp_rank import launch_engine
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.tp_rank import launch_engine
 
 
 def build_model(layers: int, hidden: int) -> LlamaForCausalLM:

@@ -16,13 +16,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header
 from redis.asyncio import Redis
 
-from gateway.admission.auth import ApiKeyStore, invalid_api_key
-from gateway.fleet.load import read_heartbeats
-from gateway.fleet.redis_context import RedisContext
-from gateway.http.errors import APIError
-from shared.redis_connect import REDIS_FAILURES
-from shared.settings import GatewaySettings
-from shared.wire import Heartbeat, Keys
+from kvfleet.gateway.admission.auth import ApiKeyStore, invalid_api_key
+from kvfleet.gateway.fleet.load import read_heartbeats
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.http.errors import APIError
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import Heartbeat, Keys
 
 log = logging.getLogger(__name__)
 

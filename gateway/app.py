@@ -14,38 +14,38 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from gateway.admin import admin_router
-from gateway.admission.admission import Admission
-from gateway.admission.auth import ApiKeyAuth, ApiKeyStore
-from gateway.admission.body_limit import BodySizeLimit
-from gateway.admission.ratelimit import RateLimiter
-from gateway.dashboard.history import (FleetHistory, HistorySampler, history_router,
+from kvfleet.gateway.admin import admin_router
+from kvfleet.gateway.admission.admission import Admission
+from kvfleet.gateway.admission.auth import ApiKeyAuth, ApiKeyStore
+from kvfleet.gateway.admission.body_limit import BodySizeLimit
+from kvfleet.gateway.admission.ratelimit import RateLimiter
+from kvfleet.gateway.dashboard.history import (FleetHistory, HistorySampler, history_router,
                                        redis_snapshot_reader)
-from gateway.dashboard.metrics import (GENERATION_ENDPOINTS, GatewayMetrics, RejectionCounter,
+from kvfleet.gateway.dashboard.metrics import (GENERATION_ENDPOINTS, GatewayMetrics, RejectionCounter,
                                        metrics_route)
-from gateway.dashboard.router import dashboard_router
-from gateway.fleet.client import EngineClient
-from gateway.fleet.redis_client import RedisEngineClient
-from gateway.fleet.redis_context import RedisContext
-from gateway.http.errors import install_error_handlers
-from gateway.http.request_id import RequestIdMiddleware
-from gateway.http.tracing import TraceMiddleware
-from gateway.models.adapters import AdapterRegistry, check_startup_adapters
-from gateway.models.catalog import ModelCatalog
-from gateway.models.loader import ModelLoader, ModelServing
-from gateway.models.served import ServedModels
-from gateway.models.tokenization import ModelInfo, PromptProcessor
-from gateway.openai.batches import batch_router
-from gateway.openai.lora_routes import lora_router
-from gateway.openai.routes import router
-from gateway.openai.serving_chat import ChatServing
-from gateway.openai.serving_completion import CompletionServing
-from gateway.openai.serving_reattach import ReattachServing
-from gateway.openai.utility_routes import utility_router
-from gateway.output.background import BackgroundTasks
-from shared import tracing
-from shared.models import load_tokenizer, resolve_model_path
-from shared.settings import GatewaySettings
+from kvfleet.gateway.dashboard.router import dashboard_router
+from kvfleet.gateway.fleet.client import EngineClient
+from kvfleet.gateway.fleet.redis_client import RedisEngineClient
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.http.errors import install_error_handlers
+from kvfleet.gateway.http.request_id import RequestIdMiddleware
+from kvfleet.gateway.http.tracing import TraceMiddleware
+from kvfleet.gateway.models.adapters import AdapterRegistry, check_startup_adapters
+from kvfleet.gateway.models.catalog import ModelCatalog
+from kvfleet.gateway.models.loader import ModelLoader, ModelServing
+from kvfleet.gateway.models.served import ServedModels
+from kvfleet.gateway.models.tokenization import ModelInfo, PromptProcessor
+from kvfleet.gateway.openai.batches import batch_router
+from kvfleet.gateway.openai.lora_routes import lora_router
+from kvfleet.gateway.openai.routes import router
+from kvfleet.gateway.openai.serving_chat import ChatServing
+from kvfleet.gateway.openai.serving_completion import CompletionServing
+from kvfleet.gateway.openai.serving_reattach import ReattachServing
+from kvfleet.gateway.openai.utility_routes import utility_router
+from kvfleet.gateway.output.background import BackgroundTasks
+from kvfleet.shared import tracing
+from kvfleet.shared.models import load_tokenizer, resolve_model_path
+from kvfleet.shared.settings import GatewaySettings
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -8,9 +8,9 @@ import logging
 import os
 import sys
 
-from batch.worker import run_batch_worker
+from kvfleet.batch.worker import run_batch_worker
 from kvfleet.flags import add_settings_flags, given_flags, settings_from_args
-from shared.settings import BatchSettings
+from kvfleet.shared.settings import BatchSettings
 
 NOT_FLAGS = ("model", "cache_dir")  # settings the batch worker does not use
 

@@ -11,7 +11,7 @@ import logging
 import sys
 
 from kvfleet.flags import add_settings_flags, given_flags, settings_from_args
-from shared.settings import CommonSettings, GatewaySettings, UpSettings, WorkerSettings
+from kvfleet.shared.settings import CommonSettings, GatewaySettings, UpSettings, WorkerSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,21 +66,21 @@ def main(argv: list[str] | None = None) -> int:
                          | given_flags(WorkerSettings, args))
     if args.command == "gateway":
         settings = settings_from_args(GatewaySettings, args)
-        from gateway.app import serve
+        from kvfleet.gateway.app import serve
 
         serve(settings)
         return 0
     if args.command == "worker":
         settings = settings_from_args(WorkerSettings, args)
-        from worker.sim.checks import check_sim_settings
+        from kvfleet.worker.sim.checks import check_sim_settings
 
         check_sim_settings(settings)  # before the engine's modules load
         if settings.simulated:  # the forward replaced by a cost model (worker/sim/host.py)
-            from worker.sim.host import run_sim_workers
+            from kvfleet.worker.sim.host import run_sim_workers
 
             run_sim_workers(settings)
             return 0
-        from worker.main import run_worker
+        from kvfleet.worker.main import run_worker
 
         run_worker(settings)
         return 0

@@ -8,11 +8,11 @@ import argparse
 import asyncio
 import sys
 
-from gateway.admin import request_drain
-from gateway.fleet.load import read_heartbeats
-from shared.redis_connect import REDIS_FAILURES, connect_async
-from shared.settings import CommonSettings
-from shared.wire import Heartbeat, Keys
+from kvfleet.gateway.admin import request_drain
+from kvfleet.gateway.fleet.load import read_heartbeats
+from kvfleet.shared.redis_connect import REDIS_FAILURES, connect_async
+from kvfleet.shared.settings import CommonSettings
+from kvfleet.shared.wire import Heartbeat, Keys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from kvfleet.settings_doc import default_text
-from shared.byte_size import is_byte_size
+from kvfleet.shared.byte_size import is_byte_size
 
 
 def _flag_type(field: FieldInfo):

@@ -9,10 +9,10 @@ import time
 
 import redis
 
-from gateway.admission.auth import create_key, list_keys, revoke_key
-from shared.redis_connect import connect
-from shared.settings import GatewaySettings
-from shared.wire import Keys
+from kvfleet.gateway.admission.auth import create_key, list_keys, revoke_key
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import Keys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pydantic.fields import FieldInfo
 
-from shared.byte_size import binary_size_text, is_byte_size
-from shared.settings import (BatchApiSettings, BatchSettings, CommonSettings, GatewaySettings,
+from kvfleet.shared.byte_size import binary_size_text, is_byte_size
+from kvfleet.shared.settings import (BatchApiSettings, BatchSettings, CommonSettings, GatewaySettings,
                              KernelSettings, UpSettings, WorkerSettings)
 
 # (heading, settings class, the class whose fields an earlier table shows already)

@@ -18,10 +18,10 @@ import sys
 
 import redis
 
-from shared.redis_connect import REDIS_FAILURES, connect
-from shared.settings import CommonSettings
-from shared.wire import Keys
-from shared.wire.timeline import PHASES, RequestTimeline, summarize
+from kvfleet.shared.redis_connect import REDIS_FAILURES, connect
+from kvfleet.shared.settings import CommonSettings
+from kvfleet.shared.wire import Keys
+from kvfleet.shared.wire.timeline import PHASES, RequestTimeline, summarize
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,10 +14,10 @@ import sys
 import threading
 import time
 
-from shared.models import resolve_model_path
-from shared.redis_server import EmbeddedRedis
-from shared.settings import UpSettings, WorkerSettings
-from worker.sim.checks import WORKERS_PER_PROCESS as SIM_WORKERS_PER_PROCESS, check_sim_settings
+from kvfleet.shared.models import resolve_model_path
+from kvfleet.shared.redis_server import EmbeddedRedis
+from kvfleet.shared.settings import UpSettings, WorkerSettings
+from kvfleet.worker.sim.checks import WORKERS_PER_PROCESS as SIM_WORKERS_PER_PROCESS, check_sim_settings
 
 log = logging.getLogger("kvfleet.up")
 

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
-from shared.byte_size import ByteSize
+from kvfleet.shared.byte_size import ByteSize
 
 # The engine's own checks of these names (worker/engine: device.py, kv_format.py, preemption.py,
 # cuda_graphs.py) hold the same choices; tests/test_settings.py keeps the two equal.

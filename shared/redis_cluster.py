@@ -13,7 +13,7 @@ import time
 
 import redis
 
-from shared.redis_server import EmbeddedRedis, free_port
+from kvfleet.shared.redis_server import EmbeddedRedis, free_port
 
 NUM_SLOTS = 16384
 

@@ -17,10 +17,10 @@ from typing import Annotated, Literal, get_args
 from pydantic import Field, ValidationInfo, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.engine_config import ENGINE_ONLY, EngineConfig
-from shared.lora import parse_lora_module
-from shared.models import DEFAULT_MODEL, default_cache_dir, served_model_id
-from shared.wire.keys import Keys
+from kvfleet.shared.engine_config import ENGINE_ONLY, EngineConfig
+from kvfleet.shared.lora import parse_lora_module
+from kvfleet.shared.models import DEFAULT_MODEL, default_cache_dir, served_model_id
+from kvfleet.shared.wire.keys import Keys
 
 
 class CommonSettings(BaseSettings):

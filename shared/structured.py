@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from llguidance import LLMatcher
 
-from shared.wire.constraint import ConstraintError, OutputConstraint
+from kvfleet.shared.wire.constraint import ConstraintError, OutputConstraint
 
 __all__ = ["JSON_SEPARATORS", "ConstraintError", "OutputConstraint", "grammar_of", "lark_literal",
            "validate"]

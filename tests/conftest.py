@@ -17,9 +17,9 @@ import os
 import pytest
 from _pytest.mark.expression import Expression
 
-from shared.redis_cluster import EmbeddedCluster
-from shared.redis_connect import connect
-from shared.redis_server import EmbeddedRedis
+from kvfleet.shared.redis_cluster import EmbeddedCluster
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.redis_server import EmbeddedRedis
 from tests.helpers import forkserver
 
 
@@ -56,14 +56,14 @@ TOPOLOGIES = ("single", "cluster")
 # worker: also while it loads its model). Not the module a child runs (`kvfleet`'s __main__,
 # tests.integration.slow_worker): runpy runs that anew in the child.
 FORK_SERVERS = {
-    "gateway": ["kvfleet.cli", "gateway.app", "transformers.models.auto.tokenization_auto",
+    "gateway": ["kvfleet.cli", "kvfleet.gateway.app", "transformers.models.auto.tokenization_auto",
                 "transformers.models.llama.configuration_llama", "uvicorn"],
-    "worker": ["kvfleet.cli", "worker.main", "transformers.models.auto.tokenization_auto",
+    "worker": ["kvfleet.cli", "kvfleet.worker.main", "transformers.models.auto.tokenization_auto",
                "transformers.models.auto.modeling_auto",
                "transformers.models.llama.modeling_llama", "transformers.generation.utils"],
-    "slow_worker": ["redis", "shared.settings", "shared.wire", "tests.engine.tiny_models",
-                    "worker.engine.engine", "worker.engine.tp_rank", "worker.metrics",
-                    "worker.protocol", "worker.service"],
+    "slow_worker": ["redis", "kvfleet.shared.settings", "kvfleet.shared.wire", "tests.engine.tiny_models",
+                    "kvfleet.worker.engine.engine", "kvfleet.worker.engine.tp_rank", "kvfleet.worker.metrics",
+                    "kvfleet.worker.protocol", "kvfleet.worker.service"],
 }
 
 

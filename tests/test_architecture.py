@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("shared", "worker", "batch", "gateway", "kvfleet")
+SUBPACKAGES = ("shared", "worker", "batch", "gateway")  # folders imported as kvfleet.<folder>
 PACKAGES = (*PRODUCT, "benchmarks")
 
 # What each product package may import (itself included). `shared` is the wire contract and the
@@ -31,15 +32,25 @@ ALLOWED = {
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of the project's packages, by dotted name (packages by their __init__)."""
+    """Every module of the project's packages, by the name it is imported as (packages by their
+    __init__): the folders gateway/, worker/, shared/ and batch/ are kvfleet.gateway and so on."""
     modules = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
+            if parts[0] in SUBPACKAGES:
+                parts = ("kvfleet", *parts)
             modules[".".join(parts)] = path
     return modules
+
+
+def layer(name: str) -> str:
+    """The product package (ALLOWED's key) of the module imported as `name`."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "kvfleet" and len(parts) > 1 and parts[1] in SUBPACKAGES \
+        else parts[0]
 
 
 def import_lines(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
@@ -131,11 +142,11 @@ def test_no_import_cycles():
 def test_each_package_imports_only_what_it_may():
     wrong = []
     for name, targets in import_graph().items():
-        package = name.split(".")[0]
+        package = layer(name)
         if package not in ALLOWED:
             continue
         wrong += [f"{name} -> {target}" for target in sorted(targets)
-                  if target.split(".")[0] not in ALLOWED[package]]
+                  if layer(target) not in ALLOWED[package]]
     assert wrong == []
 
 
@@ -264,14 +275,14 @@ GLOSSARY_TERMS = (
 
 def keys_names() -> list[str]:
     """Every key-building method and attribute of `Keys`."""
-    from shared.wire.keys import Keys
+    from kvfleet.shared.wire.keys import Keys
     return sorted(name for name in dir(Keys) if not name.startswith("_"))
 
 
 def script_names() -> list[str]:
     """The module-level names of the Lua scripts of the wire contract."""
-    from shared.wire import affinity, batch_scripts, scripts
-    from shared.wire.lua import LuaScript
+    from kvfleet.shared.wire import affinity, batch_scripts, scripts
+    from kvfleet.shared.wire.lua import LuaScript
     return sorted(name for module in (scripts, batch_scripts, affinity)
                   for name, value in vars(module).items()
                   if isinstance(value, LuaScript))

@@ -10,9 +10,9 @@ import pytest
 
 from kvfleet.cli import build_parser
 from kvfleet.flags import given_flags, settings_from_args
-from shared.byte_size import parse_bytes
-from shared.settings import GatewaySettings, WorkerSettings
-from shared.wire import Heartbeat, Keys
+from kvfleet.shared.byte_size import parse_bytes
+from kvfleet.shared.settings import GatewaySettings, WorkerSettings
+from kvfleet.shared.wire import Heartbeat, Keys
 
 
 @pytest.mark.parametrize("command", ["up", "gateway", "worker", "plan", "bench", "batch-worker",
@@ -85,7 +85,7 @@ def test_the_help_shows_each_settings_text_and_default():
 
 def test_drain_asks_a_live_worker_and_names_the_live_ones_otherwise(redis_url, redis_client,
                                                                     capsys):
-    from gateway.admin import DRAIN_REQUEST_TTL_S
+    from kvfleet.gateway.admin import DRAIN_REQUEST_TTL_S
     from kvfleet import cli
 
     keys = Keys("kvdrain:")

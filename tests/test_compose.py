@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from kvfleet.cli import build_parser
-from shared.redis_server import free_port
-from shared.wire import Keys
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.wire import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.cpu_features import CpuFeatures, cpu_features, parse_cpuinfo
+from kvfleet.shared.cpu_features import CpuFeatures, cpu_features, parse_cpuinfo
 
 ZEN4 = """processor\t: 0
 vendor_id\t: AuthenticAMD

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from worker.cpu_share import cgroup_cpu_quota, cpu_share
+from kvfleet.worker.cpu_share import cgroup_cpu_quota, cpu_share
 
 
 def test_cgroup_v2_quota(tmp_path):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.wire import RequestStatus, TokenEvent, TokenLogprob, Usage
-from worker.coalescing import EventCoalescer, merge_events
-from worker.protocol import Publication
+from kvfleet.shared.wire import RequestStatus, TokenEvent, TokenLogprob, Usage
+from kvfleet.worker.coalescing import EventCoalescer, merge_events
+from kvfleet.worker.protocol import Publication
 
 
 class Clock:

@@ -7,7 +7,7 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.dashboard.metrics import GatewayMetrics, RejectionCounter, metrics_route, quantile
+from kvfleet.gateway.dashboard.metrics import GatewayMetrics, RejectionCounter, metrics_route, quantile
 
 
 class FakeClock:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.handoff.transfer import (MAGIC, OK, VERSION, Outgoing, TcpTransferPlane,
+from kvfleet.worker.handoff.transfer import (MAGIC, OK, VERSION, Outgoing, TcpTransferPlane,
                                      TransferError, measure_wire_rate)
 
 LOOPBACK = "127.0.0.1"

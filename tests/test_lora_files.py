@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.lora import (AdapterError, LoraRecord, inspect_adapter, linear_shapes,
+from kvfleet.shared.lora import (AdapterError, LoraRecord, inspect_adapter, linear_shapes,
                          parse_lora_module)
 
 BASE = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -8,12 +8,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from shared import model_shapes
-from shared.model_shapes import SHAPES, shape_config
-from shared import models
-from shared.models import resolve_model_path
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.model_prep import load_pretrained
+from kvfleet.shared import model_shapes
+from kvfleet.shared.model_shapes import SHAPES, shape_config
+from kvfleet.shared import models
+from kvfleet.shared.models import resolve_model_path
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.model_prep import load_pretrained
 
 # Parameter counts of the published models less what their vocabulary adds beyond SmolLM2's
 # 49,152 tokens (tied embeddings counted once): the shapes are those models' layers.
@@ -95,7 +95,7 @@ def test_load_format_dummy_reads_no_weight_file(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     engine = Engine.from_pretrained(str(tmp_path), EngineConfig(
         device="cpu", dtype="float32", load_format="dummy", num_blocks=64, block_size=4))
-    from shared.wire import SamplingParams
+    from kvfleet.shared.wire import SamplingParams
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0,
                                                       ignore_eos=True))
     assert len(out[0]) == 4

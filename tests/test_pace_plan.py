@@ -10,8 +10,8 @@ import time
 import pytest
 
 from kvfleet.plan import command as plan
-from shared.pace import StepCostCurve
-from shared.wire import Heartbeat, Keys
+from kvfleet.shared.pace import StepCostCurve
+from kvfleet.shared.wire import Heartbeat, Keys
 
 KEYS = Keys("kvpp:")
 MODEL = "tiny-model"

@@ -2,7 +2,7 @@ import socket
 
 import redis
 
-from shared.redis_server import EmbeddedRedis, find_redis_server
+from kvfleet.shared.redis_server import EmbeddedRedis, find_redis_server
 
 
 def test_embedded_redis_starts_answers_and_is_removed():
@@ -34,7 +34,7 @@ def test_a_redis_server_binary_is_found():
 
 
 def test_a_cluster_that_does_not_form_starts_again_on_fresh_ports(monkeypatch):
-    from shared.redis_cluster import EmbeddedCluster, FormationTimeout
+    from kvfleet.shared.redis_cluster import EmbeddedCluster, FormationTimeout
 
     formed = EmbeddedCluster._form
     tries = []

@@ -8,13 +8,13 @@ import os
 
 import pytest
 
-from gateway.models.adapters import startup_adapters
-from gateway.models.catalog import ModelCatalog, Target
+from kvfleet.gateway.models.adapters import startup_adapters
+from kvfleet.gateway.models.catalog import ModelCatalog, Target
 from kvfleet.cli import build_parser
 from kvfleet.flags import given_flags, settings_from_args
 from kvfleet.up import LocalFleet
-from shared.models import DEFAULT_MODEL
-from shared.settings import GatewaySettings, UpSettings, WorkerSettings
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.settings import GatewaySettings, UpSettings, WorkerSettings
 
 HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -7,9 +7,9 @@ import pytest
 
 from benchmarks.sim_pace import PaceRow, best_fixed, parse_args, report, streams_at_pace, summarise
 from benchmarks.sim_scale import StepCounts
-from shared.pace import StepFeatures
-from shared.wire import Heartbeat
-from worker.sim.cost import RooflineCost
+from kvfleet.shared.pace import StepFeatures
+from kvfleet.shared.wire import Heartbeat
+from kvfleet.worker.sim.cost import RooflineCost
 
 
 def test_the_streams_at_pace_are_the_most_whose_modelled_step_stays_within_the_target():

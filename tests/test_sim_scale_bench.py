@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.sim_scale import StepCounts, modelled, step_counts
 from kvfleet.bench.client import RequestRecord
-from shared.wire import Heartbeat
+from kvfleet.shared.wire import Heartbeat
 
 
 def beat(steps: int, lagged: int, simulated: str = "roofline") -> Heartbeat:

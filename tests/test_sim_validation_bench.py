@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.sim_validation import compare, make_trace, mean_curve
 from kvfleet.bench.stats import Distribution
-from shared.pace import StepCostCurve
+from kvfleet.shared.pace import StepCostCurve
 
 
 def test_the_trace_is_seeded_poisson_with_prompts_in_range():

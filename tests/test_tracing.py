@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared import tracing
-from shared.settings import WorkerSettings
+from kvfleet.shared import tracing
+from kvfleet.shared.settings import WorkerSettings
 from tests.helpers.otlp import Receiver
 
 

@@ -43,7 +43,7 @@ def test_a_wait_policy_or_spin_count_the_user_set_is_kept(monkeypatch):
 
 
 def test_workers_of_several_models_each_get_their_model(monkeypatch):
-    from shared.settings import UpSettings
+    from kvfleet.shared.settings import UpSettings
     from kvfleet.up import worker_models
 
     monkeypatch.delenv("KVFLEET_NUM_THREADS", raising=False)
@@ -62,7 +62,7 @@ def test_workers_of_several_models_each_get_their_model(monkeypatch):
 def test_up_takes_lora_modules_and_one_rank_limit_for_gateway_and_workers(monkeypatch):
     from kvfleet.cli import build_parser
     from kvfleet.flags import given_flags, settings_from_args
-    from shared.settings import UpSettings, WorkerSettings
+    from kvfleet.shared.settings import UpSettings, WorkerSettings
 
     args = build_parser().parse_args([
         "up", "--lora-modules", "sql=/adapters/sql", '{"name": "chat", "path": "/a b/chat"}',
@@ -99,7 +99,7 @@ def test_prefill_and_decode_workers_get_their_role_and_a_local_handoff_address(m
 
 def test_the_workers_mix_is_checked_before_anything_starts(monkeypatch):
     from kvfleet.up import fleet_workers
-    from shared.settings import UpSettings
+    from kvfleet.shared.settings import UpSettings
 
     for name in ("KVFLEET_ROLE", "KVFLEET_HANDOFF_PORT", "KVFLEET_PREFILL_WORKERS",
                  "KVFLEET_DECODE_WORKERS"):

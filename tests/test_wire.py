@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 from redis.crc import key_slot
 
-from shared.redis_cluster import slot_range
-from shared.wire import (
+from kvfleet.shared.redis_cluster import slot_range
+from kvfleet.shared.wire import (
     DeadLetterEntry,
     GenerationRequest,
     Heartbeat,
@@ -27,8 +27,8 @@ from shared.wire import (
     encode_checkpoint,
     scripts,
 )
-from shared.wire.keys import NUM_SLOTS, shard_of_slot
-from shared.wire.scripts import home_shards
+from kvfleet.shared.wire.keys import NUM_SLOTS, shard_of_slot
+from kvfleet.shared.wire.scripts import home_shards
 
 ALL_SCRIPTS = [value for module in (scripts, batch_scripts) for value in vars(module).values()
                if isinstance(value, LuaScript)]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.metrics import WorkerMetrics
+from kvfleet.worker.metrics import WorkerMetrics
 
 LABELS = {"model": "tiny", "worker": "w1"}
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import redis
 
-from shared.wire import Heartbeat, Keys, QueueEntry
-from shared.wire import affinity
-from shared.wire.prefix_hash import BlockHash, block_hashes, pack_ids
-from shared.wire.records import text
+from kvfleet.shared.wire import Heartbeat, Keys, QueueEntry
+from kvfleet.shared.wire import affinity
+from kvfleet.shared.wire.prefix_hash import BlockHash, block_hashes, pack_ids
+from kvfleet.shared.wire.records import text
 
 # A worker takes entries that only waited in another's own stream when it is idle and that
 # owner carries at least this many requests: the taker recomputes what the owner has cached, so

@@ -21,8 +21,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from shared.wire import TokenEvent
-from worker.protocol import Publication
+from kvfleet.shared.wire import TokenEvent
+from kvfleet.worker.protocol import Publication
 
 
 def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:

@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from shared.wire.scripts import Started
-from worker.protocol import Delivery
+from kvfleet.shared.wire.scripts import Started
+from kvfleet.worker.protocol import Delivery
 
 
 @dataclass

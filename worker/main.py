@@ -11,21 +11,21 @@ import threading
 
 import torch
 
-from shared import tracing
-from shared.models import resolve_model_path
-from shared.settings import WorkerSettings
-from shared.redis_connect import connect
-from worker.cpu_share import cpu_share
-from worker.engine.attention import resolve_backend_name
-from worker.engine.device import resolve_device
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine, load_pretrained
-from worker.engine.pace import warm_up
-from worker.engine.tp_rank import launch_engine
-from worker.handoff.transfer import TcpTransferPlane
-from worker.metrics import WorkerMetrics
-from worker.protocol import WorkerProtocol
-from worker.service import WorkerService
+from kvfleet.shared import tracing
+from kvfleet.shared.models import resolve_model_path
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.redis_connect import connect
+from kvfleet.worker.cpu_share import cpu_share
+from kvfleet.worker.engine.attention import resolve_backend_name
+from kvfleet.worker.engine.device import resolve_device
+from kvfleet.worker.engine.config import EngineConfig
+from kvfleet.worker.engine.engine import Engine, load_pretrained
+from kvfleet.worker.engine.pace import warm_up
+from kvfleet.worker.engine.tp_rank import launch_engine
+from kvfleet.worker.handoff.transfer import TcpTransferPlane
+from kvfleet.worker.metrics import WorkerMetrics
+from kvfleet.worker.protocol import WorkerProtocol
+from kvfleet.worker.service import WorkerService
 
 log = logging.getLogger("kvfleet.worker")
 

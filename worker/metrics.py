@@ -17,7 +17,7 @@ from typing import Protocol
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
                                start_http_server)
 
-from worker.tier_metrics import TierMetrics, TierStats
+from kvfleet.worker.tier_metrics import TierMetrics, TierStats
 
 # Queue wait: from the gateway's XADD to this worker's admission; 1 ms .. 10 min.
 QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

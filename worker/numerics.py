@@ -19,8 +19,8 @@ import time
 
 import redis
 
-from shared.wire import Keys
-from shared.wire.records import RequestRecord, text
+from kvfleet.shared.wire import Keys
+from kvfleet.shared.wire.records import RequestRecord, text
 
 
 def last_numerics(chain: str) -> str:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import redis
 
-from shared.wire import (
+from kvfleet.shared.wire import (
     DeadLetterEntry,
     GenerationRequest,
     Heartbeat,
@@ -55,16 +55,16 @@ from shared.wire import (
     RequestStatus,
     TokenEvent,
 )
-from shared.redis_connect import is_cluster
-from shared.wire import affinity, scripts
-from shared.wire.lua import run_per_node, run_pipelined
-from shared.wire.prefix_hash import BlockHash, pack_ids
-from shared.wire.records import field_value, text
-from shared.wire.scripts import Started
-from shared.wire.timeline import RequestTimeline
-from worker.affinity import (
+from kvfleet.shared.redis_connect import is_cluster
+from kvfleet.shared.wire import affinity, scripts
+from kvfleet.shared.wire.lua import run_per_node, run_pipelined
+from kvfleet.shared.wire.prefix_hash import BlockHash, pack_ids
+from kvfleet.shared.wire.records import field_value, text
+from kvfleet.shared.wire.scripts import Started
+from kvfleet.shared.wire.timeline import RequestTimeline
+from kvfleet.worker.affinity import (
     OwnStreamOwners, ResumePreference, resume_min_idle_ms, undelivered_entries)
-from worker.numerics import FleetNumerics
+from kvfleet.worker.numerics import FleetNumerics
 
 log = logging.getLogger(__name__)
 

@@ -22,27 +22,27 @@ from dataclasses import replace
 
 import redis
 
-from shared.redis_connect import REDIS_FAILURES, TRANSIENT_FAILURES
-from shared.settings import WorkerSettings
-from shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
-from shared.wire.scripts import Started
-from shared.wire.prefix_hash import lora_root, root_hash
-from worker.affinity import ResumePreference
-from worker.announcer import PrefixAnnouncer
-from worker.coalescing import EventCoalescer
-from worker.engine.device import DeviceFailure
-from worker.engine.engine import Engine, RequestOutput
-from worker.engine.lora import LoraRequest
-from worker.handoff.coordinator import OFFER_POLL_S, Handoffs
-from worker.handoff.drain import Drain
-from worker.handoff.protocol import HandoffProtocol
-from worker.handoff.transfer import TransferPlane
-from worker.inflight import Inflight, InflightTable, StreamCalls
-from worker.metrics import WorkerMetrics
-from worker.numerics import FleetNumerics
-from worker.protocol import Delivery, Publication, WorkerProtocol
-from worker.timelines import TimelineRecorder
-from worker.tracing import RequestSpans
+from kvfleet.shared.redis_connect import REDIS_FAILURES, TRANSIENT_FAILURES
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
+from kvfleet.shared.wire.scripts import Started
+from kvfleet.shared.wire.prefix_hash import lora_root, root_hash
+from kvfleet.worker.affinity import ResumePreference
+from kvfleet.worker.announcer import PrefixAnnouncer
+from kvfleet.worker.coalescing import EventCoalescer
+from kvfleet.worker.engine.device import DeviceFailure
+from kvfleet.worker.engine.engine import Engine, RequestOutput
+from kvfleet.worker.engine.lora import LoraRequest
+from kvfleet.worker.handoff.coordinator import OFFER_POLL_S, Handoffs
+from kvfleet.worker.handoff.drain import Drain
+from kvfleet.worker.handoff.protocol import HandoffProtocol
+from kvfleet.worker.handoff.transfer import TransferPlane
+from kvfleet.worker.inflight import Inflight, InflightTable, StreamCalls
+from kvfleet.worker.metrics import WorkerMetrics
+from kvfleet.worker.numerics import FleetNumerics
+from kvfleet.worker.protocol import Delivery, Publication, WorkerProtocol
+from kvfleet.worker.timelines import TimelineRecorder
+from kvfleet.worker.tracing import RequestSpans
 
 log = logging.getLogger(__name__)
 

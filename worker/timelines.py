@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.wire import Usage
-from shared.wire.timeline import RequestTimeline
-from worker.protocol import Delivery, Publication
-from worker.tracing import RequestSpans
+from kvfleet.shared.wire import Usage
+from kvfleet.shared.wire.timeline import RequestTimeline
+from kvfleet.worker.protocol import Delivery, Publication
+from kvfleet.worker.tracing import RequestSpans
 
 
 @dataclass

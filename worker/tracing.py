@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
-from shared.tracing import context_of
+from kvfleet.shared.tracing import context_of
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from shared.wire.timeline import RequestTimeline
+    from kvfleet.shared.wire.timeline import RequestTimeline
 
 
 def _ns(unix_s: float) -> int:

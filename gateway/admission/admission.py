@@ -9,14 +9,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gateway.fleet.client import EngineClient, QueueLoad
-from gateway.http.errors import TooManyRequests
-from shared.settings import GatewaySettings
-from shared.wire import GenerationRequest
+from kvfleet.gateway.fleet.client import EngineClient, QueueLoad
+from kvfleet.gateway.http.errors import TooManyRequests
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import GenerationRequest
 
 if TYPE_CHECKING:
-    from gateway.admission.auth import Principal
-    from gateway.admission.ratelimit import RateLimiter
+    from kvfleet.gateway.admission.auth import Principal
+    from kvfleet.gateway.admission.ratelimit import RateLimiter
 
 class QueueWaitEstimator:
     """Expected queue wait = requests queued *ahead* × work per request ÷ fleet tokens/s.

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.admission.early_answer import UnreadBody
-from gateway.fleet.redis_context import RedisContext
-from gateway.http.errors import APIError
-from shared.wire import ApiKeyRecord, Keys, api_key_field
+from kvfleet.gateway.admission.early_answer import UnreadBody
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.http.errors import APIError
+from kvfleet.shared.wire import ApiKeyRecord, Keys, api_key_field
 
 PROTECTED_PREFIX = "/v1/"
 PROTECTED_PATHS = ("/tokenize", "/detokenize")  # vLLM's utility routes: they do the model's work

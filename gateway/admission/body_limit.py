@@ -10,8 +10,8 @@ from __future__ import annotations
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.admission.early_answer import UnreadBody
-from gateway.http.errors import APIError
+from kvfleet.gateway.admission.early_answer import UnreadBody
+from kvfleet.gateway.http.errors import APIError
 
 
 class BodySizeLimit:

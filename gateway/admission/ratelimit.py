@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from redis.exceptions import RedisError
 
-from gateway.admission.auth import Principal
-from gateway.fleet.redis_context import RedisContext
-from gateway.http.errors import APIError, TooManyRequests
-from shared.settings import GatewaySettings
-from shared.wire import scripts
+from kvfleet.gateway.admission.auth import Principal
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.http.errors import APIError, TooManyRequests
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import scripts
 
 UNITS = {"rpm": "requests", "tpm": "tokens"}
 

@@ -16,9 +16,9 @@ import logging
 from prometheus_client import CollectorRegistry, Gauge
 from redis.exceptions import RedisError
 
-from gateway.fleet.load import queue_undelivered, read_heartbeats
-from gateway.fleet.pace import fleet_pace
-from gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.fleet.load import queue_undelivered, read_heartbeats
+from kvfleet.gateway.fleet.pace import fleet_pace
+from kvfleet.gateway.fleet.redis_context import RedisContext
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
-from gateway.dashboard.metrics import GatewayMetrics, quantile
-from gateway.dashboard.router import fleet_totals, read_queue, read_workers
-from gateway.fleet.redis_context import RedisContext
-from gateway.fleet.tasks import cancel_requested, stop_task
+from kvfleet.gateway.dashboard.metrics import GatewayMetrics, quantile
+from kvfleet.gateway.dashboard.router import fleet_totals, read_queue, read_workers
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.fleet.tasks import cancel_requested, stop_task
 
 log = logging.getLogger(__name__)
 

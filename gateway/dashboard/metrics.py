@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder, generate_latest
 
-from gateway.dashboard.fleet_metrics import FleetGauges
-from gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.dashboard.fleet_metrics import FleetGauges
+from kvfleet.gateway.fleet.redis_context import RedisContext
 
 # Buckets suited to LLM serving (seconds). TTFT: 5 ms (cached prompt, idle fleet) .. 2 min (queued).
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,

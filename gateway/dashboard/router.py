@@ -12,13 +12,13 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.dashboard.metrics import GatewayMetrics
-from gateway.dashboard.page import render_page
-from gateway.fleet.load import read_heartbeats, stream_depth
-from gateway.fleet.redis_context import RedisContext
-from gateway.http.errors import error_body
-from shared.wire import PRIORITIES, Heartbeat, Keys
-from shared.wire.records import text
+from kvfleet.gateway.dashboard.metrics import GatewayMetrics
+from kvfleet.gateway.dashboard.page import render_page
+from kvfleet.gateway.fleet.load import read_heartbeats, stream_depth
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.http.errors import error_body
+from kvfleet.shared.wire import PRIORITIES, Heartbeat, Keys
+from kvfleet.shared.wire.records import text
 
 
 def worker_row(worker_id: str, beat: Heartbeat, now: float) -> dict[str, Any]:

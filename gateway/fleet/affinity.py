@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from gateway.fleet.load import takes_new_requests
-from gateway.fleet.prefix_index import PrefixIndex
-from gateway.fleet.tasks import stop_task
-from shared.redis_connect import REDIS_FAILURES
-from shared.wire import Heartbeat, Keys
-from shared.wire.prefix_hash import ANNOUNCE_BYTES, block_hashes, lora_root
-from shared.wire.records import text
+from kvfleet.gateway.fleet.load import takes_new_requests
+from kvfleet.gateway.fleet.prefix_index import PrefixIndex
+from kvfleet.gateway.fleet.tasks import stop_task
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.shared.wire import Heartbeat, Keys
+from kvfleet.shared.wire.prefix_hash import ANNOUNCE_BYTES, block_hashes, lora_root
+from kvfleet.shared.wire.records import text
 
 log = logging.getLogger(__name__)
 

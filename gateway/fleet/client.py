@@ -6,7 +6,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from shared.wire import GenerationRequest, RequestStatus, TokenEvent
+from kvfleet.shared.wire import GenerationRequest, RequestStatus, TokenEvent
 
 
 class EngineError(Exception):

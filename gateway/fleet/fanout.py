@@ -12,11 +12,11 @@ from collections.abc import Coroutine
 from redis.asyncio import Redis
 from redis.crc import key_slot
 
-from gateway.fleet.client import EngineUnavailable
-from gateway.fleet.tasks import stop_task
-from shared.redis_connect import REDIS_FAILURES
-from shared.wire import TokenEvent
-from shared.wire.messages import unpack_stream
+from kvfleet.gateway.fleet.client import EngineUnavailable
+from kvfleet.gateway.fleet.tasks import stop_task
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.shared.wire import TokenEvent
+from kvfleet.shared.wire.messages import unpack_stream
 
 log = logging.getLogger(__name__)
 

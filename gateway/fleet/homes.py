@@ -14,10 +14,10 @@ import logging
 import random
 import uuid
 
-from gateway.fleet.tasks import cancel_requested
-from shared.redis_connect import REDIS_FAILURES
-from shared.wire import Keys
-from shared.wire import scripts
+from kvfleet.gateway.fleet.tasks import cancel_requested
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.shared.wire import Keys
+from kvfleet.shared.wire import scripts
 
 log = logging.getLogger(__name__)
 

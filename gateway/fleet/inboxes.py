@@ -14,7 +14,7 @@ from __future__ import annotations
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException, RedisError
 
-from shared.wire import Keys
+from kvfleet.shared.wire import Keys
 
 # Parts tried to find an inbox slot on a given primary: each lands there with probability about
 # 1/primaries, so with up to 64 primaries 4,096 tries fail together about once in e^64.

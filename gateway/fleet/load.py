@@ -6,8 +6,8 @@ from __future__ import annotations
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.wire import Heartbeat, Keys
-from shared.wire.records import text
+from kvfleet.shared.wire import Heartbeat, Keys
+from kvfleet.shared.wire.records import text
 
 UNDELIVERED_SCAN_CAP = 100_000  # entries counted one by one when Redis cannot report the lag
 

@@ -13,8 +13,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gateway.fleet.load import takes_new_requests
-from shared.wire import Heartbeat
+from kvfleet.gateway.fleet.load import takes_new_requests
+from kvfleet.shared.wire import Heartbeat
 
 
 @dataclass(frozen=True)

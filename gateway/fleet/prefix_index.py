@@ -18,10 +18,10 @@ import time
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared.redis_connect import REDIS_FAILURES
-from shared.wire import Keys
-from shared.wire.affinity import PREFIX_SNAPSHOT, KvEvent, prefix_snapshot
-from shared.wire.records import text
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.shared.wire import Keys
+from kvfleet.shared.wire.affinity import PREFIX_SNAPSHOT, KvEvent, prefix_snapshot
+from kvfleet.shared.wire.records import text
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 
-from gateway.fleet.client import (
+from kvfleet.gateway.fleet.client import (
     EngineClient,
     EngineTimeout,
     EngineUnavailable,
@@ -18,17 +18,17 @@ from gateway.fleet.client import (
     QueueLoad,
     RequestSnapshot,
 )
-from gateway.fleet.affinity import Route, Router
-from gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
-from gateway.fleet.homes import GatewayHomes
-from gateway.fleet.inboxes import Inboxes
-from gateway.fleet.load import queue_undelivered, read_heartbeats
-from gateway.fleet.pace import fleet_pace
-from gateway.fleet.redis_context import RedisContext
-from gateway.fleet.tasks import stop_task
-from shared.redis_connect import REDIS_FAILURES
-from shared.settings import GatewaySettings
-from shared.wire import (
+from kvfleet.gateway.fleet.affinity import Route, Router
+from kvfleet.gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
+from kvfleet.gateway.fleet.homes import GatewayHomes
+from kvfleet.gateway.fleet.inboxes import Inboxes
+from kvfleet.gateway.fleet.load import queue_undelivered, read_heartbeats
+from kvfleet.gateway.fleet.pace import fleet_pace
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.fleet.tasks import stop_task
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import (
     GenerationRequest,
     Keys,
     RequestRecord,

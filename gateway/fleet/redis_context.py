@@ -8,9 +8,9 @@ import threading
 
 import redis
 
-from shared.redis_connect import AsyncClient, SyncClient, cluster_enabled, connect, connect_async
-from shared.settings import CommonSettings
-from shared.wire import Keys
+from kvfleet.shared.redis_connect import AsyncClient, SyncClient, cluster_enabled, connect, connect_async
+from kvfleet.shared.settings import CommonSettings
+from kvfleet.shared.wire import Keys
 
 
 class RedisContext:

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.fleet.client import EngineError
+from kvfleet.gateway.fleet.client import EngineError
 
 log = logging.getLogger(__name__)
 

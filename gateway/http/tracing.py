@@ -18,8 +18,8 @@ from opentelemetry import context, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.tracing import context_of, traceparent_of
-from shared.wire import GenerationRequest
+from kvfleet.shared.tracing import context_of, traceparent_of
+from kvfleet.shared.wire import GenerationRequest
 
 PROPAGATED = (b"traceparent", b"tracestate")
 # gen_ai.operation.name of each endpoint (OpenTelemetry's GenAI semantic conventions)

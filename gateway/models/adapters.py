@@ -16,14 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.fleet.redis_context import RedisContext
-from gateway.fleet.tasks import stop_task
-from gateway.http.errors import APIError, bad_request
-from gateway.models.loader import read_model_config
-from gateway.models.served import ServedModels
-from shared.lora import AdapterError, LoraRecord, inspect_adapter, parse_lora_module
-from shared.redis_connect import REDIS_FAILURES
-from shared.settings import GatewaySettings
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.fleet.tasks import stop_task
+from kvfleet.gateway.http.errors import APIError, bad_request
+from kvfleet.gateway.models.loader import read_model_config
+from kvfleet.gateway.models.served import ServedModels
+from kvfleet.shared.lora import AdapterError, LoraRecord, inspect_adapter, parse_lora_module
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 

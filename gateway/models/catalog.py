@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.fleet.load import read_heartbeats
-from gateway.fleet.redis_context import RedisContext
-from gateway.fleet.tasks import stop_task
-from gateway.http.errors import model_not_found
-from shared.lora import LoraRecord
-from shared.redis_connect import REDIS_FAILURES
-from shared.wire.records import text
+from kvfleet.gateway.fleet.load import read_heartbeats
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.fleet.tasks import stop_task
+from kvfleet.gateway.http.errors import model_not_found
+from kvfleet.shared.lora import LoraRecord
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.shared.wire.records import text
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from gateway.http.errors import APIError
-from gateway.models.tokenization import ModelInfo, PromptProcessor
-from shared.models import load_tokenizer, resolve_model_path
+from kvfleet.gateway.http.errors import APIError
+from kvfleet.gateway.models.tokenization import ModelInfo, PromptProcessor
+from kvfleet.shared.models import load_tokenizer, resolve_model_path
 
 log = logging.getLogger(__name__)
 

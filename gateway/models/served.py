@@ -4,9 +4,9 @@ adapter of one), the loader holds that model's handlers; and each model's contex
 
 from __future__ import annotations
 
-from gateway.http.errors import APIError
-from gateway.models.catalog import ModelCatalog, Target
-from gateway.models.loader import ModelLoader, ModelServing
+from kvfleet.gateway.http.errors import APIError
+from kvfleet.gateway.models.catalog import ModelCatalog, Target
+from kvfleet.gateway.models.loader import ModelLoader, ModelServing
 
 
 def no_live_worker(model: str, named: str) -> APIError:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from gateway.http.errors import APIError, bad_request
-from gateway.output.detokenizer import TextDecoder
+from kvfleet.gateway.http.errors import APIError, bad_request
+from kvfleet.gateway.output.detokenizer import TextDecoder
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.exceptions import RedisError
 from rq import Queue
 
-from batch.jobs import enqueue_batch, window_seconds
-from batch.store import BatchStore
-from gateway.fleet.redis_context import RedisContext
-from gateway.http.errors import APIError, bad_request
-from gateway.openai.request_schemas import ChatCompletionRequest, CompletionRequest
-from shared.settings import BatchApiSettings
-from shared.wire import BatchRecord, BatchStatus, FileRecord
+from kvfleet.batch.jobs import enqueue_batch, window_seconds
+from kvfleet.batch.store import BatchStore
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.http.errors import APIError, bad_request
+from kvfleet.gateway.openai.request_schemas import ChatCompletionRequest, CompletionRequest
+from kvfleet.shared.settings import BatchApiSettings
+from kvfleet.shared.wire import BatchRecord, BatchStatus, FileRecord
 
 BODY_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest,
                 "/v1/completions": CompletionRequest}

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.openai.responses import (
+from kvfleet.gateway.openai.responses import (
     FunctionCallDelta, FunctionCallOut, ToolCallDeltaOut, ToolCallOut)
-from gateway.output.reasoning import ReasoningSplitter
-from gateway.tools.formats import ToolFormat
-from gateway.tools.parser import ToolCallParser
+from kvfleet.gateway.output.reasoning import ReasoningSplitter
+from kvfleet.gateway.tools.formats import ToolFormat
+from kvfleet.gateway.tools.parser import ToolCallParser
 
 
 @dataclass

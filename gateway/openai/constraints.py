@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from gateway.http.errors import bad_request
-from gateway.openai.request_schemas import SamplingRequest
-from shared.structured import ConstraintError, OutputConstraint, validate
+from kvfleet.gateway.http.errors import bad_request
+from kvfleet.gateway.openai.request_schemas import SamplingRequest
+from kvfleet.shared.structured import ConstraintError, OutputConstraint, validate
 
 
 def request_constraint(request: SamplingRequest) -> tuple[str, OutputConstraint] | None:

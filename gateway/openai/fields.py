@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gateway.http.errors import bad_request
+from kvfleet.gateway.http.errors import bad_request
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from gateway.http.errors import bad_request
+from kvfleet.gateway.http.errors import bad_request
 
 log = logging.getLogger(__name__)
 

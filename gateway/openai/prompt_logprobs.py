@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.models.tokenization import PromptProcessor
-from gateway.openai.responses import CompletionLogprobs, PromptLogprob, PromptLogprobs
-from gateway.output.choice_stream import ChoiceDelta
-from shared.wire import TokenLogprob
+from kvfleet.gateway.models.tokenization import PromptProcessor
+from kvfleet.gateway.openai.responses import CompletionLogprobs, PromptLogprob, PromptLogprobs
+from kvfleet.gateway.output.choice_stream import ChoiceDelta
+from kvfleet.shared.wire import TokenLogprob
 
 
 def prompt_logprobs_of(deltas: Sequence[ChoiceDelta]) -> list[TokenLogprob] | None:

@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator)
 
-from gateway.openai.request_schemas_tools import (
+from kvfleet.gateway.openai.request_schemas_tools import (
     ResponseFormat, StructuredOutputs, ToolCallIn, ToolChoice, ToolDefinition)
-from shared.wire import OutputConstraint, SamplingParams
+from kvfleet.shared.wire import OutputConstraint, SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_CHOICES = 128

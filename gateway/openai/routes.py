@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.http.errors import APIError
-from gateway.models.served import ServedModels
-from gateway.openai.request_schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from gateway.openai.responses import ModelCard, ModelList
+from kvfleet.gateway.http.errors import APIError
+from kvfleet.gateway.models.served import ServedModels
+from kvfleet.gateway.openai.request_schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from kvfleet.gateway.openai.responses import ModelCard, ModelList
 
 log = logging.getLogger(__name__)
 

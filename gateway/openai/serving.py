@@ -12,26 +12,26 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from gateway.dashboard.metrics import GatewayMetrics, RequestTracker
-from gateway.fleet.client import EngineClient, EngineError
-from gateway.http.errors import bad_request, error_body, model_not_found
-from gateway.http.tracing import RequestSpan
-from gateway.models.catalog import Target
-from gateway.models.tokenization import PromptProcessor
-from gateway.openai.constraints import request_constraint
-from gateway.openai.fields import check_extra_fields
-from gateway.openai.request_schemas import MAX_CHOICES, SamplingRequest
-from gateway.openai.responses import UsageInfo
-from gateway.output.background import BackgroundTasks
-from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
-from gateway.output.merge import merge_choices
-from shared.wire import OutputConstraint
-from shared.settings import GatewaySettings
-from shared.wire import GenerationRequest, Usage
+from kvfleet.gateway.dashboard.metrics import GatewayMetrics, RequestTracker
+from kvfleet.gateway.fleet.client import EngineClient, EngineError
+from kvfleet.gateway.http.errors import bad_request, error_body, model_not_found
+from kvfleet.gateway.http.tracing import RequestSpan
+from kvfleet.gateway.models.catalog import Target
+from kvfleet.gateway.models.tokenization import PromptProcessor
+from kvfleet.gateway.openai.constraints import request_constraint
+from kvfleet.gateway.openai.fields import check_extra_fields
+from kvfleet.gateway.openai.request_schemas import MAX_CHOICES, SamplingRequest
+from kvfleet.gateway.openai.responses import UsageInfo
+from kvfleet.gateway.output.background import BackgroundTasks
+from kvfleet.gateway.output.choice_stream import ChoiceDelta, ChoiceStream
+from kvfleet.gateway.output.merge import merge_choices
+from kvfleet.shared.wire import OutputConstraint
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import GenerationRequest, Usage
 
 if TYPE_CHECKING:
-    from gateway.admission.admission import Admission
-    from gateway.admission.auth import Principal
+    from kvfleet.gateway.admission.admission import Admission
+    from kvfleet.gateway.admission.auth import Principal
 
 log = logging.getLogger(__name__)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.dashboard.metrics import RequestTracker
-from gateway.http.errors import bad_request
-from gateway.openai.chat_output import ChatOutput, ChatOutputOptions
-from gateway.openai.constraints import check, request_constraint
-from gateway.openai.fields import UNSUPPORTED_CHAT
-from gateway.openai.prompt_logprobs import prompt_logprobs_of, vllm_prompt_logprobs
-from gateway.openai.request_schemas import ChatCompletionRequest
-from gateway.openai.responses import (
+from kvfleet.gateway.dashboard.metrics import RequestTracker
+from kvfleet.gateway.http.errors import bad_request
+from kvfleet.gateway.openai.chat_output import ChatOutput, ChatOutputOptions
+from kvfleet.gateway.openai.constraints import check, request_constraint
+from kvfleet.gateway.openai.fields import UNSUPPORTED_CHAT
+from kvfleet.gateway.openai.prompt_logprobs import prompt_logprobs_of, vllm_prompt_logprobs
+from kvfleet.gateway.openai.request_schemas import ChatCompletionRequest
+from kvfleet.gateway.openai.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionResponse,
@@ -20,15 +20,15 @@ from gateway.openai.responses import (
     ChatMessageOut,
     TopLogprob,
 )
-from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of, running_usage
-from gateway.openai.sse_chunks import ChatChunkEncoder
-from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
-from gateway.output.merge import merge_choices
-from gateway.output.reasoning import prompt_opens_reasoning, supports_reasoning
-from gateway.tools.formats import format_for_template, template_has_tools
-from gateway.tools.grammar import auto_tool_constraint, tool_call_constraint
-from gateway.tools.prompting import template_input
-from shared.wire import OutputConstraint
+from kvfleet.gateway.openai.serving import OpenAIServing, UsageTally, outcome_of, running_usage
+from kvfleet.gateway.openai.sse_chunks import ChatChunkEncoder
+from kvfleet.gateway.output.choice_stream import ChoiceDelta, ChoiceStream
+from kvfleet.gateway.output.merge import merge_choices
+from kvfleet.gateway.output.reasoning import prompt_opens_reasoning, supports_reasoning
+from kvfleet.gateway.tools.formats import format_for_template, template_has_tools
+from kvfleet.gateway.tools.grammar import auto_tool_constraint, tool_call_constraint
+from kvfleet.gateway.tools.prompting import template_input
+from kvfleet.shared.wire import OutputConstraint
 
 
 class ChatServing(OpenAIServing):

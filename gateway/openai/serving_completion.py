@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.dashboard.metrics import RequestTracker
-from gateway.openai.fields import UNSUPPORTED_COMPLETIONS
-from gateway.openai.prompt_logprobs import echo_logprobs, prompt_logprobs_of, vllm_prompt_logprobs
-from gateway.openai.request_schemas import CompletionRequest
-from gateway.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
-from gateway.openai.serving import OpenAIServing, UsageTally, outcome_of, running_usage
-from gateway.openai.sse_chunks import CompletionChunkEncoder
-from gateway.output.choice_stream import ChoiceDelta, ChoiceStream
-from gateway.output.merge import merge_choices
-from shared.wire import TokenLogprob
+from kvfleet.gateway.dashboard.metrics import RequestTracker
+from kvfleet.gateway.openai.fields import UNSUPPORTED_COMPLETIONS
+from kvfleet.gateway.openai.prompt_logprobs import echo_logprobs, prompt_logprobs_of, vllm_prompt_logprobs
+from kvfleet.gateway.openai.request_schemas import CompletionRequest
+from kvfleet.gateway.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
+from kvfleet.gateway.openai.serving import OpenAIServing, UsageTally, outcome_of, running_usage
+from kvfleet.gateway.openai.sse_chunks import CompletionChunkEncoder
+from kvfleet.gateway.output.choice_stream import ChoiceDelta, ChoiceStream
+from kvfleet.gateway.output.merge import merge_choices
+from kvfleet.shared.wire import TokenLogprob
 
 
 class CompletionServing(OpenAIServing):

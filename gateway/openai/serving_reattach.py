@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.fleet.client import EngineClient
-from gateway.http.errors import APIError
-from gateway.models.served import ServedModels
-from gateway.openai.responses import ResumedChoice, ResumedChunk, chunk_json
-from gateway.openai.serving import sse, stream_with_errors
-from gateway.output.choice_stream import ChoiceStream, StreamStart
+from kvfleet.gateway.fleet.client import EngineClient
+from kvfleet.gateway.http.errors import APIError
+from kvfleet.gateway.models.served import ServedModels
+from kvfleet.gateway.openai.responses import ResumedChoice, ResumedChunk, chunk_json
+from kvfleet.gateway.openai.serving import sse, stream_with_errors
+from kvfleet.gateway.output.choice_stream import ChoiceStream, StreamStart
 
 
 def request_not_found(req_id: str) -> APIError:

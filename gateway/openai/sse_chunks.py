@@ -11,7 +11,7 @@ from json.encoder import encode_basestring  # the C escaper json.dumps(ensure_as
 
 from pydantic import BaseModel
 
-from gateway.openai.responses import UsageInfo
+from kvfleet.gateway.openai.responses import UsageInfo
 
 _SEPARATORS = (",", ":")
 

@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.http.errors import bad_request
-from gateway.openai.request_schemas import ChatCompletionRequest, ChatMessage, TokenIds
-from gateway.openai.request_schemas_tools import ToolDefinition
+from kvfleet.gateway.http.errors import bad_request
+from kvfleet.gateway.openai.request_schemas import ChatCompletionRequest, ChatMessage, TokenIds
+from kvfleet.gateway.openai.request_schemas_tools import ToolDefinition
 
 utility_router = APIRouter()
 

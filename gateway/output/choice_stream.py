@@ -9,16 +9,16 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from gateway.fleet.client import (
+from kvfleet.gateway.fleet.client import (
     EngineClient,
     EventStream,
     RequestSnapshot,
     WorkerError,
 )
-from gateway.output.background import BackgroundTasks
-from gateway.output.detokenizer import IncrementalDetokenizer, StopStringRenderer, TextDecoder
-from gateway.output.sequencer import EventSequencer, NewTokens
-from shared.wire import GenerationRequest, TokenEvent, TokenLogprob, Usage
+from kvfleet.gateway.output.background import BackgroundTasks
+from kvfleet.gateway.output.detokenizer import IncrementalDetokenizer, StopStringRenderer, TextDecoder
+from kvfleet.gateway.output.sequencer import EventSequencer, NewTokens
+from kvfleet.shared.wire import GenerationRequest, TokenEvent, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from shared.wire import TokenEvent, TokenLogprob
+from kvfleet.shared.wire import TokenEvent, TokenLogprob
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared.structured import JSON_SEPARATORS, OutputConstraint, lark_literal
-from gateway.tools.formats import ToolFormat
+from kvfleet.shared.structured import JSON_SEPARATORS, OutputConstraint, lark_literal
+from kvfleet.gateway.tools.formats import ToolFormat
 
 EMPTY_OBJECT = {"type": "object", "properties": {}}
 

@@ -13,7 +13,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from gateway.tools.formats import ToolFormat
+from kvfleet.gateway.tools.formats import ToolFormat
 
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 _PYTHON_TAG = "<|python_tag|>"

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.tools.formats import HERMES
+from kvfleet.gateway.tools.formats import HERMES
 
 SYSTEM_TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

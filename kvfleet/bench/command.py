@@ -26,7 +26,7 @@ from kvfleet.bench.report import (
 from kvfleet.bench.stats import Slo, Summary, summarise
 from kvfleet.bench.sweep import SWEEP_BY_CHOICES, SweepResult, default_loads, sweep
 from kvfleet.bench.trace import TraceError, TraceRequest, load_trace
-from shared.cpu_features import cpu_features
+from kvfleet.shared.cpu_features import cpu_features
 
 EXIT_FAILED = 1  # any request failed (results.json is still written)
 EXIT_ALL_FAILED = EXIT_FAILED

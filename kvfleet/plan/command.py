@@ -33,8 +33,8 @@ from kvfleet.plan.redis_side import (
 )
 from kvfleet.plan.report import plan_to_json, plan_to_text
 from kvfleet.text.units import format_bytes
-from shared.settings import CommonSettings
-from shared.wire import Keys
+from kvfleet.shared.settings import CommonSettings
+from kvfleet.shared.wire import Keys
 
 DEFAULT_NUM_PARAMS = 20e9
 DEFAULT_GPU_TOKENS_PER_S = 2000

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from shared.pace import StepCostCurve, StepFeatures
-from shared.redis_connect import connect
-from shared.wire import Heartbeat, Keys
-from shared.wire.records import text
+from kvfleet.shared.pace import StepCostCurve, StepFeatures
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import Heartbeat, Keys
+from kvfleet.shared.wire.records import text
 
 REDIS_SCHEMES = ("redis://", "rediss://")
 REDIS_TIMEOUT_S = 5.0

@@ -7,7 +7,7 @@ import argparse
 import math
 import re
 
-from shared.byte_size import parse_bytes
+from kvfleet.shared.byte_size import parse_bytes
 
 # Decimal multipliers for counts (parameters, tokens, tokens/s): "20B" = 20e9, "8k" = 8000.
 _COUNT_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -21,16 +21,16 @@ records through their `encode`/`decode` (hash or stream fields) and messages thr
     batch_scripts.py  TRANSITION, RECORD_RESULT, BEGIN_FINALIZE, RENEW_LEASE, RELEASE_LEASE
 """
 
-from shared.wire.api_keys import ApiKeyRecord, api_key_field
-from shared.wire.batch import BatchRecord, BatchStatus, FileRecord
-from shared.wire.checkpoint import decode_checkpoint, encode_checkpoint
-from shared.wire.constraint import ConstraintError, OutputConstraint
-from shared.wire.heartbeat import Heartbeat
-from shared.wire.keys import PRIORITIES, Keys
-from shared.wire.lua import LuaScript, ScriptCall
-from shared.wire.messages import GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, Usage
-from shared.wire.records import DeadLetterEntry, QueueEntry, RequestRecord
-from shared.wire.status import RequestStatus
+from kvfleet.shared.wire.api_keys import ApiKeyRecord, api_key_field
+from kvfleet.shared.wire.batch import BatchRecord, BatchStatus, FileRecord
+from kvfleet.shared.wire.checkpoint import decode_checkpoint, encode_checkpoint
+from kvfleet.shared.wire.constraint import ConstraintError, OutputConstraint
+from kvfleet.shared.wire.heartbeat import Heartbeat
+from kvfleet.shared.wire.keys import PRIORITIES, Keys
+from kvfleet.shared.wire.lua import LuaScript, ScriptCall
+from kvfleet.shared.wire.messages import GenerationRequest, SamplingParams, TokenEvent, TokenLogprob, Usage
+from kvfleet.shared.wire.records import DeadLetterEntry, QueueEntry, RequestRecord
+from kvfleet.shared.wire.status import RequestStatus
 
 __all__ = [
     "PRIORITIES", "ApiKeyRecord", "BatchRecord", "BatchStatus", "ConstraintError",

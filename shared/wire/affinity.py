@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shared.wire.keys import Keys
-from shared.wire.lua import LuaScript, ScriptCall
-from shared.wire.prefix_hash import ANNOUNCE_BYTES, unpack_ids
-from shared.wire.records import RawFields, field_value, text
+from kvfleet.shared.wire.keys import Keys
+from kvfleet.shared.wire.lua import LuaScript, ScriptCall
+from kvfleet.shared.wire.prefix_hash import ANNOUNCE_BYTES, unpack_ids
+from kvfleet.shared.wire.records import RawFields, field_value, text
 
 KV_EVENTS_MAXLEN = 100_000  # approximate cap of a model's event stream (entries)
 KV_EVENTS_TTL_MS = 3_600_000  # the event stream of a model no worker announces for expires

@@ -9,9 +9,9 @@ frozen. At most one job holds a batch's lease; only its holder renews or release
 
 from __future__ import annotations
 
-from shared.wire.batch import BatchRecord, BatchStatus
-from shared.wire.keys import Keys
-from shared.wire.lua import LuaScript, ScriptCall
+from kvfleet.shared.wire.batch import BatchRecord, BatchStatus
+from kvfleet.shared.wire.keys import Keys
+from kvfleet.shared.wire.lua import LuaScript, ScriptCall
 
 NAMES = {
     "status": BatchRecord.STATUS, "final_status": BatchRecord.FINAL_STATUS,

@@ -29,11 +29,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shared.wire.keys import Keys
-from shared.wire.lua import LuaScript, ScriptCall
-from shared.wire.messages import pack, unpack
-from shared.wire.scripts import FINISHED, NAMES, RECORD_NUMERICS_LUA
-from shared.wire.status import RequestStatus
+from kvfleet.shared.wire.keys import Keys
+from kvfleet.shared.wire.lua import LuaScript, ScriptCall
+from kvfleet.shared.wire.messages import pack, unpack
+from kvfleet.shared.wire.scripts import FINISHED, NAMES, RECORD_NUMERICS_LUA
+from kvfleet.shared.wire.status import RequestStatus
 
 SENT = "sent:"
 TAKEN = "taken:"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shared.wire.records import RawFields, text
+from kvfleet.shared.wire.records import RawFields, text
 
 
 @dataclass(frozen=True)

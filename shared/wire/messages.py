@@ -8,7 +8,7 @@ from typing import Any
 
 import msgpack
 
-from shared.wire.constraint import OutputConstraint
+from kvfleet.shared.wire.constraint import OutputConstraint
 
 
 @dataclass

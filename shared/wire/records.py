@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shared.wire.messages import GenerationRequest
-from shared.wire.status import RequestStatus
+from kvfleet.shared.wire.messages import GenerationRequest
+from kvfleet.shared.wire.status import RequestStatus
 
 RawFields = Mapping[bytes | str, bytes | str]
 

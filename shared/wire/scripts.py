@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.wire.checkpoint import TOKEN_BYTES, decode_checkpoint, encode_checkpoint
-from shared.wire.keys import Keys
-from shared.wire.lua import LuaScript, ScriptCall
-from shared.wire.messages import GenerationRequest, TokenEvent
-from shared.wire.records import QueueEntry, RequestRecord, text
-from shared.wire.status import RequestStatus
+from kvfleet.shared.wire.checkpoint import TOKEN_BYTES, decode_checkpoint, encode_checkpoint
+from kvfleet.shared.wire.keys import Keys
+from kvfleet.shared.wire.lua import LuaScript, ScriptCall
+from kvfleet.shared.wire.messages import GenerationRequest, TokenEvent
+from kvfleet.shared.wire.records import QueueEntry, RequestRecord, text
+from kvfleet.shared.wire.status import RequestStatus
 
 NAMES = {
     "req_payload": RequestRecord.PAYLOAD, "req_attempt": RequestRecord.ATTEMPT,

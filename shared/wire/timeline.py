@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
-from shared.wire.records import RawFields, field_value, text
+from kvfleet.shared.wire.records import RawFields, field_value, text
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from rq import Queue
 
-from batch.jobs import BatchRunner, line_request_id, requeue_orphans
-from batch.store import BatchStore
-from gateway.fleet.redis_context import RedisContext
-from gateway.http.errors import install_error_handlers
-from gateway.openai.batches import batch_router
-from shared.settings import BatchSettings
-from shared.wire import BatchStatus, Keys
+from kvfleet.batch.jobs import BatchRunner, line_request_id, requeue_orphans
+from kvfleet.batch.store import BatchStore
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.http.errors import install_error_handlers
+from kvfleet.gateway.openai.batches import batch_router
+from kvfleet.shared.settings import BatchSettings
+from kvfleet.shared.wire import BatchStatus, Keys
 
 PREFIX = "bt:"
 MODEL = "tiny"

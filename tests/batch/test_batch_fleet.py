@@ -20,13 +20,13 @@ import redis
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.fleet.redis_context import RedisContext
-from gateway.http.errors import install_error_handlers
-from gateway.openai.batches import batch_router
-from shared.models import DEFAULT_MODEL, resolve_model_path
-from shared.redis_server import free_port
-from shared.settings import BatchSettings
-from shared.wire import Keys
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.http.errors import install_error_handlers
+from kvfleet.gateway.openai.batches import batch_router
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.settings import BatchSettings
+from kvfleet.shared.wire import Keys
 from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from tests.engine.tiny_models import (
     greedy, random_prompt, save_tiny_llama, tokens_before_divergence)
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.cuda
 
@@ -122,7 +122,7 @@ def test_a_device_side_assert_is_sticky():
     """In a child process: the error poisons its CUDA context, and is classified as sticky."""
     code = (
         "import torch\n"
-        "from worker.engine.device import is_sticky_device_error\n"
+        "from kvfleet.worker.engine.device import is_sticky_device_error\n"
         "x = torch.zeros(4, device='cuda')\n"
         "try:\n"
         "    x[torch.tensor([10], device='cuda')] = 1.0\n"

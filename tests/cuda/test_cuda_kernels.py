@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
-from shared.wire import SamplingParams
+from kvfleet.shared.wire import SamplingParams
 from tests.engine.paged_cases import CASES, ChunkSpec, PagedCase, run_case
-from worker.engine.sampler import Sampler, SamplerInput
-from worker.engine.triton_attention import interpreting
+from kvfleet.worker.engine.sampler import Sampler, SamplerInput
+from kvfleet.worker.engine.triton_attention import interpreting
 
 pytestmark = pytest.mark.cuda
 

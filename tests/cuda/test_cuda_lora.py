@@ -14,7 +14,7 @@ from tests.engine.test_lora import Adapters, lora_engine, submit
 from tests.engine.test_lora_triton import RANKS, SEGMENTS, factors, reference
 from tests.engine.tiny_models import (
     TinyModel, random_prompt, run_to_completion, tokens_before_divergence)
-from worker.engine.lora.sgmv import SlotRows, sgmv
+from kvfleet.worker.engine.lora.sgmv import SlotRows, sgmv
 
 pytestmark = pytest.mark.cuda
 

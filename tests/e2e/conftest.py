@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from shared.models import DEFAULT_MODEL, resolve_model_path
-from shared.redis_server import EmbeddedRedis
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.redis_server import EmbeddedRedis
 from tests.helpers.processes import ProcessFleet
 
 

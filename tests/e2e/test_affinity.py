@@ -11,8 +11,8 @@ import httpx
 import pytest
 import redis
 
-from shared.models import DEFAULT_MODEL
-from shared.wire import Heartbeat, RequestRecord
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.wire import Heartbeat, RequestRecord
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

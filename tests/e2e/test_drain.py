@@ -19,14 +19,14 @@ import time
 
 import pytest
 
-from shared.redis_connect import connect
-from shared.wire import Heartbeat
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import Heartbeat
 from tests.e2e.test_failover import TOPICS, request_body, run_all
 from tests.helpers.metrics import metric_total
 from tests.helpers.processes import Proc, ProcessFleet
 from tests.helpers.streams import when_streaming
-from worker.handoff.protocol import HandoffProtocol
-from worker.handoff.transfer import TcpTransferPlane
+from kvfleet.worker.handoff.protocol import HandoffProtocol
+from kvfleet.worker.handoff.transfer import TcpTransferPlane
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

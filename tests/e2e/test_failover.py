@@ -19,10 +19,10 @@ import time
 import httpx
 import pytest
 
-from shared.models import DEFAULT_MODEL
-from shared.redis_connect import connect
-from shared.wire import RequestRecord
-from shared.wire.checkpoint import TOKEN_BYTES
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import RequestRecord
+from kvfleet.shared.wire.checkpoint import TOKEN_BYTES
 from tests.helpers.metrics import metric_total
 from tests.helpers.processes import ProcessFleet
 from tests.helpers.streams import when_streaming

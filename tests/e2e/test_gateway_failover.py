@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from shared.models import DEFAULT_MODEL
+from kvfleet.shared.models import DEFAULT_MODEL
 from tests.helpers.processes import ProcessFleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from benchmarks.lora import make_adapters
-from shared.models import DEFAULT_MODEL, resolve_model_path
-from shared.redis_connect import connect
-from shared.wire import Heartbeat, RequestRecord
-from shared.wire.checkpoint import TOKEN_BYTES
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import Heartbeat, RequestRecord
+from kvfleet.shared.wire.checkpoint import TOKEN_BYTES
 from tests.e2e.test_failover import run_all as stream_all
 from tests.helpers.metrics import metric_total
 from tests.helpers.processes import ProcessFleet

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from shared.models import DEFAULT_MODEL
+from kvfleet.shared.models import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -110,7 +110,7 @@ def test_echo_logprobs_score_a_prompt_like_a_transformers_forward(sync_client, h
     the prompt tokens' logprobs are those of log_softmax over a transformers forward."""
     import torch
 
-    from shared.models import load_tokenizer, resolve_model_path
+    from kvfleet.shared.models import load_tokenizer, resolve_model_path
 
     path = resolve_model_path(DEFAULT_MODEL)
     prompt_ids = load_tokenizer(path).encode("The capital of France is Paris.")

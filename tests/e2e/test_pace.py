@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from benchmarks.pace import single_stream_step
-from shared.models import DEFAULT_MODEL, resolve_model_path
-from shared.redis_connect import connect
-from shared.wire import Heartbeat
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import Heartbeat
 from tests.e2e.test_drain import metric_total
 from tests.e2e.test_failover import request_body, run_all
 from tests.helpers.processes import ProcessFleet
-from worker.engine.engine import EngineConfig, load_pretrained
+from kvfleet.worker.engine.engine import EngineConfig, load_pretrained
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import redis
 
-from shared.models import default_cache_dir
-from shared.redis_server import free_port
-from shared.wire import Heartbeat, Keys
+from kvfleet.shared.models import default_cache_dir
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.wire import Heartbeat, Keys
 from tests.helpers.processes import Proc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from shared.models import DEFAULT_MODEL
-from shared.redis_connect import connect
-from shared.wire import Heartbeat, RequestRecord
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import Heartbeat, RequestRecord
 from tests.e2e.test_failover import run_all as stream_all
 from tests.helpers.metrics import metric_total
 from tests.helpers.processes import ProcessFleet

@@ -10,7 +10,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from shared.models import DEFAULT_MODEL
+from kvfleet.shared.models import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

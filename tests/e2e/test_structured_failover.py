@@ -10,9 +10,9 @@ import time
 import pytest
 import redis
 
-from shared.models import DEFAULT_MODEL
-from shared.wire import Keys, RequestRecord
-from shared.wire.checkpoint import TOKEN_BYTES
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.wire import Keys, RequestRecord
+from kvfleet.shared.wire.checkpoint import TOKEN_BYTES
 from tests.e2e.test_failover import stream_text
 from tests.helpers.processes import ProcessFleet
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import redis
 
-from shared.models import DEFAULT_MODEL
-from shared.redis_server import free_port
-from shared.wire import Keys
+from kvfleet.shared.models import DEFAULT_MODEL
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.wire import Keys
 from tests.helpers.processes import Proc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from shared.redis_connect import connect
+from kvfleet.shared.redis_connect import connect
 from tests.e2e.test_failover import request_body, run_all
 from tests.helpers.otlp import Receiver, span_attributes
 from tests.helpers.processes import ProcessFleet

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.wire import SamplingParams
-from worker.engine.attention import (CONTEXT_KWARG, paged_attention_forward,
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.attention import (CONTEXT_KWARG, paged_attention_forward,
                                      resolve_attention_backend)
-from worker.engine.kv_cache import KVCachePool, KVLayout
-from worker.engine.kv_format import resolve_kv_format
-from worker.engine.model_runner import ModelRunner, plan_step
-from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from worker.engine.sequence import Sequence
+from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.kv_format import resolve_kv_format
+from kvfleet.worker.engine.model_runner import ModelRunner, plan_step
+from kvfleet.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvfleet.worker.engine.sequence import Sequence
 
 NUM_KV_HEADS = 2
 

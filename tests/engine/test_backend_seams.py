@@ -14,17 +14,17 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.cpu_features import cpu_features
-from shared.wire import SamplingParams
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.shared.wire import SamplingParams
 from tests.engine.paged_cases import MIXED, ChunkSpec
-from worker.engine.attention import (CONTEXT_KWARG, fused_layer_attention, paged_attention_forward,
+from kvfleet.worker.engine.attention import (CONTEXT_KWARG, fused_layer_attention, paged_attention_forward,
                                      resolve_attention_backend)
-from worker.engine.kv_cache import KVCachePool, KVLayout
-from worker.engine.kv_format import resolve_kv_format
-from worker.engine.model_runner import ModelRunner, plan_step
-from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from worker.engine.sequence import Sequence
-from worker.engine.triton_attention import interpreting
+from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.kv_format import resolve_kv_format
+from kvfleet.worker.engine.model_runner import ModelRunner, plan_step
+from kvfleet.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.triton_attention import interpreting
 
 ROOT = Path(__file__).resolve().parents[2]
 # the only modules that may compare device types and backend names

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.wire.prefix_hash import block_hashes, root_hash
+from kvfleet.shared.wire.prefix_hash import block_hashes, root_hash
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
-from worker.engine.block_manager import BlockManager, NetChange
+from kvfleet.worker.engine.block_manager import BlockManager, NetChange
 
 BS = 4
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.wire.prefix_hash import hash_block, root_hash
-from worker.engine.block_manager import BlockManager
+from kvfleet.shared.wire.prefix_hash import hash_block, root_hash
+from kvfleet.worker.engine.block_manager import BlockManager
 
 BS = 4
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from shared.cpu_features import CpuFeatures, cpu_features
+from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
 from tests.engine import amx_model
 from tests.engine.kernel_variants import build_variant
-from worker.engine import cpu_kernels, cpu_linear, numerics
-from worker.engine.cpu_linear import BF16_FORM_CODES, KernelLinear
-from worker.engine.kernel_binding import BoundKernel
+from kvfleet.worker.engine import cpu_kernels, cpu_linear, numerics
+from kvfleet.worker.engine.cpu_linear import BF16_FORM_CODES, KernelLinear
+from kvfleet.worker.engine.kernel_binding import BoundKernel
 
 AMX = BF16_FORM_CODES["amx"]
 HAS_AMX = cpu_linear.AMX_FLAGS <= cpu_features().flags

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.cpu_features import CpuFeatures, cpu_features
+from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
 from tests.engine.tiny_models import MODEL_FACTORIES
-from worker.engine import cpu_kernels, cpu_linear
-from worker.engine.cpu_linear import (
+from kvfleet.worker.engine import cpu_kernels, cpu_linear
+from kvfleet.worker.engine.cpu_linear import (
     KernelLinear, PackedLinear, SiblingLinear, fuse_sibling_linears, own_product,
     pack_cpu_linears, packing_available)
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from worker.cpu_share import cpu_share
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.worker.cpu_share import cpu_share
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 from tests.engine.tiny_models import greedy
 
 QUESTIONS = [
@@ -92,7 +92,7 @@ def test_8bit_kv_caches_keep_the_default_models_greedy_choices():
     """Teacher-forced over 24 windows x 48 positions (1,152 next-token choices of prose): fp8 and
     int8 caches pick the fp32 cache's next token almost everywhere, and their next-token
     distributions stay close (mean KL), within bounds derived from measurement (see above)."""
-    from worker.engine.scoring import teacher_forced_logprobs
+    from kvfleet.worker.engine.scoring import teacher_forced_logprobs
 
     path = resolve_model_path(DEFAULT_MODEL)
     tokenizer = load_tokenizer(path)
@@ -149,7 +149,7 @@ def test_bf16_engine_follows_hf_in_bf16_on_the_default_model():
     engine in bf16 picks the token HF's bf16 forward picks almost everywhere, and float32's
     nearly as often. Teacher forcing judges every position on the same context, so one early
     difference does not decide the verdict as it would in a free-running comparison."""
-    from worker.engine.scoring import teacher_forced_logprobs
+    from kvfleet.worker.engine.scoring import teacher_forced_logprobs
 
     path = resolve_model_path(DEFAULT_MODEL)
     texts = corpus_windows(load_tokenizer(path), window_len=80)  # 48 positions after 32 tokens

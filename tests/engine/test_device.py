@@ -11,15 +11,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from worker.engine.attention import resolve_attention_backend, resolve_backend_name
-from worker.engine.attention.sdpa_backend import SdpaBackend
-from worker.engine.device import (
+from kvfleet.worker.engine.attention import resolve_attention_backend, resolve_backend_name
+from kvfleet.worker.engine.attention.sdpa_backend import SdpaBackend
+from kvfleet.worker.engine.device import (
     CPU_BF16_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, DeviceFailure, is_cpu, is_cuda,
     is_sticky_device_error, place_model, resolve_block_size)
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.kv_cache import KVLayout
-from worker.engine.kv_format import resolve_kv_format
-from worker.engine.memory_profile import largest_step, profile_step
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.kv_cache import KVLayout
+from kvfleet.worker.engine.kv_format import resolve_kv_format
+from kvfleet.worker.engine.memory_profile import largest_step, profile_step
 from tests.engine.tiny_models import (
     MODEL_FACTORIES, greedy, random_prompt, save_tiny_llama)
 
@@ -53,7 +53,7 @@ def test_bf16_engine_agrees_with_hf_in_bf16(saved_tiny):
     batch-invariant kernels: other sums, other bf16 rounding) is teacher-forced over the same
     12 sequences x 64 positions (768 next-token choices), so agreement is measured on each
     position's own context and one early near-tie does not decide the verdict."""
-    from worker.engine.scoring import teacher_forced_logprobs
+    from kvfleet.worker.engine.scoring import teacher_forced_logprobs
 
     texts = [random_prompt(96, seed=seed) for seed in range(12)]
     choices = {}
@@ -206,7 +206,7 @@ def test_a_worker_asked_for_triton_on_a_cpu_exits_before_loading_its_model(tmp_p
 def test_auto_dtype_follows_the_cpus_bf16_support_and_is_reported(tiny_llama):
     """--dtype auto on CPU: bf16 where this CPU has native bf16, float32 elsewhere; the start-up
     report names the CPU, its ISA and what auto picked."""
-    from shared.cpu_features import cpu_features
+    from kvfleet.shared.cpu_features import cpu_features
 
     features = cpu_features()
     engine = tiny_llama.engine(dtype="auto")

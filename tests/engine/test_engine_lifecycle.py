@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.wire import SamplingParams
+from kvfleet.shared.wire import SamplingParams
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
 
 

@@ -132,7 +132,7 @@ def test_masked_prefill_after_a_cached_prefix_never_asks_sdpa_for_gqa(tiny_llama
     pair runs the math kernel, which materialises every score). Tokens stay HF's."""
     import torch.nn.functional as F
 
-    from worker.engine.attention import sdpa_backend
+    from kvfleet.worker.engine.attention import sdpa_backend
 
     calls = []
     sdpa = F.scaled_dot_product_attention

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.cpu_features import CpuFeatures, cpu_features
-from worker.engine.device import resolve_device, resolve_dtype
-from worker.engine.kv_cache import KVCachePool, KVLayout, plan_budget
-from worker.engine.kv_format import resolve_kv_format
+from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
+from kvfleet.worker.engine.device import resolve_device, resolve_dtype
+from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout, plan_budget
+from kvfleet.worker.engine.kv_format import resolve_kv_format
 
 FP32 = resolve_kv_format("fp32", torch.float32)
 

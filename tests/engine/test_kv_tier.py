@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from shared.wire import SamplingParams
-from worker.engine.block_manager import BlockManager
-from worker.engine.engine import EngineConfig
-from worker.engine.kv_cache import KVCachePool
-from worker.engine.kv_tier import TierIndex
-from worker.engine.offloading import Offloading, paired_runs
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.engine import EngineConfig
+from kvfleet.worker.engine.kv_cache import KVCachePool
+from kvfleet.worker.engine.kv_tier import TierIndex
+from kvfleet.worker.engine.offloading import Offloading, paired_runs
 from tests.engine.tiny_models import greedy, random_prompt
 
 BS = 4

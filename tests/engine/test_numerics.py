@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
-from shared.cpu_features import cpu_features
+from kvfleet.shared.cpu_features import cpu_features
 from tests.engine.tiny_models import MODEL_FACTORIES
-from worker.engine import cpu_linear
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.numerics import Numerics
+from kvfleet.worker.engine import cpu_linear
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.numerics import Numerics
 
 # bf16 where the CPU computes it natively (the default dtype there), else float32 (the default)
 DTYPE = "bfloat16" if cpu_features().native_bf16 else "float32"

@@ -9,16 +9,16 @@ import random
 import pytest
 import torch
 
-from shared.engine_config import EngineConfig
-from shared.pace import StepCostCurve, StepFeatures
-from shared.wire import SamplingParams
-from worker.engine.block_manager import BlockManager
-from worker.engine.engine import Engine
-from worker.engine.pace import (
+from kvfleet.shared.engine_config import EngineConfig
+from kvfleet.shared.pace import StepCostCurve, StepFeatures
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.engine.pace import (
     MIN_PREFILL_TOKENS, Pace, QuantileTracker, StepCostModel, step_features, warm_up)
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
-from worker.engine.stopping import StopChecker
+from kvfleet.worker.engine.scheduler import Scheduler
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.stopping import StopChecker
 
 # a step: 10 ms, +1 ms per decode row, +20 us per prompt token, +1 us per KV position read
 BASE, ROW, PREFILL, CONTEXT = 0.010, 0.001, 0.00002, 0.000001

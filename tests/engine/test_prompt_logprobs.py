@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.wire import SamplingParams
+from kvfleet.shared.wire import SamplingParams
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
-from worker.engine.engine import RequestOutput
+from kvfleet.worker.engine.engine import RequestOutput
 
 
 def reference_logprobs(tiny, prompt: list[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from worker.engine.speculation.proposers import (
+from kvfleet.worker.engine.speculation.proposers import (
     NgramProposer,
     SuffixProposer,
     SuffixTrie,

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from shared.wire import SamplingParams
-from worker.engine.sampler import (
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.sampler import (
     Sampler,
     SamplerInput,
     apply_min_tokens,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from shared.wire import RequestStatus, SamplingParams
-from worker.engine.block_manager import BlockManager
-from worker.engine.preemption import PreemptionCostModel, SwapSpace
-from worker.engine.scheduler import Scheduler, SchedulerOutput
-from worker.engine.sequence import Sequence
-from worker.engine.stopping import StopChecker
+from kvfleet.shared.wire import RequestStatus, SamplingParams
+from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.preemption import PreemptionCostModel, SwapSpace
+from kvfleet.worker.engine.scheduler import Scheduler, SchedulerOutput
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.stopping import StopChecker
 
 BS = 4
 EOS = 2

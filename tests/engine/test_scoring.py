@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import random_prompt
-from worker.engine.scoring import teacher_forced_logprobs
+from kvfleet.worker.engine.scoring import teacher_forced_logprobs
 
 
 def full_forward_logprobs(tiny, tokens: list[int]) -> torch.Tensor:

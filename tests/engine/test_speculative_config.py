@@ -9,11 +9,11 @@ import torch
 from pydantic import ValidationError
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.engine_config import EngineConfig
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from shared.settings import WorkerSettings
-from worker.engine.engine import Engine
-from worker.main import with_draft_model_path
+from kvfleet.shared.engine_config import EngineConfig
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.main import with_draft_model_path
 
 
 def test_json_from_the_flag_and_the_environment(monkeypatch):

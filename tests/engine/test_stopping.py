@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from shared.models import DEFAULT_MODEL, resolve_model_path
-from shared.wire import RequestStatus, SamplingParams
-from worker.engine.stopping import Stop, StopChecker
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.wire import RequestStatus, SamplingParams
+from kvfleet.worker.engine.stopping import Stop, StopChecker
 
 EOS = 2
 STOPPED = RequestStatus.FINISHED_STOPPED

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.cpu_features import cpu_features
+from kvfleet.shared.cpu_features import cpu_features
 from tests.engine.paged_cases import CASES, run_case
 from tests.engine.tiny_models import MODEL_FACTORIES
-from worker.engine import cpu_linear, torch_private
-from worker.engine.cpu_linear import PackedLinear, pack_cpu_linears
+from kvfleet.worker.engine import cpu_linear, torch_private
+from kvfleet.worker.engine.cpu_linear import PackedLinear, pack_cpu_linears
 
 TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # relative to the output's scale
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import copy
 
-from worker.engine.cuda_graphs import batch_buckets, proposal_buckets
-from worker.engine.engine import Engine, EngineConfig
-from worker.metrics import WorkerMetrics
+from kvfleet.worker.engine.cuda_graphs import batch_buckets, proposal_buckets
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.metrics import WorkerMetrics
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
 
 SHARED = random_prompt(13, seed=40)

@@ -7,8 +7,8 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from shared.wire import SamplingParams
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 VOCAB = 512
 # initializer_range well above the default 0.02 gives clear logit margins, so greedy choices do

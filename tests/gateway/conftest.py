@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.models.tokenization import ModelInfo
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from shared.settings import GatewaySettings
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.models.tokenization import ModelInfo
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.shared.settings import GatewaySettings
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import CONTEXT_LENGTH, MODEL
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 from redis.exceptions import ResponseError
 
-from gateway.fleet.tasks import stop_task
-from shared.redis_connect import connect_async, is_cluster
-from shared.wire import GenerationRequest, Keys, QueueEntry, TokenEvent
+from kvfleet.gateway.fleet.tasks import stop_task
+from kvfleet.shared.redis_connect import connect_async, is_cluster
+from kvfleet.shared.wire import GenerationRequest, Keys, QueueEntry, TokenEvent
 
 
 class FakeWorker:

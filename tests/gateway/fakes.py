@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from gateway.fleet.client import EngineClient, EngineUnavailable, EventStream
-from shared.wire import GenerationRequest, TokenEvent, Usage
+from kvfleet.gateway.fleet.client import EngineClient, EngineUnavailable, EventStream
+from kvfleet.shared.wire import GenerationRequest, TokenEvent, Usage
 
 Script = list[TokenEvent | float | Exception]  # events, pauses (seconds), or an error to raise
 
@@ -68,7 +68,7 @@ def token_events(token_ids: list[int], *, prompt_tokens: int, attempt: int = 0, 
                  finish_reason: str = "stop", cached_tokens: int = 0, start: int = 0,
                  logprobs: bool = False) -> list[TokenEvent]:
     """Events carrying `token_ids` a few at a time, the last one final with usage."""
-    from shared.wire import TokenLogprob
+    from kvfleet.shared.wire import TokenLogprob
 
     events = []
     for i in range(0, len(token_ids), per_event):
@@ -92,7 +92,7 @@ def worker_events(request: GenerationRequest, token_ids: list[int], tokenizer,
     worker's own StopChecker stops it (stop strings on the text as the request shows it, stop ids,
     EOS, min_tokens), with what stopped it in the final event, as the worker reports it. A
     scripted end other than "stop" (`finish_reason="length"`) is played as it is."""
-    from worker.engine.stopping import StopChecker
+    from kvfleet.worker.engine.stopping import StopChecker
 
     if options.get("finish_reason", "stop") != "stop":
         return token_events(token_ids, prompt_tokens=len(request.prompt_token_ids), **options)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.models import DEFAULT_MODEL
+from kvfleet.shared.models import DEFAULT_MODEL
 
 MODEL = DEFAULT_MODEL
 CONTEXT_LENGTH = 512  # small, so the context-length checks are cheap to trigger

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024)

@@ -11,12 +11,12 @@ from contextlib import AsyncExitStack
 import httpx
 import pytest
 
-from gateway.admin import DRAIN_REQUEST_TTL_S
-from gateway.app import create_app
-from gateway.fleet.redis_context import RedisContext
-from shared.redis_server import free_port
-from shared.settings import GatewaySettings
-from shared.wire import Heartbeat, Keys
+from kvfleet.gateway.admin import DRAIN_REQUEST_TTL_S
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import Heartbeat, Keys
 from tests.gateway.helpers import MODEL
 
 PREFIX = "kvadmin:"

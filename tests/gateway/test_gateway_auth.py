@@ -9,11 +9,11 @@ from contextlib import AsyncExitStack
 import httpx
 import pytest
 
-from gateway.app import create_app
+from kvfleet.gateway.app import create_app
 from kvfleet import keys_cli
-from shared.redis_connect import connect
-from shared.settings import GatewaySettings
-from shared.wire import Keys
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import Keys
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL

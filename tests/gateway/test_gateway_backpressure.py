@@ -7,12 +7,12 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway.admission.admission import QueueWaitEstimator
-from gateway.app import create_app
-from gateway.fleet.client import QueueLoad
-from gateway.http.errors import TooManyRequests
-from shared.settings import GatewaySettings
-from shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
+from kvfleet.gateway.admission.admission import QueueWaitEstimator
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.fleet.client import QueueLoad
+from kvfleet.gateway.http.errors import TooManyRequests
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
 from tests.gateway.helpers import MODEL
 
 PREFIX = "kvbp:"

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from gateway.admission import early_answer
-from gateway.app import create_app
-from shared.redis_server import free_port
-from shared.settings import GatewaySettings
+from kvfleet.gateway.admission import early_answer
+from kvfleet.gateway.app import create_app
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.settings import GatewaySettings
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL
 

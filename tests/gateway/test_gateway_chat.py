@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from shared.wire import TokenEvent, Usage
+from kvfleet.shared.wire import TokenEvent, Usage
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL, sse_events
 
@@ -258,8 +258,8 @@ async def test_worker_error_in_stream_is_an_error_event_then_done(http, engine, 
 def test_default_temperature_follows_the_model_unless_configured(tmp_path):
     from transformers import GenerationConfig
 
-    from gateway.openai.request_schemas import ChatCompletionRequest
-    from gateway.models.tokenization import _generation_temperature
+    from kvfleet.gateway.openai.request_schemas import ChatCompletionRequest
+    from kvfleet.gateway.models.tokenization import _generation_temperature
 
     GenerationConfig(do_sample=False).save_pretrained(tmp_path / "greedy")
     GenerationConfig(do_sample=True, temperature=0.6).save_pretrained(tmp_path / "sampled")

@@ -12,10 +12,10 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from gateway.fleet.redis_client import RedisEngineClient
-from shared.redis_cluster import slot_range
-from shared.redis_connect import connect
-from shared.wire import GenerationRequest, Keys, RequestRecord, SamplingParams, TokenEvent
+from kvfleet.gateway.fleet.redis_client import RedisEngineClient
+from kvfleet.shared.redis_cluster import slot_range
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import GenerationRequest, Keys, RequestRecord, SamplingParams, TokenEvent
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 from tests.helpers.channels import next_message, subscribe
@@ -179,7 +179,7 @@ async def test_streams_whose_node_connection_broke_subscribe_again_and_finish(
 def test_a_message_for_an_inbox_on_another_node_is_forwarded_by_the_worker(cluster_url):
     """A stale slot map (the inbox's slot moved): the node holding the request cannot publish to
     the inbox, hands the message back, and the worker publishes it where the inbox lives."""
-    from worker.protocol import Publication, WorkerProtocol
+    from kvfleet.worker.protocol import Publication, WorkerProtocol
 
     sync = connect(cluster_url)
     try:

@@ -146,9 +146,9 @@ async def test_openai_sdk_streams_chat(app, say):
 
 
 async def test_create_app_defaults_to_redis_and_the_models_own_tokenizer_and_context(redis_url):
-    from gateway.app import create_app
-    from gateway.fleet.redis_client import RedisEngineClient
-    from shared.settings import GatewaySettings
+    from kvfleet.gateway.app import create_app
+    from kvfleet.gateway.fleet.redis_client import RedisEngineClient
+    from kvfleet.shared.settings import GatewaySettings
 
     app = create_app(GatewaySettings(redis_url=redis_url, model=MODEL))
     assert isinstance(app.state.client, RedisEngineClient)

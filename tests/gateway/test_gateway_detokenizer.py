@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.output.detokenizer import IncrementalDetokenizer, StopStringRenderer, TextDecoder
+from kvfleet.gateway.output.detokenizer import IncrementalDetokenizer, StopStringRenderer, TextDecoder
 
 TEXTS = ["Hello world", "emoji 😀🎉 and a flag 🇫🇷!", "日本語のテキスト", "  two  spaces\n\nnew",
          "café crème brûlée", "mixed 👩‍💻 zwj"]
@@ -194,7 +194,7 @@ def test_one_backend_decode_per_token_in_the_steady_state(tokenizer):
 
 
 def test_the_fast_tokenizer_is_decoded_by_its_backend_and_others_by_decode(tokenizer):
-    from gateway.output.detokenizer import _backend_decode
+    from kvfleet.gateway.output.detokenizer import _backend_decode
 
     assert _backend_decode(tokenizer) is not None
     assert _backend_decode(SlowTokenizer(tokenizer)) is None

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gateway.fleet.fanout import TokenQueue
+from kvfleet.gateway.fleet.fanout import TokenQueue
 
 
 async def test_get_returns_items_in_order_and_waits_for_the_next():

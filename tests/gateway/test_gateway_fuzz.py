@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from starlette.testclient import TestClient
 
-from gateway.app import create_app
-from gateway.fleet.redis_context import RedisContext
-from shared.settings import GatewaySettings
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.shared.settings import GatewaySettings
 from tests.gateway.fakes import FakeEngineClient, token_events
 from tests.gateway.helpers import MODEL
 

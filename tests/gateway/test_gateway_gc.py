@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from gateway.app import GC_THRESHOLDS, tune_gc_for_serving
+from kvfleet.gateway.app import GC_THRESHOLDS, tune_gc_for_serving
 
 
 def test_tune_gc_freezes_the_heap_and_sets_the_thresholds():

@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from gateway.fleet.client import EngineTimeout
-from gateway.output.background import BackgroundTasks
-from gateway.output.choice_stream import ChoiceStream
-from gateway.output.merge import merge_choices
-from shared.wire import GenerationRequest, SamplingParams, TokenEvent, Usage
+from kvfleet.gateway.fleet.client import EngineTimeout
+from kvfleet.gateway.output.background import BackgroundTasks
+from kvfleet.gateway.output.choice_stream import ChoiceStream
+from kvfleet.gateway.output.merge import merge_choices
+from kvfleet.shared.wire import GenerationRequest, SamplingParams, TokenEvent, Usage
 from tests.gateway.fakes import FakeEngineClient, token_events
 
 

@@ -10,11 +10,11 @@ import httpx
 import pytest
 import uvicorn
 
-from gateway.app import create_app
-from shared.redis_connect import connect
-from shared.redis_server import free_port
-from shared.settings import GatewaySettings
-from shared.wire import Keys, TokenEvent
+from kvfleet.gateway.app import create_app
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import Keys, TokenEvent
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events, worker_events
 from tests.gateway.helpers import MODEL

@@ -13,9 +13,9 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from gateway.fleet.redis_client import RedisEngineClient
-from shared.redis_connect import connect
-from shared.wire import (
+from kvfleet.gateway.fleet.redis_client import RedisEngineClient
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import (
     GenerationRequest,
     Keys,
     RequestRecord,
@@ -24,7 +24,7 @@ from shared.wire import (
     TokenEvent,
 )
 from tests.helpers.channels import next_message, subscribe
-from worker.protocol import Publication, WorkerProtocol
+from kvfleet.worker.protocol import Publication, WorkerProtocol
 
 pytestmark = pytest.mark.topologies
 
@@ -176,7 +176,7 @@ async def test_attach_marks_only_a_request_that_exists(client, sync, keys):
 async def test_the_gateway_metrics_count_messages_and_events(client, sync, keys):
     from prometheus_client.exposition import generate_latest
 
-    from gateway.dashboard.metrics import GatewayMetrics
+    from kvfleet.gateway.dashboard.metrics import GatewayMetrics
 
     req_ids = [f"cmpl-m-{i}" for i in range(6)]
     streams = [await client.submit(make_request(req_id)) for req_id in req_ids]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
-from shared.settings import GatewaySettings
+from kvfleet.gateway.app import create_app
+from kvfleet.shared.settings import GatewaySettings
 from tests.gateway.helpers import MODEL, sse_events
 
 

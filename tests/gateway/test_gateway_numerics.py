@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from gateway.openai.serving import UsageTally
-from shared.wire import Usage
+from kvfleet.gateway.openai.serving import UsageTally
+from kvfleet.shared.wire import Usage
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL, sse_events
 

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from gateway.app import create_app
-from shared.settings import GatewaySettings
-from shared.wire import GenerationRequest, Keys, TokenEvent, TokenLogprob
+from kvfleet.gateway.app import create_app
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import GenerationRequest, Keys, TokenEvent, TokenLogprob
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL, sse_events

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from gateway.http.errors import APIError
-from gateway.models.tokenization import PromptProcessor
+from kvfleet.gateway.http.errors import APIError
+from kvfleet.gateway.models.tokenization import PromptProcessor
 
 LONG = "The quick brown fox jumps over the lazy dog. 日本語のテキスト 😀 " * 40
 
@@ -66,7 +66,7 @@ async def test_the_thread_copy_is_made_before_the_first_long_prompt(tokenizer, m
     def no_copy(_):
         raise AssertionError("the tokenizer was copied again")
 
-    monkeypatch.setattr("gateway.models.tokenization.copy.deepcopy", no_copy)
+    monkeypatch.setattr("kvfleet.gateway.models.tokenization.copy.deepcopy", no_copy)
     processor.prepare_offload()  # idempotent
     assert await processor.completion_prompts_async(LONG) == processor.completion_prompts(LONG)
     assert processor._thread_processor is made

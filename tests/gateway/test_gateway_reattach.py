@@ -10,9 +10,9 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway.app import create_app
-from shared.settings import GatewaySettings
-from shared.wire import (
+from kvfleet.gateway.app import create_app
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import (
     GenerationRequest,
     Keys,
     RequestRecord,
@@ -24,7 +24,7 @@ from shared.wire import (
 )
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL, sse_events
-from worker.engine.stopping import Stop, StopChecker
+from kvfleet.worker.engine.stopping import Stop, StopChecker
 
 PREFIX = "kvra:"
 KEYS = Keys(PREFIX)
@@ -228,7 +228,7 @@ async def test_unknown_request_is_a_404_in_openai_shape(gateway):
 
 
 async def test_checkpoint_decoding_matches_the_worker():
-    from shared.wire import decode_checkpoint, encode_checkpoint
+    from kvfleet.shared.wire import decode_checkpoint, encode_checkpoint
     assert decode_checkpoint(encode_checkpoint([0, 1, 70000, 2**32 - 1])) == [0, 1, 70000, 2**32 - 1]
     assert decode_checkpoint(None) == []
 

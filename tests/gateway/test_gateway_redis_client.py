@@ -9,9 +9,9 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from gateway.fleet.client import EngineTimeout, EngineUnavailable
-from gateway.fleet.redis_client import RedisEngineClient
-from shared.wire import (
+from kvfleet.gateway.fleet.client import EngineTimeout, EngineUnavailable
+from kvfleet.gateway.fleet.redis_client import RedisEngineClient
+from kvfleet.shared.wire import (
     GenerationRequest,
     Keys,
     QueueEntry,
@@ -197,7 +197,7 @@ async def test_a_request_that_ended_while_its_channel_was_down_ends_from_its_rec
 async def engine_on_own_redis(**options):
     """A private Redis server (the test may stop it) and an engine client on it, with short
     timeouts."""
-    from shared.redis_server import EmbeddedRedis
+    from kvfleet.shared.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     engine = RedisEngineClient.from_url(server.url, KEYS, connect_timeout_s=0.3,
@@ -248,7 +248,7 @@ async def test_unreachable_redis_is_unavailable_quickly():
 
 async def test_the_gateway_survives_a_redis_restart():
     """Not ready while Redis is down; ready again and serving once it is back (same address)."""
-    from shared.redis_server import EmbeddedRedis
+    from kvfleet.shared.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     engine = RedisEngineClient.from_url(server.url, KEYS, connect_timeout_s=0.5,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.output.sequencer import EventSequencer
-from shared.wire import TokenEvent, TokenLogprob, Usage
+from kvfleet.gateway.output.sequencer import EventSequencer
+from kvfleet.shared.wire import TokenEvent, TokenLogprob, Usage
 
 
 def test_in_order_events_pass_through():

@@ -8,9 +8,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.fleet.redis_context import RedisContext
-from shared.settings import GatewaySettings
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.shared.settings import GatewaySettings
 from tests.gateway.helpers import MODEL
 from tests.gateway.model_dirs import default_model_config, save_adapter
 from tests.gateway.test_models_catalog import sample

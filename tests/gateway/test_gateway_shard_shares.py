@@ -15,13 +15,13 @@ import pytest
 from redis.asyncio import Redis
 from redis.crc import key_slot
 
-from gateway.fleet.homes import GatewayHomes
-from gateway.fleet.redis_client import RedisEngineClient
-from shared.redis_cluster import slot_range
-from shared.redis_connect import connect
-from shared.redis_server import free_port
-from shared.wire import GenerationRequest, Keys, SamplingParams
-from shared.wire.scripts import gateway_shard_shares
+from kvfleet.gateway.fleet.homes import GatewayHomes
+from kvfleet.gateway.fleet.redis_client import RedisEngineClient
+from kvfleet.shared.redis_cluster import slot_range
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.wire import GenerationRequest, Keys, SamplingParams
+from kvfleet.shared.wire.scripts import gateway_shard_shares
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 
@@ -185,7 +185,7 @@ async def test_a_roster_that_cannot_be_read_keeps_the_last_shares():
 async def test_the_gateway_metrics_export_the_place_and_shares(cluster_url):
     from prometheus_client.exposition import generate_latest
 
-    from gateway.dashboard.metrics import GatewayMetrics
+    from kvfleet.gateway.dashboard.metrics import GatewayMetrics
 
     keys = Keys("kvs:", queue_shards=3)
     engines = [await started(cluster_url, keys) for _ in range(2)]

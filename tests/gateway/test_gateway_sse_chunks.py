@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.openai.responses import (
+from kvfleet.gateway.openai.responses import (
     ChatChoiceLogprobs,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -19,7 +19,7 @@ from gateway.openai.responses import (
     UsageInfo,
     chunk_json,
 )
-from gateway.openai.sse_chunks import ChatChunkEncoder, CompletionChunkEncoder
+from kvfleet.gateway.openai.sse_chunks import ChatChunkEncoder, CompletionChunkEncoder
 
 ID, CREATED, MODEL = "cmpl-0123abcd", 1_764_400_000, 'Smol"LM2/135M\\x'
 TEXTS = ["", " the", 'quote " backslash \\ slash /', "tab\tnew\nline\r\x00\x1f", "emoji 😀🎉",

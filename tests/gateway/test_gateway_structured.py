@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from shared.wire import GenerationRequest
+from kvfleet.shared.wire import GenerationRequest
 from tests.gateway.helpers import MODEL
 
 MESSAGES = [{"role": "user", "content": "Give me a person."}]
@@ -112,7 +112,7 @@ async def test_unsupported_values_are_named(http, field, value):
 async def test_best_of_returns_the_most_likely_candidates(http, engine, tokenizer):
     """best_of candidates are sampled; the n with the highest cumulative logprob come back, best
     first, and every candidate's tokens are billed."""
-    from shared.wire import TokenEvent, TokenLogprob, Usage
+    from kvfleet.shared.wire import TokenEvent, TokenLogprob, Usage
 
     scores = {0: -3.0, 1: -0.5, 2: -1.5}  # candidate index -> logprob of each of its tokens
 
@@ -149,7 +149,7 @@ async def test_bad_best_of_is_400(http, engine, body):
 
 async def test_unknown_fields_are_ignored_with_a_warning(http, engine, say, caplog):
     say("ok")
-    with caplog.at_level(logging.WARNING, logger="gateway.openai.fields"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.gateway.openai.fields"):
         response = await chat(http, frobnicate=1, my_tracking_tag="x",
                               modalities=["text"], store=False, service_tier="auto")
     assert response.status_code == 200, response.text

@@ -8,12 +8,12 @@ import asyncio
 
 from redis.asyncio import Redis
 
-from gateway.dashboard.history import FleetHistory, HistorySampler
-from gateway.dashboard.metrics import GatewayMetrics
-from gateway.fleet.homes import GatewayHomes
-from gateway.fleet.tasks import stop_task
-from shared.redis_server import free_port
-from shared.wire import Keys
+from kvfleet.gateway.dashboard.history import FleetHistory, HistorySampler
+from kvfleet.gateway.dashboard.metrics import GatewayMetrics
+from kvfleet.gateway.fleet.homes import GatewayHomes
+from kvfleet.gateway.fleet.tasks import stop_task
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.wire import Keys
 
 
 async def swallowing_call(started: asyncio.Event, result):

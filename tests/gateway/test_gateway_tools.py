@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.app import create_app
+from kvfleet.gateway.app import create_app
 from tests.gateway.helpers import MODEL, sse_events
 
 WEATHER = {"type": "function", "function": {

@@ -13,12 +13,12 @@ import pytest
 import uvicorn
 from opentelemetry.trace import SpanKind, StatusCode
 
-from gateway.app import create_app
-from gateway.http.tracing import TraceMiddleware
-from shared import tracing
-from shared.redis_server import free_port
-from shared.settings import GatewaySettings
-from shared.wire import Keys
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.http.tracing import TraceMiddleware
+from kvfleet.shared import tracing
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import Keys
 from tests.gateway.fake_worker import FakeWorker
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL

@@ -15,11 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from gateway.app import create_app
-from gateway.fleet.redis_context import RedisContext
-from shared.lora import LoraRecord
-from shared.settings import GatewaySettings
-from shared.wire import Heartbeat, Keys
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.shared.lora import LoraRecord
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import Heartbeat, Keys
 from tests.gateway.fakes import FakeEngineClient
 from tests.gateway.helpers import MODEL
 from tests.gateway.model_dirs import TINY, default_model_config, save_adapter, save_model_dir

@@ -13,11 +13,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from gateway.app import create_app
-from gateway.fleet.redis_context import RedisContext
-from gateway.models import loader
-from shared.settings import GatewaySettings
-from shared.wire import Heartbeat, Keys
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.models import loader
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import Heartbeat, Keys
 from tests.gateway.helpers import MODEL
 from tests.gateway.model_dirs import save_model_dir
 

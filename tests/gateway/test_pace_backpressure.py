@@ -3,8 +3,8 @@ fleet's room at the pace (the heartbeats' `pace_room`) wait ~0; only those beyon
 
 from __future__ import annotations
 
-from gateway.fleet.redis_client import RedisEngineClient
-from gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.fleet.redis_client import RedisEngineClient
+from kvfleet.gateway.fleet.redis_context import RedisContext
 from tests.gateway.helpers import MODEL
 from tests.gateway.test_gateway_backpressure import (  # noqa: F401 - fixtures
     KEYS, gateway, heartbeat, post, queue_requests, redis, settings_for)

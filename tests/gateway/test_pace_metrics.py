@@ -11,9 +11,9 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from gateway.dashboard.metrics import GatewayMetrics, metrics_route
-from gateway.fleet.redis_context import RedisContext
-from shared.wire import Heartbeat, Keys
+from kvfleet.gateway.dashboard.metrics import GatewayMetrics, metrics_route
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.shared.wire import Heartbeat, Keys
 
 MODEL = "tiny-model"
 KEYS = Keys("kvpm:")

@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from gateway.dashboard.router import add_routing, routing_summary
-from gateway.fleet.affinity import Router
-from gateway.fleet.prefix_index import PrefixIndex
-from gateway.fleet.redis_client import RedisEngineClient
-from shared.redis_connect import connect
-from shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
-from shared.wire.affinity import ANNOUNCE_BLOCKS, announce_blocks
-from shared.wire.prefix_hash import block_hashes, lora_root, pack_ids, root_hash
+from kvfleet.gateway.dashboard.router import add_routing, routing_summary
+from kvfleet.gateway.fleet.affinity import Router
+from kvfleet.gateway.fleet.prefix_index import PrefixIndex
+from kvfleet.gateway.fleet.redis_client import RedisEngineClient
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
+from kvfleet.shared.wire.affinity import ANNOUNCE_BLOCKS, announce_blocks
+from kvfleet.shared.wire.prefix_hash import block_hashes, lora_root, pack_ids, root_hash
 
 pytestmark = pytest.mark.topologies
 

@@ -15,15 +15,15 @@ import time
 
 import pytest
 
-from gateway.dashboard.router import routing_summary
-from gateway.fleet.affinity import Router
-from gateway.fleet.redis_client import RedisEngineClient
-from gateway.fleet.redis_context import RedisContext
-from shared.redis_connect import connect
-from shared.settings import GatewaySettings
-from shared.wire import GenerationRequest, Heartbeat, Keys, SamplingParams
-from shared.wire.affinity import ANNOUNCE_BLOCKS, announce_blocks
-from shared.wire.prefix_hash import block_hashes, pack_ids, root_hash
+from kvfleet.gateway.dashboard.router import routing_summary
+from kvfleet.gateway.fleet.affinity import Router
+from kvfleet.gateway.fleet.redis_client import RedisEngineClient
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.settings import GatewaySettings
+from kvfleet.shared.wire import GenerationRequest, Heartbeat, Keys, SamplingParams
+from kvfleet.shared.wire.affinity import ANNOUNCE_BLOCKS, announce_blocks
+from kvfleet.shared.wire.prefix_hash import block_hashes, pack_ids, root_hash
 
 pytestmark = pytest.mark.topologies
 

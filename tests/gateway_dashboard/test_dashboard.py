@@ -21,11 +21,11 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from gateway.dashboard.metrics import GatewayMetrics, metrics_route
-from gateway.dashboard.router import dashboard_router
-from gateway.fleet.load import stream_depth
-from gateway.fleet.redis_context import RedisContext
-from shared.wire import Heartbeat, Keys
+from kvfleet.gateway.dashboard.metrics import GatewayMetrics, metrics_route
+from kvfleet.gateway.dashboard.router import dashboard_router
+from kvfleet.gateway.fleet.load import stream_depth
+from kvfleet.gateway.fleet.redis_context import RedisContext
+from kvfleet.shared.wire import Heartbeat, Keys
 
 MODEL = "tiny-model"
 KEYS = Keys("kvft:")

@@ -14,10 +14,10 @@ import pytest
 import redis
 from PIL import Image
 
-from gateway.dashboard.history import (FleetHistory, HistoryPoint, HistorySampler,
+from kvfleet.gateway.dashboard.history import (FleetHistory, HistoryPoint, HistorySampler,
                                        history_router, redis_snapshot_reader)
-from gateway.dashboard.metrics import GatewayMetrics
-from gateway.fleet.redis_context import RedisContext
+from kvfleet.gateway.dashboard.metrics import GatewayMetrics
+from kvfleet.gateway.fleet.redis_context import RedisContext
 from tests.gateway_dashboard.test_dashboard import (CHROMIUM_TIMEOUT_S, KEYS, MODEL, chromium_dom,
                                                     find_chromium, free_port, make_app,
                                                     serve_in_thread, text_of, write_heartbeat)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from shared.redis_connect import is_cluster
+from kvfleet.shared.redis_connect import is_cluster
 
 
 def subscribe(client, *channels: str):
@@ -41,7 +41,7 @@ def request_id_of(channel: bytes | str) -> str:
 def fleet_keys(client, prefix: str = "kvf:"):
     """The key names a test fleet uses on `client`'s topology: 3 stream shards on a cluster (one
     per primary), 1 on a single Redis."""
-    from shared.wire import Keys
+    from kvfleet.shared.wire import Keys
     return Keys(prefix, queue_shards=3 if is_cluster(client) else 1)
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from shared.redis_server import free_port
-from shared.wire import Keys
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.wire import Keys
 from tests.helpers import forkserver
 from tests.helpers.forkserver import ForkServer
 
@@ -125,7 +125,7 @@ class ProcessFleet:
 
     def wait_worker(self, worker_id: str, timeout_s: float = 180) -> None:
         """Until the worker's heartbeat key exists: it has loaded its model and reads the queue."""
-        from shared.redis_connect import connect
+        from kvfleet.shared.redis_connect import connect
 
         client = connect(self.redis_url)
         try:

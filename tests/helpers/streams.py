@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from shared.wire import Keys, RequestRecord
-from shared.wire.checkpoint import TOKEN_BYTES
+from kvfleet.shared.wire import Keys, RequestRecord
+from kvfleet.shared.wire.checkpoint import TOKEN_BYTES
 
 # (the requests' ids, their current workers as bytes, their checkpointed token counts)
 Ready = Callable[[list[str], list[bytes | None], list[int]], bool]

@@ -16,14 +16,14 @@ import time
 import redis
 import torch
 
-from shared.settings import WorkerSettings
-from shared.wire import Keys
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.wire import Keys
 from tests.engine.tiny_models import build_model
-from worker.engine.engine import Engine, EngineConfig
-from worker.engine.tp_rank import launch_engine
-from worker.metrics import WorkerMetrics
-from worker.protocol import WorkerProtocol
-from worker.service import WorkerService
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.tp_rank import launch_engine
+from kvfleet.worker.metrics import WorkerMetrics
+from kvfleet.worker.protocol import WorkerProtocol
+from kvfleet.worker.service import WorkerService
 
 MODEL = "tiny"
 

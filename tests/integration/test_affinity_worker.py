@@ -11,14 +11,14 @@ import time
 import pytest
 import redis
 
-from shared.redis_connect import connect
-from shared.wire import GenerationRequest, Heartbeat, Keys, RequestRecord, SamplingParams, scripts
-from shared.wire.affinity import KvEvent, PREFIX_MATCH, prefix_match
-from shared.wire.prefix_hash import block_hashes, pack_ids, root_hash
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import GenerationRequest, Heartbeat, Keys, RequestRecord, SamplingParams, scripts
+from kvfleet.shared.wire.affinity import KvEvent, PREFIX_MATCH, prefix_match
+from kvfleet.shared.wire.prefix_hash import block_hashes, pack_ids, root_hash
 from tests.engine.tiny_models import TinyModel, random_prompt
 from tests.helpers.channels import fleet_keys
 from tests.integration.test_worker_service import MODEL, Client, make_service, run_until
-from worker.protocol import WorkerProtocol
+from kvfleet.worker.protocol import WorkerProtocol
 
 pytestmark = pytest.mark.topologies
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.redis_connect import connect
-from shared.wire import Keys, TokenEvent, decode_checkpoint, scripts
-from shared.wire.lua import run_per_node, run_pipelined
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import Keys, TokenEvent, decode_checkpoint, scripts
+from kvfleet.shared.wire.lua import run_per_node, run_pipelined
 
 KEYS = Keys("cp:")
 REQS = [f"req-{i}" for i in range(24)]

@@ -13,17 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.models.tokenization import ModelInfo
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from shared.redis_connect import connect
-from shared.settings import GatewaySettings, WorkerSettings
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.models.tokenization import ModelInfo
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.settings import GatewaySettings, WorkerSettings
 from tests.engine.tiny_models import VOCAB, TinyModel, random_prompt
 from tests.helpers.promql import dashboard_gaps, dashboard_queries, exported_names, metric_names
 from tests.helpers.service_thread import serving
-from worker.main import worker_protocol
-from worker.metrics import WorkerMetrics
-from worker.service import WorkerService
+from kvfleet.worker.main import worker_protocol
+from kvfleet.worker.metrics import WorkerMetrics
+from kvfleet.worker.service import WorkerService
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/kvfleet.json"
 PREFIX = "kvgraf:"

@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from shared.settings import WorkerSettings
-from shared.redis_connect import connect
-from shared.wire import SamplingParams
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import SamplingParams
 from tests.engine.tiny_models import TinyModel, random_prompt
 from tests.helpers.channels import fleet_keys
 from tests.integration.test_worker_service import MODEL, Client
-from worker.handoff.transfer import TcpTransferPlane
-from worker.protocol import WorkerProtocol
-from worker.service import WorkerService
+from kvfleet.worker.handoff.transfer import TcpTransferPlane
+from kvfleet.worker.protocol import WorkerProtocol
+from kvfleet.worker.service import WorkerService
 
 pytestmark = pytest.mark.topologies
 

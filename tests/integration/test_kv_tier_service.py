@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.settings import WorkerSettings
-from shared.wire import SamplingParams
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.wire import SamplingParams
 from tests.engine.tiny_models import random_prompt
 from tests.integration.test_worker_service import client, make_service, run_until, tiny  # noqa: F401 (fixtures)
 

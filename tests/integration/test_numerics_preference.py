@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from shared.wire import Heartbeat, Keys, encode_checkpoint
+from kvfleet.shared.wire import Heartbeat, Keys, encode_checkpoint
 from tests.integration.test_worker_protocol import MODEL, enqueue
-from worker.numerics import FleetNumerics, last_numerics
-from worker.protocol import WorkerProtocol
+from kvfleet.worker.numerics import FleetNumerics, last_numerics
+from kvfleet.worker.protocol import WorkerProtocol
 
 pytestmark = pytest.mark.topologies
 

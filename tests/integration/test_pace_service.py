@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from shared.pace import StepCostCurve, StepFeatures
-from shared.redis_connect import is_cluster
-from shared.wire import GenerationRequest, Heartbeat, RequestRecord, SamplingParams, scripts
+from kvfleet.shared.pace import StepCostCurve, StepFeatures
+from kvfleet.shared.redis_connect import is_cluster
+from kvfleet.shared.wire import GenerationRequest, Heartbeat, RequestRecord, SamplingParams, scripts
 from tests.engine.tiny_models import random_prompt
 from tests.helpers.channels import subscribe
 from tests.integration.test_worker_service import (  # noqa: F401  (fixtures)
     MODEL, Client, client, make_service, run_until, tiny)
-from worker.engine.pace import StepCostModel
+from kvfleet.worker.engine.pace import StepCostModel
 
 pytestmark = pytest.mark.topologies
 

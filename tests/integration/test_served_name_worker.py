@@ -10,16 +10,16 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.models.tokenization import ModelInfo
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from shared.redis_connect import connect
-from shared.settings import GatewaySettings, WorkerSettings
-from shared.wire.prefix_hash import block_hashes, root_hash
+from kvfleet.gateway.app import create_app
+from kvfleet.gateway.models.tokenization import ModelInfo
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.settings import GatewaySettings, WorkerSettings
+from kvfleet.shared.wire.prefix_hash import block_hashes, root_hash
 from tests.engine.tiny_models import VOCAB, TinyModel, random_prompt
 from tests.helpers.service_thread import serving
-from worker.main import worker_protocol
-from worker.service import WorkerService
+from kvfleet.worker.main import worker_protocol
+from kvfleet.worker.service import WorkerService
 
 HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 NAMES = [HUB, "smol"]

@@ -10,22 +10,22 @@ import time
 
 import pytest
 
-from shared.engine_config import EngineConfig
-from shared.models import default_cache_dir
-from shared.settings import WorkerSettings
-from shared.redis_connect import connect
-from shared.wire import Heartbeat, SamplingParams
+from kvfleet.shared.engine_config import EngineConfig
+from kvfleet.shared.models import default_cache_dir
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.wire import Heartbeat, SamplingParams
 from tests.engine.tiny_models import random_prompt
 from tests.helpers.channels import fleet_keys
 from tests.integration.test_handoff_service import metric, prefilled_tokens, step_all, workers
 from tests.integration.test_worker_service import MODEL, client, run_until  # noqa: F401 (fixture)
 from tests.sim.test_sim_engine import LinearCost
-from worker.handoff.transfer import TcpTransferPlane
-from worker.protocol import WorkerProtocol
-from worker.service import WorkerService
-from worker.sim.clock import StepClock
-from worker.sim.engine import SimEngine
-from worker.sim.tokens import AnswerLengths
+from kvfleet.worker.handoff.transfer import TcpTransferPlane
+from kvfleet.worker.protocol import WorkerProtocol
+from kvfleet.worker.service import WorkerService
+from kvfleet.worker.sim.clock import StepClock
+from kvfleet.worker.sim.engine import SimEngine
+from kvfleet.worker.sim.tokens import AnswerLengths
 
 pytestmark = pytest.mark.topologies
 
@@ -110,7 +110,7 @@ def test_one_process_runs_several_simulated_workers_of_a_shape_without_its_weigh
     model's config and tokenizer only (no weights are made), three workers with their own
     names, pools of the H100's memory beside 70B's weights at tensor parallel 2, one metrics
     endpoint; they serve, and stop when asked."""
-    from worker.sim.host import run_sim_workers
+    from kvfleet.worker.sim.host import run_sim_workers
 
     keys = client.keys
     settings = WorkerSettings(
@@ -155,7 +155,7 @@ def test_simulated_workers_make_the_spans_a_real_worker_makes(redis_url, client)
     """--otlp-traces-endpoint reaches simulated workers too: a request with the gateway's trace
     context gets its worker span from the simulated worker that served it, in that trace."""
     from tests.helpers.otlp import Receiver, span_attributes
-    from worker.sim.host import run_sim_workers
+    from kvfleet.worker.sim.host import run_sim_workers
 
     keys = client.keys
     receiver = Receiver()

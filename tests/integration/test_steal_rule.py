@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from shared.wire import Heartbeat, Keys
-from worker.affinity import NEVER_MS, STEAL_LOAD_GAP, ForeignRead, OwnStreamOwners
+from kvfleet.shared.wire import Heartbeat, Keys
+from kvfleet.worker.affinity import NEVER_MS, STEAL_LOAD_GAP, ForeignRead, OwnStreamOwners
 
 
 def beat(running: int, own_queue: int = 0, blocks_free: int = 10) -> Heartbeat:

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from kvfleet import cli
-from shared.wire import SamplingParams
-from shared.wire.timeline import RequestTimeline, percentile, summarize
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.shared.wire.timeline import RequestTimeline, percentile, summarize
 from tests.engine.tiny_models import random_prompt
 from tests.integration.test_worker_service import MODEL, client, make_service, run_until, tiny  # noqa: F401 (fixtures)
 

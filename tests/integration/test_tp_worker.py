@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.wire import Keys, SamplingParams
-from shared.wire.checkpoint import TOKEN_BYTES
+from kvfleet.shared.wire import Keys, SamplingParams
+from kvfleet.shared.wire.checkpoint import TOKEN_BYTES
 from tests.engine.tiny_models import TinyModel, random_prompt
 from tests.integration.test_worker_service import Client
 from tests.integration.test_worker_takeover import SlowWorker, wait_for
-from worker.engine.tp_group import EXIT_RANK_DIED
+from kvfleet.worker.engine.tp_group import EXIT_RANK_DIED
 
 pytestmark = pytest.mark.e2e
 

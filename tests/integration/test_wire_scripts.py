@@ -10,8 +10,8 @@ import time
 import pytest
 import redis
 
-from shared.redis_connect import is_cluster
-from shared.wire import (
+from kvfleet.shared.redis_connect import is_cluster
+from kvfleet.shared.wire import (
     GenerationRequest,
     Keys,
     QueueEntry,

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from shared.wire import (
+from kvfleet.shared.wire import (
     GenerationRequest,
     Heartbeat,
     Keys,
@@ -21,7 +21,7 @@ from shared.wire import (
     encode_checkpoint,
 )
 from tests.helpers.channels import next_message, subscribe
-from worker.protocol import Publication, TooLarge, WorkerProtocol
+from kvfleet.worker.protocol import Publication, TooLarge, WorkerProtocol
 
 pytestmark = pytest.mark.topologies
 

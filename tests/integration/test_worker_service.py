@@ -10,8 +10,8 @@ import uuid
 import pytest
 import redis
 
-from shared.settings import WorkerSettings
-from shared.wire import (
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.wire import (
     GenerationRequest,
     Keys,
     RequestRecord,
@@ -20,11 +20,11 @@ from shared.wire import (
     decode_checkpoint,
     scripts,
 )
-from shared.redis_connect import connect, is_cluster
+from kvfleet.shared.redis_connect import connect, is_cluster
 from tests.helpers.channels import cancel, fleet_keys, next_message, request_id_of, subscribe
 from tests.engine.tiny_models import TinyModel, random_prompt
-from worker.protocol import WorkerProtocol
-from worker.service import WorkerService
+from kvfleet.worker.protocol import WorkerProtocol
+from kvfleet.worker.service import WorkerService
 
 pytestmark = pytest.mark.topologies
 
@@ -329,7 +329,7 @@ def test_work_that_does_not_fit_stays_in_the_stream(redis_url, client, tiny):
 def test_the_worker_survives_a_redis_restart(tiny, tmp_path):
     import threading
 
-    from shared.redis_server import EmbeddedRedis
+    from kvfleet.shared.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     stop = threading.Event()
@@ -370,7 +370,7 @@ def test_a_device_failure_exits_the_worker_and_its_request_resumes_elsewhere(red
     requests, and another worker finishes them token for token."""
     import threading
 
-    from worker.engine.device import DeviceFailure
+    from kvfleet.worker.engine.device import DeviceFailure
 
     prompt = random_prompt(10, seed=5)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import redis
 
-from shared.redis_server import free_port
-from shared.wire import Keys, SamplingParams
+from kvfleet.shared.redis_server import free_port
+from kvfleet.shared.wire import Keys, SamplingParams
 from tests.engine.tiny_models import TinyModel, random_prompt
 from tests.helpers import forkserver
 from tests.integration.slow_worker import MODEL

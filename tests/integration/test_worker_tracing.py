@@ -11,8 +11,8 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from shared.tracing import traceparent_of
-from shared.wire import GenerationRequest, SamplingParams
+from kvfleet.shared.tracing import traceparent_of
+from kvfleet.shared.wire import GenerationRequest, SamplingParams
 from tests.engine.tiny_models import TinyModel, random_prompt
 from tests.helpers.channels import fleet_keys
 from tests.integration.test_worker_service import Client, make_service, run_until

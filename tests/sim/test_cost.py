@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model_shapes import SHAPES, shape_config
-from shared.pace import StepCostCurve, StepFeatures
-from shared.wire import Heartbeat
-from worker.sim.accelerators import ACCELERATORS, accelerator
-from worker.sim.cost import (MeasuredCost, ModelShape, RooflineCost, measured_cost_from_file,
+from kvfleet.shared.model_shapes import SHAPES, shape_config
+from kvfleet.shared.pace import StepCostCurve, StepFeatures
+from kvfleet.shared.wire import Heartbeat
+from kvfleet.worker.sim.accelerators import ACCELERATORS, accelerator
+from kvfleet.worker.sim.cost import (MeasuredCost, ModelShape, RooflineCost, measured_cost_from_file,
                              measured_cost_from_heartbeat, step_cost)
 
 GIB = 1 << 30

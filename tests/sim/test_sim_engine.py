@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine_config import EngineConfig
-from shared.pace import StepCostCurve, StepFeatures
-from shared.wire import RequestStatus, SamplingParams
-from worker.engine.handoff import HandoffError, SequenceState
-from worker.engine.lora import LoraLoadError, LoraRequest
-from worker.sim.clock import INVALID_LAG_SHARE, SimLag, StepClock
-from worker.sim.cost import RooflineCost
-from worker.sim.engine import SimEngine
-from worker.sim.tokens import AnswerLengths, AnswerTokens
+from kvfleet.shared.engine_config import EngineConfig
+from kvfleet.shared.pace import StepCostCurve, StepFeatures
+from kvfleet.shared.wire import RequestStatus, SamplingParams
+from kvfleet.worker.engine.handoff import HandoffError, SequenceState
+from kvfleet.worker.engine.lora import LoraLoadError, LoraRequest
+from kvfleet.worker.sim.clock import INVALID_LAG_SHARE, SimLag, StepClock
+from kvfleet.worker.sim.cost import RooflineCost
+from kvfleet.worker.sim.engine import SimEngine
+from kvfleet.worker.sim.tokens import AnswerLengths, AnswerTokens
 
 VOCAB, EOS = 512, 2
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.settings import WorkerSettings
-from worker.service import LOAD_BEAT_MIN_S, LOAD_BEAT_SHARE
-from worker.sim.checks import check_sim_settings
-from worker.sim.host import SCALED_TIMINGS, scaled_timings
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.worker.service import LOAD_BEAT_MIN_S, LOAD_BEAT_SHARE
+from kvfleet.worker.sim.checks import check_sim_settings
+from kvfleet.worker.sim.host import SCALED_TIMINGS, scaled_timings
 
 
 def test_the_fleets_timings_run_k_times_longer_under_a_time_scale():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
-from worker.engine.engine import Engine, EngineConfig
+from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.tools.formats import HERMES, LLAMA3_JSON, MISTRAL
-from gateway.tools.grammar import auto_tool_constraint
-from shared.structured import ConstraintError, validate
-from worker.structured.compiler import GrammarCompiler
-from worker.structured.logit_mask import LogitMask
+from kvfleet.gateway.tools.formats import HERMES, LLAMA3_JSON, MISTRAL
+from kvfleet.gateway.tools.grammar import auto_tool_constraint
+from kvfleet.shared.structured import ConstraintError, validate
+from kvfleet.worker.structured.compiler import GrammarCompiler
+from kvfleet.worker.structured.logit_mask import LogitMask
 
 WEATHER = ("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
                            "required": ["city"]})

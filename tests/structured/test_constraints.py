@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.wire import GenerationRequest, SamplingParams
-from shared.structured import ConstraintError, OutputConstraint, grammar_of, validate
+from kvfleet.shared.wire import GenerationRequest, SamplingParams
+from kvfleet.shared.structured import ConstraintError, OutputConstraint, grammar_of, validate
 
 
 def test_constraint_travels_inside_the_request_record():

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from shared.wire import SamplingParams
-from shared.structured import OutputConstraint
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.shared.structured import OutputConstraint
 from tests.engine.tiny_models import run_to_completion
 
 SCHEMA = {"type": "object",
@@ -86,7 +86,7 @@ def test_bad_constraint_is_refused_at_add(make_engine):
 def test_constraint_without_tokenizer_is_refused(tiny_bpe_model):
     import copy
 
-    from worker.engine.engine import Engine, EngineConfig
+    from kvfleet.worker.engine.engine import Engine, EngineConfig
     engine = Engine(copy.deepcopy(tiny_bpe_model), EngineConfig(device="cpu", dtype="float32",
                                                                    num_blocks=64))
     with pytest.raises(ValueError, match="tokenizer"):

@@ -10,11 +10,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from shared.structured import OutputConstraint
-from shared.wire import SamplingParams
-from shared.wire.prefix_hash import lora_root
+from kvfleet.shared.structured import OutputConstraint
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.shared.wire.prefix_hash import lora_root
 from tests.engine.tiny_models import run_to_completion
-from worker.engine.lora import LoraRequest
+from kvfleet.worker.engine.lora import LoraRequest
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 REGEX = r"(abc ){3}[0-9]{3}"

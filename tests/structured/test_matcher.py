@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from shared.structured import ConstraintError, OutputConstraint
-from worker.structured.compiler import GrammarCompiler
-from worker.structured.logit_mask import LogitMask
+from kvfleet.shared.structured import ConstraintError, OutputConstraint
+from kvfleet.worker.structured.compiler import GrammarCompiler
+from kvfleet.worker.structured.logit_mask import LogitMask
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer"}},

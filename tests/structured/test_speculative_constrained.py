@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.structured import OutputConstraint
-from shared.wire import SamplingParams
+from kvfleet.shared.structured import OutputConstraint
+from kvfleet.shared.wire import SamplingParams
 from tests.engine.tiny_models import run_to_completion
 
 PROMPT = [1, 520, 3100, 77, 902, 15]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.output.reasoning import ReasoningSplitter, split_reasoning
+from kvfleet.gateway.output.reasoning import ReasoningSplitter, split_reasoning
 
 CASES = [
     ("<think>Two plus two.\nIs four.</think>\n\nThe answer is 4.", False,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway.tools.formats import HERMES, LLAMA3_JSON, MISTRAL, format_for_template
-from gateway.tools.parser import ToolCallParser, parse_tool_calls
+from kvfleet.gateway.tools.formats import HERMES, LLAMA3_JSON, MISTRAL, format_for_template
+from kvfleet.gateway.tools.parser import ToolCallParser, parse_tool_calls
 
 WEATHER = '{"city": "Paris", "unit": {"kind": "celsius"}}'
 TIME = '{"tz": "UTC"}'

@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
-from shared.wire.prefix_hash import BlockHash, hash_block, root_hash
+from kvfleet.shared.wire.prefix_hash import BlockHash, hash_block, root_hash
 
 if TYPE_CHECKING:
-    from worker.engine.kv_tier import TierIndex
+    from kvfleet.worker.engine.kv_tier import TierIndex
 
 
 class NetChange:

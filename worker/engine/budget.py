@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import torch
 
-from worker.engine.attention import AttentionBackend
-from worker.engine.config import EngineConfig
-from worker.engine.device import is_cuda
-from worker.engine.kv_cache import KVCachePool, KVLayout, MemoryBudget, plan_budget
-from worker.engine.memory_profile import profile_step
-from worker.engine.model_prep import PreparedModel
-from worker.engine.preemption import PreemptionCostModel
-from worker.engine.tp_group import RankGroup
+from kvfleet.worker.engine.attention import AttentionBackend
+from kvfleet.worker.engine.config import EngineConfig
+from kvfleet.worker.engine.device import is_cuda
+from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout, MemoryBudget, plan_budget
+from kvfleet.worker.engine.memory_profile import profile_step
+from kvfleet.worker.engine.model_prep import PreparedModel
+from kvfleet.worker.engine.preemption import PreemptionCostModel
+from kvfleet.worker.engine.tp_group import RankGroup
 
 
 def plan_kv_budget(prepared: PreparedModel, layout: KVLayout, config: EngineConfig,

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine import cpu_kernels
-from worker.engine.cpu_kernels import decode_kernel, layer_ops_kernel, prefill_kernel
-from worker.engine.kernel_build import KernelUnavailable
-from worker.engine.device import is_cpu
-from worker.engine.kv_cache import KVCachePool
-from worker.engine.torch_private import named_while_profiling
+from kvfleet.worker.engine import cpu_kernels
+from kvfleet.worker.engine.cpu_kernels import decode_kernel, layer_ops_kernel, prefill_kernel
+from kvfleet.worker.engine.kernel_build import KernelUnavailable
+from kvfleet.worker.engine.device import is_cpu
+from kvfleet.worker.engine.kv_cache import KVCachePool
+from kvfleet.worker.engine.torch_private import named_while_profiling
 
 __all__ = ["DTYPE_CODES", "CpuDecodePlan", "CpuPrefillPlan", "KernelUnavailable", "paged_decode",
            "paged_prefill", "prefill_supported", "supports", "unavailable_reason", "write_kv"]

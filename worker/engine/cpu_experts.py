@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.engine.cpu_linear import packs, product
+from kvfleet.worker.engine.cpu_linear import packs, product
 
 
 def _experts_of(module: nn.Module) -> bool:

@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.settings import KernelSettings
-from worker.engine.kernel_binding import BoundKernel, HeaderError, read_header
-from worker.engine.kernel_build import KernelUnavailable, build, build_inputs, flags_for
+from kvfleet.shared.settings import KernelSettings
+from kvfleet.worker.engine.kernel_binding import BoundKernel, HeaderError, read_header
+from kvfleet.worker.engine.kernel_build import KernelUnavailable, build, build_inputs, flags_for
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine import cpu_kernels
-from worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
-from worker.engine.cpu_attention import DTYPE_CODES
-from worker.engine.cpu_kernels import layer_ops_kernel
-from worker.engine.cpu_linear import product
+from kvfleet.worker.engine import cpu_kernels
+from kvfleet.worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
+from kvfleet.worker.engine.cpu_attention import DTYPE_CODES
+from kvfleet.worker.engine.cpu_kernels import layer_ops_kernel
+from kvfleet.worker.engine.cpu_linear import product
 
 FUSED_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
 FUSED_DTYPES = (torch.bfloat16, torch.float32)

@@ -32,11 +32,11 @@ import functools
 
 import torch
 
-from shared.cpu_features import CpuFeatures, cpu_features
-from shared.settings import KernelSettings
-from worker.engine import torch_private
-from worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable
-from worker.engine.cpu_kernels import amx_kernel, matmul_kernel
+from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
+from kvfleet.shared.settings import KernelSettings
+from kvfleet.worker.engine import torch_private
+from kvfleet.worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable
+from kvfleet.worker.engine.cpu_kernels import amx_kernel, matmul_kernel
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 _BATCH_HINT = 64  # rows the packing is tuned for (its speed hardly depends on the hint)

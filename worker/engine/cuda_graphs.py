@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.attention import CONTEXT_KWARG
-from worker.engine.attention.triton_backend import TritonBackend, TritonMetadata
-from worker.engine.kv_cache import KVCachePool
-from worker.engine.scheduler import ScheduledChunk
-from worker.engine.triton_attention import PagedAttentionPlan, queries_per_tile
+from kvfleet.worker.engine.attention import CONTEXT_KWARG
+from kvfleet.worker.engine.attention.triton_backend import TritonBackend, TritonMetadata
+from kvfleet.worker.engine.kv_cache import KVCachePool
+from kvfleet.worker.engine.scheduler import ScheduledChunk
+from kvfleet.worker.engine.triton_attention import PagedAttentionPlan, queries_per_tile
 
 CUDA_GRAPH_MODES = ("auto", "off", "eager")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.cpu_features import CpuFeatures, cpu_features
+from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tokens per KV block by default. The C++ CPU decode kernel reads a bf16 pool page by page, and a

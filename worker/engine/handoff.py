@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.wire import SamplingParams
-from shared.wire.messages import pack, unpack
-from worker.engine.kv_cache import HostBlocks, KVCachePool, tensor_bytes
-from worker.engine.kv_format import SCALE_DTYPE
-from worker.engine.lora import LoraRequest
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.shared.wire.messages import pack, unpack
+from kvfleet.worker.engine.kv_cache import HostBlocks, KVCachePool, tensor_bytes
+from kvfleet.worker.engine.kv_format import SCALE_DTYPE
+from kvfleet.worker.engine.lora import LoraRequest
 
 
 class HandoffError(ValueError):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.attention import AttentionBackend
-from worker.engine.cpu_layers import FusedDecoderLayer
-from worker.engine.cpu_linear import KernelLinear, SiblingLinear
-from worker.engine.device import is_cpu
-from worker.engine.model_prep import PreparedModel, linear_products
+from kvfleet.worker.engine.attention import AttentionBackend
+from kvfleet.worker.engine.cpu_layers import FusedDecoderLayer
+from kvfleet.worker.engine.cpu_linear import KernelLinear, SiblingLinear
+from kvfleet.worker.engine.device import is_cpu
+from kvfleet.worker.engine.model_prep import PreparedModel, linear_products
 
 
 def invariance_gap(prepared: PreparedModel, backend: AttentionBackend,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.device import is_cpu, is_cuda
-from worker.engine.kv_format import SCALE_DTYPE, KVFormat, rotation_matrix
+from kvfleet.worker.engine.device import is_cpu, is_cuda
+from kvfleet.worker.engine.kv_format import SCALE_DTYPE, KVFormat, rotation_matrix
 
 GB = 1e9
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from shared.wire.prefix_hash import BlockHash
+from kvfleet.shared.wire.prefix_hash import BlockHash
 
 Save = Callable[[int, int], None]  # (pool block, slot): copy the block's bytes to the slot now
 

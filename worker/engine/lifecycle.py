@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from worker.engine.scheduler import Attachments, ScheduledChunk, SchedulerOutput, TokenEmission
-from worker.engine.sequence import Sequence
+from kvfleet.worker.engine.scheduler import Attachments, ScheduledChunk, SchedulerOutput, TokenEmission
+from kvfleet.worker.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from worker.engine.handoff import SequenceState
-    from worker.engine.model_runner import StepLogits
-    from worker.engine.scheduler import Scheduler
+    from kvfleet.worker.engine.handoff import SequenceState
+    from kvfleet.worker.engine.model_runner import StepLogits
+    from kvfleet.worker.engine.scheduler import Scheduler
 
 Samples = dict[str, list[tuple[int, Any]]]  # req_id -> its new (token id, logprob) samples
 

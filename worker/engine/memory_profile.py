@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.wire import SamplingParams
-from worker.engine.attention import AttentionBackend
-from worker.engine.device import is_cuda
-from worker.engine.kv_cache import KVCachePool, KVLayout
-from worker.engine.model_runner import ModelRunner
-from worker.engine.sampler import Sampler, SamplerInput
-from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from worker.engine.sequence import Sequence
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.attention import AttentionBackend
+from kvfleet.worker.engine.device import is_cuda
+from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.model_runner import ModelRunner
+from kvfleet.worker.engine.sampler import Sampler, SamplerInput
+from kvfleet.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvfleet.worker.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,13 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from shared.model_shapes import random_model
-from worker.engine.cpu_experts import pack_cpu_experts
-from worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
-from worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
-from worker.engine.device import is_cpu, place_model, resolve_device, resolve_dtype
-from worker.engine.tp_group import RankGroup
-from worker.engine.tp_shard import HeadShard, RowParallelLinear, shard_model
+from kvfleet.shared.model_shapes import random_model
+from kvfleet.worker.engine.cpu_experts import pack_cpu_experts
+from kvfleet.worker.engine.cpu_layers import FUSED_DTYPES, fuse_decoder_layers
+from kvfleet.worker.engine.cpu_linear import fuse_sibling_linears, pack_cpu_linears
+from kvfleet.worker.engine.device import is_cpu, place_model, resolve_device, resolve_dtype
+from kvfleet.worker.engine.tp_group import RankGroup
+from kvfleet.worker.engine.tp_shard import HeadShard, RowParallelLinear, shard_model
 
 log = logging.getLogger(__name__)
 

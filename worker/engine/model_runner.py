@@ -8,12 +8,12 @@ from typing import Protocol
 
 import torch
 
-from worker.engine.attention import (
+from kvfleet.worker.engine.attention import (
     CONTEXT_KWARG, AttentionBackend, AttentionMetadata, StepGeometry, register_paged_attention)
-from worker.engine.attention.sdpa_backend import SdpaBackend
-from worker.engine.kv_cache import KVCachePool
-from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from worker.engine.sequence import Sequence
+from kvfleet.worker.engine.attention.sdpa_backend import SdpaBackend
+from kvfleet.worker.engine.kv_cache import KVCachePool
+from kvfleet.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvfleet.worker.engine.sequence import Sequence
 
 
 @dataclass

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from shared.wire import RequestStatus
-from worker.engine.block_manager import BlockManager
-from worker.engine.handoff import (
+from kvfleet.shared.wire import RequestStatus
+from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.handoff import (
     HandoffError, SequenceState, check_layout, host_blocks, pool_layout)
-from worker.engine.kv_cache import HostBlocks, KVCachePool
-from worker.engine.lifecycle import Features
-from worker.engine.sequence import Sequence
-from worker.engine.swapping import SwappedKV
+from kvfleet.worker.engine.kv_cache import HostBlocks, KVCachePool
+from kvfleet.worker.engine.lifecycle import Features
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.swapping import SwappedKV
 
 
 class SequenceMoves:

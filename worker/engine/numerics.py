@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.attention import AttentionBackend
-from worker.engine.device import is_cpu, is_cuda
-from worker.engine.tp_group import RankGroup
+from kvfleet.worker.engine.attention import AttentionBackend
+from kvfleet.worker.engine.device import is_cpu, is_cuda
+from kvfleet.worker.engine.tp_group import RankGroup
 
 # CPU flags that decide which code paths compute (the kernels' #if branches, oneDNN's AMX) and
 # so how they round; the CPU's model name and other flags do not
@@ -67,8 +67,8 @@ def engine_numerics(device: torch.device, dtype: torch.dtype, backend: Attention
     if is_cuda(device):  # the Triton kernels (attention, LoRA) compile by its version
         components["triton"] = _triton_version()
     if is_cpu(device):
-        from shared.cpu_features import cpu_features
-        from worker.engine import cpu_kernels
+        from kvfleet.shared.cpu_features import cpu_features
+        from kvfleet.worker.engine import cpu_kernels
         flags = cpu_features().flags
         components["cpu"] = " ".join(f for f in ROUNDING_FLAGS if f in flags) or "none"
         components["kernels"] = cpu_kernels.build_signature()
@@ -82,8 +82,8 @@ def linear_kinds(module: torch.nn.Module) -> list[str]:
     product with its form (its kernel's dtype code and name: float32, bf16 `dot`, `fma`, or
     `amx` on the AMX tiles of cpu_amx.cpp, each summing in its own order), oneDNN's packed
     product, or the module's own class (F.linear, or a tensor-parallel shard of one)."""
-    from worker.engine.cpu_linear import KernelLinear, PackedLinear, SiblingLinear
-    from worker.engine.model_prep import linear_products
+    from kvfleet.worker.engine.cpu_linear import KernelLinear, PackedLinear, SiblingLinear
+    from kvfleet.worker.engine.model_prep import linear_products
 
     kinds = []
     for linear in linear_products(module).values():

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.device import is_cuda
-from worker.engine.kv_cache import KVCachePool, format_bytes
-from worker.engine.kv_tier import TierIndex
-from worker.engine.lifecycle import Feature
-from worker.engine.scheduler import SchedulerOutput
+from kvfleet.worker.engine.device import is_cuda
+from kvfleet.worker.engine.kv_cache import KVCachePool, format_bytes
+from kvfleet.worker.engine.kv_tier import TierIndex
+from kvfleet.worker.engine.lifecycle import Feature
+from kvfleet.worker.engine.scheduler import SchedulerOutput
 
 GIB = 1 << 30
 

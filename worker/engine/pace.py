@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.engine_config import EngineConfig
-from shared.pace import StepCostCurve, StepFeatures
-from shared.wire import SamplingParams
+from kvfleet.shared.engine_config import EngineConfig
+from kvfleet.shared.pace import StepCostCurve, StepFeatures
+from kvfleet.shared.wire import SamplingParams
 
 MIN_PREFILL_TOKENS = 1  # a step's first prefill chunk gets this much even at full pace
 GROWTH_TOKENS = 128  # a stream's context is judged this far ahead (or to its max_tokens)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from shared.wire import TokenLogprob
-from worker.engine.model_runner import PromptSpan
-from worker.engine.sequence import Sequence
+from kvfleet.shared.wire import TokenLogprob
+from kvfleet.worker.engine.model_runner import PromptSpan
+from kvfleet.worker.engine.sequence import Sequence
 
 # log_softmax over this many rows at a time: a float32 copy of [rows, vocab] is what it costs.
 _ROWS_PER_SLICE = 64

@@ -7,18 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_features import cpu_features
-from worker.engine import cpu_kernels, cpu_linear
-from worker.engine.attention import AttentionBackend
-from worker.engine.block_manager import BlockManager
-from worker.engine.device import is_cpu
-from worker.engine.kv_cache import KVCachePool, KVLayout, MemoryBudget, format_bytes
-from worker.engine.kv_format import resolve_kv_format
-from worker.engine.model_runner import ModelRunner
-from worker.engine.preemption import PreemptionCostModel, SwapSpace
-from worker.engine.scheduler import Scheduler
-from worker.engine.speculation.speculator import SpeculationStats
-from worker.structured.requests import ConstrainedRequests
+from kvfleet.shared.cpu_features import cpu_features
+from kvfleet.worker.engine import cpu_kernels, cpu_linear
+from kvfleet.worker.engine.attention import AttentionBackend
+from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.device import is_cpu
+from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout, MemoryBudget, format_bytes
+from kvfleet.worker.engine.kv_format import resolve_kv_format
+from kvfleet.worker.engine.model_runner import ModelRunner
+from kvfleet.worker.engine.preemption import PreemptionCostModel, SwapSpace
+from kvfleet.worker.engine.scheduler import Scheduler
+from kvfleet.worker.engine.speculation.speculator import SpeculationStats
+from kvfleet.worker.structured.requests import ConstrainedRequests
 
 
 @dataclass

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.wire import RequestStatus, SamplingParams, TokenLogprob
-from worker.engine.block_manager import BlockManager
-from worker.engine.scheduler import TokenEmission
-from worker.engine.sequence import Sequence
-from worker.engine.stopping import Stop, StopChecker
+from kvfleet.shared.wire import RequestStatus, SamplingParams, TokenLogprob
+from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.scheduler import TokenEmission
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.stopping import Stop, StopChecker
 
 
 @dataclass

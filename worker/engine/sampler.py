@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.wire import SamplingParams, TokenLogprob
+from kvfleet.shared.wire import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from worker.structured.logit_mask import LogitMask
+    from kvfleet.worker.structured.logit_mask import LogitMask
 
 # Below this temperature a row is sampled greedily (as vLLM does): dividing by ~0 only overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5

@@ -39,13 +39,13 @@ from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field, replace
 
-from shared.pace import StepFeatures
-from shared.wire import RequestStatus, TokenLogprob
+from kvfleet.shared.pace import StepFeatures
+from kvfleet.shared.wire import RequestStatus, TokenLogprob
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.pace import Pace, StepBudget
-from worker.engine.preemption import RECOMPUTE, SWAP, PreemptionCostModel, SwapSpace
-from worker.engine.sequence import Sequence
+from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.pace import Pace, StepBudget
+from kvfleet.worker.engine.preemption import RECOMPUTE, SWAP, PreemptionCostModel, SwapSpace
+from kvfleet.worker.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import torch
 
-from shared.wire import SamplingParams
-from worker.engine.engine import Engine
-from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from worker.engine.sequence import Sequence
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvfleet.worker.engine.sequence import Sequence
 
 
 def teacher_forced_logprobs(engine: Engine, sequences: list[list[int]],

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.wire import RequestStatus, SamplingParams, TokenLogprob
-from worker.engine.lora.request import LoraRequest
+from kvfleet.shared.wire import RequestStatus, SamplingParams, TokenLogprob
+from kvfleet.worker.engine.lora.request import LoraRequest
 
 
 @dataclass(eq=False)

@@ -10,14 +10,14 @@ from itertools import chain
 
 import torch
 
-from shared.wire import TokenLogprob
-from worker.engine.device import DeviceFailure, is_sticky_device_error
-from worker.engine.model_runner import StepLogits
-from worker.engine.prompt_logprobs import compute_prompt_logprobs
-from worker.engine.sampler import Sampler, SamplerInput
-from worker.engine.scheduler import ScheduledChunk, TokenEmission
-from worker.engine.sequence import Sequence
-from worker.structured.requests import ConstrainedRequests
+from kvfleet.shared.wire import TokenLogprob
+from kvfleet.worker.engine.device import DeviceFailure, is_sticky_device_error
+from kvfleet.worker.engine.model_runner import StepLogits
+from kvfleet.worker.engine.prompt_logprobs import compute_prompt_logprobs
+from kvfleet.worker.engine.sampler import Sampler, SamplerInput
+from kvfleet.worker.engine.scheduler import ScheduledChunk, TokenEmission
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.structured.requests import ConstrainedRequests
 
 log = logging.getLogger(__name__)
 

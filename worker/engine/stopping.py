@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.wire import RequestStatus, SamplingParams
+from kvfleet.shared.wire import RequestStatus, SamplingParams
 
 # Extra tokens decoded before the stop-string window: a window that starts inside a multi-byte
 # character decodes its first bytes as replacement characters (at most 3 continuation bytes).

@@ -9,13 +9,13 @@ from typing import Protocol
 
 import torch
 
-from worker.engine.device import is_cuda
-from worker.engine.kv_cache import HostBlocks, KVCachePool
-from worker.engine.lifecycle import Feature, Samples
-from worker.engine.model_runner import StepLogits
-from worker.engine.preemption import PreemptionCostModel
-from worker.engine.scheduler import SchedulerOutput
-from worker.engine.sequence import Sequence
+from kvfleet.worker.engine.device import is_cuda
+from kvfleet.worker.engine.kv_cache import HostBlocks, KVCachePool
+from kvfleet.worker.engine.lifecycle import Feature, Samples
+from kvfleet.worker.engine.model_runner import StepLogits
+from kvfleet.worker.engine.preemption import PreemptionCostModel
+from kvfleet.worker.engine.scheduler import SchedulerOutput
+from kvfleet.worker.engine.sequence import Sequence
 
 
 class SwapFollower(Protocol):

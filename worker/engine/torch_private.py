@@ -27,7 +27,7 @@ import torch
 import torch.autograd.profiler as _profiler
 import torch.nn.functional as F
 
-from shared.cpu_features import cpu_features
+from kvfleet.shared.cpu_features import cpu_features
 
 log = logging.getLogger(__name__)
 

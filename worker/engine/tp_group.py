@@ -26,8 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from worker.engine.device import DeviceFailure, is_cuda
-from worker.engine.model_runner import PlannedChunk, StepPlan
+from kvfleet.worker.engine.device import DeviceFailure, is_cuda
+from kvfleet.worker.engine.model_runner import PlannedChunk, StepPlan
 
 log = logging.getLogger(__name__)
 

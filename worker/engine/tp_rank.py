@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from shared.redis_server import free_port
-from worker.engine.config import EngineConfig
-from worker.engine.kv_cache import HostBlocks
-from worker.engine.tp_group import RankGroup, rank_device, watch_parent
+from kvfleet.shared.redis_server import free_port
+from kvfleet.worker.engine.config import EngineConfig
+from kvfleet.worker.engine.kv_cache import HostBlocks
+from kvfleet.worker.engine.tp_group import RankGroup, rank_device, watch_parent
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def launch_engine(load_model: ModelLoader, config: EngineConfig, tokenizer=None,
                   num_threads: int | None = None):
     """An engine over `config.tensor_parallel_size` ranks: this process is rank 0, the others are
     started here and load the model with `load_model` (picklable) themselves."""
-    from worker.engine.engine import Engine
+    from kvfleet.worker.engine.engine import Engine
 
     if config.tensor_parallel_size == 1:
         return Engine(load_model(), config, tokenizer=tokenizer)
@@ -72,7 +72,7 @@ def rank_main(rank: int, init_method: str, load_model: ModelLoader, config: Engi
     watch_parent(parent_pid)
     if num_threads:
         torch.set_num_threads(num_threads)
-    from worker.engine.engine import Engine
+    from kvfleet.worker.engine.engine import Engine
 
     group = RankGroup(rank, config.tensor_parallel_size, rank_device(config.device, rank),
                       init_method)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 
-from worker.engine.lifecycle import Feature
-from worker.engine.model_runner import ModelRunner, StepLogits, StepPlan, StepRows, plan_step
-from worker.engine.scheduler import SchedulerOutput
-from worker.engine.sequence import Sequence
-from worker.engine.tp_group import RankFailure, RankGroup
+from kvfleet.worker.engine.lifecycle import Feature
+from kvfleet.worker.engine.model_runner import ModelRunner, StepLogits, StepPlan, StepRows, plan_step
+from kvfleet.worker.engine.scheduler import SchedulerOutput
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.tp_group import RankFailure, RankGroup
 
 log = logging.getLogger(__name__)
 

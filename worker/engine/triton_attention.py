@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.kv_cache import KVCachePool
+from kvfleet.worker.engine.kv_cache import KVCachePool
 
 try:  # bundled with CUDA builds of torch; optional on CPU-only installs
     import triton

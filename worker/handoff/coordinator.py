@@ -19,17 +19,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.redis_connect import REDIS_FAILURES
-from shared.settings import WorkerSettings
-from shared.wire.handoff import HandoffOffer, new_handoff_id
-from worker.engine.engine import Engine
-from worker.engine.handoff import HandoffError, SequenceState
-from worker.handoff.protocol import HandoffProtocol
-from worker.handoff.transfer import Outgoing, TransferError, TransferPlane
-from worker.inflight import Inflight, InflightTable, StreamCalls
-from worker.metrics import WorkerMetrics
-from worker.numerics import FleetNumerics
-from worker.protocol import Delivery
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.wire.handoff import HandoffOffer, new_handoff_id
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.engine.handoff import HandoffError, SequenceState
+from kvfleet.worker.handoff.protocol import HandoffProtocol
+from kvfleet.worker.handoff.transfer import Outgoing, TransferError, TransferPlane
+from kvfleet.worker.inflight import Inflight, InflightTable, StreamCalls
+from kvfleet.worker.metrics import WorkerMetrics
+from kvfleet.worker.numerics import FleetNumerics
+from kvfleet.worker.protocol import Delivery
 
 log = logging.getLogger(__name__)
 

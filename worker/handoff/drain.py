@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import time
 
-from shared.redis_connect import REDIS_FAILURES
-from worker.engine.engine import Engine
-from worker.handoff.coordinator import Handoffs
-from worker.inflight import InflightTable, StreamCalls
-from worker.metrics import WorkerMetrics
+from kvfleet.shared.redis_connect import REDIS_FAILURES
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.handoff.coordinator import Handoffs
+from kvfleet.worker.inflight import InflightTable, StreamCalls
+from kvfleet.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import redis
 
-from shared.wire import Keys
-from shared.wire.handoff import (
+from kvfleet.shared.wire import Keys
+from kvfleet.shared.wire.handoff import (
     RECLAIM_HANDOFF, SENT, START_HANDOFF, TAKE_OFFER, HandoffOffer, reclaim_handoff,
     start_handoff, take_offer)
-from shared.wire.records import text
-from shared.wire.scripts import Started
+from kvfleet.shared.wire.records import text
+from kvfleet.shared.wire.scripts import Started
 
 # An entry handed back at a drain's end looks idle this long, so the next orphan check of any
 # live worker claims it (its heartbeat TTL is far shorter).

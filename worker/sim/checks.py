@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.settings import WorkerSettings
-from worker.sim.accelerators import accelerator
-from worker.sim.tokens import AnswerLengths
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.worker.sim.accelerators import accelerator
+from kvfleet.worker.sim.tokens import AnswerLengths
 
 WORKERS_PER_PROCESS = 32  # `kvfleet up` puts at most this many simulated workers in a process
 HEARTBEAT_SOURCE = "worker:"  # --sim-step-cost worker:<id>: that worker's fitted curve

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from shared.model_shapes import RANDOM_PREFIX, SHAPES, VOCAB_SIZE
-from shared.pace import COEFFICIENTS, StepCostCurve, StepFeatures
-from shared.wire import Heartbeat
-from worker.sim.accelerators import GIB, Accelerator, accelerator
+from kvfleet.shared.model_shapes import RANDOM_PREFIX, SHAPES, VOCAB_SIZE
+from kvfleet.shared.pace import COEFFICIENTS, StepCostCurve, StepFeatures
+from kvfleet.shared.wire import Heartbeat
+from kvfleet.worker.sim.accelerators import GIB, Accelerator, accelerator
 
 DEFAULT_BLOCK_SIZE = 16  # token positions per KV block, the engine's default
 MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default

@@ -27,24 +27,24 @@ from types import SimpleNamespace
 
 import torch
 
-from shared.engine_config import EngineConfig
-from shared.wire import RequestStatus
-from worker.engine.block_manager import BlockManager
-from worker.engine.engine import Engine
-from worker.engine.handoff import HandoffError, SequenceState, check_layout
-from worker.engine.lifecycle import Feature, Features
-from worker.engine.lora.feature import NoAdapters
-from worker.engine.model_runner import StepLogits
-from worker.engine.numerics import Numerics
-from worker.engine.pace import Pace, step_features
-from worker.engine.pacing import Pacing
-from worker.engine.reports import EngineStats
-from worker.engine.scheduler import Scheduler, SchedulerOutput
-from worker.engine.sequence import Sequence
-from worker.engine.stopping import StopChecker
-from worker.structured.requests import ConstrainedRequests
-from worker.sim.clock import SimLag, StepClock
-from worker.sim.tokens import AnswerLengths, AnswerTokens
+from kvfleet.shared.engine_config import EngineConfig
+from kvfleet.shared.wire import RequestStatus
+from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.engine.handoff import HandoffError, SequenceState, check_layout
+from kvfleet.worker.engine.lifecycle import Feature, Features
+from kvfleet.worker.engine.lora.feature import NoAdapters
+from kvfleet.worker.engine.model_runner import StepLogits
+from kvfleet.worker.engine.numerics import Numerics
+from kvfleet.worker.engine.pace import Pace, step_features
+from kvfleet.worker.engine.pacing import Pacing
+from kvfleet.worker.engine.reports import EngineStats
+from kvfleet.worker.engine.scheduler import Scheduler, SchedulerOutput
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.stopping import StopChecker
+from kvfleet.worker.structured.requests import ConstrainedRequests
+from kvfleet.worker.sim.clock import SimLag, StepClock
+from kvfleet.worker.sim.tokens import AnswerLengths, AnswerTokens
 
 log = logging.getLogger(__name__)
 

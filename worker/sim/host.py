@@ -24,21 +24,21 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from shared import tracing
-from shared.model_shapes import is_random_model, shape_name
-from shared.models import load_tokenizer, resolve_model_path
-from shared.redis_connect import connect
-from shared.settings import WorkerSettings
-from shared.wire import Heartbeat
-from worker.engine.model_prep import max_model_len_of
-from worker.engine.pace import warm_up
-from worker.sim.checks import HEARTBEAT_SOURCE, ONE_BYTE_KV, check_sim_settings
-from worker.sim.clock import StepClock
-from worker.sim.cost import (
+from kvfleet.shared import tracing
+from kvfleet.shared.model_shapes import is_random_model, shape_name
+from kvfleet.shared.models import load_tokenizer, resolve_model_path
+from kvfleet.shared.redis_connect import connect
+from kvfleet.shared.settings import WorkerSettings
+from kvfleet.shared.wire import Heartbeat
+from kvfleet.worker.engine.model_prep import max_model_len_of
+from kvfleet.worker.engine.pace import warm_up
+from kvfleet.worker.sim.checks import HEARTBEAT_SOURCE, ONE_BYTE_KV, check_sim_settings
+from kvfleet.worker.sim.clock import StepClock
+from kvfleet.worker.sim.cost import (
     RooflineCost, measured_cost_from_file, measured_cost_from_heartbeat, model_shape)
-from worker.handoff.transfer import TcpTransferPlane
-from worker.sim.engine import DEFAULT_BLOCK_SIZE, SimEngine
-from worker.sim.tokens import AnswerLengths
+from kvfleet.worker.handoff.transfer import TcpTransferPlane
+from kvfleet.worker.sim.engine import DEFAULT_BLOCK_SIZE, SimEngine
+from kvfleet.worker.sim.tokens import AnswerLengths
 
 log = logging.getLogger("kvfleet.sim")
 
@@ -138,9 +138,9 @@ def build_sim_engine(settings: WorkerSettings, model: SimModel, cost,
 def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = None) -> None:
     """Run `--sim-workers` simulated workers (at least one) until SIGINT, SIGTERM's drains end,
     or `stop` is set."""
-    from worker.main import worker_protocol
-    from worker.metrics import WorkerMetrics
-    from worker.service import WorkerService
+    from kvfleet.worker.main import worker_protocol
+    from kvfleet.worker.metrics import WorkerMetrics
+    from kvfleet.worker.service import WorkerService
 
     if not settings.redis_url:
         raise SystemExit("kvfleet worker: set --redis-url or KVFLEET_REDIS_URL")

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import llguidance
 import llguidance.hf
 
-from shared.structured import ConstraintError, OutputConstraint, grammar_of
-from worker.structured.matcher import RequestMatcher
+from kvfleet.shared.structured import ConstraintError, OutputConstraint, grammar_of
+from kvfleet.worker.structured.matcher import RequestMatcher
 
 log = logging.getLogger(__name__)
 

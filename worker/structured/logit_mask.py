@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.structured.matcher import RequestMatcher
+from kvfleet.worker.structured.matcher import RequestMatcher
 
 _BITS = 32
 

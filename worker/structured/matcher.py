@@ -12,7 +12,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from shared.structured import ConstraintError
+from kvfleet.shared.structured import ConstraintError
 
 
 class RequestMatcher:

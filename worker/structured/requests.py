@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from shared.structured import OutputConstraint
-from worker.structured.compiler import GrammarCompiler
-from worker.structured.logit_mask import LogitMask
-from worker.structured.matcher import RequestMatcher
+from kvfleet.shared.structured import OutputConstraint
+from kvfleet.worker.structured.compiler import GrammarCompiler
+from kvfleet.worker.structured.logit_mask import LogitMask
+from kvfleet.worker.structured.matcher import RequestMatcher
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 one interface (backend.py), its backends (gather + SDPA, the CPU's C++ kernels, Triton's paged
 kernel) and the registry that picks one at start-up."""
 
-from worker.engine.attention.backend import (
+from kvfleet.worker.engine.attention.backend import (
     ATTENTION_NAME, CONTEXT_KWARG, AttentionBackend, AttentionMetadata, StepGeometry,
     fused_layer_attention, paged_attention_forward, register_paged_attention)
-from worker.engine.attention.registry import (
+from kvfleet.worker.engine.attention.registry import (
     ATTENTION_BACKENDS, resolve_attention_backend, resolve_backend_name)
 
 __all__ = [

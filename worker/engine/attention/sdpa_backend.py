@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from worker.engine.attention.backend import AttentionBackend, AttentionMetadata, StepGeometry
-from worker.engine.kv_cache import KVCachePool
+from kvfleet.worker.engine.attention.backend import AttentionBackend, AttentionMetadata, StepGeometry
+from kvfleet.worker.engine.kv_cache import KVCachePool
 
 # a decode group costs about as much as gathering this many padded tokens (call overhead)
 DECODE_GROUP_COST_TOKENS = 512

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-from worker.engine.lora.request import LoraLoadError
-from worker.engine.lora.weights import AdapterWeights
+from kvfleet.worker.engine.lora.request import LoraLoadError
+from kvfleet.worker.engine.lora.weights import AdapterWeights
 
 Loader = Callable[[str, str], AdapterWeights]  # (name, path) -> weights, or LoraLoadError
 

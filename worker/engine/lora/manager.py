@@ -33,30 +33,30 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shared.lora import SUPPORTED_MODULES
-from worker.engine.device import is_cuda
-from worker.engine.kv_cache import format_bytes
-from worker.engine.lora.cache import AdapterCache
-from worker.engine.lora.layers import LoraTarget, TargetPart, lora_targets
-from worker.engine.lora.request import LoraLoadError, LoraRequest, LoraStats
-from worker.engine.lora.sgmv import SlotRows
-from worker.engine.lora.slots import (
+from kvfleet.shared.lora import SUPPORTED_MODULES
+from kvfleet.worker.engine.device import is_cuda
+from kvfleet.worker.engine.kv_cache import format_bytes
+from kvfleet.worker.engine.lora.cache import AdapterCache
+from kvfleet.worker.engine.lora.layers import LoraTarget, TargetPart, lora_targets
+from kvfleet.worker.engine.lora.request import LoraLoadError, LoraRequest, LoraStats
+from kvfleet.worker.engine.lora.sgmv import SlotRows
+from kvfleet.worker.engine.lora.slots import (
     KernelSlots, ProductSlots, SlotLoad, SlotTable, StackedSlots, slot_bytes)
-from worker.engine.cpu_attention import DTYPE_CODES
-from worker.engine.cpu_kernels import layer_ops_kernel
-from worker.engine.kernel_binding import BoundKernel
-from worker.engine.lora.weights import (
+from kvfleet.worker.engine.cpu_attention import DTYPE_CODES
+from kvfleet.worker.engine.cpu_kernels import layer_ops_kernel
+from kvfleet.worker.engine.kernel_binding import BoundKernel
+from kvfleet.worker.engine.lora.weights import (
     AdapterWeights, ShardSlices, check_adapter, load_adapter)
-from worker.engine.model_prep import add_linear_update
-from worker.engine.triton_attention import triton_available
+from kvfleet.worker.engine.model_prep import add_linear_update
+from kvfleet.worker.engine.triton_attention import triton_available
 
 if TYPE_CHECKING:
-    from worker.engine.attention import AttentionBackend
-    from worker.engine.config import EngineConfig
-    from worker.engine.tp_group import RankGroup
-    from worker.engine.tp_shard import HeadShard
-    from worker.engine.model_runner import StepPlan
-    from worker.engine.scheduler import ScheduledChunk
+    from kvfleet.worker.engine.attention import AttentionBackend
+    from kvfleet.worker.engine.config import EngineConfig
+    from kvfleet.worker.engine.tp_group import RankGroup
+    from kvfleet.worker.engine.tp_shard import HeadShard
+    from kvfleet.worker.engine.model_runner import StepPlan
+    from kvfleet.worker.engine.scheduler import ScheduledChunk
 
 
 class LoraManager:

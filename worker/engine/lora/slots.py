@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.cpu_attention import DTYPE_CODES
-from worker.engine.cpu_kernels import layer_ops_kernel
-from worker.engine.cpu_linear import product
-from worker.engine.device import is_cpu
-from worker.engine.lora.sgmv import SlotRows, sgmv, sgmv_torch
-from worker.engine.lora.weights import AdapterWeights, LinearDims
+from kvfleet.worker.engine.cpu_attention import DTYPE_CODES
+from kvfleet.worker.engine.cpu_kernels import layer_ops_kernel
+from kvfleet.worker.engine.cpu_linear import product
+from kvfleet.worker.engine.device import is_cpu
+from kvfleet.worker.engine.lora.sgmv import SlotRows, sgmv, sgmv_torch
+from kvfleet.worker.engine.lora.weights import AdapterWeights, LinearDims
 
 SlotLoad = tuple[int, str, str]  # (slot, adapter name, path): load it there before the forward
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import time
 
-from worker.engine.kv_cache import HostBlocks, KVCachePool
-from worker.engine.model_runner import ModelRunner, PlannedChunk, StepPlan
-from worker.engine.scheduler import ScheduledChunk
-from worker.engine.sequence import Sequence
-from worker.engine.speculation.speculator import StepCost
+from kvfleet.worker.engine.kv_cache import HostBlocks, KVCachePool
+from kvfleet.worker.engine.model_runner import ModelRunner, PlannedChunk, StepPlan
+from kvfleet.worker.engine.scheduler import ScheduledChunk
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.speculation.speculator import StepCost
 
 
 class DraftModel:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from shared.engine_config import SpeculativeConfig
-from worker.engine.scheduler import ScheduledChunk
-from worker.engine.sequence import Sequence
-from worker.engine.speculation.proposers import Proposer, make_proposer
+from kvfleet.shared.engine_config import SpeculativeConfig
+from kvfleet.worker.engine.scheduler import ScheduledChunk
+from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.speculation.proposers import Proposer, make_proposer
 
 log = logging.getLogger(__name__)
 
