@@ -39,7 +39,7 @@ ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONPATH=/app \
     KVFLEET_KERNEL_CACHE=/home/kvfleet/.cache/kernels
 RUN useradd --create-home --uid 1000 kvfleet && install -d -o kvfleet -g kvfleet /home/kvfleet/.cache
 # g++ builds the CPU worker's kernels at its first start, each on its own, for the CPU it runs on
-# (worker/engine/cpu_kernels.py; seconds, kept in KVFLEET_KERNEL_CACHE). WITH_CXX=0, or a
+# (worker/engine/kernels/cpu_kernels.py; seconds, kept in KVFLEET_KERNEL_CACHE). WITH_CXX=0, or a
 # base image whose package index cannot be reached, leaves it out: CPU workers then log that
 # they use gather + SDPA (slower decode attention), and CUDA workers never need it.
 ARG WITH_CXX=1

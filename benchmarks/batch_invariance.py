@@ -31,7 +31,7 @@ from benchmarks.engine_throughput import WORKLOAD, greedy, load_requests, openmp
 from kvfleet.shared.cpu_features import cpu_features
 from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.model_prep import load_pretrained
+from kvfleet.worker.engine.model.model_prep import load_pretrained
 
 CONDITIONS = {  # name -> EngineConfig fields (and how the run is made)
     "batch 64": {"max_running": 64},

@@ -61,7 +61,7 @@ from benchmarks.roofline import ModelCost, product_rates, read_bandwidth
 from benchmarks.vllm_peer import SETUP_HINT, SETUPS, describe_setup, run_offline, vllm_python
 from kvfleet.shared.cpu_features import cpu_features
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.device import resolve_dtype
+from kvfleet.worker.engine.memory.device import resolve_dtype
 
 # The benchmark trace ships with the repository (the first 64 requests of the chat-mix trace, the
 # default --num-requests); --workload picks another.

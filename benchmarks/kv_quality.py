@@ -39,8 +39,8 @@ from benchmarks.engine_throughput import greedy, load_model
 from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from kvfleet.shared.byte_size import parse_bytes
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.kv_cache import KVLayout
-from kvfleet.worker.engine.kv_format import resolve_kv_format
+from kvfleet.worker.engine.memory.kv_cache import KVLayout
+from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
 from kvfleet.worker.engine.scoring import teacher_forced_logprobs
 
 CORPUS = Path(__file__).resolve().parent / "data" / "kv_corpus.txt"

@@ -56,7 +56,7 @@ from kvfleet.shared.redis_server import EmbeddedRedis
 from kvfleet.shared.wire import Heartbeat, SamplingParams
 from tests.helpers.processes import ProcessFleet
 from kvfleet.worker.engine.engine import Engine, EngineConfig, load_pretrained
-from kvfleet.worker.engine.pace import warm_up
+from kvfleet.worker.engine.core.pace import warm_up
 
 VOCAB = (200, 48_000)
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.shared.cpu_features import cpu_features
-from kvfleet.worker.engine import cpu_linear, torch_private
-from kvfleet.worker.engine.cpu_attention import DTYPE_CODES, KernelUnavailable
-from kvfleet.worker.engine.cpu_kernels import matmul_kernel
+from kvfleet.worker.engine.kernels import cpu_linear, torch_private
+from kvfleet.worker.engine.kernels.cpu_attention import DTYPE_CODES, KernelUnavailable
+from kvfleet.worker.engine.kernels.cpu_kernels import matmul_kernel
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # x [rows, in] -> [rows, out]
 Implementation = Callable[[torch.nn.Linear], Product]  # packs what it needs once, per linear

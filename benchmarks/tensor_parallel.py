@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvfleet.shared.wire import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.tp_rank import launch_engine
+from kvfleet.worker.process.tp_rank import launch_engine
 
 
 def build_model(layers: int, hidden: int) -> LlamaForCausalLM:

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_sim_workers(settings)
             return 0
-        from kvfleet.worker.main import run_worker
+        from kvfleet.worker.process.main import run_worker
 
         run_worker(settings)
         return 0

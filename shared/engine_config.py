@@ -146,7 +146,7 @@ class EngineConfig:
     block_size: int | None = Field(None, ge=1, json_schema_extra={"default_text": "auto"},
                                    description=(
         "tokens per KV block; auto (unset): 64 where the C++ CPU attention kernel reads a bf16 "
-        "pool (bf16 weights, kv_dtype auto or bf16), else 16 (worker/engine/device.py); a shared "
+        "pool (bf16 weights, kv_dtype auto or bf16), else 16 (worker/engine/memory/device.py); a shared "
         "prefix is reused in whole blocks"))
     max_batched_tokens: int = Field(512, ge=1, description=(
         "tokens computed per step: the running streams' decode tokens first, then prefill chunks"))

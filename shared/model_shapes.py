@@ -12,7 +12,7 @@ The big shapes (Llama-3.1-8B and -70B, Qwen3-32B) are for simulated workers (wor
 cost models need a model's shape and never its weights: as `random:` weights they are costly to
 make (16 to 140 GB) and no test makes them.
 
-`--load-format dummy` (vLLM's spelling, worker/engine/model_prep.py) is the other way: any model
+`--load-format dummy` (vLLM's spelling, worker/engine/model/model_prep.py) is the other way: any model
 directory's config with random weights, nothing read from its weight files.
 """
 

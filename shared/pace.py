@@ -1,6 +1,6 @@
 """The promised pace (`--target-itl-ms`, `--target-ttft-ms`) and a worker's step-cost curve.
 
-A worker fits how long its steps take from the steps it runs (worker/engine/pace.py) and
+A worker fits how long its steps take from the steps it runs (worker/engine/core/pace.py) and
 publishes the fit in its heartbeat (`Heartbeat.step_cost`, this record as JSON). The gateways
 and `kvfleet plan` read it back with `StepCostCurve.from_json` to tell how many streams a worker
 runs at a given pace, without knowing how the fit was made.

@@ -441,13 +441,13 @@ class KernelSettings(BaseSettings):
 
     cpu_products: CpuProducts = Field("auto", description=(
         "what computes a CPU model's linears: `auto` (kvfleet's own product, "
-        "worker/engine/cpu_matmul.cpp, on CPUs with AVX-512 and no AMX: float32, and bf16 with "
+        "worker/engine/kernels/cpu_matmul.cpp, on CPUs with AVX-512 and no AMX: float32, and bf16 with "
         "AVX512-BF16; otherwise oneDNN over weights packed once, float32 everywhere and bf16 with "
         "native bf16), `onednn`, `kvfleet` (the own product wherever it builds, AMX CPUs "
         "included); the start-up log names the choice; another value, or `kvfleet` where the "
         "product cannot build, stops the engine at start-up with an error naming the variable"))
     cpu_bf16_product: CpuBf16Product = Field("auto", description=(
-        "how kvfleet's own bf16 product sums (worker/engine/cpu_matmul.cpp, cpu_amx.cpp): `dot` "
+        "how kvfleet's own bf16 product sums (worker/engine/kernels/cpu_matmul.cpp, cpu_amx.cpp): `dot` "
         "(AVX512-BF16's vdpbf16ps, two columns per instruction), `fma` (the bf16 weights widened "
         "to fp32 and summed with fp32 FMAs, one column each), `amx` (AMX tiles: tdpbf16ps over "
         "weights packed once in tile layout; where the CPU has AMX-BF16 and Linux grants the "

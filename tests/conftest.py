@@ -58,12 +58,12 @@ TOPOLOGIES = ("single", "cluster")
 FORK_SERVERS = {
     "gateway": ["kvfleet.cli", "kvfleet.gateway.app", "transformers.models.auto.tokenization_auto",
                 "transformers.models.llama.configuration_llama", "uvicorn"],
-    "worker": ["kvfleet.cli", "kvfleet.worker.main", "transformers.models.auto.tokenization_auto",
+    "worker": ["kvfleet.cli", "kvfleet.worker.process.main", "transformers.models.auto.tokenization_auto",
                "transformers.models.auto.modeling_auto",
                "transformers.models.llama.modeling_llama", "transformers.generation.utils"],
     "slow_worker": ["redis", "kvfleet.shared.settings", "kvfleet.shared.wire", "tests.engine.tiny_models",
-                    "kvfleet.worker.engine.engine", "kvfleet.worker.engine.tp_rank", "kvfleet.worker.metrics",
-                    "kvfleet.worker.protocol", "kvfleet.worker.service"],
+                    "kvfleet.worker.engine.engine", "kvfleet.worker.process.tp_rank", "kvfleet.worker.metrics",
+                    "kvfleet.worker.protocol", "kvfleet.worker.process.service"],
 }
 
 

@@ -351,7 +351,7 @@ def test_the_package_check_finds_an_unnamed_package(tmp_path):
     for folder in ("gateway/http", "gateway/tools", "worker"):
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "__init__.py").write_text("")
-    text = "| gateway | `gateway/` | errors (`http/`) |\n| worker | `worker/service.py` |"
+    text = "| gateway | `gateway/` | errors (`http/`) |\n| worker | `worker/process/service.py` |"
     assert unnamed_packages(tmp_path, text) == ["gateway/tools"]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import interpret_unless_a_gpu_run, selects_cuda
-from kvfleet.worker.engine.triton_attention import interpreting
+from kvfleet.worker.engine.kernels.triton_attention import interpreting
 
 ROOT = Path(__file__).resolve().parents[1]
 

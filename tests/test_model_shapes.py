@@ -13,7 +13,7 @@ from kvfleet.shared.model_shapes import SHAPES, shape_config
 from kvfleet.shared import models
 from kvfleet.shared.models import resolve_model_path
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.model_prep import load_pretrained
+from kvfleet.worker.engine.model.model_prep import load_pretrained
 
 # Parameter counts of the published models less what their vocabulary adds beyond SmolLM2's
 # 49,152 tokens (tied embeddings counted once): the shapes are those models' layers.

@@ -40,24 +40,24 @@ SHARED_NAMES: dict[str, tuple[str, dict[str, str]]] = {
     }),
     "handoff.py": ("KV handoff of a running stream between workers, one layer each", {
         "shared/wire/handoff.py": "its wire contract: offers, takes, leases, the fence",
-        "worker/engine/handoff.py": "the engine's side: the state that moves, and its encoding",
+        "worker/engine/core/handoff.py": "the engine's side: the state that moves, and its encoding",
     }),
     "metrics.py": ("a process's Prometheus metrics, one process each", {
         "gateway/dashboard/metrics.py": "the gateway's (latency as clients see it, outcomes)",
         "worker/metrics.py": "a worker's (what its engine did each step)",
     }),
     "numerics.py": ("the numerics fingerprint (how an engine rounds), one layer each", {
-        "worker/engine/numerics.py": "the engine's: computing its own fingerprint",
+        "worker/engine/model/numerics.py": "the engine's: computing its own fingerprint",
         "worker/numerics.py": "the fleet's: live workers' fingerprints, who goes first on resume",
     }),
     "pace.py": ("the promised pace (--target-itl-ms, --target-ttft-ms), one layer each", {
         "shared/pace.py": "the targets and the step-cost curve, as heartbeats carry them",
-        "worker/engine/pace.py": "the engine's: the cost fitted online, the group that keeps it",
+        "worker/engine/core/pace.py": "the engine's: the cost fitted online, the group that keeps it",
         "gateway/fleet/pace.py": "the gateway's: the fleet's capacity at pace, from heartbeats",
         "kvfleet/plan/pace.py": "the planner's: streams and tokens/s from a measured curve",
     }),
     "prompt_logprobs.py": ("the prompt tokens' logprobs, one layer each", {
-        "worker/engine/prompt_logprobs.py": "the engine's: computed from the prefill's logits",
+        "worker/engine/core/prompt_logprobs.py": "the engine's: computed from the prefill's logits",
         "gateway/openai/prompt_logprobs.py": "the API's: the two shapes clients read them in",
     }),
     "protocol.py": ("role: a worker part's Redis side of the fleet protocol", {

@@ -14,26 +14,6 @@ from pathlib import Path
 
 from tests.test_architecture import ROOT, import_lines, module_files
 
-# Imports that close loops older than this check, each with why it is not undone yet: the check
-# takes them out of the graph and then finds no loop. The list only shrinks: an entry whose
-# import is gone, or no longer closes a loop, fails `test_each_known_import_still_closes_a_loop`.
-KNOWN_BACK_EDGES = {
-    # The engine's core modules (kv_cache, device, scheduler, sequence, model_runner, ...) live
-    # beside its composition (engine.py, assembly.py) in one folder: the features and the
-    # attention backends import the core, and the composition imports them. Undone by moving the
-    # core into a package of its own (issue 50, item 3: packages by concept), a move of ~40
-    # modules left to that item.
-    ("worker/engine/attention", "worker/engine"): "the backends use the core (kv_cache, device)",
-    ("worker/engine/lora", "worker/engine"): "LoRA uses the core (scheduler, sequence, kernels)",
-    ("worker/engine/speculation", "worker/engine"): "speculation uses the core (model_runner)",
-    # The worker's loop (service.py, main.py) composes the handoffs, and the handoffs use the
-    # loop's parts beside it (inflight.py, protocol.py, metrics.py, numerics.py). Undone by
-    # moving the composition root (service.py, main.py) above those parts, left to issue 50,
-    # item 3 (worker/main.py is being changed by other work now).
-    ("worker/handoff", "worker"): "the handoffs use the loop's parts (inflight, protocol)",
-}
-
-
 imports_of = import_lines  # (project module, line) of each import, at any depth
 
 
@@ -132,35 +112,12 @@ def test_the_loop_finder_names_a_loop_and_one_import_of_each_edge(tmp_path):
     assert loops({"a": {"b": "x"}, "b": {}}) == []
 
 
-def without(graph: Edges, edges) -> Edges:
-    return {a: {b: where for b, where in targets.items() if (a, b) not in edges}
-            for a, targets in graph.items()}
-
-
 def test_no_package_imports_a_package_that_imports_it_back():
+    """The last loops (the engine's core beside its composition, the worker's loop beside the
+    parts its handoffs use) were undone by issue 50's packages by concept: worker/engine/core,
+    memory, kernels, model, parallel and tiers below the composition, worker/process above
+    worker/ and worker/handoff."""
     graph = package_graph(module_files())
     assert len(graph) > 15 and "gateway/openai" in graph  # the walk saw the project
-    rest = without(graph, KNOWN_BACK_EDGES)
-    assert report(rest, loops(rest)) == []
-
-
-def test_each_known_import_still_closes_a_loop():
-    """An entry of KNOWN_BACK_EDGES whose packages no longer import that way, or no longer
-    in a loop, goes."""
-    graph = package_graph(module_files())
-    found = loops(graph)
-    stale = [edge for edge in KNOWN_BACK_EDGES
-             if edge[1] not in graph.get(edge[0], {})
-             or not any(edge[0] in loop and edge[1] in loop for loop in found)]
-    assert stale == []
-
-
-def test_a_known_import_does_not_hide_a_new_loop():
-    """Negative control of the allow-list: taking a known import out leaves a loop built of
-    other imports in place."""
-    graph = {"w": {"w/h": "w/s.py:1"}, "w/h": {"w": "w/h/c.py:2"},
-             "w/s": {"w": "w/s/x.py:3"}}
-    graph["w"]["w/s"] = "w/m.py:4"
-    rest = without(graph, {("w/h", "w")})
-    assert report(rest, loops(rest)) == [
-        "loop ['w', 'w/s']: w -> w/s (w/m.py:4); w/s -> w (w/s/x.py:3)"]
+    assert "worker/engine/core" in graph and "worker/process" in graph
+    assert report(graph, loops(graph)) == []

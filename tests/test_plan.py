@@ -108,8 +108,8 @@ def test_plan_and_the_engine_agree_on_kv_bytes_per_token(capsys, kv_dtype):
     import torch
     from transformers import LlamaConfig
 
-    from kvfleet.worker.engine.kv_cache import KVLayout
-    from kvfleet.worker.engine.kv_format import resolve_kv_format
+    from kvfleet.worker.engine.memory.kv_cache import KVLayout
+    from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
 
     document = run_json(capsys, "--from-model", json.dumps(SMOLLM2_CONFIG), "--kv-dtype", kv_dtype)
     layout = KVLayout.from_model_config(LlamaConfig(**SMOLLM2_CONFIG),

@@ -13,7 +13,7 @@ from benchmarks.roofline import (ModelCost, ProductRates, peak_product_rate,
                                  product_implementations, product_rates, read_bandwidth)
 from kvfleet.shared.cpu_features import cpu_features
 from kvfleet.shared.model_shapes import shape_config
-from kvfleet.worker.engine import cpu_kernels, cpu_linear, torch_private
+from kvfleet.worker.engine.kernels import cpu_kernels, cpu_linear, torch_private
 
 
 def meta_model(name: str, **overrides):

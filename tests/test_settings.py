@@ -84,11 +84,11 @@ def test_the_engine_config_keeps_its_keywords_and_checks_every_construction():
 
 
 def test_the_choices_are_the_ones_the_engine_accepts():
-    from kvfleet.worker.engine import cpu_linear
-    from kvfleet.worker.engine.cuda_graphs import CUDA_GRAPH_MODES
+    from kvfleet.worker.engine.kernels import cpu_linear
+    from kvfleet.worker.engine.core.cuda_graphs import CUDA_GRAPH_MODES
     from kvfleet.worker.engine.attention import ATTENTION_BACKENDS
-    from kvfleet.worker.engine.kv_format import KV_DTYPE_CHOICES
-    from kvfleet.worker.engine.preemption import PREEMPTION_MODES
+    from kvfleet.worker.engine.memory.kv_format import KV_DTYPE_CHOICES
+    from kvfleet.worker.engine.core.preemption import PREEMPTION_MODES
 
     def choices(cls, name):
         return typing.get_args(cls.__pydantic_fields__[name].annotation)
@@ -101,7 +101,7 @@ def test_the_choices_are_the_ones_the_engine_accepts():
 
 
 def test_the_kernel_variables_are_read_through_their_settings(monkeypatch, tmp_path):
-    from kvfleet.worker.engine import cpu_kernels, cpu_linear
+    from kvfleet.worker.engine.kernels import cpu_kernels, cpu_linear
 
     monkeypatch.setenv("KVFLEET_KERNEL_CACHE", str(tmp_path))
     assert cpu_kernels.kernel_cache_dir() == tmp_path

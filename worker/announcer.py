@@ -9,7 +9,7 @@ thread only keeps the announced set listed, and asks the loop to announce it who
 
 from __future__ import annotations
 
-from kvfleet.worker.engine.block_manager import NetChange
+from kvfleet.worker.engine.memory.block_manager import NetChange
 
 
 class PrefixAnnouncer:

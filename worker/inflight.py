@@ -1,5 +1,5 @@
 """The streams this worker serves now, in one table that the service loop, the drain and the
-handoffs share (worker/service.py, worker/handoff/): a stream joins when its attempt started here
+handoffs share (worker/process/service.py, worker/handoff/): a stream joins when its attempt started here
 (a delivery, a claim, a handoff taken) and leaves when it finished, was fenced, handed over or
 given back. Beside it, the stream entries the heartbeat thread keeps fresh (`held`): an entry is
 held from its delivery until its request ends here (or leaves), under a lock, as the heartbeat

@@ -412,7 +412,7 @@ class WorkerMetrics:
     def numerics(self, fingerprint: str) -> None:
         """kvfleet_worker_numerics_info{fingerprint}: 1 for this worker's numerics fingerprint."""
         Gauge("kvfleet_worker_numerics_info", "This worker's numerics fingerprint (the label; "
-              "worker/engine/numerics.py): workers with the same one continue each other's "
+              "worker/engine/model/numerics.py): workers with the same one continue each other's "
               "streams bit for bit.", LABELS + ("fingerprint",), registry=self.registry).labels(
             fingerprint=fingerprint, **self._labels()).set(1)
 

@@ -1,5 +1,5 @@
 """Resumes on the same numerics: which live workers of the model compute with which numerics
-fingerprint (worker/engine/numerics.py), and how long this worker lets them go first.
+fingerprint (worker/engine/model/numerics.py), and how long this worker lets them go first.
 
 A stream whose tokens so far were computed on numerics N continues bit for bit only on a worker
 whose fingerprint is N (with batch-invariant numerics, the default). So a worker of other

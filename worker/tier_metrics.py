@@ -1,5 +1,5 @@
 """Prometheus metrics of a worker's host tier of the prefix cache (`--kv-offloading-size`,
-worker/engine/offloading.py), on the worker's registry (metrics.py `WorkerMetrics.tier`): hits by
+worker/engine/tiers/offloading.py), on the worker's registry (metrics.py `WorkerMetrics.tier`): hits by
 tier, blocks offloaded, dropped from the tier and brought back, the tier's bytes. All zeros while
 the tier is off."""
 

@@ -50,7 +50,7 @@ class Heartbeat:
     pace_room: int = -1  # more streams it takes now and keeps the pace (-1: no pace promised)
     pace_streams: int = 0  # streams it runs at the pace with its current mix (0: no promise)
     step_cost: str = ""  # its fitted step-cost curve, shared/pace.py's StepCostCurve as JSON
-    # its numerics fingerprint (worker/engine/numerics.py): workers with the same one continue
+    # its numerics fingerprint (worker/engine/model/numerics.py): workers with the same one continue
     # each other's streams bit for bit ("" = unknown: a worker older than the field)
     numerics: str = ""
     # a simulated worker (worker/sim/): its cost model ("" = a real worker), the steps it played

@@ -162,7 +162,7 @@ class TokenEvent:
       a gap filled from the checkpoint. The renderer keeps the text up to the end of the stop
       string (`include_stop_str_in_output`) or up to its start.
 
-    The final event also carries `numerics`: the fingerprints (worker/engine/numerics.py) of the
+    The final event also carries `numerics`: the fingerprints (worker/engine/model/numerics.py) of the
     workers that computed the output, in order, joined by "+".
 
     Compatibility (a worker older than these fields, during a rolling upgrade): a final "stop"

@@ -122,7 +122,7 @@ def test_a_device_side_assert_is_sticky():
     """In a child process: the error poisons its CUDA context, and is classified as sticky."""
     code = (
         "import torch\n"
-        "from kvfleet.worker.engine.device import is_sticky_device_error\n"
+        "from kvfleet.worker.engine.memory.device import is_sticky_device_error\n"
         "x = torch.zeros(4, device='cuda')\n"
         "try:\n"
         "    x[torch.tensor([10], device='cuda')] = 1.0\n"

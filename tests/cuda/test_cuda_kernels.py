@@ -10,8 +10,8 @@ import torch
 
 from kvfleet.shared.wire import SamplingParams
 from tests.engine.paged_cases import CASES, ChunkSpec, PagedCase, run_case
-from kvfleet.worker.engine.sampler import Sampler, SamplerInput
-from kvfleet.worker.engine.triton_attention import interpreting
+from kvfleet.worker.engine.core.sampler import Sampler, SamplerInput
+from kvfleet.worker.engine.kernels.triton_attention import interpreting
 
 pytestmark = pytest.mark.cuda
 

@@ -1,4 +1,4 @@
-"""A scalar model, in numpy, of kvfleet's bf16 product on AMX tiles (worker/engine/cpu_amx.cpp):
+"""A scalar model, in numpy, of kvfleet's bf16 product on AMX tiles (worker/engine/kernels/cpu_amx.cpp):
 the weights' tile layout, and the sums TDPBF16PS makes of them, step by step.
 
 Each step is an fp32 fused multiply-add: the product of two bf16 values is exact in float64 (8

@@ -6,9 +6,9 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from kvfleet.worker.engine import cpu_kernels
-from kvfleet.worker.engine.kernel_binding import BoundKernel, read_header
-from kvfleet.worker.engine.kernel_build import build
+from kvfleet.worker.engine.kernels import cpu_kernels
+from kvfleet.worker.engine.kernels.kernel_binding import BoundKernel, read_header
+from kvfleet.worker.engine.kernels.kernel_build import build
 
 
 def build_variant(name: str, directory: Path, defines: tuple[str, ...]) -> BoundKernel:

@@ -13,11 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvfleet.shared.wire import SamplingParams
 from kvfleet.worker.engine.attention import (CONTEXT_KWARG, paged_attention_forward,
                                      resolve_attention_backend)
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
-from kvfleet.worker.engine.kv_format import resolve_kv_format
-from kvfleet.worker.engine.model_runner import ModelRunner, plan_step
-from kvfleet.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
+from kvfleet.worker.engine.core.model_runner import ModelRunner, plan_step
+from kvfleet.worker.engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from kvfleet.worker.engine.core.sequence import Sequence
 
 NUM_KV_HEADS = 2
 

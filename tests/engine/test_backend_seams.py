@@ -1,4 +1,4 @@
-"""The attention seams: device kinds are told apart only in worker/engine/device.py and backend
+"""The attention seams: device kinds are told apart only in worker/engine/memory/device.py and backend
 names only in the registry; every backend's metadata and forward (and its fused-layer entry)
 compute what SDPA computes over each sequence's whole K/V; the engine resolves its backend once
 and its runner uses that instance."""
@@ -19,16 +19,16 @@ from kvfleet.shared.wire import SamplingParams
 from tests.engine.paged_cases import MIXED, ChunkSpec
 from kvfleet.worker.engine.attention import (CONTEXT_KWARG, fused_layer_attention, paged_attention_forward,
                                      resolve_attention_backend)
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
-from kvfleet.worker.engine.kv_format import resolve_kv_format
-from kvfleet.worker.engine.model_runner import ModelRunner, plan_step
-from kvfleet.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from kvfleet.worker.engine.sequence import Sequence
-from kvfleet.worker.engine.triton_attention import interpreting
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
+from kvfleet.worker.engine.core.model_runner import ModelRunner, plan_step
+from kvfleet.worker.engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from kvfleet.worker.engine.core.sequence import Sequence
+from kvfleet.worker.engine.kernels.triton_attention import interpreting
 
 ROOT = Path(__file__).resolve().parents[2]
 # the only modules that may compare device types and backend names
-ALLOWED = {Path("worker/engine/device.py"), Path("worker/engine/attention/registry.py")}
+ALLOWED = {Path("worker/engine/memory/device.py"), Path("worker/engine/attention/registry.py")}
 _NAMES = r"""["'](?:sdpa|cpu|triton|cuda)["']"""
 FORBIDDEN = [
     re.compile(r"\.type\s*[!=]="),  # device.type == "cuda", x.device.type != "cpu"

@@ -19,11 +19,11 @@ import torch
 from kvfleet.shared.wire import SamplingParams
 from tests.engine.kernel_variants import build_variant
 from tests.engine.tiny_models import build_wide_llama, random_prompt, run_to_completion
-from kvfleet.worker.engine import cpu_kernels, cpu_linear
+from kvfleet.worker.engine.kernels import cpu_kernels, cpu_linear
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.kernel_binding import BoundKernel
-from kvfleet.worker.engine.model_prep import shared_copy
-from kvfleet.worker.engine.scheduler import SchedulerOutput
+from kvfleet.worker.engine.kernels.kernel_binding import BoundKernel
+from kvfleet.worker.engine.model.model_prep import shared_copy
+from kvfleet.worker.engine.core.scheduler import SchedulerOutput
 
 DTYPES = [torch.bfloat16, torch.float32]
 MAX_TOKENS = 24

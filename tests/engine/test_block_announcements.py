@@ -7,7 +7,7 @@ import pytest
 
 from kvfleet.shared.wire.prefix_hash import block_hashes, root_hash
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
-from kvfleet.worker.engine.block_manager import BlockManager, NetChange
+from kvfleet.worker.engine.memory.block_manager import BlockManager, NetChange
 
 BS = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.shared.wire.prefix_hash import hash_block, root_hash
-from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.memory.block_manager import BlockManager
 
 BS = 4
 

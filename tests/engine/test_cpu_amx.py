@@ -1,4 +1,4 @@
-"""kvfleet's bf16 product on AMX tiles (worker/engine/cpu_amx.cpp), on any x86 CPU through its
+"""kvfleet's bf16 product on AMX tiles (worker/engine/kernels/cpu_amx.cpp), on any x86 CPU through its
 emulation build: the tile instructions replaced by their scalar model (KVFLEET_AMX_EMULATE), the
 kernel's layout, loops over tiles and sum order checked against a numpy model of the same
 instructions (tests/engine/amx_model.py). On a CPU with AMX-BF16 the real tiles are compared
@@ -19,9 +19,10 @@ import torch
 from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
 from tests.engine import amx_model
 from tests.engine.kernel_variants import build_variant
-from kvfleet.worker.engine import cpu_kernels, cpu_linear, numerics
-from kvfleet.worker.engine.cpu_linear import BF16_FORM_CODES, KernelLinear
-from kvfleet.worker.engine.kernel_binding import BoundKernel
+from kvfleet.worker.engine.kernels import cpu_kernels, cpu_linear
+from kvfleet.worker.engine.model import numerics
+from kvfleet.worker.engine.kernels.cpu_linear import BF16_FORM_CODES, KernelLinear
+from kvfleet.worker.engine.kernels.kernel_binding import BoundKernel
 
 AMX = BF16_FORM_CODES["amx"]
 HAS_AMX = cpu_linear.AMX_FLAGS <= cpu_features().flags

@@ -13,13 +13,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvfleet.shared.cpu_features import cpu_features
 from tests.engine.paged_cases import CASES, NUM_KV_HEADS, ChunkSpec, PagedCase, run_case
 from tests.engine.tiny_models import VOCAB, greedy, random_prompt, run_to_completion
-from kvfleet.worker.engine import cpu_attention, cpu_kernels, cpu_linear
+from kvfleet.worker.engine.kernels import cpu_attention, cpu_kernels, cpu_linear
 from kvfleet.worker.engine.attention import resolve_attention_backend, resolve_backend_name
 from kvfleet.worker.engine.attention.cpu_backend import CpuBackend
 from kvfleet.worker.engine.attention.sdpa_backend import SdpaBackend
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
-from kvfleet.worker.engine.kv_format import resolve_kv_format
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
 
 CPU = torch.device("cpu")
 # the default model's shape: 3 query heads per KV head, head_dim 64, blocks of 16 (float32) and

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
 from tests.engine.tiny_models import MODEL_FACTORIES
-from kvfleet.worker.engine import cpu_kernels, cpu_linear
-from kvfleet.worker.engine.cpu_linear import (
+from kvfleet.worker.engine.kernels import cpu_kernels, cpu_linear
+from kvfleet.worker.engine.kernels.cpu_linear import (
     KernelLinear, PackedLinear, SiblingLinear, fuse_sibling_linears, own_product,
     pack_cpu_linears, packing_available)
 

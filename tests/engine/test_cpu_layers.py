@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion, tokens_before_divergence
-from kvfleet.worker.engine.config import EngineConfig
-from kvfleet.worker.engine.cpu_layers import FusedDecoderLayer, FusedRMSNorm, rms_norm, rope_, silu_mul
+from kvfleet.worker.engine.core.config import EngineConfig
+from kvfleet.worker.engine.model.cpu_layers import FusedDecoderLayer, FusedRMSNorm, rms_norm, rope_, silu_mul
 from kvfleet.worker.engine.engine import Engine
 
 DTYPES = [torch.float32, torch.bfloat16]

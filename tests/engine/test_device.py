@@ -13,13 +13,13 @@ from transformers import AutoModelForCausalLM
 
 from kvfleet.worker.engine.attention import resolve_attention_backend, resolve_backend_name
 from kvfleet.worker.engine.attention.sdpa_backend import SdpaBackend
-from kvfleet.worker.engine.device import (
+from kvfleet.worker.engine.memory.device import (
     CPU_BF16_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, DeviceFailure, is_cpu, is_cuda,
     is_sticky_device_error, place_model, resolve_block_size)
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.kv_cache import KVLayout
-from kvfleet.worker.engine.kv_format import resolve_kv_format
-from kvfleet.worker.engine.memory_profile import largest_step, profile_step
+from kvfleet.worker.engine.memory.kv_cache import KVLayout
+from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
+from kvfleet.worker.engine.model.memory_profile import largest_step, profile_step
 from tests.engine.tiny_models import (
     MODEL_FACTORIES, greedy, random_prompt, save_tiny_llama)
 

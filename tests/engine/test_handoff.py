@@ -24,9 +24,9 @@ from kvfleet.shared.wire.prefix_hash import root_hash
 from tests.engine.test_lora import save_adapter
 from tests.engine.tiny_models import build_model, build_wide_llama, greedy, random_prompt
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.handoff import HandoffError, SequenceState
+from kvfleet.worker.engine.core.handoff import HandoffError, SequenceState
 from kvfleet.worker.engine.lora import LoraRequest
-from kvfleet.worker.engine.model_prep import shared_copy
+from kvfleet.worker.engine.model.model_prep import shared_copy
 
 COMMON = random_prompt(40, seed=99)  # a shared opening: the prefix cache's hit
 PHRASE = random_prompt(12, seed=7)  # repeated: n-gram proposals hit

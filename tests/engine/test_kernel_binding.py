@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion
-from kvfleet.worker.engine import cpu_kernels, cpu_linear
-from kvfleet.worker.engine.cpu_attention import KernelUnavailable
-from kvfleet.worker.engine.cpu_kernels import KERNELS, KernelSource, build_and_bind
-from kvfleet.worker.engine.cpu_layers import rms_norm
+from kvfleet.worker.engine.kernels import cpu_kernels, cpu_linear
+from kvfleet.worker.engine.kernels.cpu_attention import KernelUnavailable
+from kvfleet.worker.engine.kernels.cpu_kernels import KERNELS, KernelSource, build_and_bind
+from kvfleet.worker.engine.model.cpu_layers import rms_norm
 from kvfleet.worker.engine.attention import resolve_backend_name
-from kvfleet.worker.engine.kernel_binding import HeaderError, parse_header, read_header
+from kvfleet.worker.engine.kernels.kernel_binding import HeaderError, parse_header, read_header
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -126,7 +126,7 @@ def test_a_declaration_the_source_does_not_match_fails_its_build(tmp_path, caplo
     unavailable (and the log says why) rather than bound to a function of another signature."""
     copy = _copy_kernel(tmp_path, "layer_ops")
     _add_parameter(copy.header, "int64_t rows, int inter,", "int64_t rows, int inter, int extra,")
-    with caplog.at_level(logging.WARNING, logger="kvfleet.worker.engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="kvfleet.worker.engine.kernels.cpu_kernels"):
         bound = build_and_bind("layer_ops", {"layer_ops": copy}, tmp_path / "cache")
     assert isinstance(bound, cpu_kernels.UnavailableKernel)
     assert "conflicting declaration" in bound.reason and "kvfleet_silu_mul" in bound.reason

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.worker.engine import cpu_kernels
+from kvfleet.worker.engine.kernels import cpu_kernels
 
 pytestmark = pytest.mark.sanitizer
 
@@ -41,7 +41,7 @@ SELECTION = [
 # a kernel asked to read one row past its input: ASan must stop it
 OVERFLOW = """
 import torch
-from kvfleet.worker.engine.cpu_kernels import layer_ops_kernel
+from kvfleet.worker.engine.kernels.cpu_kernels import layer_ops_kernel
 gate_up = torch.randn(4, 64)
 out = torch.empty(5, 32)
 layer_ops_kernel().kvfleet_silu_mul(0, gate_up.data_ptr(), out.data_ptr(), 5, 32, 1)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
-from kvfleet.worker.engine.device import resolve_device, resolve_dtype
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout, plan_budget
-from kvfleet.worker.engine.kv_format import resolve_kv_format
+from kvfleet.worker.engine.memory.device import resolve_device, resolve_dtype
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout, plan_budget
+from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
 
 FP32 = resolve_kv_format("fp32", torch.float32)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
-from kvfleet.worker.engine.kv_format import KV_DTYPE_CHOICES, resolve_kv_format, rotation_matrix
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.memory.kv_format import KV_DTYPE_CHOICES, resolve_kv_format, rotation_matrix
 
 QUANTIZED = ["fp8", "int8"]
 
@@ -114,7 +114,7 @@ def test_rotating_rows_with_outlier_channels_shrinks_the_int8_error():
 
 
 def test_engine_config_refuses_unknown_formats_and_policies():
-    from kvfleet.worker.engine.config import EngineConfig
+    from kvfleet.worker.engine.core.config import EngineConfig
 
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(kv_dtype="int4")

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.shared.wire import SamplingParams
-from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.memory.block_manager import BlockManager
 from kvfleet.worker.engine.engine import EngineConfig
-from kvfleet.worker.engine.kv_cache import KVCachePool
-from kvfleet.worker.engine.kv_tier import TierIndex
-from kvfleet.worker.engine.offloading import Offloading, paired_runs
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool
+from kvfleet.worker.engine.memory.kv_tier import TierIndex
+from kvfleet.worker.engine.tiers.offloading import Offloading, paired_runs
 from tests.engine.tiny_models import greedy, random_prompt
 
 BS = 4

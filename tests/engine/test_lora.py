@@ -21,12 +21,12 @@ from kvfleet.shared.wire import RequestStatus
 from kvfleet.shared.wire.prefix_hash import root_hash
 from tests.engine.tiny_models import (
     TinyModel, greedy, random_prompt, run_to_completion, tokens_before_divergence)
-from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.memory.block_manager import BlockManager
 from kvfleet.worker.engine.lora import LoraLoadError, LoraRequest
 from kvfleet.worker.engine.lora import manager as lora_manager
-from kvfleet.worker.engine.scheduler import Scheduler
-from kvfleet.worker.engine.sequence import Sequence
-from kvfleet.worker.engine.stopping import StopChecker
+from kvfleet.worker.engine.core.scheduler import Scheduler
+from kvfleet.worker.engine.core.sequence import Sequence
+from kvfleet.worker.engine.core.stopping import StopChecker
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, alpha, target modules, extra LoraConfig)

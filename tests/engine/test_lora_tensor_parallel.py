@@ -13,9 +13,9 @@ from tests.engine.test_lora import ALL, Adapters, save_adapter
 from tests.engine.test_tensor_parallel import tp_config
 from tests.engine.tiny_models import TinyModel, build_model, greedy, random_prompt, run_to_completion
 from kvfleet.worker.engine.lora import LoraRequest
-from kvfleet.worker.engine.model_runner import PlannedChunk, StepPlan
-from kvfleet.worker.engine.tp_group import StepMessage
-from kvfleet.worker.engine.tp_rank import launch_engine
+from kvfleet.worker.engine.core.model_runner import PlannedChunk, StepPlan
+from kvfleet.worker.engine.parallel.tp_group import StepMessage
+from kvfleet.worker.process.tp_rank import launch_engine
 
 # 6 heads in 3 KV groups over 2 ranks: 4 + 2 heads, 2 + 1 KV heads (uneven shards)
 OVERRIDES = dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48)

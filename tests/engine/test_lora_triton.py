@@ -12,7 +12,7 @@ from tests.engine.test_lora import Adapters, lora_engine, submit
 from tests.engine.tiny_models import random_prompt, run_to_completion
 from kvfleet.worker.engine.lora.sgmv import SlotRows, sgmv, sgmv_torch
 from kvfleet.worker.engine.lora.slots import StackedSlots
-from kvfleet.worker.engine.triton_attention import interpreting
+from kvfleet.worker.engine.kernels.triton_attention import interpreting
 
 # (start, length, slot): slot 2's rows are not consecutive, rows 37.. belong to no adapter
 SEGMENTS = [(0, 1, 2), (1, 5, 0), (6, 1, 2), (7, 20, 0), (27, 10, 2), (37, 3, 1)]

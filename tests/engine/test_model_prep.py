@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import build_model, greedy, random_prompt
-from kvfleet.worker.engine.config import EngineConfig
-from kvfleet.worker.engine.cpu_layers import FusedDecoderLayer
-from kvfleet.worker.engine.cpu_linear import KernelLinear, PackedLinear, SiblingLinear
+from kvfleet.worker.engine.core.config import EngineConfig
+from kvfleet.worker.engine.model.cpu_layers import FusedDecoderLayer
+from kvfleet.worker.engine.kernels.cpu_linear import KernelLinear, PackedLinear, SiblingLinear
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.engine.model_prep import add_linear_term, linear_products, prepare_model, shared_copy
+from kvfleet.worker.engine.model.model_prep import add_linear_term, linear_products, prepare_model, shared_copy
 
 PROMPTS = [random_prompt(n, seed=70 + i) for i, n in enumerate([6, 17])]
 
@@ -160,7 +160,7 @@ def test_prepare_model_keeps_the_model_on_its_device(tiny):
 
 def test_a_term_on_a_packed_linear_outside_a_model():
     """oneDNN's packed linear, which the engine picks where kvfleet's product does not build."""
-    from kvfleet.worker.engine.cpu_linear import packing_available
+    from kvfleet.worker.engine.kernels.cpu_linear import packing_available
 
     if not packing_available(torch.float32):
         pytest.skip("oneDNN packs no float32 weights with this torch build (torch_private refused its private ops)")

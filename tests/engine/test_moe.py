@@ -17,8 +17,8 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tests.engine.tiny_models import VOCAB, greedy, random_prompt, tokens_before_divergence
-from kvfleet.worker.engine.cpu_experts import PackedExperts
-from kvfleet.worker.engine.cpu_linear import packs
+from kvfleet.worker.engine.kernels.cpu_experts import PackedExperts
+from kvfleet.worker.engine.kernels.cpu_linear import packs
 from kvfleet.worker.engine.engine import Engine, EngineConfig
 
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -1,4 +1,4 @@
-"""The numerics fingerprint (worker/engine/numerics.py): decided by the machine's features and
+"""The numerics fingerprint (worker/engine/model/numerics.py): decided by the machine's features and
 the settings alone, so processes started together on a loaded host agree; different wherever
 the rounding can differ (a negative control per component the settings can change here)."""
 
@@ -12,9 +12,9 @@ import torch
 
 from kvfleet.shared.cpu_features import cpu_features
 from tests.engine.tiny_models import MODEL_FACTORIES
-from kvfleet.worker.engine import cpu_linear
+from kvfleet.worker.engine.kernels import cpu_linear
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.numerics import Numerics
+from kvfleet.worker.engine.model.numerics import Numerics
 
 # bf16 where the CPU computes it natively (the default dtype there), else float32 (the default)
 DTYPE = "bfloat16" if cpu_features().native_bf16 else "float32"

@@ -1,4 +1,4 @@
-"""The promised pace (worker/engine/pace.py): the step-cost fit on synthetic step times, the
+"""The promised pace (worker/engine/core/pace.py): the step-cost fit on synthetic step times, the
 margin, and the scheduler's decisions under a target with a fit made by hand (no clock, no model);
 then an engine with a target on a tiny model (same answers, latencies measured, the warm-up)."""
 
@@ -12,13 +12,13 @@ import torch
 from kvfleet.shared.engine_config import EngineConfig
 from kvfleet.shared.pace import StepCostCurve, StepFeatures
 from kvfleet.shared.wire import SamplingParams
-from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.memory.block_manager import BlockManager
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.engine.pace import (
+from kvfleet.worker.engine.core.pace import (
     MIN_PREFILL_TOKENS, Pace, QuantileTracker, StepCostModel, step_features, warm_up)
-from kvfleet.worker.engine.scheduler import Scheduler
-from kvfleet.worker.engine.sequence import Sequence
-from kvfleet.worker.engine.stopping import StopChecker
+from kvfleet.worker.engine.core.scheduler import Scheduler
+from kvfleet.worker.engine.core.sequence import Sequence
+from kvfleet.worker.engine.core.stopping import StopChecker
 
 # a step: 10 ms, +1 ms per decode row, +20 us per prompt token, +1 us per KV position read
 BASE, ROW, PREFILL, CONTEXT = 0.010, 0.001, 0.00002, 0.000001

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.worker.engine.preemption import RECOMPUTE, SWAP, PreemptionCostModel, SwapSpace
+from kvfleet.worker.engine.core.preemption import RECOMPUTE, SWAP, PreemptionCostModel, SwapSpace
 
 MB = 1_000_000
 

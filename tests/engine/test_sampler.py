@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvfleet.shared.wire import SamplingParams
-from kvfleet.worker.engine.sampler import (
+from kvfleet.worker.engine.core.sampler import (
     Sampler,
     SamplerInput,
     apply_min_tokens,

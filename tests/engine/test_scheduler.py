@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from kvfleet.shared.wire import RequestStatus, SamplingParams
-from kvfleet.worker.engine.block_manager import BlockManager
-from kvfleet.worker.engine.preemption import PreemptionCostModel, SwapSpace
-from kvfleet.worker.engine.scheduler import Scheduler, SchedulerOutput
-from kvfleet.worker.engine.sequence import Sequence
-from kvfleet.worker.engine.stopping import StopChecker
+from kvfleet.worker.engine.memory.block_manager import BlockManager
+from kvfleet.worker.engine.core.preemption import PreemptionCostModel, SwapSpace
+from kvfleet.worker.engine.core.scheduler import Scheduler, SchedulerOutput
+from kvfleet.worker.engine.core.sequence import Sequence
+from kvfleet.worker.engine.core.stopping import StopChecker
 
 BS = 4
 EOS = 2

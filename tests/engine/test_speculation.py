@@ -21,14 +21,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvfleet.shared.wire import SamplingParams
 from tests.engine.tiny_models import VOCAB, build_wide_llama, greedy, random_prompt, run_to_completion
-from kvfleet.worker.engine import cpu_attention
+from kvfleet.worker.engine.kernels import cpu_attention
 from kvfleet.worker.engine.attention import cpu_backend
 from kvfleet.worker.engine.attention.cpu_backend import CpuBackend
-from kvfleet.worker.engine.cpu_attention import CpuDecodePlan
+from kvfleet.worker.engine.kernels.cpu_attention import CpuDecodePlan
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
-from kvfleet.worker.engine.kv_format import resolve_kv_format
-from kvfleet.worker.engine.model_prep import shared_copy
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
+from kvfleet.worker.engine.model.model_prep import shared_copy
 
 DTYPES = ["bfloat16", "float32"]
 PHRASE = random_prompt(12, seed=7)
@@ -201,7 +201,7 @@ def test_the_cost_rule_backs_off_in_a_large_batch():
     """With steps that cost per row as much as they cost per step, no proposal pays; with
     weight-bound steps (a >> b) proposals of likely streams do."""
     from kvfleet.shared.engine_config import SpeculativeConfig
-    from kvfleet.worker.engine.sequence import Sequence
+    from kvfleet.worker.engine.core.sequence import Sequence
     from kvfleet.worker.engine.speculation.speculator import Speculator, StepCost
 
     spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 512)

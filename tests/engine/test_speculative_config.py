@@ -13,7 +13,7 @@ from kvfleet.shared.engine_config import EngineConfig
 from kvfleet.shared.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from kvfleet.shared.settings import WorkerSettings
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.main import with_draft_model_path
+from kvfleet.worker.process.main import with_draft_model_path
 
 
 def test_json_from_the_flag_and_the_environment(monkeypatch):

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
 from kvfleet.shared.wire import RequestStatus, SamplingParams
-from kvfleet.worker.engine.stopping import Stop, StopChecker
+from kvfleet.worker.engine.core.stopping import Stop, StopChecker
 
 EOS = 2
 STOPPED = RequestStatus.FINISHED_STOPPED

@@ -14,10 +14,10 @@ import pytest
 from tests.engine.tiny_models import (
     TinyModel, build_model, greedy, random_prompt, run_to_completion)
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.tp_rank import launch_engine
-from kvfleet.worker.engine.model_runner import PlannedChunk, StepPlan
-from kvfleet.worker.engine.tp_group import StepMessage
-from kvfleet.worker.engine.tp_shard import HeadShard, head_shard
+from kvfleet.worker.process.tp_rank import launch_engine
+from kvfleet.worker.engine.core.model_runner import PlannedChunk, StepPlan
+from kvfleet.worker.engine.parallel.tp_group import StepMessage
+from kvfleet.worker.engine.parallel.tp_shard import HeadShard, head_shard
 
 # (family, config overrides, preemption, KV heads per rank on ranks 0 and 1): 4 query heads
 # over 2 ranks with 4 and 2 KV heads split, 1 replicated onto both ranks; 6 heads in 3 KV

@@ -12,7 +12,7 @@ import functools
 from tests.engine.test_tensor_parallel import scenario, serve
 from tests.engine.tiny_models import build_model
 from kvfleet.worker.engine.engine import EngineConfig
-from kvfleet.worker.engine.tp_rank import launch_engine
+from kvfleet.worker.process.tp_rank import launch_engine
 
 
 def test_int8_kv_with_two_ranks_gives_the_one_rank_tokens(tiny_llama):

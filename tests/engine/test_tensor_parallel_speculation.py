@@ -8,7 +8,7 @@ import functools
 
 from tests.engine.test_tensor_parallel import serve, tp_config
 from tests.engine.tiny_models import TinyModel, build_model, random_prompt
-from kvfleet.worker.engine.tp_rank import launch_engine
+from kvfleet.worker.process.tp_rank import launch_engine
 
 
 def test_verified_proposals_on_two_ranks_equal_hf_generate():

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from kvfleet.shared.cpu_features import cpu_features
 from tests.engine.paged_cases import CASES, run_case
 from tests.engine.tiny_models import MODEL_FACTORIES
-from kvfleet.worker.engine import cpu_linear, torch_private
-from kvfleet.worker.engine.cpu_linear import PackedLinear, pack_cpu_linears
+from kvfleet.worker.engine.kernels import cpu_linear, torch_private
+from kvfleet.worker.engine.kernels.cpu_linear import PackedLinear, pack_cpu_linears
 
 TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float32: 1e-5}  # relative to the output's scale
 

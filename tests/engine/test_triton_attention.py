@@ -9,7 +9,7 @@ import torch
 from tests.engine.paged_cases import CASES, run_case
 
 
-from kvfleet.worker.engine.triton_attention import interpreting
+from kvfleet.worker.engine.kernels.triton_attention import interpreting
 
 
 def test_runs_under_the_interpreter():
@@ -61,9 +61,9 @@ def test_batch_invariant_tiles_give_a_prefill_row_what_its_decode_gives(dtype, r
 
     from kvfleet.worker.engine.attention.backend import StepGeometry
     from kvfleet.worker.engine.attention.triton_backend import TritonBackend
-    from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
-    from kvfleet.worker.engine.kv_format import resolve_kv_format
-    from kvfleet.worker.engine.triton_attention import paged_attention, queries_per_tile
+    from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
+    from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
+    from kvfleet.worker.engine.kernels.triton_attention import paged_attention, queries_per_tile
 
     torch.manual_seed(3)
     heads, kv_heads, dim, bs = 4, 2, 64, 16

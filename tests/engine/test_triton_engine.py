@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 
-from kvfleet.worker.engine.cuda_graphs import batch_buckets, proposal_buckets
+from kvfleet.worker.engine.core.cuda_graphs import batch_buckets, proposal_buckets
 from kvfleet.worker.engine.engine import Engine, EngineConfig
 from kvfleet.worker.metrics import WorkerMetrics
 from tests.engine.tiny_models import greedy, random_prompt, run_to_completion

@@ -92,7 +92,7 @@ def worker_events(request: GenerationRequest, token_ids: list[int], tokenizer,
     worker's own StopChecker stops it (stop strings on the text as the request shows it, stop ids,
     EOS, min_tokens), with what stopped it in the final event, as the worker reports it. A
     scripted end other than "stop" (`finish_reason="length"`) is played as it is."""
-    from kvfleet.worker.engine.stopping import StopChecker
+    from kvfleet.worker.engine.core.stopping import StopChecker
 
     if options.get("finish_reason", "stop") != "stop":
         return token_events(token_ids, prompt_tokens=len(request.prompt_token_ids), **options)

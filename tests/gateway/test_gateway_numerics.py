@@ -1,5 +1,5 @@
 """The numerics a response was computed on, as OpenAI's `system_fingerprint`: the final events'
-`numerics` (worker/engine/numerics.py), one fingerprint, or several joined by "+" where a
+`numerics` (worker/engine/model/numerics.py), one fingerprint, or several joined by "+" where a
 stream was resumed on other numerics (or its choices came from workers of different ones)."""
 
 from __future__ import annotations

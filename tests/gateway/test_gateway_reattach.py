@@ -24,7 +24,7 @@ from kvfleet.shared.wire import (
 )
 from tests.gateway.fakes import token_events
 from tests.gateway.helpers import MODEL, sse_events
-from kvfleet.worker.engine.stopping import Stop, StopChecker
+from kvfleet.worker.engine.core.stopping import Stop, StopChecker
 
 PREFIX = "kvra:"
 KEYS = Keys(PREFIX)

@@ -6,7 +6,7 @@ session, environment, working directory and log file, the module run as `__main_
 status the interpreter's. Only imports happen before the fork (no model, no thread of ours, no
 connection); a child loads its model, reads its settings and environment itself.
 
-    server = ForkServer("worker", ["kvfleet.worker.main"], log_dir)    # starts importing at once
+    server = ForkServer("worker", ["kvfleet.worker.process.main"], log_dir)    # starts importing at once
     process = server.spawn("kvfleet", ["worker", ...], env, log_path)  # Popen's calls
 
 The children are the server's: it reaps them and writes each exit status (Popen's returncode:

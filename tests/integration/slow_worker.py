@@ -20,10 +20,10 @@ from kvfleet.shared.settings import WorkerSettings
 from kvfleet.shared.wire import Keys
 from tests.engine.tiny_models import build_model
 from kvfleet.worker.engine.engine import Engine, EngineConfig
-from kvfleet.worker.engine.tp_rank import launch_engine
+from kvfleet.worker.process.tp_rank import launch_engine
 from kvfleet.worker.metrics import WorkerMetrics
 from kvfleet.worker.protocol import WorkerProtocol
-from kvfleet.worker.service import WorkerService
+from kvfleet.worker.process.service import WorkerService
 
 MODEL = "tiny"
 

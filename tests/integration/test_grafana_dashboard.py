@@ -21,9 +21,9 @@ from kvfleet.shared.settings import GatewaySettings, WorkerSettings
 from tests.engine.tiny_models import VOCAB, TinyModel, random_prompt
 from tests.helpers.promql import dashboard_gaps, dashboard_queries, exported_names, metric_names
 from tests.helpers.service_thread import serving
-from kvfleet.worker.main import worker_protocol
+from kvfleet.worker.process.main import worker_protocol
 from kvfleet.worker.metrics import WorkerMetrics
-from kvfleet.worker.service import WorkerService
+from kvfleet.worker.process.service import WorkerService
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/kvfleet.json"
 PREFIX = "kvgraf:"

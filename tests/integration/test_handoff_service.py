@@ -18,7 +18,7 @@ from tests.helpers.channels import fleet_keys
 from tests.integration.test_worker_service import MODEL, Client
 from kvfleet.worker.handoff.transfer import TcpTransferPlane
 from kvfleet.worker.protocol import WorkerProtocol
-from kvfleet.worker.service import WorkerService
+from kvfleet.worker.process.service import WorkerService
 
 pytestmark = pytest.mark.topologies
 

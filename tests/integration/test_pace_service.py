@@ -15,7 +15,7 @@ from tests.engine.tiny_models import random_prompt
 from tests.helpers.channels import subscribe
 from tests.integration.test_worker_service import (  # noqa: F401  (fixtures)
     MODEL, Client, client, make_service, run_until, tiny)
-from kvfleet.worker.engine.pace import StepCostModel
+from kvfleet.worker.engine.core.pace import StepCostModel
 
 pytestmark = pytest.mark.topologies
 

@@ -18,8 +18,8 @@ from kvfleet.shared.settings import GatewaySettings, WorkerSettings
 from kvfleet.shared.wire.prefix_hash import block_hashes, root_hash
 from tests.engine.tiny_models import VOCAB, TinyModel, random_prompt
 from tests.helpers.service_thread import serving
-from kvfleet.worker.main import worker_protocol
-from kvfleet.worker.service import WorkerService
+from kvfleet.worker.process.main import worker_protocol
+from kvfleet.worker.process.service import WorkerService
 
 HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 NAMES = [HUB, "smol"]

@@ -22,7 +22,7 @@ from tests.integration.test_worker_service import MODEL, client, run_until  # no
 from tests.sim.test_sim_engine import LinearCost
 from kvfleet.worker.handoff.transfer import TcpTransferPlane
 from kvfleet.worker.protocol import WorkerProtocol
-from kvfleet.worker.service import WorkerService
+from kvfleet.worker.process.service import WorkerService
 from kvfleet.worker.sim.clock import StepClock
 from kvfleet.worker.sim.engine import SimEngine
 from kvfleet.worker.sim.tokens import AnswerLengths

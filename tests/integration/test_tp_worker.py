@@ -17,7 +17,7 @@ from kvfleet.shared.wire.checkpoint import TOKEN_BYTES
 from tests.engine.tiny_models import TinyModel, random_prompt
 from tests.integration.test_worker_service import Client
 from tests.integration.test_worker_takeover import SlowWorker, wait_for
-from kvfleet.worker.engine.tp_group import EXIT_RANK_DIED
+from kvfleet.worker.engine.parallel.tp_group import EXIT_RANK_DIED
 
 pytestmark = pytest.mark.e2e
 

@@ -24,7 +24,7 @@ from kvfleet.shared.redis_connect import connect, is_cluster
 from tests.helpers.channels import cancel, fleet_keys, next_message, request_id_of, subscribe
 from tests.engine.tiny_models import TinyModel, random_prompt
 from kvfleet.worker.protocol import WorkerProtocol
-from kvfleet.worker.service import WorkerService
+from kvfleet.worker.process.service import WorkerService
 
 pytestmark = pytest.mark.topologies
 
@@ -370,7 +370,7 @@ def test_a_device_failure_exits_the_worker_and_its_request_resumes_elsewhere(red
     requests, and another worker finishes them token for token."""
     import threading
 
-    from kvfleet.worker.engine.device import DeviceFailure
+    from kvfleet.worker.engine.memory.device import DeviceFailure
 
     prompt = random_prompt(10, seed=5)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -9,7 +9,7 @@ import pytest
 from kvfleet.shared.engine_config import EngineConfig
 from kvfleet.shared.pace import StepCostCurve, StepFeatures
 from kvfleet.shared.wire import RequestStatus, SamplingParams
-from kvfleet.worker.engine.handoff import HandoffError, SequenceState
+from kvfleet.worker.engine.core.handoff import HandoffError, SequenceState
 from kvfleet.worker.engine.lora import LoraLoadError, LoraRequest
 from kvfleet.worker.sim.clock import INVALID_LAG_SHARE, SimLag, StepClock
 from kvfleet.worker.sim.cost import RooflineCost

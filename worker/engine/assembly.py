@@ -19,34 +19,34 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvfleet.worker.engine.attention import AttentionBackend, resolve_attention_backend
-from kvfleet.worker.engine.block_manager import BlockManager
-from kvfleet.worker.engine.budget import plan_kv_budget, preemption_cost_model
-from kvfleet.worker.engine.config import EngineConfig
-from kvfleet.worker.engine.cuda_graphs import DecodeGraphs
-from kvfleet.worker.engine.device import (
+from kvfleet.worker.engine.memory.block_manager import BlockManager
+from kvfleet.worker.engine.model.budget import plan_kv_budget, preemption_cost_model
+from kvfleet.worker.engine.core.config import EngineConfig
+from kvfleet.worker.engine.core.cuda_graphs import DecodeGraphs
+from kvfleet.worker.engine.memory.device import (
     is_cuda, resolve_block_size, resolve_device, resolve_dtype, select_device)
-from kvfleet.worker.engine.invariance import invariance_gap
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout, MemoryBudget
-from kvfleet.worker.engine.kv_format import KVFormat, resolve_kv_format
-from kvfleet.worker.engine.lifecycle import Feature, Features
+from kvfleet.worker.engine.model.invariance import invariance_gap
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout, MemoryBudget
+from kvfleet.worker.engine.memory.kv_format import KVFormat, resolve_kv_format
+from kvfleet.worker.engine.core.lifecycle import Feature, Features
 from kvfleet.worker.engine.lora.feature import Adapters, NoAdapters
 from kvfleet.worker.engine.lora.manager import LoraManager
-from kvfleet.worker.engine.model_prep import (
+from kvfleet.worker.engine.model.model_prep import (
     PreparedModel, eos_token_ids_of, max_model_len_of, pack_for_cpu, prepare_model)
-from kvfleet.worker.engine.model_runner import ModelRunner
+from kvfleet.worker.engine.core.model_runner import ModelRunner
 from kvfleet.worker.engine.moves import SequenceMoves
-from kvfleet.worker.engine.numerics import Numerics, engine_numerics
-from kvfleet.worker.engine.offloading import HostTier, Offloading
-from kvfleet.worker.engine.pace import Pace
+from kvfleet.worker.engine.model.numerics import Numerics, engine_numerics
+from kvfleet.worker.engine.tiers.offloading import HostTier, Offloading
+from kvfleet.worker.engine.core.pace import Pace
 from kvfleet.worker.engine.pacing import Pacing
-from kvfleet.worker.engine.preemption import PreemptionCostModel, SwapSpace
-from kvfleet.worker.engine.sampler import Sampler
-from kvfleet.worker.engine.scheduler import Scheduler
+from kvfleet.worker.engine.core.preemption import PreemptionCostModel, SwapSpace
+from kvfleet.worker.engine.core.sampler import Sampler
+from kvfleet.worker.engine.core.scheduler import Scheduler
 from kvfleet.worker.engine.speculation.feature import Speculation
-from kvfleet.worker.engine.stopping import StopChecker
-from kvfleet.worker.engine.swapping import SwappedKV, Swapping
-from kvfleet.worker.engine.tp_group import RankGroup
-from kvfleet.worker.engine.tp_steps import RankSteps
+from kvfleet.worker.engine.core.stopping import StopChecker
+from kvfleet.worker.engine.tiers.swapping import SwappedKV, Swapping
+from kvfleet.worker.engine.parallel.tp_group import RankGroup
+from kvfleet.worker.engine.parallel.tp_steps import RankSteps
 from kvfleet.worker.structured.compiler import GrammarCompiler
 from kvfleet.worker.structured.requests import ConstrainedRequests
 

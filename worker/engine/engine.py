@@ -18,21 +18,21 @@ import torch
 from kvfleet.shared.wire import RequestStatus, SamplingParams
 from kvfleet.worker.engine import reports
 from kvfleet.worker.engine.assembly import EngineParts, assemble
-from kvfleet.worker.engine.config import EngineConfig
-from kvfleet.worker.engine.device import DeviceFailure, resolve_device
-from kvfleet.worker.engine.handoff import HandoffError, SequenceState
+from kvfleet.worker.engine.core.config import EngineConfig
+from kvfleet.worker.engine.memory.device import DeviceFailure, resolve_device
+from kvfleet.worker.engine.core.handoff import HandoffError, SequenceState
 from kvfleet.worker.engine.lora import LoraLoadError, LoraRequest, LoraStats
-from kvfleet.worker.engine.model_prep import load_pretrained
-from kvfleet.worker.engine.model_runner import StepLogits
-from kvfleet.worker.engine.pace import PaceReport
+from kvfleet.worker.engine.model.model_prep import load_pretrained
+from kvfleet.worker.engine.core.model_runner import StepLogits
+from kvfleet.worker.engine.core.pace import PaceReport
 from kvfleet.worker.engine.reports import EngineStats
-from kvfleet.worker.engine.request_io import (
+from kvfleet.worker.engine.core.request_io import (
     RequestOutput, check_request, emission_output, request_output)
-from kvfleet.worker.engine.scheduler import SchedulerOutput, TokenEmission
-from kvfleet.worker.engine.sequence import Sequence
-from kvfleet.worker.engine.step_sampling import (
+from kvfleet.worker.engine.core.scheduler import SchedulerOutput, TokenEmission
+from kvfleet.worker.engine.core.sequence import Sequence
+from kvfleet.worker.engine.core.step_sampling import (
     Failures, advance_constrained, raise_if_sticky, record_prompt_logprobs, sample_rows)
-from kvfleet.worker.engine.tp_group import RankGroup
+from kvfleet.worker.engine.parallel.tp_group import RankGroup
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "LoraLoadError", "LoraRequest", "LoraStats",
            "RequestOutput", "load_pretrained"]

@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 
 from kvfleet.shared.wire import RequestStatus
-from kvfleet.worker.engine.block_manager import BlockManager
-from kvfleet.worker.engine.handoff import (
+from kvfleet.worker.engine.memory.block_manager import BlockManager
+from kvfleet.worker.engine.core.handoff import (
     HandoffError, SequenceState, check_layout, host_blocks, pool_layout)
-from kvfleet.worker.engine.kv_cache import HostBlocks, KVCachePool
-from kvfleet.worker.engine.lifecycle import Features
-from kvfleet.worker.engine.sequence import Sequence
-from kvfleet.worker.engine.swapping import SwappedKV
+from kvfleet.worker.engine.memory.kv_cache import HostBlocks, KVCachePool
+from kvfleet.worker.engine.core.lifecycle import Features
+from kvfleet.worker.engine.core.sequence import Sequence
+from kvfleet.worker.engine.tiers.swapping import SwappedKV
 
 
 class SequenceMoves:

@@ -3,10 +3,10 @@ and time feed its step-cost fit, every stream's new tokens its time between toke
 
 from __future__ import annotations
 
-from kvfleet.worker.engine.lifecycle import Feature, Samples
-from kvfleet.worker.engine.model_runner import StepLogits
-from kvfleet.worker.engine.pace import Pace, step_features
-from kvfleet.worker.engine.scheduler import SchedulerOutput, TokenEmission
+from kvfleet.worker.engine.core.lifecycle import Feature, Samples
+from kvfleet.worker.engine.core.model_runner import StepLogits
+from kvfleet.worker.engine.core.pace import Pace, step_features
+from kvfleet.worker.engine.core.scheduler import SchedulerOutput, TokenEmission
 
 
 class Pacing(Feature):

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from kvfleet.shared.cpu_features import cpu_features
-from kvfleet.worker.engine import cpu_kernels, cpu_linear
+from kvfleet.worker.engine.kernels import cpu_kernels, cpu_linear
 from kvfleet.worker.engine.attention import AttentionBackend
-from kvfleet.worker.engine.block_manager import BlockManager
-from kvfleet.worker.engine.device import is_cpu
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout, MemoryBudget, format_bytes
-from kvfleet.worker.engine.kv_format import resolve_kv_format
-from kvfleet.worker.engine.model_runner import ModelRunner
-from kvfleet.worker.engine.preemption import PreemptionCostModel, SwapSpace
-from kvfleet.worker.engine.scheduler import Scheduler
+from kvfleet.worker.engine.memory.block_manager import BlockManager
+from kvfleet.worker.engine.memory.device import is_cpu
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout, MemoryBudget, format_bytes
+from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
+from kvfleet.worker.engine.core.model_runner import ModelRunner
+from kvfleet.worker.engine.core.preemption import PreemptionCostModel, SwapSpace
+from kvfleet.worker.engine.core.scheduler import Scheduler
 from kvfleet.worker.engine.speculation.speculator import SpeculationStats
 from kvfleet.worker.structured.requests import ConstrainedRequests
 

@@ -14,8 +14,8 @@ import torch
 
 from kvfleet.shared.wire import SamplingParams
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
-from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from kvfleet.worker.engine.core.sequence import Sequence
 
 
 def teacher_forced_logprobs(engine: Engine, sequences: list[list[int]],

@@ -23,7 +23,7 @@ from kvfleet.shared.redis_connect import REDIS_FAILURES
 from kvfleet.shared.settings import WorkerSettings
 from kvfleet.shared.wire.handoff import HandoffOffer, new_handoff_id
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.engine.handoff import HandoffError, SequenceState
+from kvfleet.worker.engine.core.handoff import HandoffError, SequenceState
 from kvfleet.worker.handoff.protocol import HandoffProtocol
 from kvfleet.worker.handoff.transfer import Outgoing, TransferError, TransferPlane
 from kvfleet.worker.inflight import Inflight, InflightTable, StreamCalls

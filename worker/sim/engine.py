@@ -29,19 +29,19 @@ import torch
 
 from kvfleet.shared.engine_config import EngineConfig
 from kvfleet.shared.wire import RequestStatus
-from kvfleet.worker.engine.block_manager import BlockManager
+from kvfleet.worker.engine.memory.block_manager import BlockManager
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.engine.handoff import HandoffError, SequenceState, check_layout
-from kvfleet.worker.engine.lifecycle import Feature, Features
+from kvfleet.worker.engine.core.handoff import HandoffError, SequenceState, check_layout
+from kvfleet.worker.engine.core.lifecycle import Feature, Features
 from kvfleet.worker.engine.lora.feature import NoAdapters
-from kvfleet.worker.engine.model_runner import StepLogits
-from kvfleet.worker.engine.numerics import Numerics
-from kvfleet.worker.engine.pace import Pace, step_features
+from kvfleet.worker.engine.core.model_runner import StepLogits
+from kvfleet.worker.engine.model.numerics import Numerics
+from kvfleet.worker.engine.core.pace import Pace, step_features
 from kvfleet.worker.engine.pacing import Pacing
 from kvfleet.worker.engine.reports import EngineStats
-from kvfleet.worker.engine.scheduler import Scheduler, SchedulerOutput
-from kvfleet.worker.engine.sequence import Sequence
-from kvfleet.worker.engine.stopping import StopChecker
+from kvfleet.worker.engine.core.scheduler import Scheduler, SchedulerOutput
+from kvfleet.worker.engine.core.sequence import Sequence
+from kvfleet.worker.engine.core.stopping import StopChecker
 from kvfleet.worker.structured.requests import ConstrainedRequests
 from kvfleet.worker.sim.clock import SimLag, StepClock
 from kvfleet.worker.sim.tokens import AnswerLengths, AnswerTokens

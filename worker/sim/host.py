@@ -30,8 +30,8 @@ from kvfleet.shared.models import load_tokenizer, resolve_model_path
 from kvfleet.shared.redis_connect import connect
 from kvfleet.shared.settings import WorkerSettings
 from kvfleet.shared.wire import Heartbeat
-from kvfleet.worker.engine.model_prep import max_model_len_of
-from kvfleet.worker.engine.pace import warm_up
+from kvfleet.worker.engine.model.model_prep import max_model_len_of
+from kvfleet.worker.engine.core.pace import warm_up
 from kvfleet.worker.sim.checks import HEARTBEAT_SOURCE, ONE_BYTE_KV, check_sim_settings
 from kvfleet.worker.sim.clock import StepClock
 from kvfleet.worker.sim.cost import (
@@ -138,9 +138,9 @@ def build_sim_engine(settings: WorkerSettings, model: SimModel, cost,
 def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = None) -> None:
     """Run `--sim-workers` simulated workers (at least one) until SIGINT, SIGTERM's drains end,
     or `stop` is set."""
-    from kvfleet.worker.main import worker_protocol
+    from kvfleet.worker.process.main import worker_protocol
     from kvfleet.worker.metrics import WorkerMetrics
-    from kvfleet.worker.service import WorkerService
+    from kvfleet.worker.process.service import WorkerService
 
     if not settings.redis_url:
         raise SystemExit("kvfleet worker: set --redis-url or KVFLEET_REDIS_URL")

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from transformers import AttentionInterface
 
-from kvfleet.worker.engine.kv_cache import KVCachePool
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool
 
 ATTENTION_NAME = "kvfleet_paged"
 CONTEXT_KWARG = "kvfleet_attention"

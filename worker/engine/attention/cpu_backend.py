@@ -20,7 +20,7 @@ import torch
 
 from kvfleet.worker.engine.attention.backend import AttentionBackend, AttentionMetadata, StepGeometry
 from kvfleet.worker.engine.attention.sdpa_backend import PrefillChunk, prefill_attention, prefill_chunks
-from kvfleet.worker.engine.cpu_attention import (CpuDecodePlan, CpuPrefillPlan, paged_decode,
+from kvfleet.worker.engine.kernels.cpu_attention import (CpuDecodePlan, CpuPrefillPlan, paged_decode,
                                          paged_prefill, write_kv)
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet.worker.engine import cpu_attention
+from kvfleet.worker.engine.kernels import cpu_attention
 from kvfleet.worker.engine.attention.backend import AttentionBackend
 from kvfleet.worker.engine.attention.cpu_backend import CpuBackend
 from kvfleet.worker.engine.attention.sdpa_backend import SdpaBackend
 from kvfleet.worker.engine.attention.triton_backend import TritonBackend
-from kvfleet.worker.engine.device import is_cpu, is_cuda
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
-from kvfleet.worker.engine.kv_format import KVFormat
-from kvfleet.worker.engine.triton_attention import interpreting, triton_available
+from kvfleet.worker.engine.memory.device import is_cpu, is_cuda
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.memory.kv_format import KVFormat
+from kvfleet.worker.engine.kernels.triton_attention import interpreting, triton_available
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu", "triton")
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.worker.engine.attention.backend import AttentionBackend, AttentionMetadata, StepGeometry
-from kvfleet.worker.engine.kv_cache import KVCachePool
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool
 
 # a decode group costs about as much as gathering this many padded tokens (call overhead)
 DECODE_GROUP_COST_TOKENS = 512

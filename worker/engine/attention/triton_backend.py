@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfleet.worker.engine.attention.backend import AttentionBackend, AttentionMetadata, StepGeometry
-from kvfleet.worker.engine.triton_attention import (PagedAttentionPlan, build_plan, paged_attention,
+from kvfleet.worker.engine.kernels.triton_attention import (PagedAttentionPlan, build_plan, paged_attention,
                                             queries_per_tile)
 
 

@@ -8,6 +8,6 @@ products of a prepared model get terms), manager.py (all of it for one engine). 
 is imported here: the sequence and the scheduler need it without torch.
 """
 
-from kvfleet.worker.engine.lora.request import LoraLoadError, LoraRequest, LoraStats
+from kvfleet.worker.engine.core.lora_request import LoraLoadError, LoraRequest, LoraStats
 
 __all__ = ["LoraLoadError", "LoraRequest", "LoraStats"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-from kvfleet.worker.engine.lora.request import LoraLoadError
+from kvfleet.worker.engine.core.lora_request import LoraLoadError
 from kvfleet.worker.engine.lora.weights import AdapterWeights
 
 Loader = Callable[[str, str], AdapterWeights]  # (name, path) -> weights, or LoraLoadError

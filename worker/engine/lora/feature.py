@@ -5,11 +5,11 @@ the adapters' life); an engine without --enable-lora refuses requests that name 
 
 from __future__ import annotations
 
-from kvfleet.worker.engine.lifecycle import Feature
+from kvfleet.worker.engine.core.lifecycle import Feature
 from kvfleet.worker.engine.lora.manager import LoraManager
-from kvfleet.worker.engine.lora.request import LoraLoadError
-from kvfleet.worker.engine.scheduler import Attachments, ScheduledChunk
-from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.core.lora_request import LoraLoadError
+from kvfleet.worker.engine.core.scheduler import Attachments, ScheduledChunk
+from kvfleet.worker.engine.core.sequence import Sequence
 
 
 class Adapters(Feature):

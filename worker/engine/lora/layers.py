@@ -18,7 +18,7 @@ from torch import nn
 
 from kvfleet.shared.lora import SUPPORTED_MODULES
 from kvfleet.worker.engine.lora.weights import LinearDims
-from kvfleet.worker.engine.model_prep import linear_products
+from kvfleet.worker.engine.model.model_prep import linear_products
 
 FUSED_PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 _PRODUCT_NAME = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?:self_attn\.|mlp\.)?"

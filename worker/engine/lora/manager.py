@@ -34,29 +34,29 @@ import torch
 from torch import nn
 
 from kvfleet.shared.lora import SUPPORTED_MODULES
-from kvfleet.worker.engine.device import is_cuda
-from kvfleet.worker.engine.kv_cache import format_bytes
+from kvfleet.worker.engine.memory.device import is_cuda
+from kvfleet.worker.engine.memory.kv_cache import format_bytes
 from kvfleet.worker.engine.lora.cache import AdapterCache
 from kvfleet.worker.engine.lora.layers import LoraTarget, TargetPart, lora_targets
-from kvfleet.worker.engine.lora.request import LoraLoadError, LoraRequest, LoraStats
+from kvfleet.worker.engine.core.lora_request import LoraLoadError, LoraRequest, LoraStats
 from kvfleet.worker.engine.lora.sgmv import SlotRows
 from kvfleet.worker.engine.lora.slots import (
     KernelSlots, ProductSlots, SlotLoad, SlotTable, StackedSlots, slot_bytes)
-from kvfleet.worker.engine.cpu_attention import DTYPE_CODES
-from kvfleet.worker.engine.cpu_kernels import layer_ops_kernel
-from kvfleet.worker.engine.kernel_binding import BoundKernel
+from kvfleet.worker.engine.kernels.cpu_attention import DTYPE_CODES
+from kvfleet.worker.engine.kernels.cpu_kernels import layer_ops_kernel
+from kvfleet.worker.engine.kernels.kernel_binding import BoundKernel
 from kvfleet.worker.engine.lora.weights import (
     AdapterWeights, ShardSlices, check_adapter, load_adapter)
-from kvfleet.worker.engine.model_prep import add_linear_update
-from kvfleet.worker.engine.triton_attention import triton_available
+from kvfleet.worker.engine.model.model_prep import add_linear_update
+from kvfleet.worker.engine.kernels.triton_attention import triton_available
 
 if TYPE_CHECKING:
     from kvfleet.worker.engine.attention import AttentionBackend
-    from kvfleet.worker.engine.config import EngineConfig
-    from kvfleet.worker.engine.tp_group import RankGroup
-    from kvfleet.worker.engine.tp_shard import HeadShard
-    from kvfleet.worker.engine.model_runner import StepPlan
-    from kvfleet.worker.engine.scheduler import ScheduledChunk
+    from kvfleet.worker.engine.core.config import EngineConfig
+    from kvfleet.worker.engine.parallel.tp_group import RankGroup
+    from kvfleet.worker.engine.parallel.tp_shard import HeadShard
+    from kvfleet.worker.engine.core.model_runner import StepPlan
+    from kvfleet.worker.engine.core.scheduler import ScheduledChunk
 
 
 class LoraManager:

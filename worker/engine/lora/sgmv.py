@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfleet.worker.engine.triton_attention import interpreting
+from kvfleet.worker.engine.kernels.triton_attention import interpreting
 
 try:  # bundled with CUDA builds of torch; optional on CPU-only installs
     import triton

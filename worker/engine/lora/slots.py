@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet.worker.engine.cpu_attention import DTYPE_CODES
-from kvfleet.worker.engine.cpu_kernels import layer_ops_kernel
-from kvfleet.worker.engine.cpu_linear import product
-from kvfleet.worker.engine.device import is_cpu
+from kvfleet.worker.engine.kernels.cpu_attention import DTYPE_CODES
+from kvfleet.worker.engine.kernels.cpu_kernels import layer_ops_kernel
+from kvfleet.worker.engine.kernels.cpu_linear import product
+from kvfleet.worker.engine.memory.device import is_cpu
 from kvfleet.worker.engine.lora.sgmv import SlotRows, sgmv, sgmv_torch
 from kvfleet.worker.engine.lora.weights import AdapterWeights, LinearDims
 

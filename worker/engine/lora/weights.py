@@ -19,8 +19,8 @@ import torch
 
 from kvfleet.shared.lora import (
     WEIGHTS_FILE, AdapterError, AdapterInfo, inspect_adapter, linear_shapes, lora_tensor_key)
-from kvfleet.worker.engine.lora.request import LoraLoadError
-from kvfleet.worker.engine.tp_shard import HeadShard, even_split
+from kvfleet.worker.engine.core.lora_request import LoraLoadError
+from kvfleet.worker.engine.parallel.tp_shard import HeadShard, even_split
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import time
 
-from kvfleet.worker.engine.kv_cache import HostBlocks, KVCachePool
-from kvfleet.worker.engine.model_runner import ModelRunner, PlannedChunk, StepPlan
-from kvfleet.worker.engine.scheduler import ScheduledChunk
-from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.memory.kv_cache import HostBlocks, KVCachePool
+from kvfleet.worker.engine.core.model_runner import ModelRunner, PlannedChunk, StepPlan
+from kvfleet.worker.engine.core.scheduler import ScheduledChunk
+from kvfleet.worker.engine.core.sequence import Sequence
 from kvfleet.worker.engine.speculation.speculator import StepCost
 
 

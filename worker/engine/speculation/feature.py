@@ -10,15 +10,15 @@ from __future__ import annotations
 import torch
 
 from kvfleet.worker.engine.attention import resolve_attention_backend
-from kvfleet.worker.engine.config import EngineConfig, SpeculativeConfig
-from kvfleet.worker.engine.handoff import HandoffError, SequenceState, pool_layout, state_blocks
-from kvfleet.worker.engine.kv_cache import KVCachePool, KVLayout
-from kvfleet.worker.engine.kv_format import KVFormat
-from kvfleet.worker.engine.lifecycle import Feature, Samples
-from kvfleet.worker.engine.model_prep import PreparedModel, load_pretrained, pack_for_cpu, prepare_model
-from kvfleet.worker.engine.model_runner import ModelRunner, StepLogits
-from kvfleet.worker.engine.scheduler import Attachments, ScheduledChunk, Scheduler, SchedulerOutput
-from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.core.config import EngineConfig, SpeculativeConfig
+from kvfleet.worker.engine.core.handoff import HandoffError, SequenceState, pool_layout, state_blocks
+from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
+from kvfleet.worker.engine.memory.kv_format import KVFormat
+from kvfleet.worker.engine.core.lifecycle import Feature, Samples
+from kvfleet.worker.engine.model.model_prep import PreparedModel, load_pretrained, pack_for_cpu, prepare_model
+from kvfleet.worker.engine.core.model_runner import ModelRunner, StepLogits
+from kvfleet.worker.engine.core.scheduler import Attachments, ScheduledChunk, Scheduler, SchedulerOutput
+from kvfleet.worker.engine.core.sequence import Sequence
 from kvfleet.worker.engine.speculation.draft import DraftModel
 from kvfleet.worker.engine.speculation.speculator import Speculator
 

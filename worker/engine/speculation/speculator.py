@@ -21,8 +21,8 @@ import logging
 from dataclasses import dataclass, field
 
 from kvfleet.shared.engine_config import SpeculativeConfig
-from kvfleet.worker.engine.scheduler import ScheduledChunk
-from kvfleet.worker.engine.sequence import Sequence
+from kvfleet.worker.engine.core.scheduler import ScheduledChunk
+from kvfleet.worker.engine.core.sequence import Sequence
 from kvfleet.worker.engine.speculation.proposers import Proposer, make_proposer
 
 log = logging.getLogger(__name__)

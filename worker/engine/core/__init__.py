@@ -1,0 +1,1 @@
+"""The engine's core: sequences, the scheduler and its pace, the model runner, sampling, stop rules, request input and output, the step lifecycle features plug into, and a sequence's handoff state."""

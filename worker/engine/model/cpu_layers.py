@@ -1,0 +1,158 @@
+"""Decoder layers of Llama-family models (Llama, Qwen2, Mistral) on the CPU, fused (bf16, float32).
+
+HF's eager layer runs about 30 small torch ops per layer around 7 matrix products; at decode sizes
+their per-op cost and the Python between them are a large share of a step. `FusedDecoderLayer` computes
+the same layer as 4 packed oneDNN products (q/k/v together, o, gate/up together, down), the
+engine's paged attention, and 3 C++ element-wise passes (cpu_layer_ops.cpp: RMSNorm with the
+residual add folded in, RoPE in place on q and k, SiLU(gate) * up), rounding to bf16 where the
+eager bf16 layer rounds (float32 is plain float32: its greedy output still equals HF `generate`
+token for token in the tests). The products are oneDNN-packed where the dtype packs on this CPU
+(cpu_linear.py), else F.linear. `FusedRMSNorm` takes the final norm. Layers of another shape are
+left as they are, and so is everything under tensor parallelism (its ranks hold sharded layers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfleet.worker.engine.kernels import cpu_kernels
+from kvfleet.worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
+from kvfleet.worker.engine.kernels.cpu_attention import DTYPE_CODES
+from kvfleet.worker.engine.kernels.cpu_kernels import layer_ops_kernel
+from kvfleet.worker.engine.kernels.cpu_linear import product
+
+FUSED_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{name} failed with status {status}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * rms_norm(x) over the last dim of contiguous [rows, hidden]; with `residual`, that
+    tensor becomes x + residual first (in place) and the sum is what is normalised."""
+    out = torch.empty_like(x)
+    _check(layer_ops_kernel().kvfleet_rms_norm(
+        DTYPE_CODES[x.dtype], x.data_ptr(), None if residual is None else residual.data_ptr(),
+        weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+        torch.get_num_threads()), "kvfleet_rms_norm")
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [rows, heads, dim] (last dim contiguous) in place by cos/sin [rows, dim]."""
+    assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    _check(layer_ops_kernel().kvfleet_rope(
+        DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1),
+        x.shape[2], cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()), "kvfleet_rope")
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from contiguous [rows, 2 * inter] (gate, then up) -> [rows, inter]."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, inter)
+    _check(layer_ops_kernel().kvfleet_silu_mul(
+        DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, inter,
+        torch.get_num_threads()), "kvfleet_silu_mul")
+    return out
+
+
+def _concat(*linears: torch.nn.Linear, invariant: bool = False) -> torch.nn.Module:
+    """One product over the linears' stacked weights (outputs side by side)."""
+    fused = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                            bias=linears[0].bias is not None, dtype=linears[0].weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias for m in linears]))
+    return product(fused, invariant)
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """An HF RMSNorm ([1, T, hidden] in, same out) through kvfleet_rms_norm."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps).view(x.shape)
+
+
+class FusedDecoderLayer(torch.nn.Module):
+    """What an HF Llama-family decoder layer computes, from that layer's weights."""
+
+    def __init__(self, layer: torch.nn.Module, invariant: bool = False):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.head_dim = attn.head_dim
+        self.num_heads = attn.q_proj.out_features // self.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // self.head_dim
+        self.scaling = attn.scaling
+        self.layer_idx = attn.layer_idx
+        self.qkv = _concat(attn.q_proj, attn.k_proj, attn.v_proj, invariant=invariant)
+        self.o_proj = product(attn.o_proj, invariant)
+        self.gate_up = _concat(mlp.gate_proj, mlp.up_proj, invariant=invariant)
+        self.down_proj = product(mlp.down_proj, invariant)
+        self.input_norm = FusedRMSNorm(layer.input_layernorm)
+        self.post_norm = FusedRMSNorm(layer.post_attention_layernorm)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None,
+                **kwargs) -> torch.Tensor:  # [1, T, hidden] -> [1, T, hidden]
+        x = hidden_states[0].contiguous()  # [T, hidden]
+        num_tokens, dim = x.shape[0], self.head_dim
+        h = rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+        qkv = self.qkv(h)  # [T, (H + 2 KVH) * D]
+        q_end, k_end = self.num_heads * dim, (self.num_heads + self.num_kv_heads) * dim
+        cos, sin = (t[0].contiguous() for t in position_embeddings)  # [T, D] each
+        # q and k heads side by side in each row: one rotation pass for both
+        rope_(qkv[:, :k_end].view(num_tokens, self.num_heads + self.num_kv_heads, dim), cos, sin)
+        attn = fused_layer_attention(
+            self.layer_idx, qkv[:, :q_end].view(num_tokens, self.num_heads, dim),
+            qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, dim),
+            qkv[:, k_end:].view(num_tokens, self.num_kv_heads, dim), kwargs[CONTEXT_KWARG],
+            self.scaling)  # [T, H, D]
+        residual = self.o_proj(attn.view(num_tokens, -1))  # becomes x + attention below
+        h = rms_norm(x, self.post_norm.weight, self.post_norm.eps, residual=residual)
+        out = residual + self.down_proj(silu_mul(self.gate_up(h)))
+        return out.unsqueeze(0)
+
+
+def can_fuse(layer: torch.nn.Module) -> bool:
+    """A Llama-family layer with plain CPU linears of one FUSED_DTYPES dtype, RMSNorms, SiLU and
+    full-width RoPE."""
+    if type(layer).__name__ not in FUSED_LAYER_TYPES:
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    dtypes = {getattr(getattr(m, "weight", None), "dtype", None) for m in linears}
+    if not (all(type(m) is torch.nn.Linear and m.weight.is_cpu for m in linears)
+            and len(dtypes) == 1 and dtypes <= set(FUSED_DTYPES)):
+        return False
+    config = getattr(attn, "config", None)
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    return (getattr(config, "hidden_act", None) == "silu"
+            and getattr(config, "partial_rotary_factor", 1.0) == 1.0
+            and not hasattr(attn, "q_norm")
+            and all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms))
+
+
+def fuse_decoder_layers(model: torch.nn.Module, invariant: bool = False) -> int:
+    """Replace every layer `can_fuse` accepts (and then the final norm) where the layer ops'
+    kernel loads here, its products batch-invariant where `invariant`; returns how many."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or cpu_kernels.unavailable_reason("layer_ops") is not None:
+        return 0  # without the element-wise ops HF's layers stay (the log said why)
+    fused = 0
+    for i, layer in enumerate(layers):
+        if can_fuse(layer):
+            layers[i] = FusedDecoderLayer(layer, invariant)
+            fused += 1
+    norm = model.model.norm
+    if fused == len(layers) and hasattr(norm, "variance_epsilon"):
+        model.model.norm = FusedRMSNorm(norm)
+    return fused
