@@ -54,13 +54,26 @@ def connect(url: str, *, cluster: bool | None = None, **options: Any) -> SyncCli
     return redis.Redis.from_url(url, **options)
 
 
-def connect_async(url: str, *, cluster: bool | None = None, **options: Any) -> AsyncClient:
-    """The asyncio client for `url` (the gateway's)."""
+def connect_async(url: str, *, cluster: bool | None = None, max_connections: int | None = None,
+                  pool_timeout_s: float | None = None, **options: Any) -> AsyncClient:
+    """The asyncio client for `url` (the gateway's).
+
+    With `max_connections`, a single Redis's pool holds at most that many connections and a
+    command that finds them all busy waits up to `pool_timeout_s` for one to come back (redis-py's
+    default pool holds 100 and fails the command at once: hundreds of requests cancelled in the
+    same instant then got 503s). A cluster client's pools are per node and have no waiting form:
+    there `max_connections` is each node's bound."""
     if cluster is None:
         cluster = cluster_enabled(url)
     if cluster:
+        if max_connections is not None:
+            options["max_connections"] = max_connections
         return AsyncRedisCluster.from_url(_without_db(url), **options)
-    return redis.asyncio.Redis.from_url(url, **options)
+    if max_connections is None:
+        return redis.asyncio.Redis.from_url(url, **options)
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=pool_timeout_s, **options)
+    return redis.asyncio.Redis(connection_pool=pool)
 
 
 def is_cluster(client: Any) -> bool:

@@ -166,6 +166,10 @@ class GatewaySettings(BatchApiSettings):
         "as in transformers' generate() (greedy unless it sets do_sample); 1.0 is OpenAI's "
         "default"))
     stream_maxlen: int = Field(100_000, description="cap of each request stream (entries)")
+    redis_max_connections: int = Field(256, ge=1, description=(
+        "the gateway's Redis connections at most (on a cluster: to each node); a command that "
+        "finds them all busy waits for one, up to the command timeout, rather than failing "
+        "(redis-py's default: 100, then an error at once)"))
     max_queue_wait_s: float = Field(60.0, description=(
         "backpressure: refuse (429 + Retry-After) when the queue's expected wait is longer; 0: "
         "off (the depth limit still holds)"))

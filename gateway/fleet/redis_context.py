@@ -9,8 +9,11 @@ import threading
 import redis
 
 from kvfleet.shared.redis_connect import AsyncClient, SyncClient, cluster_enabled, connect, connect_async
-from kvfleet.shared.settings import CommonSettings
+from kvfleet.shared.settings import CommonSettings, GatewaySettings
 from kvfleet.shared.wire import Keys
+
+# the gateway's bound on its Redis connections, where a caller gives none (tests, tools)
+MAX_CONNECTIONS = GatewaySettings.model_fields["redis_max_connections"].default
 
 
 class RedisContext:
@@ -21,7 +24,7 @@ class RedisContext:
 
     def __init__(self, url: str, keys: Keys, *, connect_timeout_s: float = 2.0,
                  command_timeout_s: float = 3.0, sync_timeout_s: float = 5.0,
-                 batch_queue_url: str | None = None):
+                 batch_queue_url: str | None = None, max_connections: int = MAX_CONNECTIONS):
         self.url = url
         self.batch_queue_url = batch_queue_url
         self.keys = keys
@@ -29,7 +32,10 @@ class RedisContext:
         self._connect_timeout_s = connect_timeout_s
         self._sync_timeout_s = sync_timeout_s
         self.cluster = cluster_enabled(url, connect_timeout_s)
+        # a command finding every connection busy waits for one, as long as a command may take
         self.redis: AsyncClient = connect_async(url, cluster=self.cluster,
+                                                max_connections=max_connections,
+                                                pool_timeout_s=command_timeout_s,
                                                 socket_connect_timeout=connect_timeout_s,
                                                 socket_timeout=command_timeout_s)
         self._sync: SyncClient | None = None
@@ -40,7 +46,8 @@ class RedisContext:
         if not settings.redis_url:
             raise ValueError("the gateway needs --redis-url (or KVFLEET_REDIS_URL)")
         return cls(settings.redis_url, settings.keys(),
-                   batch_queue_url=getattr(settings, "batch_redis_url", None))
+                   batch_queue_url=getattr(settings, "batch_redis_url", None),
+                   max_connections=getattr(settings, "redis_max_connections", MAX_CONNECTIONS))
 
     def sync(self) -> SyncClient:
         """The blocking client (thread-safe: redis-py pools its connections)."""
