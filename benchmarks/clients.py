@@ -25,10 +25,15 @@ cache, or, where it is not there, in a cache of this script's (~/.cache/kvfleet/
 entry for that name holds kvfleet's converted model directory's tokenizer and config (no
 weights): nothing is downloaded.
 
-Right after each client's run, `kvfleet bench` replays the same requests against the same server:
-the exact prompts `vllm bench serve` sent (its dataset sampled again by vLLM's own code with the
-same seed and tokenizer), and for GuideLLM and AIPerf, whose synthetic prompts are their own,
-the random workload's (same lengths in and out). The table gives each client's figures as the
+Right after each client's run, `kvfleet bench` sends the same requests to the same server: vLLM's
+dataset of that workload (sampled by vLLM's own code, `vllm bench serve`'s sampler, with the
+same tokenizer, lengths, count and concurrency, every prompt of exactly its length), for GuideLLM
+and AIPerf, whose synthetic prompts are their own, the random one. Not the very prompts just
+sent: both servers keep a prefix cache, and a replay finds them cached (measured: replaying
+`vllm bench serve`'s 32 random prompts right after it, kvfleet bench found 6,144 of their 8,192
+prompt tokens cached and read 1.46x the client's output tok/s). So each run is cache-cold: kvfleet bench's trace for a
+client's run is sampled with its own seed (`--seed` + 1 + the run's index), the clients keep
+`--seed`. The table gives each client's figures as the
 client computed them (output tok/s, TTFT p50/p99, TPOT p50: (latency - TTFT) / (tokens - 1),
 what GuideLLM and AIPerf call ITL), kvfleet bench's beside them, and the client's output tok/s
 over kvfleet bench's: they agree within `--tolerance` (5%) or the row says DISAGREES. Any failed
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -94,6 +100,9 @@ class Figures:
     input_tokens: int  # as the client counted them (kvfleet bench: the server's usage)
     output_tokens: int
     first_error: str | None = None
+    # the client's processes' CPU time (user + system) over its run: on a machine of few cores
+    # the client's own work is taken from the server's
+    client_cpu_s: float | None = None
 
 
 @dataclass
@@ -173,15 +182,17 @@ def kvfleet_bench_figures(doc: dict) -> Figures:
                    float(summary["output_tokens_per_s"]), summary["ttft_s"]["p50"] * 1000,
                    summary["ttft_s"]["p99"] * 1000,
                    statistics.median(tpots) * 1000 if tpots else float("nan"),
-                   sum(r["prompt_tokens"] or 0 for r in ok), int(summary["total_output_tokens"]), first(summary.get("errors") or {}))
+                   sum(r["prompt_tokens"] or 0 for r in ok), int(summary["total_output_tokens"]),
+                   first(summary.get("errors") or {}))
 
 
 def table(pairs: list[Pair], tolerance: float) -> list[str]:
     """Each client's row, kvfleet bench's on the same requests under it, and the client's output
     tok/s over kvfleet bench's."""
     lines = ["| server | workload | client | completed | failed | tokens in / out | output tok/s | "
-             "TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | tok/s / kvfleet bench's |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | tok/s / kvfleet bench's | "
+             "client CPU (s) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for pair in pairs:
         verdict = "agrees" if pair.agrees(tolerance) else "**DISAGREES**"
         for figures, ratio in ((pair.client, f"{pair.ratio:.3f} ({verdict})"),
@@ -190,8 +201,19 @@ def table(pairs: list[Pair], tolerance: float) -> list[str]:
                          f"{figures.completed} | {figures.failed} | "
                          f"{figures.input_tokens} / {figures.output_tokens} | "
                          f"{figures.output_tok_s:.1f} | {figures.ttft_p50_ms:.0f} | "
-                         f"{figures.ttft_p99_ms:.0f} | {figures.tpot_p50_ms:.1f} | {ratio} |")
+                         f"{figures.ttft_p99_ms:.0f} | {figures.tpot_p50_ms:.1f} | {ratio} | "
+                         f"{_cpu(figures.client_cpu_s)} |")
     return lines
+
+
+def _cpu(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}"
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished children so far (a client is one once it ends)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def verdicts(pairs: list[Pair], tolerance: float) -> tuple[list[str], list[str]]:
@@ -296,12 +318,14 @@ def vllm_args(args) -> argparse.Namespace:
                               seed=args.seed)
 
 
-def trace_of(vllm: Path, served: str, workload: str, args, path: Path) -> Path:
-    """The requests `vllm bench serve` sends on `workload`, as a kvfleet bench trace."""
+def trace_of(vllm: Path, served: str, workload: str, args, seed: int, tmp: Path) -> Path:
+    """The requests `vllm bench serve` sends on `workload` with `--seed seed`, as a kvfleet bench
+    trace (made once)."""
+    path = tmp / f"trace-{workload}-seed{seed}.jsonl"
     if not path.exists():
         command = [str(vllm), "-c", SAMPLER, str(path), "--backend", "openai", "--model", served,
                    "--tokenizer", served, *workload_args(workload, vllm_args(args)),
-                   "--num-prompts", str(args.num_prompts), "--seed", str(args.seed)]
+                   "--num-prompts", str(args.num_prompts), "--seed", str(seed)]
         done = subprocess.run(command, env=peer_env(args.hub_env), capture_output=True,
                               text=True)
         if done.returncode != 0:
@@ -327,9 +351,12 @@ def run_kvfleet_bench(url: str, served: str, trace: Path, args, out: Path) -> Fi
 
 def run_jobs(server: str, url: str, args, tools: dict, tmp: Path) -> list[Pair]:
     pairs = []
-    for job in args.clients:
+    for index, job in enumerate(args.clients):
         client, workload = JOBS[job]
         tag = f"-{server.lower()}-{job}"
+        # prompts no earlier run on this server sent (its prefix cache holds those)
+        trace = trace_of(tools["vllm"], args.served, workload, args, args.seed + 1 + index, tmp)
+        cpu = children_cpu_s()
         if client == "vllm bench serve":
             # bench_serve's run: its --tokenizer is the served name, found offline here
             figures = vllm_figures(run_vllm_client(tools["vllm"], url, args.served, args.served,
@@ -339,8 +366,9 @@ def run_jobs(server: str, url: str, args, tools: dict, tmp: Path) -> list[Pair]:
             figures = run_guidellm(tools["guidellm"], url, args.served, args, tmp, tag)
         else:
             figures = run_aiperf(tools["aiperf"], url, args.served, args, tmp, tag)
-        trace = trace_of(tools["vllm"], args.served, workload, args, tmp / f"trace-{workload}.jsonl")
+        figures.client_cpu_s, cpu = children_cpu_s() - cpu, children_cpu_s()
         reference = run_kvfleet_bench(url, args.served, trace, args, tmp / f"kvfleet-bench{tag}")
+        reference.client_cpu_s = children_cpu_s() - cpu
         pair = Pair(server, workload_name(workload, args), figures, reference)
         print("\n".join(table([pair], args.tolerance)[2:]), flush=True)
         pairs.append(pair)

@@ -155,6 +155,7 @@ def test_the_table_puts_kvfleet_bench_under_each_client_with_the_ratio():
     assert client_row[3].strip() == "GuideLLM" and client_row[7].strip() == "206.0"
     assert client_row[11].strip() == "1.030 (agrees)"
     assert bench_row[3].strip() == "kvfleet bench" and bench_row[11].strip() == ""
+    assert client_row[12].strip() == "-"  # no CPU time measured for these
     assert lines[4].split("|")[11].strip() == "0.750 (**DISAGREES**)"
     failed, apart = verdicts(pairs, 0.05)
     assert len(failed) == 1 and "AIPerf: 2 requests failed (HTTP 500)" in failed[0]
@@ -188,6 +189,17 @@ def test_a_name_the_users_cache_holds_is_used_from_there(tmp_path, monkeypatch):
     env = hub_home("Org/Cached", str(tmp_path), tmp_path / "hf-home")
     assert "HF_HOME" not in env and env["HF_HUB_OFFLINE"] == "1"
     assert not (tmp_path / "hf-home").exists()
+
+
+def test_a_clients_cpu_time_is_its_finished_childrens():
+    import subprocess
+    import sys
+    before = clients.children_cpu_s()
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+    assert clients.children_cpu_s() - before > 0.05
+    row = table([Pair("kvfleet", "w", Figures("GuideLLM", 1, 0, 1.0, 1, 1, 1, 1, 1, None, 12.34),
+                      figures("kvfleet bench", 1.0))], 0.05)[2]
+    assert row.split("|")[12].strip() == "12.3"
 
 
 def test_unknown_clients_are_refused():
