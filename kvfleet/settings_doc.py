@@ -1,12 +1,14 @@
 """The README's settings tables, made from the settings classes: each field's description is its
-row's meaning (and its flag's `--help`). `python -m kvfleet.settings_doc` prints the tables;
-tests/test_settings.py checks that README.md holds them as printed."""
+row's meaning (and its flag's `--help`). The worker's engine settings get a table per group of
+EngineConfig (shared/engine_config.py), as the engine reads them. `python -m kvfleet.settings_doc`
+prints the tables; tests/test_settings.py checks that README.md holds them as printed."""
 
 from __future__ import annotations
 
 from pydantic.fields import FieldInfo
 
 from kvfleet.shared.byte_size import binary_size_text, is_byte_size
+from kvfleet.shared.engine_config import ENGINE_ONLY, FIELD_GROUPS
 from kvfleet.shared.settings import (BatchApiSettings, BatchSettings, CommonSettings, GatewaySettings,
                              KernelSettings, UpSettings, WorkerSettings)
 
@@ -47,22 +49,42 @@ def flag_text(name: str, field: FieldInfo) -> str:
     return f"`{flag}` / `--no-{flag[2:]}`" if field.annotation is bool else f"`{flag}`"
 
 
-def settings_table(settings_cls, shown=None) -> list[str]:
+def settings_table(settings_cls, shown=None, names=None) -> list[str]:
+    """The rows of `names` (all fields but `shown`'s unless given) of a settings class."""
     with_flags = settings_cls not in ENV_ONLY
     lines = ["| variable | flag | default | meaning |", "|---|---|---|---|"]
-    for name, field in settings_cls.model_fields.items():
-        if shown is not None and name in shown.model_fields:
-            continue
+    if names is None:
+        names = [name for name in settings_cls.model_fields
+                 if shown is None or name not in shown.model_fields]
+    for name in names:
+        field = settings_cls.model_fields[name]
         flag = flag_text(name, field) if with_flags else "none"
         meaning = (field.description or "").replace("|", "\\|")
         lines.append(f"| `KVFLEET_{name.upper()}` | {flag} | {default_text(field)} | {meaning} |")
     return lines
 
 
+def engine_tables() -> list[str]:
+    """The worker's engine settings, a table per group (`config.cache`, ...), in their order."""
+    parts = []
+    for group in dict.fromkeys(FIELD_GROUPS.values()):
+        names = [name for name, of in FIELD_GROUPS.items()
+                 if of == group and name not in ENGINE_ONLY]
+        parts += [f"**Worker engine: `{group}`**", "", *settings_table(WorkerSettings, names=names),
+                  ""]
+    return parts
+
+
 def settings_tables() -> str:
     parts = []
     for heading, settings_cls, shown in SECTIONS:
-        parts += [f"**{heading}**", "", *settings_table(settings_cls, shown), ""]
+        names = None
+        if settings_cls is WorkerSettings:  # its engine settings follow, by group
+            names = [name for name in settings_cls.model_fields
+                     if name not in shown.model_fields and name not in FIELD_GROUPS]
+        parts += [f"**{heading}**", "", *settings_table(settings_cls, shown, names), ""]
+        if settings_cls is WorkerSettings:
+            parts += engine_tables()
     return "\n".join(parts).rstrip("\n") + "\n"
 
 

@@ -1,14 +1,18 @@
 """The engine's configuration, each field written once: name, type, default, validation and the
-text that `kvfleet worker --help` and the README show. `WorkerSettings` (shared/settings.py) takes
-these fields as its own, so a worker's flags and `KVFLEET_*` variables are these fields; the engine
-(worker/engine) takes an `EngineConfig`, as tests and benchmarks build it directly."""
+text that `kvfleet worker --help` and the README show. The fields are written in groups by concern
+(model, parallel, cache, scheduler, pace, lora, and speculative_config), which `EngineConfig` takes
+as flat fields: `WorkerSettings` (shared/settings.py) takes those as its own, so a worker's flags
+and `KVFLEET_*` variables are these fields; the engine (worker/engine) takes an `EngineConfig`, as
+tests and benchmarks build it directly, and reads it through its groups."""
 
 from __future__ import annotations
 
+import copy
 import json
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      model_validator)
 from pydantic.dataclasses import dataclass
 
 from kvfleet.shared.byte_size import ByteSize
@@ -80,13 +84,15 @@ def _json_object(value):
     return value
 
 
-# Fields a worker does not take from its settings: tests and benchmarks set them.
-ENGINE_ONLY = ("num_blocks", "watermark")
+class _Group(BaseModel):
+    """One concern's fields. Frozen: an engine's parts hold their group for the engine's life,
+    so what one part read at start-up is what every other part reads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
 
-@dataclass(config=ConfigDict(extra="forbid"))
-class EngineConfig:
-    """What an `Engine` is built with; checked whenever one is made (`dataclasses.replace` too)."""
+class ModelConfig(_Group):
+    """How the model is loaded and computed: where, in which dtype, with which kernels."""
 
     device: str = Field("auto", description=(
         "`auto` (the first CUDA device if there is one, else the CPU), `cpu`, `cuda` (the current "
@@ -100,6 +106,45 @@ class EngineConfig:
         "(the directory's config with seeded random weights, no weight file read: benchmarks "
         "of a model's shape; answers are nonsense). `--model random:<shape>` is a directory of "
         "random weights both kvfleet and a peer can load (shared/model_shapes.py)"))
+    attention_backend: AttentionBackend = Field("auto", description=(
+        "`auto`: `triton` (the Triton paged-attention kernel) on CUDA where the triton package "
+        "imports; on a CPU `cpu` (the C++ paged-attention kernels, built on first use with "
+        "`$CXX`, default g++, into KVFLEET_KERNEL_CACHE) where they build; else `sdpa` (gather + "
+        "PyTorch SDPA). Or one of `sdpa`, `cpu`, `triton` (docs/GPU.md)"))
+    cuda_graphs: CudaGraphsMode = Field("auto", description=(
+        "decode steps replayed from CUDA graphs at batch-size buckets: `auto` (on CUDA with the "
+        "triton backend and one rank), `off`, `eager` (their static buffers without capture, for "
+        "debugging)"))
+    deterministic: bool = Field(True, description=(
+        "one answer per (prompt, parameters, seed), whatever the batch it ran in, how its prompt "
+        "was chunked, prefix-cache hits, preemption, or a resume on another worker of the same "
+        "kind (docs/RELIABILITY.md): every query row is computed by batch-invariant kernels. "
+        "off: long prompts prefill faster on the CPU (its tiled prefill kernel) and a resumed "
+        "bf16 answer may differ from the uninterrupted one"))
+    grammar_cache_size: int = Field(256, description=(
+        "compiled output constraints (structured outputs, forced tool calls) kept, LRU"))
+
+
+class ParallelConfig(_Group):
+    """How many devices the model is split over."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "ranks (one process and device each: `cuda:0..N-1`, from `cuda:K` on `K..K+N-1`; gloo on "
+        "the CPU) the model is split over; kv_memory, swap_space and gpu_memory_utilization are "
+        "per rank (docs/DEPLOY.md)"))
+
+
+class CacheConfig(_Group):
+    """The KV cache: its blocks and the memory they take, where a preempted stream's KV goes,
+    and the prefix cache over it."""
+
+    block_size: int | None = Field(None, ge=1, json_schema_extra={"default_text": "auto"},
+                                   description=(
+        "tokens per KV block; auto (unset): 64 where the C++ CPU attention kernel reads a bf16 "
+        "pool (bf16 weights, kv_dtype auto or bf16), else 16 (worker/engine/memory/device.py); a shared "
+        "prefix is reused in whole blocks"))
+    num_blocks: int | None = Field(None, ge=1, description=(
+        "the pool's size in blocks instead of one from the memory budget"))
     # The byte sizes are also taken as `kv_memory_bytes=` / `swap_space_bytes=` and read as the
     # properties of those names: what the engine and its callers write.
     kv_memory: ByteSize = Field(
@@ -128,29 +173,36 @@ class EngineConfig:
         "a request whose prefix is there gets them back instead of recomputing them (pinned on "
         "CUDA; on the CPU memory beside kv_memory; docs/OPERATIONS.md, \"The host tier\"). "
         "0: off, nothing allocated"))
-    attention_backend: AttentionBackend = Field("auto", description=(
-        "`auto`: `triton` (the Triton paged-attention kernel) on CUDA where the triton package "
-        "imports; on a CPU `cpu` (the C++ paged-attention kernels, built on first use with "
-        "`$CXX`, default g++, into KVFLEET_KERNEL_CACHE) where they build; else `sdpa` (gather + "
-        "PyTorch SDPA). Or one of `sdpa`, `cpu`, `triton` (docs/GPU.md)"))
-    cuda_graphs: CudaGraphsMode = Field("auto", description=(
-        "decode steps replayed from CUDA graphs at batch-size buckets: `auto` (on CUDA with the "
-        "triton backend and one rank), `off`, `eager` (their static buffers without capture, for "
-        "debugging)"))
-    grammar_cache_size: int = Field(256, description=(
-        "compiled output constraints (structured outputs, forced tool calls) kept, LRU"))
-    tensor_parallel_size: int = Field(1, ge=1, description=(
-        "ranks (one process and device each: `cuda:0..N-1`, from `cuda:K` on `K..K+N-1`; gloo on "
-        "the CPU) the model is split over; kv_memory, swap_space and gpu_memory_utilization are "
-        "per rank (docs/DEPLOY.md)"))
-    block_size: int | None = Field(None, ge=1, json_schema_extra={"default_text": "auto"},
-                                   description=(
-        "tokens per KV block; auto (unset): 64 where the C++ CPU attention kernel reads a bf16 "
-        "pool (bf16 weights, kv_dtype auto or bf16), else 16 (worker/engine/memory/device.py); a shared "
-        "prefix is reused in whole blocks"))
+    enable_prefix_caching: bool = Field(True, description=(
+        "reuse the KV blocks of identical prompt openings"))
+    watermark: float = Field(0.01, ge=0.0, lt=1.0, description=(
+        "share of the pool's blocks kept free when admitting new work"))
+
+    @property
+    def kv_memory_bytes(self) -> int:
+        return self.kv_memory
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return self.swap_space
+
+    @property
+    def kv_offloading_size_bytes(self) -> int:
+        return int(self.kv_offloading_size * (1 << 30))
+
+
+class SchedulerConfig(_Group):
+    """How much work one step takes, whatever the pace."""
+
     max_batched_tokens: int = Field(512, ge=1, description=(
         "tokens computed per step: the running streams' decode tokens first, then prefill chunks"))
     max_running: int = Field(64, ge=1, description="streams in the running group at most")
+
+
+class PaceConfig(_Group):
+    """The latencies promised to every stream, which size each step within the scheduler's
+    limits."""
+
     target_itl_ms: float = Field(0.0, ge=0, json_schema_extra={"default_text": "0 (off)"},
                                  description=(
         "the pace promised to every stream: the longest time between two of its tokens (p99). "
@@ -175,20 +227,11 @@ class EngineConfig:
         "fit's prior: the first requests are sized from a fitted curve, and what one more "
         "stream costs stays known while the group's size barely varies. false: the fit starts "
         "from the first steps served"))
-    enable_prefix_caching: bool = Field(True, description=(
-        "reuse the KV blocks of identical prompt openings"))
-    deterministic: bool = Field(True, description=(
-        "one answer per (prompt, parameters, seed), whatever the batch it ran in, how its prompt "
-        "was chunked, prefix-cache hits, preemption, or a resume on another worker of the same "
-        "kind (docs/RELIABILITY.md): every query row is computed by batch-invariant kernels. "
-        "off: long prompts prefill faster on the CPU (its tiled prefill kernel) and a resumed "
-        "bf16 answer may differ from the uninterrupted one"))
-    speculative_config: Annotated[SpeculativeConfig | None, BeforeValidator(_json_object)] = Field(
-        None, json_schema_extra={"default_text": "off"}, description=(
-            "speculative decoding, as JSON in vLLM's spelling: `{\"method\": \"ngram\", "
-            "\"num_speculative_tokens\": 5}`; methods `ngram`, `suffix`, `draft_model` (with "
-            "`model`); the answers stay token for token those of plain decoding "
-            "(docs/OPERATIONS.md, \"Speculative decoding\")"))
+
+
+class LoraConfig(_Group):
+    """LoRA adapters: whether they are served, and the device and host room they get."""
+
     enable_lora: bool = Field(False, description=(
         "serve PEFT LoRA adapters of the model: a request names one (`lora`), and one step "
         "computes requests of several adapters and of the base model together; the device "
@@ -205,27 +248,12 @@ class EngineConfig:
     max_lora_rank: int = Field(16, ge=1, le=512, description=(
         "the largest adapter rank served (1..512): adapters of a higher rank are refused, and "
         "every device slot is this wide"))
-    num_blocks: int | None = Field(None, ge=1, description=(
-        "the pool's size in blocks instead of one from the memory budget"))
-    watermark: float = Field(0.01, ge=0.0, lt=1.0, description=(
-        "share of the pool's blocks kept free when admitting new work"))
 
     @model_validator(mode="after")
-    def _check_loras(self) -> EngineConfig:
+    def _check_loras(self) -> LoraConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras}): a step's adapters are all loaded")
-        return self
-
-    @model_validator(mode="after")
-    def _check_offloading(self) -> EngineConfig:
-        # the tier's restores are copied into rank 0's pool only, and into the target's pool,
-        # not a draft model's: refused rather than served wrong
-        if self.kv_offloading_size and self.tensor_parallel_size > 1:
-            raise ValueError("kv_offloading_size is not supported with tensor parallelism yet")
-        spec = self.speculative_config
-        if self.kv_offloading_size and spec is not None and spec.method == "draft_model":
-            raise ValueError("kv_offloading_size is not supported with a draft model yet")
         return self
 
     @property
@@ -233,14 +261,116 @@ class EngineConfig:
         """Adapters kept loaded in host memory: max_cpu_loras, else 4 x max_loras."""
         return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
 
+
+# EngineConfig's groups by the attribute that holds each, in the order the README shows them.
+GROUPS: dict[str, type[_Group]] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig,
+    "scheduler": SchedulerConfig, "pace": PaceConfig, "lora": LoraConfig}
+# `speculative_config` is a group and a flat keyword at once: its flag is vLLM's JSON of the
+# whole group, so its fields are not flat keywords of their own.
+WHOLE_GROUPS = ("speculative_config",)
+
+# Fields a worker does not take from its settings: tests and benchmarks set them.
+ENGINE_ONLY = ("num_blocks", "watermark")
+
+
+def field_groups(fields, groups: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """Each flat field's group, given each group's fields. A field in no group would be read
+    nowhere grouped, a field in two would be one value read under two names: both refused."""
+    found: dict[str, list[str]] = {name: [] for name in fields}
+    for group, names in groups.items():
+        for name in names:
+            if name not in found:
+                raise ValueError(f"{group}.{name} is not a flat field")
+            found[name].append(group)
+    for name, where in found.items():
+        if len(where) != 1:
+            raise ValueError(f"the flat field {name} is in {len(where)} groups {where}: "
+                             "each belongs to exactly one")
+    return {name: where[0] for name, where in found.items()}
+
+
+def _with_group_fields(cls):
+    """Gives the class every group's fields as its own flat fields (the same type, default,
+    checks and description: written once, in the group), before the class's own fields."""
+    own = cls.__dict__.get("__annotations__", {})
+    annotations = {}
+    for group in GROUPS.values():
+        for name, field in group.model_fields.items():
+            if name in own or name in annotations:
+                raise TypeError(f"{cls.__name__}.{name} is written twice")
+            annotations[name] = field.annotation
+            setattr(cls, name, copy.copy(field))
+    cls.__annotations__ = {**annotations, **own}
+    return cls
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+@_with_group_fields
+class EngineConfig:
+    """What an `Engine` is built with; checked whenever one is made (`dataclasses.replace` too).
+    Flat, as a user types it (flags, `KVFLEET_*` variables, keywords), like vLLM's EngineArgs;
+    read grouped by concern (`config.cache.block_size`), like vLLM's VllmConfig, so that a part
+    of the engine is handed the group it needs. Frozen, so the two can never disagree."""
+
+    speculative_config: Annotated[SpeculativeConfig | None, BeforeValidator(_json_object)] = Field(
+        None, json_schema_extra={"default_text": "off"}, description=(
+            "speculative decoding, as JSON in vLLM's spelling: `{\"method\": \"ngram\", "
+            "\"num_speculative_tokens\": 5}`; methods `ngram`, `suffix`, `draft_model` (with "
+            "`model`); the answers stay token for token those of plain decoding "
+            "(docs/OPERATIONS.md, \"Speculative decoding\")"))
+    if TYPE_CHECKING:  # set from the flat fields once they are checked (_group)
+        model: ModelConfig
+        parallel: ParallelConfig
+        cache: CacheConfig
+        scheduler: SchedulerConfig
+        pace: PaceConfig
+        lora: LoraConfig
+
+    @model_validator(mode="after")
+    def _group(self) -> EngineConfig:
+        for attribute, group in GROUPS.items():
+            values = {name: getattr(self, name) for name in group.model_fields}
+            try:
+                object.__setattr__(self, attribute, group(**values))
+            except ValidationError as exc:  # only a check across the group's fields is left
+                raise ValueError("; ".join(str(error.get("ctx", {}).get("error", error["msg"]))
+                                           for error in exc.errors())) from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_offloading(self) -> EngineConfig:
+        # the tier's restores are copied into rank 0's pool only, and into the target's pool,
+        # not a draft model's: refused rather than served wrong
+        if self.cache.kv_offloading_size and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size is not supported with tensor parallelism yet")
+        spec = self.speculative_config
+        if self.cache.kv_offloading_size and spec is not None and spec.method == "draft_model":
+            raise ValueError("kv_offloading_size is not supported with a draft model yet")
+        return self
+
+    # the keywords' other spellings (`kv_memory_bytes=`), read back by the same names
+
     @property
     def kv_memory_bytes(self) -> int:
-        return self.kv_memory
+        return self.cache.kv_memory_bytes
 
     @property
     def swap_space_bytes(self) -> int:
-        return self.swap_space
+        return self.cache.swap_space_bytes
 
+    # read flat by the engine until it reads through the groups
     @property
     def kv_offloading_size_bytes(self) -> int:
-        return int(self.kv_offloading_size * (1 << 30))
+        return self.cache.kv_offloading_size_bytes
+
+    @property
+    def lora_cache_size(self) -> int:
+        return self.lora.lora_cache_size
+
+
+# Checked on import: a field added to no group, or to two, stops everything that uses the engine.
+FIELD_GROUPS = field_groups(
+    EngineConfig.__pydantic_fields__,
+    {name: tuple(group.model_fields) for name, group in GROUPS.items()}
+    | {name: (name,) for name in WHOLE_GROUPS})

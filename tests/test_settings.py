@@ -3,6 +3,7 @@ variable is read through a settings class, and the README's tables are the field
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import dataclasses
@@ -10,10 +11,14 @@ import typing
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from kvfleet.flags import add_settings_flags, settings_from_args
 from kvfleet.settings_doc import SECTIONS, settings_tables
 from kvfleet.shared.byte_size import binary_size_text
-from kvfleet.shared.engine_config import ENGINE_ONLY, EngineConfig
+from kvfleet.shared.engine_config import (ENGINE_ONLY, FIELD_GROUPS, GROUPS, CacheConfig,
+                                          EngineConfig, LoraConfig, SpeculativeConfig,
+                                          _with_group_fields, field_groups)
 from kvfleet.shared.settings import KernelSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +86,90 @@ def test_the_engine_config_keeps_its_keywords_and_checks_every_construction():
         EngineConfig(kv_dtype="int4")
     with pytest.raises(ValueError, match="no_such_field"):
         EngineConfig(no_such_field=1)
+
+
+# One value other than the default for every flat field: each must land in its group.
+NOT_DEFAULTS = {
+    "device": "cpu", "dtype": "float32", "load_format": "dummy", "attention_backend": "sdpa",
+    "cuda_graphs": "off", "deterministic": False, "grammar_cache_size": 8,
+    "tensor_parallel_size": 2, "block_size": 32, "num_blocks": 100, "kv_memory": "2GiB",
+    "gpu_memory_utilization": 0.5, "kv_dtype": "int8", "swap_space": "1GiB",
+    "kv_offloading_size": 1.5, "enable_prefix_caching": False, "watermark": 0.05,
+    "preemption": "swap", "max_batched_tokens": 256, "max_running": 8, "target_itl_ms": 30.0,
+    "target_ttft_ms": 500.0, "min_target_itl_ms": 10.0, "pace_warmup": False,
+    "enable_lora": True, "max_loras": 2, "max_cpu_loras": 8, "max_lora_rank": 64,
+    "speculative_config": '{"method": "ngram"}',
+}
+
+
+def test_each_flat_keyword_lands_in_its_group_and_nowhere_else():
+    assert set(NOT_DEFAULTS) == set(EngineConfig.__pydantic_fields__) == set(FIELD_GROUPS)
+    default = EngineConfig()
+    for name, value in NOT_DEFAULTS.items():
+        config = EngineConfig(**{name: value})
+        group = FIELD_GROUPS[name]
+        flat = getattr(config, name)
+        assert flat != getattr(default, name), name
+        if group in GROUPS:
+            assert isinstance(getattr(config, group), GROUPS[group])
+            assert getattr(getattr(config, group), name) == flat, name
+        for other in GROUPS:
+            if other != group:
+                assert getattr(config, other) == getattr(default, other), (name, other)
+    assert EngineConfig(kv_memory="2GiB").cache.kv_memory_bytes == 2 << 30
+    assert EngineConfig(max_loras=3).lora.lora_cache_size == 12  # derived in its group
+    assert EngineConfig(speculative_config='{"method": "ngram"}').speculative_config == \
+        SpeculativeConfig(method="ngram")
+
+
+def test_the_groups_are_frozen_and_follow_every_construction():
+    config = EngineConfig(block_size=16)
+    with pytest.raises(ValidationError, match="frozen"):
+        config.cache.block_size = 64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_size = 64  # the flat field and its group cannot disagree
+    resized = dataclasses.replace(config, block_size=64)
+    assert (resized.cache.block_size, config.cache.block_size) == (64, 16)
+    with pytest.raises(ValidationError, match="no_such_field"):
+        CacheConfig(no_such_field=1)
+
+
+def test_checks_within_a_group_and_across_groups_stay():
+    message = r"max_cpu_loras \(2\) must be >= max_loras \(4\)"
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match=message):
+        LoraConfig(max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(kv_offloading_size=1, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="draft model"):
+        EngineConfig(kv_offloading_size=1,
+                     speculative_config={"method": "draft_model", "model": "draft"})
+
+
+def test_every_flat_field_belongs_to_exactly_one_group():
+    assert field_groups(["a", "b"], {"x": ("a",), "y": ("b",)}) == {"a": "x", "b": "y"}
+    with pytest.raises(ValueError, match="b is in 0 groups"):
+        field_groups(["a", "b"], {"x": ("a",)})
+    with pytest.raises(ValueError, match=r"b is in 2 groups \['x', 'y'\]"):
+        field_groups(["a", "b"], {"x": ("a", "b"), "y": ("b",)})
+    with pytest.raises(ValueError, match="y.c is not a flat field"):
+        field_groups(["a"], {"x": ("a",), "y": ("c",)})
+    with pytest.raises(TypeError, match="block_size is written twice"):
+        @_with_group_fields
+        class Twice:
+            block_size: int = 16
+
+
+def test_flags_and_variables_reach_the_groups(clean_env, monkeypatch):
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser, WorkerSettings)
+    monkeypatch.setenv("KVFLEET_BLOCK_SIZE", "32")
+    monkeypatch.setenv("KVFLEET_TARGET_ITL_MS", "30")
+    args = parser.parse_args(["--max-loras", "2", "--target-itl-ms", "40", "--no-pace-warmup"])
+    config = settings_from_args(WorkerSettings, args).engine_config()
+    assert (config.cache.block_size, config.lora.max_loras) == (32, 2)
+    assert (config.pace.target_itl_ms, config.pace.pace_warmup) == (40.0, False)  # flag over env
 
 
 def test_the_choices_are_the_ones_the_engine_accepts():
