@@ -359,15 +359,6 @@ class EngineConfig:
     def swap_space_bytes(self) -> int:
         return self.cache.swap_space_bytes
 
-    # read flat by the engine until it reads through the groups
-    @property
-    def kv_offloading_size_bytes(self) -> int:
-        return self.cache.kv_offloading_size_bytes
-
-    @property
-    def lora_cache_size(self) -> int:
-        return self.lora.lora_cache_size
-
 
 # Checked on import: a field added to no group, or to two, stops everything that uses the engine.
 FIELD_GROUPS = field_groups(

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvfleet.shared.engine_config import EngineConfig
+from kvfleet.shared.engine_config import PaceConfig
 from kvfleet.shared.pace import StepCostCurve, StepFeatures
 from kvfleet.shared.wire import SamplingParams
 from kvfleet.worker.engine.memory.block_manager import BlockManager
@@ -110,8 +110,8 @@ def test_a_malformed_curve_is_refused(text):
 # ---- the scheduler under a pace (a fit made by hand) --------------------------------------------
 
 def pace_with_fit(target_itl_ms=40.0, target_ttft_ms=0.0, **config) -> Pace:
-    pace = Pace(EngineConfig(target_itl_ms=target_itl_ms, target_ttft_ms=target_ttft_ms,
-                             **config))
+    pace = Pace(PaceConfig(target_itl_ms=target_itl_ms, target_ttft_ms=target_ttft_ms, **config),
+                max_batched_tokens=512)
     pace.model = fitted_model()
     pace.model.max_decode_rows = 64  # explored
     pace.margin.value, pace.overhead_s = 1.0, 0.0
@@ -212,7 +212,7 @@ def test_a_request_may_loosen_the_pace_but_not_tighten_it_past_the_floor():
     assert pace.target_of(SamplingParams(target_itl_ms=0)) is None
     floor = pace_with_fit(target_itl_ms=40.0, min_target_itl_ms=20.0)
     assert floor.target_of(SamplingParams(target_itl_ms=5)) == pytest.approx(0.020)
-    off = Pace(EngineConfig())
+    off = Pace(PaceConfig(), max_batched_tokens=512)
     assert not off.enabled and off.target_of(SamplingParams(target_itl_ms=30)) is None
 
 
@@ -248,7 +248,7 @@ def test_room_counts_the_streams_a_worker_still_takes_at_pace():
     assert abs(room - (steady_limit(0.040, 64) - 4)) <= 1
     report = pace.report(sched.running, list(sched.waiting), 64)
     assert report.room == room and report.streams == 4 + room and report.target_itl_ms == 40.0
-    assert Pace(EngineConfig()).room([], [], 64) == -1
+    assert Pace(PaceConfig(), max_batched_tokens=512).room([], [], 64) == -1
 
 
 def test_no_room_while_the_prompts_held_would_delay_a_first_token_past_its_target():

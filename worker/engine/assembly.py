@@ -21,7 +21,7 @@ import torch
 from kvfleet.worker.engine.attention import AttentionBackend, resolve_attention_backend
 from kvfleet.worker.engine.memory.block_manager import BlockManager
 from kvfleet.worker.engine.model.budget import plan_kv_budget, preemption_cost_model
-from kvfleet.worker.engine.core.config import EngineConfig
+from kvfleet.worker.engine.core.config import CacheConfig, EngineConfig
 from kvfleet.worker.engine.core.cuda_graphs import DecodeGraphs
 from kvfleet.worker.engine.memory.device import (
     is_cuda, resolve_block_size, resolve_device, resolve_dtype, select_device)
@@ -88,10 +88,11 @@ class EngineParts:
 
 def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: RankGroup | None,
              draft_model: torch.nn.Module | None) -> EngineParts:
-    device = ranks.device if ranks is not None else resolve_device(config.device)
+    device = ranks.device if ranks is not None else resolve_device(config.model.device)
     select_device(device)  # cuda:N is the current device from here on
-    dtype = resolve_dtype(config.dtype, device)
-    layout = KVLayout.from_model_config(model.config, resolve_kv_format(config.kv_dtype, dtype))
+    dtype = resolve_dtype(config.model.dtype, device)
+    layout = KVLayout.from_model_config(model.config,
+                                        resolve_kv_format(config.cache.kv_dtype, dtype))
     placed = prepare_model(model, device, dtype, ranks)
     if placed.shard is not None:
         layout = replace(layout, num_kv_heads=placed.shard.num_kv_heads)
@@ -99,45 +100,46 @@ def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: Ran
                                    layout.kv_format)
     max_model_len = max_model_len_of(placed.module.config)
     backend = resolve_attention_backend(
-        config.attention_backend, device, dtype, layout.kv_format, layout.head_dim,
-        deterministic=config.deterministic)
-    lora = None if not config.enable_lora else LoraManager.for_engine(
-        config, model, dtype, device, backend, ranks, placed.shard)
+        config.model.attention_backend, device, dtype, layout.kv_format, layout.head_dim,
+        deterministic=config.model.deterministic)
+    lora = None if not config.lora.enable_lora else LoraManager.for_engine(
+        config.lora, model, dtype, device, backend, config.model.deterministic, ranks,
+        placed.shard)
     config = replace(config, block_size=resolve_block_size(
-        config.block_size, backend.cpu_kernel, dtype, layout.kv_format.storage))
+        config.cache.block_size, backend.cpu_kernel, dtype, layout.kv_format.storage))
+    cache, scheduling = config.cache, config.scheduler  # the block size resolved
     graphs_mode = _graphs_mode(config, device, ranks, backend)
     budget = plan_kv_budget(placed, layout, config, max_model_len, backend, ranks,
                             None if speculation is None else speculation.kv_layout)
-    pool = KVCachePool(layout, budget.num_blocks, config.block_size, device)
+    pool = KVCachePool(layout, budget.num_blocks, cache.block_size, device)
     if speculation is not None:
-        speculation.allocate(budget.num_blocks, config.block_size, device)
+        speculation.allocate(budget.num_blocks, cache.block_size, device)
     # with decode graphs the pool's last block is their padding rows' scratch, never handed out
     num_usable_blocks = budget.num_blocks - (graphs_mode is not None)
     if num_usable_blocks < 1:
         raise ValueError("the KV budget holds no block beside the CUDA graphs' scratch block")
-    tier = _host_tier(config, pool)
-    block_manager = BlockManager(num_usable_blocks, config.block_size,
-                                 config.enable_prefix_caching,
+    tier = _host_tier(cache, pool)
+    block_manager = BlockManager(num_usable_blocks, cache.block_size, cache.enable_prefix_caching,
                                  tier=None if tier is None else tier.index)
-    swap_space = SwapSpace(config.swap_space_bytes // pool.block_bytes)
-    preemption = preemption_cost_model(config.preemption, pool, placed.module)
+    swap_space = SwapSpace(cache.swap_space_bytes // pool.block_bytes)
+    preemption = preemption_cost_model(cache.preemption, pool, placed.module)
     swapped = SwappedKV(pool, preemption)
     eos = eos_token_ids_of(placed.module)
-    pace = Pace(config)
+    pace = Pace(config.pace, scheduling.max_batched_tokens)
     scheduler = Scheduler(
-        block_manager, StopChecker(eos, max_model_len, tokenizer), config.max_batched_tokens,
-        config.max_running, config.watermark, preemption=preemption, swap_space=swap_space,
-        max_loras=config.max_loras if lora else 0, adapter_ready=lora.is_ready if lora else None,
-        pace=pace if pace.enabled else None)
+        block_manager, StopChecker(eos, max_model_len, tokenizer), scheduling.max_batched_tokens,
+        scheduling.max_running, cache.watermark, preemption=preemption, swap_space=swap_space,
+        max_loras=config.lora.max_loras if lora else 0,
+        adapter_ready=lora.is_ready if lora else None, pace=pace if pace.enabled else None)
     constrained = ConstrainedRequests(
-        GrammarCompiler(tokenizer, placed.module.config.vocab_size, eos, config.grammar_cache_size)
-        if tokenizer is not None else None)
+        GrammarCompiler(tokenizer, placed.module.config.vocab_size, eos,
+                        config.model.grammar_cache_size) if tokenizer is not None else None)
     # fused layers where the C++ attention kernel reads this pool
-    prepared = pack_for_cpu(placed, backend.cpu_kernel, config.deterministic)
-    gap = invariance_gap(prepared, backend, config.deterministic)
-    if config.deterministic and gap is not None and (ranks is None or ranks.is_driver):
+    prepared = pack_for_cpu(placed, backend.cpu_kernel, config.model.deterministic)
+    gap = invariance_gap(prepared, backend, config.model.deterministic)
+    if config.model.deterministic and gap is not None and (ranks is None or ranks.is_driver):
         log.warning("--deterministic: answers may depend on the batch: %s", gap)
-    numerics = engine_numerics(device, dtype, backend, layout.kv_format.name, config.block_size,
+    numerics = engine_numerics(device, dtype, backend, layout.kv_format.name, cache.block_size,
                                prepared.module, gap, ranks)
     if lora is not None:  # before any graph is captured: captured without terms
         lora.install(prepared.module)
@@ -151,12 +153,13 @@ def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: Ran
         graphs = runner.decode_graphs
         log.info("captured decode CUDA graphs for batch sizes %s x proposals %s in %.1f s",
                  graphs.buckets, graphs.proposal_buckets, time.perf_counter() - started)
-    features: list[Feature] = [] if ranks is None else [RankSteps(ranks, runner, config.block_size)]
+    features: list[Feature] = [] if ranks is None else [RankSteps(ranks, runner, cache.block_size)]
     features.append(Swapping(swapped))
     if tier is not None:
         features.append(Offloading(tier))
     if speculation is not None:
-        speculation.start(config, device, dtype, max_model_len, prepared.module.config.vocab_size)
+        speculation.start(config.model, device, dtype, max_model_len,
+                          prepared.module.config.vocab_size)
         swapped.followers += [] if speculation.draft is None else [speculation.draft]
         features.append(speculation)
     features += [NoAdapters() if lora is None else Adapters(lora), Pacing(pace)]
@@ -169,18 +172,18 @@ def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: Ran
                        numerics, runner, lora, speculation, registered, moves, tier)
 
 
-def _host_tier(config: EngineConfig, pool: KVCachePool) -> HostTier | None:
+def _host_tier(cache: CacheConfig, pool: KVCachePool) -> HostTier | None:
     """The host tier of evicted prefix blocks (`--kv-offloading-size`), or None (off: nothing
     is allocated, and the block manager drops what it evicts as before)."""
-    if not config.kv_offloading_size_bytes or not config.enable_prefix_caching:
+    if not cache.kv_offloading_size_bytes or not cache.enable_prefix_caching:
         return None
-    return HostTier(pool, config.kv_offloading_size_bytes)
+    return HostTier(pool, cache.kv_offloading_size_bytes)
 
 
 def _graphs_mode(config: EngineConfig, device: torch.device, ranks: RankGroup | None,
                  backend: AttentionBackend) -> str | None:
     """'capture' (CUDA graphs), 'eager' (their static buffers, no capture) or None (off)."""
-    mode = config.cuda_graphs
+    mode = config.model.cuda_graphs
     if mode == "off" or (mode == "auto" and not is_cuda(device)):
         return None
     if ranks is not None:  # a step's collectives are not captured: ranks run eagerly
@@ -200,5 +203,5 @@ def _decode_graphs(graphs_mode: str | None, config: EngineConfig, model: torch.n
         return None
     spec = config.speculative_config
     return DecodeGraphs(model, pool, scratch_block=num_blocks - 1,
-                        max_batch=config.max_running, max_model_len=max_model_len,
+                        max_batch=config.scheduler.max_running, max_model_len=max_model_len,
                         max_proposals=0 if spec is None else spec.num_speculative_tokens)

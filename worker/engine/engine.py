@@ -58,10 +58,11 @@ class Engine(EngineParts):
     @classmethod
     def from_pretrained(cls, model_path: str, config: EngineConfig, tokenizer=None) -> Engine:
         """One rank's engine (several ranks: `tp_rank.launch_engine` with `load_pretrained`)."""
-        if config.tensor_parallel_size > 1:
+        if config.parallel.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1: start the ranks with tp_rank.launch_engine")
-        model = load_pretrained(model_path, config.dtype, config.device, config.load_format)
-        return cls(model.to(resolve_device(config.device)), config, tokenizer=tokenizer)
+        loading = config.model
+        model = load_pretrained(model_path, loading.dtype, loading.device, loading.load_format)
+        return cls(model.to(resolve_device(loading.device)), config, tokenizer=tokenizer)
 
     def close(self) -> None:
         """Stop what the features started (the other tensor-parallel ranks)."""
@@ -137,7 +138,7 @@ class Engine(EngineParts):
         """The most prompt tokens `can_admit` accepts now (-1: not even an empty prompt): the
         worker's admission budget, whole blocks beside the watermark."""
         room = self.block_manager.num_free_blocks - self.scheduler.watermark_blocks
-        return room * self.config.block_size if room >= 0 else -1
+        return room * self.config.cache.block_size if room >= 0 else -1
 
     # ---- handoff: a running sequence and its KV to another engine (moves.py) ------------------
 
@@ -263,7 +264,7 @@ class Engine(EngineParts):
     def pace_report(self) -> PaceReport:
         """The pace promised and kept, the room left at it, the fitted step cost (pace.py)."""
         return self.pace.report(self.scheduler.running, self.scheduler.waiting,
-                                self.config.max_running)
+                                self.config.scheduler.max_running)
 
     def lora_stats(self) -> LoraStats:
         """The adapters loaded (most recently used first), in slots, loads and evictions."""
@@ -272,7 +273,7 @@ class Engine(EngineParts):
     def device_report(self) -> str:
         """Device, dtype (and what --dtype said), and on CPU the model and ISA behind `auto`."""
         return reports.device_report(self.device, self.dtype, self.attention_backend,
-                                     self.config.dtype, self.config.deterministic,
+                                     self.config.model.dtype, self.config.model.deterministic,
                                      self.invariance_gap)
 
     def budget_report(self) -> list[str]:

@@ -105,7 +105,7 @@ class Handoffs:
 
     def reserved_tokens(self) -> int:
         """Room promised to streams being fetched (admission subtracts it)."""
-        block = self.engine.config.block_size
+        block = self.engine.config.cache.block_size
         return sum(i.offer.num_tokens + block for i in self.incoming.values())
 
     # ---- the source -----------------------------------------------------------------------
@@ -257,7 +257,7 @@ class Handoffs:
         self._offers_read_at = now
         offers = self.redis.offers()
         budget = budget_tokens - self.reserved_tokens()
-        block = self.engine.config.block_size
+        block = self.engine.config.cache.block_size
         for offer in offers:
             if slots <= 0:
                 break

@@ -34,7 +34,7 @@ def check_device_settings(config: EngineConfig) -> None:
     """Refuse a device and attention backend that cannot run together (the Triton kernel on a
     CPU) before the model loads, with the reason, instead of failing every request's first step."""
     try:
-        resolve_backend_name(config.attention_backend, resolve_device(config.device))
+        resolve_backend_name(config.model.attention_backend, resolve_device(config.model.device))
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"kvfleet worker: {exc}") from None
 
@@ -59,10 +59,10 @@ def build_engine(settings: WorkerSettings) -> Engine:
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = with_draft_model_path(config, tokenizer, settings.cache_dir)
     # every rank loads its own copy (with one rank: this process)
-    load = functools.partial(load_pretrained, path, config.dtype, config.device,
-                             config.load_format)
+    load = functools.partial(load_pretrained, path, config.model.dtype, config.model.device,
+                             config.model.load_format)
     engine = launch_engine(load, config, tokenizer=tokenizer, num_threads=threads)  # logs its budget
-    if config.pace_warmup and engine.pace.enabled:
+    if config.pace.pace_warmup and engine.pace.enabled:
         log.info("pace warm-up: %.1f s; step cost %s", warm_up(engine),
                  engine.pace.curve().to_json())
     return engine

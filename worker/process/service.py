@@ -291,7 +291,7 @@ class WorkerService:
             self._start(delivery)
 
     def engine_block_size(self) -> int:
-        return self.engine.config.block_size
+        return self.engine.config.cache.block_size
 
     def _start(self, delivery: Delivery) -> None:
         self._start_many([delivery])

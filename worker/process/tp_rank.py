@@ -27,11 +27,11 @@ ModelLoader = Callable[[], torch.nn.Module]  # picklable: the ranks load their c
 
 def launch_engine(load_model: ModelLoader, config: EngineConfig, tokenizer=None,
                   num_threads: int | None = None):
-    """An engine over `config.tensor_parallel_size` ranks: this process is rank 0, the others are
-    started here and load the model with `load_model` (picklable) themselves."""
+    """An engine over `config.parallel.tensor_parallel_size` ranks: this process is rank 0, the
+    others are started here and load the model with `load_model` (picklable) themselves."""
     from kvfleet.worker.engine.engine import Engine
 
-    if config.tensor_parallel_size == 1:
+    if config.parallel.tensor_parallel_size == 1:
         return Engine(load_model(), config, tokenizer=tokenizer)
     ranks = launch_ranks(load_model, config, num_threads)
     try:
@@ -46,7 +46,7 @@ def launch_ranks(load_model: ModelLoader, config: EngineConfig,
     """Start ranks 1..N-1 (spawned processes) and join them as rank 0."""
     if torch.distributed.is_initialized():  # checked before any rank is started
         raise RuntimeError("a process holds one tensor-parallel group at a time")
-    world_size = config.tensor_parallel_size
+    world_size = config.parallel.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{free_port()}"
     context = multiprocessing.get_context("spawn")  # no CUDA or OpenMP state forked into ranks
     children = []
@@ -59,7 +59,7 @@ def launch_ranks(load_model: ModelLoader, config: EngineConfig,
         children.append(child)
     log.info("tensor parallel: started ranks 1..%d (pids %s)", world_size - 1,
              ", ".join(str(c.pid) for c in children))
-    return RankGroup(0, world_size, rank_device(config.device, 0), init_method, children)
+    return RankGroup(0, world_size, rank_device(config.model.device, 0), init_method, children)
 
 
 def rank_main(rank: int, init_method: str, load_model: ModelLoader, config: EngineConfig,
@@ -74,8 +74,8 @@ def rank_main(rank: int, init_method: str, load_model: ModelLoader, config: Engi
         torch.set_num_threads(num_threads)
     from kvfleet.worker.engine.engine import Engine
 
-    group = RankGroup(rank, config.tensor_parallel_size, rank_device(config.device, rank),
-                      init_method)
+    group = RankGroup(rank, config.parallel.tensor_parallel_size,
+                      rank_device(config.model.device, rank), init_method)
     engine = Engine(load_model(), config, ranks=group)
     follow(engine, group)
     # leave the group before the interpreter tears down: a gloo group still alive at exit can

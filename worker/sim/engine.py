@@ -192,20 +192,21 @@ class SimEngine(Engine):
         if config.speculative_config is not None:
             raise ValueError("a simulated worker does not simulate speculative decoding")
         scale = clock.time_scale  # the pace's targets are real time: modelled time is scaled
-        config = replace(config, block_size=config.block_size or DEFAULT_BLOCK_SIZE,
-                         target_itl_ms=config.target_itl_ms * scale,
-                         target_ttft_ms=config.target_ttft_ms * scale,
-                         min_target_itl_ms=None if config.min_target_itl_ms is None
-                         else config.min_target_itl_ms * scale)
+        config = replace(config, block_size=config.cache.block_size or DEFAULT_BLOCK_SIZE,
+                         target_itl_ms=config.pace.target_itl_ms * scale,
+                         target_ttft_ms=config.pace.target_ttft_ms * scale,
+                         min_target_itl_ms=None if config.pace.min_target_itl_ms is None
+                         else config.pace.min_target_itl_ms * scale)
         self.config, self.ranks, self.max_model_len = config, None, max_model_len
         self.device, self.dtype = torch.device("meta"), torch.bfloat16
         self.cost, self.clock, self.pool_note = cost, clock, pool_note
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
-        self.pace = Pace(config)
+        cache, scheduling = config.cache, config.scheduler
+        self.block_manager = BlockManager(num_blocks, cache.block_size,
+                                          cache.enable_prefix_caching)
+        self.pace = Pace(config.pace, scheduling.max_batched_tokens)
         self.scheduler = Scheduler(
             self.block_manager, StopChecker(eos_token_ids, max_model_len, tokenizer),
-            config.max_batched_tokens, config.max_running, config.watermark,
+            scheduling.max_batched_tokens, scheduling.max_running, cache.watermark,
             pace=self.pace if self.pace.enabled else None)
         self.constrained = ConstrainedRequests(None)
         self.tokens = AnswerTokens(vocab_size, eos_token_ids, answer_lengths, seed)
@@ -214,7 +215,7 @@ class SimEngine(Engine):
         self.features = Features([start, self.keys, NoAdapters(), Pacing(self.pace)])
         self.runner = SimRunner(cost, clock, start)
         self.sampler = SimSampler(self.tokens, self.keys)
-        self.moves = SimMoves(self.block_manager, config.block_size, kv_bytes_per_token)
+        self.moves = SimMoves(self.block_manager, cache.block_size, kv_bytes_per_token)
         self.lora = self.speculation = self.tier = None
         self.invariance_gap = None  # a row's token depends on its request alone
         self.numerics = Numerics({"simulated": "tokens from the request (worker/sim/tokens.py)",
@@ -251,6 +252,6 @@ class SimEngine(Engine):
 
     def budget_report(self) -> list[str]:
         bm = self.block_manager
-        return [f"{bm.num_blocks} blocks of {self.config.block_size} tokens (simulated pool"
+        return [f"{bm.num_blocks} blocks of {self.config.cache.block_size} tokens (simulated pool"
                 + (f": {self.pool_note}" if self.pool_note else "") + ")"]
 

@@ -89,18 +89,19 @@ def pool_blocks(settings: WorkerSettings, model: SimModel, cost) -> tuple[int, s
     config = settings.engine_config()
     block_size = settings.block_size or DEFAULT_BLOCK_SIZE
     if isinstance(cost, RooflineCost):
-        use, tokens = config.gpu_memory_utilization, config.max_batched_tokens
+        use, tokens = config.cache.gpu_memory_utilization, config.scheduler.max_batched_tokens
         pool = cost.kv_pool_bytes(use, tokens)
         return cost.kv_blocks(block_size, use, tokens), (
             f"{pool / 2**30:.1f} GiB a device: {cost.device.name}'s memory x {use:g} less the "
             "weights and activations")
     kv_bytes = 1 if settings.kv_dtype in ONE_BYTE_KV else 2
     per_token = model_shape(model.config).kv_bytes_per_token(kv_bytes)
-    blocks = config.kv_memory_bytes // (block_size * per_token)
+    kv_memory = config.cache.kv_memory_bytes
+    blocks = kv_memory // (block_size * per_token)
     if blocks < 1:
-        raise ValueError(f"--kv-memory {config.kv_memory_bytes} B holds no block of {block_size} "
+        raise ValueError(f"--kv-memory {kv_memory} B holds no block of {block_size} "
                          f"tokens at {per_token} B a token")
-    return blocks, f"--kv-memory {config.kv_memory_bytes / 2**30:.2f} GiB"
+    return blocks, f"--kv-memory {kv_memory / 2**30:.2f} GiB"
 
 
 # The fleet's own timings, in real seconds on a real fleet: under a time scale k they stand for
@@ -192,7 +193,7 @@ def run_sim_workers(settings: WorkerSettings, stop: threading.Event | None = Non
         mine = scaled_timings(settings).model_copy(update={"worker_id": worker_id})
         engine = build_sim_engine(mine, model, cost, tokenizer)
         config = engine.config
-        if config.pace_warmup and engine.pace.enabled:
+        if config.pace.pace_warmup and engine.pace.enabled:
             warm_up(engine)
         client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5,
                          health_check_interval=30)

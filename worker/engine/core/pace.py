@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvfleet.shared.engine_config import EngineConfig
+from kvfleet.shared.engine_config import PaceConfig
 from kvfleet.shared.pace import StepCostCurve, StepFeatures
 from kvfleet.shared.wire import SamplingParams
 
@@ -241,14 +241,15 @@ class StepBudget:
 class Pace:
     """The engine's pace: targets, the step-cost fit, the latencies measured."""
 
-    def __init__(self, config: EngineConfig, clock=time.monotonic, wall=time.time):
+    def __init__(self, config: PaceConfig, max_batched_tokens: int, clock=time.monotonic,
+                 wall=time.time):
         self.target_itl_s = config.target_itl_ms / 1000
         self.target_ttft_s = config.target_ttft_ms / 1000
         floor = config.min_target_itl_ms if config.min_target_itl_ms is not None \
             else config.target_itl_ms
         self.floor_s = floor / 1000
         self.honours_requests = config.min_target_itl_ms is not None or config.target_itl_ms > 0
-        self.max_batched_tokens = config.max_batched_tokens
+        self.max_batched_tokens = max_batched_tokens
         self.model = StepCostModel()
         self.margin = QuantileTracker()
         self.overhead_s = 0.0  # the loop's time between two steps, smoothed
@@ -451,7 +452,7 @@ def warm_up(engine, seed: int = 0) -> float:
     seconds spent. Nothing of it stays in the engine (the prompts skip the prefix cache;
     counters are put back)."""
     started = time.perf_counter()
-    vocab_size, config = engine.model.config.vocab_size, engine.config
+    vocab_size, config = engine.model.config.vocab_size, engine.config.scheduler
     scheduler = engine.scheduler
     counters = (scheduler.num_generated_tokens, scheduler.num_prefill_tokens_computed)
     paced, scheduler.pace = scheduler.pace, None  # the sweep's groups are its own to choose

@@ -52,7 +52,7 @@ from kvfleet.worker.engine.kernels.triton_attention import triton_available
 
 if TYPE_CHECKING:
     from kvfleet.worker.engine.attention import AttentionBackend
-    from kvfleet.worker.engine.core.config import EngineConfig
+    from kvfleet.worker.engine.core.config import LoraConfig
     from kvfleet.worker.engine.parallel.tp_group import RankGroup
     from kvfleet.worker.engine.parallel.tp_shard import HeadShard
     from kvfleet.worker.engine.core.model_runner import StepPlan
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 class LoraManager:
     """Adapters of one engine (one per tensor-parallel rank, each over its shard)."""
 
-    def __init__(self, config: EngineConfig, model_config: dict, dtype: torch.dtype,
+    def __init__(self, config: LoraConfig, model_config: dict, dtype: torch.dtype,
                  device: torch.device, slices: ShardSlices, use_triton: bool = False,
                  invariant: bool = False):
         self.model_config, self.dtype, self.slices = model_config, dtype, slices
@@ -90,17 +90,17 @@ class LoraManager:
         self.targets: list[LoraTarget] = []
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, model: nn.Module, dtype: torch.dtype,
+    def for_engine(cls, config: LoraConfig, model: nn.Module, dtype: torch.dtype,
                    device: torch.device, attention_backend: AttentionBackend,
-                   ranks: RankGroup | None = None, shard: HeadShard | None = None,
-                   ) -> LoraManager:
+                   deterministic: bool, ranks: RankGroup | None = None,
+                   shard: HeadShard | None = None) -> LoraManager:
         """The manager of an engine whose model is `model` (the caller's, unsharded config)."""
         model_config = model.config.to_dict()
         slices = ShardSlices.whole() if ranks is None else ShardSlices.of_rank(
             model_config, shard, ranks.rank, ranks.world_size)
         # the SGMV kernels on CUDA, and where attention runs in Triton (its interpreter in tests)
         use_triton = triton_available() and (is_cuda(device) or attention_backend.triton_kernels)
-        return cls(config, model_config, dtype, device, slices, use_triton, config.deterministic)
+        return cls(config, model_config, dtype, device, slices, use_triton, deterministic)
 
     def _load(self, name: str, path: str) -> AdapterWeights:
         return load_adapter(name, path, self.model_config, self.max_rank, self.dtype, self.slices)

@@ -23,33 +23,33 @@ def plan_kv_budget(prepared: PreparedModel, layout: KVLayout, config: EngineConf
                    max_model_len: int, attention_backend: AttentionBackend,
                    ranks: RankGroup | None = None,
                    draft_layout: KVLayout | None = None) -> MemoryBudget:
-    """The pool's blocks: `config.num_blocks`, else what the device holds beside the weights
+    """The pool's blocks: `cache.num_blocks`, else what the device holds beside the weights
     (and, on CUDA, the peak of the largest step, profiled); the smallest of every rank's. With a
     draft model its pool has as many blocks, and the KV bytes are shared out between the two."""
-    model, device = prepared.module, prepared.device
+    model, device, cache = prepared.module, prepared.device, config.cache
     step_peak_bytes = 0
-    if is_cuda(device) and config.num_blocks is None:
+    if is_cuda(device) and cache.num_blocks is None:
         num_heads = prepared.num_heads if ranks is not None else None
         spec = config.speculative_config
         step_peak_bytes = profile_step(
-            model, layout, config.block_size, config.max_batched_tokens, config.max_running,
-            device, attention_backend, num_heads=num_heads,
+            model, layout, cache.block_size, config.scheduler.max_batched_tokens,
+            config.scheduler.max_running, device, attention_backend, num_heads=num_heads,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens).peak_bytes
     budget = plan_budget(
-        model, layout, config.block_size, max_model_len, device, config.num_blocks,
-        config.kv_memory_bytes, config.gpu_memory_utilization,
+        model, layout, cache.block_size, max_model_len, device, cache.num_blocks,
+        cache.kv_memory_bytes, cache.gpu_memory_utilization,
         activation_reserve_bytes=step_peak_bytes)
-    if draft_layout is not None and config.num_blocks is None:
+    if draft_layout is not None and cache.num_blocks is None:
         both = layout.bytes_per_token + draft_layout.bytes_per_token
         num_blocks = max(budget.num_blocks * layout.bytes_per_token // both, 1)
         budget = replace(budget, num_blocks=num_blocks,
-                         kv_bytes=num_blocks * layout.bytes_per_token * config.block_size,
+                         kv_bytes=num_blocks * layout.bytes_per_token * cache.block_size,
                          source=budget.source + ", shared with the draft model's KV")
     if ranks is None:
         return budget
     num_blocks = ranks.agree_min(budget.num_blocks)  # every rank's pool has the same blocks
     return replace(budget, num_blocks=num_blocks,
-                   kv_bytes=num_blocks * budget.bytes_per_token * config.block_size,
+                   kv_bytes=num_blocks * budget.bytes_per_token * cache.block_size,
                    source=budget.source + f", smallest of {ranks.world_size} ranks")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvfleet.worker.engine.attention import resolve_attention_backend
-from kvfleet.worker.engine.core.config import EngineConfig, SpeculativeConfig
+from kvfleet.worker.engine.core.config import EngineConfig, ModelConfig, SpeculativeConfig
 from kvfleet.worker.engine.core.handoff import HandoffError, SequenceState, pool_layout, state_blocks
 from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
 from kvfleet.worker.engine.memory.kv_format import KVFormat
@@ -30,7 +30,7 @@ def draft_model_of(config: EngineConfig, draft_model: torch.nn.Module | None,
     if draft_model is None and spec is not None and spec.method == "draft_model":
         if spec.model is None:
             raise ValueError("speculative_config method draft_model needs `model`")
-        draft_model = load_pretrained(spec.model, config.dtype, config.device)
+        draft_model = load_pretrained(spec.model, config.model.dtype, config.model.device)
     if draft_model is None:
         return None
     if tensor_parallel:
@@ -64,9 +64,10 @@ class Speculation(Feature):
         if spec is None and draft_model is None:
             return None
         spec = spec or SpeculativeConfig(method="draft_model")
+        max_batched_tokens = config.scheduler.max_batched_tokens
         if draft_model is None:
-            return cls(spec, config.max_batched_tokens)
-        return cls(spec, config.max_batched_tokens, prepare_model(draft_model, device, dtype),
+            return cls(spec, max_batched_tokens)
+        return cls(spec, max_batched_tokens, prepare_model(draft_model, device, dtype),
                    KVLayout.from_model_config(draft_model.config, kv_format))
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> None:
@@ -74,16 +75,17 @@ class Speculation(Feature):
         if self.kv_layout is not None:
             self.pool = KVCachePool(self.kv_layout, num_blocks, block_size, device)
 
-    def start(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+    def start(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
               max_model_len: int, vocab_size: int) -> None:
         """After the target's runner: the draft's packed model and runner; the speculator."""
         draft = None
         if self.placed is not None:
             pool = self.pool
             backend = resolve_attention_backend(
-                config.attention_backend, device, dtype, pool.layout.kv_format,
-                pool.layout.head_dim, deterministic=config.deterministic)
-            self.prepared = pack_for_cpu(self.placed, backend.cpu_kernel, config.deterministic)
+                model_config.attention_backend, device, dtype, pool.layout.kv_format,
+                pool.layout.head_dim, deterministic=model_config.deterministic)
+            self.prepared = pack_for_cpu(self.placed, backend.cpu_kernel,
+                                         model_config.deterministic)
             self.placed = None
             if self.prepared.module.config.vocab_size < vocab_size:
                 raise ValueError(f"the draft model's vocabulary "
