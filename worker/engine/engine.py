@@ -41,10 +41,9 @@ log = logging.getLogger(__name__)
 
 
 class Engine(EngineParts):
-    """Continuous-batching engine over one model and one KV block pool, running its own
-    prepared copy of the model (`prepared`; `model` is its module), weights shared. With tensor
-    parallelism (`ranks`) every rank builds one over its shard; rank 0's schedules, samples and
-    sends each step to the others (`tp_rank.launch_engine` starts them, `tp_rank.follow`)."""
+    """Continuous batching over one model and one KV block pool, on its own prepared copy of the
+    model (`prepared`; `model` is its module), weights shared. With tensor parallelism (`ranks`)
+    each rank has one over its shard; rank 0's sends each step to the others (tp_rank.py)."""
 
     def __init__(self, model, config: EngineConfig, tokenizer=None, ranks: RankGroup | None = None,
                  draft_model: torch.nn.Module | None = None):
@@ -60,9 +59,9 @@ class Engine(EngineParts):
         """One rank's engine (several ranks: `tp_rank.launch_engine` with `load_pretrained`)."""
         if config.parallel.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1: start the ranks with tp_rank.launch_engine")
-        loading = config.model
-        model = load_pretrained(model_path, loading.dtype, loading.device, loading.load_format)
-        return cls(model.to(resolve_device(loading.device)), config, tokenizer=tokenizer)
+        m = config.model
+        model = load_pretrained(model_path, m.dtype, m.device, m.load_format)
+        return cls(model.to(resolve_device(m.device)), config, tokenizer=tokenizer)
 
     def close(self) -> None:
         """Stop what the features started (the other tensor-parallel ranks)."""
