@@ -31,13 +31,18 @@ same tokenizer, lengths, count and concurrency, every prompt of exactly its leng
 and AIPerf, whose synthetic prompts are their own, the random one. Not the very prompts just
 sent: both servers keep a prefix cache, and a replay finds them cached (measured: replaying
 `vllm bench serve`'s 32 random prompts right after it, kvfleet bench found 6,144 of their 8,192
-prompt tokens cached and read 1.46x the client's output tok/s). So each run is cache-cold: kvfleet bench's trace for a
-client's run is sampled with its own seed (`--seed` + 1 + the run's index), the clients keep
-`--seed`. The table gives each client's figures as the
-client computed them (output tok/s, TTFT p50/p99, TPOT p50: (latency - TTFT) / (tokens - 1),
-what GuideLLM and AIPerf call ITL), kvfleet bench's beside them, and the client's output tok/s
-over kvfleet bench's: they agree within `--tolerance` (5%) or the row says DISAGREES. Any failed
-request fails the run (exit 1, after the table); with `--strict` so does a disagreement.
+prompt tokens cached and read 1.46x the client's output tok/s). So every run is cache-cold:
+kvfleet bench's trace for a client's run is sampled with a seed of its own (`--seed` + 1 + the
+run's index), and with `--repeats N` each round r gives every seed + 100 r, the clients' too.
+In odd rounds kvfleet bench runs first, the client after it.
+
+The table gives each client's figures as the client computed them (output tok/s, TTFT p50/p99,
+TPOT p50: (latency - TTFT) / (tokens - 1), what GuideLLM and AIPerf call ITL; tokens in and out
+as it counted them), kvfleet bench's beside them, the client's output tok/s over kvfleet
+bench's, and each one's CPU time (on a machine of few cores a client's own work is taken from the
+server's); then per client the median of the rounds' ratios: within `--tolerance` (5%) it
+agrees, else DISAGREES. Any failed request fails the run (exit 1, after the tables); with
+`--strict` so does a disagreement.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class Pair:
     workload: str
     client: Figures
     reference: Figures  # kvfleet bench's
+    round: int = 1
 
     @property
     def ratio(self) -> float:
@@ -195,14 +201,37 @@ def table(pairs: list[Pair], tolerance: float) -> list[str]:
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for pair in pairs:
         verdict = "agrees" if pair.agrees(tolerance) else "**DISAGREES**"
+        rounds = f" (round {pair.round})" if len({p.round for p in pairs}) > 1 else ""
         for figures, ratio in ((pair.client, f"{pair.ratio:.3f} ({verdict})"),
                                (pair.reference, "")):
-            lines.append(f"| {pair.server} | {pair.workload} | {figures.client} | "
+            lines.append(f"| {pair.server} | {pair.workload} | {figures.client}{rounds} | "
                          f"{figures.completed} | {figures.failed} | "
                          f"{figures.input_tokens} / {figures.output_tokens} | "
                          f"{figures.output_tok_s:.1f} | {figures.ttft_p50_ms:.0f} | "
                          f"{figures.ttft_p99_ms:.0f} | {figures.tpot_p50_ms:.1f} | {ratio} | "
                          f"{_cpu(figures.client_cpu_s)} |")
+    return lines
+
+
+def groups(pairs: list[Pair]) -> dict[tuple[str, str, str], list[Pair]]:
+    """The pairs of each (server, workload, client), over the rounds."""
+    grouped: dict[tuple[str, str, str], list[Pair]] = {}
+    for pair in pairs:
+        grouped.setdefault((pair.server, pair.workload, pair.client.client), []).append(pair)
+    return grouped
+
+
+def agreement(pairs: list[Pair], tolerance: float) -> list[str]:
+    """Per server, workload and client: the median over the rounds of the client's output tok/s
+    over kvfleet bench's (each round's pair ran minutes apart, not the rounds), and each round's;
+    the verdict is the median's."""
+    lines = ["| server | workload | client | rounds | median tok/s ratio | every round's | "
+             "verdict |", "|---|---|---|---:|---:|---|---|"]
+    for (server, workload, client), mine in groups(pairs).items():
+        ratio = statistics.median(p.ratio for p in mine)
+        verdict = "agrees" if abs(ratio - 1) <= tolerance else "**DISAGREES**"
+        lines.append(f"| {server} | {workload} | {client} | {len(mine)} | {ratio:.3f} | "
+                     f"{' / '.join(f'{p.ratio:.3f}' for p in mine)} | {verdict} |")
     return lines
 
 
@@ -220,10 +249,14 @@ def verdicts(pairs: list[Pair], tolerance: float) -> tuple[list[str], list[str]]
     """(failed runs, disagreements), a line each."""
     failed = [f"FAILED: {p.server}, {p.workload}, {f.client}: {f.failed} requests failed "
               f"({f.first_error})" for p in pairs for f in (p.client, p.reference) if f.failed]
-    apart = [f"DISAGREES: {p.server}, {p.workload}, {p.client.client}: {p.client.output_tok_s:.1f}"
-             f" output tok/s against kvfleet bench's {p.reference.output_tok_s:.1f} "
-             f"({p.ratio:.3f}, beyond {tolerance:.0%})"
-             for p in pairs if not p.agrees(tolerance)]
+    apart = []
+    for (server, workload, client), mine in groups(pairs).items():
+        ratio = statistics.median(p.ratio for p in mine)
+        if abs(ratio - 1) > tolerance:
+            apart.append(f"DISAGREES: {server}, {workload}, {client}: output tok/s "
+                         f"{ratio:.3f} of kvfleet bench's (median of {len(mine)} rounds: "
+                         f"{' / '.join(f'{p.ratio:.3f}' for p in mine)}), beyond "
+                         f"{tolerance:.0%}")
     return failed, apart
 
 
@@ -280,7 +313,8 @@ def run(command: list[str], what: str, out: Path, log: Path, env: dict[str, str]
     return json.loads(out.read_text())
 
 
-def run_guidellm(python: Path, url: str, served: str, args, tmp: Path, tag: str) -> Figures:
+def run_guidellm(python: Path, url: str, served: str, args, seed: int, tmp: Path,
+                 tag: str) -> Figures:
     out = tmp / f"guidellm{tag}.json"
     command = [str(python), "-m", "guidellm", "run",
                "--backend", f"kind=openai_http,target={url},model={served},"
@@ -290,13 +324,14 @@ def run_guidellm(python: Path, url: str, served: str, args, tmp: Path, tag: str)
                "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},"
                          f"output_tokens={args.output_len}",
                "--tokenizer", f"kind=hf_auto,model={served}",
-               "--seed", f"kind=static,value={args.seed}",
+               "--seed", f"kind=static,value={seed}",
                "--output", f"kind=json,path={out}", "--disable-console-interactive"]
     return guidellm_figures(run(command, "GuideLLM", out, tmp / f"guidellm{tag}.log",
                                 peer_env(args.hub_env)))
 
 
-def run_aiperf(python: Path, url: str, served: str, args, tmp: Path, tag: str) -> Figures:
+def run_aiperf(python: Path, url: str, served: str, args, seed: int, tmp: Path,
+               tag: str) -> Figures:
     artifacts = tmp / f"aiperf{tag}"
     command = [str(python), "-m", "aiperf", "profile", "--model", served, "--url", url,
                "--endpoint-type", "completions", "--streaming", "--tokenizer", served,
@@ -305,17 +340,17 @@ def run_aiperf(python: Path, url: str, served: str, args, tmp: Path, tag: str) -
                "--prompt-output-tokens-mean", str(args.output_len),
                "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
                "--concurrency", str(args.max_concurrency), "--request-count",
-               str(args.num_prompts), "--random-seed", str(args.seed), "--ui-type", "none",
+               str(args.num_prompts), "--random-seed", str(seed), "--ui-type", "none",
                "--no-server-metrics", "--no-gpu-telemetry", "--artifact-dir", str(artifacts)]
     return aiperf_figures(run(command, "AIPerf", artifacts / "profile_export_aiperf.json",
                               tmp / f"aiperf{tag}.log", peer_env(args.hub_env)))
 
 
-def vllm_args(args) -> argparse.Namespace:
+def vllm_args(args, seed: int) -> argparse.Namespace:
     """bench_serve's arguments for `vllm bench serve`, from this script's."""
     return argparse.Namespace(random_input_len=args.input_len, random_output_len=args.output_len,
                               num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
-                              seed=args.seed)
+                              seed=seed)
 
 
 def trace_of(vllm: Path, served: str, workload: str, args, seed: int, tmp: Path) -> Path:
@@ -324,7 +359,7 @@ def trace_of(vllm: Path, served: str, workload: str, args, seed: int, tmp: Path)
     path = tmp / f"trace-{workload}-seed{seed}.jsonl"
     if not path.exists():
         command = [str(vllm), "-c", SAMPLER, str(path), "--backend", "openai", "--model", served,
-                   "--tokenizer", served, *workload_args(workload, vllm_args(args)),
+                   "--tokenizer", served, *workload_args(workload, vllm_args(args, seed)),
                    "--num-prompts", str(args.num_prompts), "--seed", str(seed)]
         done = subprocess.run(command, env=peer_env(args.hub_env), capture_output=True,
                               text=True)
@@ -349,27 +384,38 @@ def run_kvfleet_bench(url: str, served: str, trace: Path, args, out: Path) -> Fi
     return kvfleet_bench_figures(json.loads(results.read_text()))
 
 
-def run_jobs(server: str, url: str, args, tools: dict, tmp: Path) -> list[Pair]:
+def run_jobs(server: str, url: str, args, tools: dict, tmp: Path, round_index: int) -> list[Pair]:
+    """Every client once against `url`, each followed by kvfleet bench (preceded by it in odd
+    rounds, so that a drift of the host over a pair does not always favour the same side)."""
     pairs = []
+    seed = args.seed + 100 * round_index  # a round's prompts are new to the server
     for index, job in enumerate(args.clients):
         client, workload = JOBS[job]
-        tag = f"-{server.lower()}-{job}"
+        tag = f"-{server.lower()}-{job}-{round_index + 1}"
         # prompts no earlier run on this server sent (its prefix cache holds those)
-        trace = trace_of(tools["vllm"], args.served, workload, args, args.seed + 1 + index, tmp)
-        cpu = children_cpu_s()
-        if client == "vllm bench serve":
-            # bench_serve's run: its --tokenizer is the served name, found offline here
-            figures = vllm_figures(run_vllm_client(tools["vllm"], url, args.served, args.served,
-                                                   workload, vllm_args(args),
-                                                   tmp / f"vllm{tag}.json"))
-        elif client == "GuideLLM":
-            figures = run_guidellm(tools["guidellm"], url, args.served, args, tmp, tag)
-        else:
-            figures = run_aiperf(tools["aiperf"], url, args.served, args, tmp, tag)
-        figures.client_cpu_s, cpu = children_cpu_s() - cpu, children_cpu_s()
-        reference = run_kvfleet_bench(url, args.served, trace, args, tmp / f"kvfleet-bench{tag}")
-        reference.client_cpu_s = children_cpu_s() - cpu
-        pair = Pair(server, workload_name(workload, args), figures, reference)
+        trace = trace_of(tools["vllm"], args.served, workload, args, seed + 1 + index, tmp)
+
+        def measure_client() -> Figures:
+            if client == "vllm bench serve":
+                # bench_serve's run: its --tokenizer is the served name, found offline here
+                return vllm_figures(run_vllm_client(tools["vllm"], url, args.served, args.served,
+                                                    workload, vllm_args(args, seed),
+                                                    tmp / f"vllm{tag}.json"))
+            if client == "GuideLLM":
+                return run_guidellm(tools["guidellm"], url, args.served, args, seed, tmp, tag)
+            return run_aiperf(tools["aiperf"], url, args.served, args, seed, tmp, tag)
+
+        def measure_reference() -> Figures:
+            return run_kvfleet_bench(url, args.served, trace, args, tmp / f"kvfleet-bench{tag}")
+
+        order = [("client", measure_client), ("reference", measure_reference)]
+        measured = {}
+        for name, measure in order[::-1] if round_index % 2 else order:
+            cpu = children_cpu_s()
+            measured[name] = measure()
+            measured[name].client_cpu_s = children_cpu_s() - cpu
+        pair = Pair(server, workload_name(workload, args), measured["client"],
+                    measured["reference"], round_index + 1)
         print("\n".join(table([pair], args.tolerance)[2:]), flush=True)
         pairs.append(pair)
     return pairs
@@ -389,7 +435,8 @@ def kvfleet_pairs(args, tools: dict, tmp: Path) -> list[Pair]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_first_answer(url, args.served, process, args.startup_timeout_s)
-        return run_jobs("kvfleet", url, args, tools, tmp)
+        return [pair for index in range(args.repeats)
+                for pair in run_jobs("kvfleet", url, args, tools, tmp, index)]
     finally:
         stop_session(process)
 
@@ -399,7 +446,8 @@ def vllm_pairs(args, tools: dict, model_dir: str, tmp: Path) -> list[Pair]:
                         served_name=args.served, setup="tuned")
     try:
         wait_first_answer(server.url, args.served, server.process, args.startup_timeout_s)
-        return run_jobs("vLLM", server.url, args, tools, tmp)
+        return [pair for index in range(args.repeats)
+                for pair in run_jobs("vLLM", server.url, args, tools, tmp, index)]
     finally:
         server.stop()
 
@@ -418,7 +466,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256, help="the random workload's prompts")
     p.add_argument("--output-len", type=int, default=96, help="the random workload's answers")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the clients' seed in the first round (round r: + 100 r); kvfleet "
+                        "bench's traces: + 1 + the run's index")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every run against each server (started once); the verdict "
+                        "is the median of the rounds' ratios")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="how far a client's output tok/s may be from kvfleet bench's")
     p.add_argument("--strict", action="store_true", help="a disagreement fails the run too")
@@ -434,6 +487,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None,
                    help="keep the servers' logs, the traces and the clients' result files here")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if unknown := set(args.clients) - set(JOBS):
         p.error(f"--clients: unknown {sorted(unknown)}; choose from {', '.join(JOBS)}")
     args.served = args.served_model_name or HUB_IDS.get(args.model, served_model_id(args.model))
@@ -481,9 +536,11 @@ def main(argv=None) -> int:
             os.chdir(here)
     print()
     print("\n".join(table(pairs, args.tolerance)))
+    print()
+    print("\n".join(agreement(pairs, args.tolerance)))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
-            [{"server": p.server, "workload": p.workload, "ratio": p.ratio,
+            [{"server": p.server, "workload": p.workload, "round": p.round, "ratio": p.ratio,
               "client": asdict(p.client), "kvfleet_bench": asdict(p.reference)} for p in pairs],
             indent=2))
     failed, apart = verdicts(pairs, args.tolerance)

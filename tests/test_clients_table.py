@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import clients
-from benchmarks.clients import (Figures, Pair, aiperf_figures, guidellm_figures, hub_home,
-                                kvfleet_bench_figures, table, verdicts, vllm_figures)
+from benchmarks.clients import (Figures, Pair, agreement, aiperf_figures, guidellm_figures,
+                                hub_home, kvfleet_bench_figures, table, verdicts, vllm_figures)
 
 
 def distribution(mean: float, median: float, p99: float, total: float = 0.0) -> dict:
@@ -191,6 +191,24 @@ def test_a_name_the_users_cache_holds_is_used_from_there(tmp_path, monkeypatch):
     assert not (tmp_path / "hf-home").exists()
 
 
+def test_over_rounds_the_verdict_is_the_median_ratio():
+    def rounds(client: str, *tok_s: float) -> list[Pair]:
+        return [Pair("kvfleet", "random 256/96", figures(client, t),
+                     figures("kvfleet bench", 100.0), index + 1)
+                for index, t in enumerate(tok_s)]
+
+    # one round 8% apart, the median 2%: agrees; the negative control's median is 7% apart
+    pairs = rounds("GuideLLM", 108.0, 99.0, 102.0) + rounds("AIPerf", 108.0, 107.0, 99.0)
+    lines = agreement(pairs, 0.05)
+    guidellm, aiperf = lines[2].split("|"), lines[3].split("|")
+    assert [c.strip() for c in guidellm[3:8]] == [
+        "GuideLLM", "3", "1.020", "1.080 / 0.990 / 1.020", "agrees"]
+    assert [c.strip() for c in aiperf[5:8]] == ["1.070", "1.080 / 1.070 / 0.990", "**DISAGREES**"]
+    failed, apart = verdicts(pairs, 0.05)
+    assert failed == [] and len(apart) == 1 and "AIPerf" in apart[0] and "1.070" in apart[0]
+    assert "GuideLLM (round 2)" in table(pairs, 0.05)[4]
+
+
 def test_a_clients_cpu_time_is_its_finished_childrens():
     import subprocess
     import sys
@@ -205,6 +223,8 @@ def test_a_clients_cpu_time_is_its_finished_childrens():
 def test_unknown_clients_are_refused():
     with pytest.raises(SystemExit):
         clients.parse_args(["--clients", "vllm-random,locust"])
+    with pytest.raises(SystemExit):
+        clients.parse_args(["--repeats", "0"])
     args = clients.parse_args([])
     assert args.served == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert args.clients == ["vllm-random", "vllm-prefix", "guidellm", "aiperf"]
