@@ -14,10 +14,20 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE} AS deps
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
+# TORCH_FIND_LINKS (empty: unused): a URL whose page links a torch wheel, searched beside
+# TORCH_INDEX, for hosts that reach no torch index: e.g. `python -m http.server` in a directory
+# holding the wheel, at an address the build's containers reach (its host is trusted when the URL
+# is plain http), with TORCH_INDEX=https://pypi.org/simple for torch's own dependencies
+# (docs/DEPLOY.md, "Without an image registry"). Nothing of it stays in the image.
+ARG TORCH_FIND_LINKS=
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --index-url ${TORCH_INDEX} torch==${TORCH_VERSION}
+    set --; \
+    if [ -n "$TORCH_FIND_LINKS" ]; then set -- --find-links "$TORCH_FIND_LINKS"; fi; \
+    case "$TORCH_FIND_LINKS" in http://*) set -- "$@" --trusted-host \
+        "$(echo "$TORCH_FIND_LINKS" | sed -E 's#^http://([^/:]+).*#\1#')";; esac; \
+    pip install --index-url ${TORCH_INDEX} "$@" torch==${TORCH_VERSION}
 COPY pyproject.toml /tmp/pyproject.toml
 RUN --mount=type=cache,target=/root/.cache/pip \
     python -c "import tomllib; deps = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \

@@ -28,7 +28,8 @@ REDIS_URL = "redis://redis:6379/0"
 # Compose variables the tests set, so that they must reach the right places.
 CUSTOM = {"KVFLEET_GATEWAY_HOST_PORT": "18123", "KVFLEET_REDIS_HOST_PORT": "16399",
           "KVFLEET_WORKER_CPUS": "3", "KVFLEET_BASE_IMAGE": "local/python:3.11",
-          "KVFLEET_REDIS_IMAGE": "local/redis:7"}
+          "KVFLEET_REDIS_IMAGE": "local/redis:7",
+          "KVFLEET_TORCH_FIND_LINKS": "http://10.1.2.3:8765/"}
 
 
 def compose_plugin_works() -> bool:
@@ -42,7 +43,7 @@ def compose_plugin_works() -> bool:
 
 
 # The YAML check always runs; `docker compose config` (normalised, interpolated) runs as well
-# where the compose plugin is installed (not on this project's machines: the client alone).
+# where the compose plugin is installed (a machine with the Docker client alone has the YAML only).
 SOURCES = ["yaml", *(["docker-compose-config"] if compose_plugin_works() else [])]
 
 
@@ -95,7 +96,7 @@ def dotenv() -> dict[str, str]:
 
 
 def command_of(service: dict) -> list[str]:
-    command = service.get("command", [])
+    command = service.get("command") or []  # `docker compose config` writes null for none
     return command.split() if isinstance(command, str) else list(command)
 
 
@@ -192,6 +193,9 @@ def test_host_ports_cpu_share_and_images_come_from_variables(compose, custom_com
     assert services["redis"]["image"] == "local/redis:7"
     for name in KVFLEET_SERVICES:
         assert services[name]["build"]["args"]["BASE_IMAGE"] == "local/python:3.11"
+        # a local torch wheel's page where no torch index is reachable; unset: the index alone
+        assert services[name]["build"]["args"]["TORCH_FIND_LINKS"] == "http://10.1.2.3:8765/"
+        assert compose["services"][name]["build"]["args"]["TORCH_FIND_LINKS"] == ""
     assert float(services["worker-cpu"]["cpus"]) == 3.0
     assert float(compose["services"]["worker-cpu"]["cpus"]) == 2.0
 
@@ -324,6 +328,7 @@ def test_the_dockerfile_builds_cpu_or_cuda_as_a_non_root_user():
     # A `# syntax=` line makes BuildKit pull a frontend image: no build without a registry.
     assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
     assert re.search(r"^ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu$", text, re.M)
+    assert re.search(r"^ARG TORCH_FIND_LINKS=$", text, re.M)  # empty: the torch index alone
     assert re.search(r"^ARG BASE_IMAGE=", text, re.M)
     assert re.search(r"^USER kvfleet$", text, re.M)
     assert re.search(r"^HEALTHCHECK ", text, re.M)

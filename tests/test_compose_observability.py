@@ -104,6 +104,25 @@ def test_their_images_are_built_from_a_build_argument_with_a_default(services, c
     assert host_ports(custom_services[name]) == [("127.0.0.1", ports[name])]
 
 
+def test_a_prometheus_image_made_from_debian_fits_the_service(services):
+    """deploy/prometheus/debian.Dockerfile (for hosts with Debian's mirror and no registry) makes
+    an image the compose service runs as it runs prom/prometheus: flags after the entrypoint, data
+    in /prometheus, wget for the healthcheck (docs/DEPLOY.md: it ran on 2026-12-06)."""
+    text = (DEPLOY / "prometheus" / "debian.Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=\S+$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
+    install = text.split("apt-get install", 1)[1].split("&&", 1)[0]
+    assert {"prometheus", "wget"} <= set(install.split())
+    assert re.search(r'^ENTRYPOINT \["/usr/bin/prometheus"\]$', text, re.M)
+    assert "install -d -o prometheus -g prometheus /prometheus" in text
+    assert re.search(r"^USER prometheus$", text, re.M)
+    service = services["prometheus"]
+    assert all(arg.startswith("--") for arg in command_of(service))  # flags for the entrypoint
+    assert "--storage.tsdb.path=/prometheus" in command_of(service)
+    assert healthcheck_test(service).split()[:2] == ["CMD", "wget"]
+
+
 def test_prometheus_scrapes_the_gateway_and_every_worker_service(services):
     jobs = {job["job_name"]: job for job in prometheus_config()["scrape_configs"]}
     gateway_command = command_of(services["gateway"])
