@@ -71,7 +71,11 @@ CLIENTS_HINT = "make them with `bash benchmarks/clients_env.sh`"
 # the jobs: (client, workload); GuideLLM and AIPerf send the random workload's shape
 JOBS = {"vllm-random": ("vllm bench serve", "random"),
         "vllm-prefix": ("vllm bench serve", "prefix"),
-        "guidellm": ("GuideLLM", "random"), "aiperf": ("AIPerf", "random")}
+        "guidellm": ("GuideLLM", "random"), "aiperf": ("AIPerf", "random"),
+        # the control, not run by default: kvfleet bench against itself (other prompts of the
+        # same dataset), the host's own spread between two runs minutes apart
+        "kvfleet-bench": ("kvfleet bench", "random")}
+DEFAULT_JOBS = ("vllm-random", "vllm-prefix", "guidellm", "aiperf")
 # vLLM's dataset as `vllm bench serve` samples it (the same arguments and seeds as its main),
 # written as kvfleet bench's trace: argv[1] the trace, the client's own arguments after it
 SAMPLER = ("import json, random, sys\n"
@@ -401,6 +405,12 @@ def run_jobs(server: str, url: str, args, tools: dict, tmp: Path, round_index: i
                 return vllm_figures(run_vllm_client(tools["vllm"], url, args.served, args.served,
                                                     workload, vllm_args(args, seed),
                                                     tmp / f"vllm{tag}.json"))
+            if client == "kvfleet bench":
+                control = trace_of(tools["vllm"], args.served, workload, args, seed + 50, tmp)
+                figures = run_kvfleet_bench(url, args.served, control, args,
+                                            tmp / f"kvfleet-bench-control{tag}")
+                figures.client = "kvfleet bench (control)"
+                return figures
             if client == "GuideLLM":
                 return run_guidellm(tools["guidellm"], url, args.served, args, seed, tmp, tag)
             return run_aiperf(tools["aiperf"], url, args.served, args, seed, tmp, tag)
@@ -459,9 +469,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None,
                    help="the name both servers serve it under and every client asks for (and "
                         "loads its tokenizer by); default: its hub id where known, else its id")
-    p.add_argument("--clients", default=",".join(JOBS),
+    p.add_argument("--clients", default=",".join(DEFAULT_JOBS),
                    type=lambda s: [c for c in s.split(",") if c],
-                   help=f"which runs, in order, of {', '.join(JOBS)}")
+                   help=f"which runs, in order, of {', '.join(JOBS)} (kvfleet-bench: the "
+                        "control, kvfleet bench as the client)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256, help="the random workload's prompts")
