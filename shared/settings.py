@@ -144,6 +144,11 @@ class GatewaySettings(BatchApiSettings):
         "load (requests running, waiting and routed to it) stays within this factor of the "
         "fleet's mean load (or two requests above the least loaded worker); beyond it, load "
         "wins over affinity"))
+    affinity_host_tier_weight: float = Field(0.75, ge=0.0, le=1.0, description=(
+        "`--routing affinity`: what a prompt block a worker holds in its host tier "
+        "(`--kv-offloading-size`) counts for, against 1 for a block on its device (Dynamo's "
+        "default): a device holder beats a host-tier holder of the same prefix, which beats a "
+        "worker holding none of it; 1 scores the tiers alike, 0 a host-tier block as absent"))
     affinity_min_blocks: int = Field(1, ge=1, description=(
         "`--routing affinity`: a worker holding fewer of a prompt's leading blocks counts as "
         "holding none of it; a request no eligible worker holds goes to the least loaded one"))

@@ -1,5 +1,6 @@
 """A worker's announcements of its prefix cache (`--routing affinity`): what the cache stored and
-evicted, sent after every loop turn that changed it (ANNOUNCE_BLOCKS), the whole cache at every
+evicted, with each block's tier (device, or the host tier of `--kv-offloading-size`), sent after
+every loop turn that changed it (ANNOUNCE_BLOCKS), the whole cache (both tiers) at every
 (re)connect, and the set kept listed by the heartbeat thread.
 
 Only the loop thread announces (only it drains the engine's record of changes); the heartbeat
@@ -31,11 +32,10 @@ class PrefixAnnouncer:
         if self.resync:
             self.announce_all()
             return
-        self._unannounced.merge(*self.engine.drain_block_announcements())
+        self._unannounced.merge(self.engine.drain_block_announcements())
         if not self._unannounced:
             return
-        stored, removed = self._unannounced.peek()
-        self._send(stored, removed, clear=False)
+        self._send(*self._unannounced.peek(), clear=False)
         self._unannounced.drain()
 
     def announce_all(self) -> None:
@@ -44,7 +44,8 @@ class PrefixAnnouncer:
         self._announced = self.resync = False
         self.engine.drain_block_announcements()  # the whole cache covers every change so far
         self._unannounced.drain()
-        self._send(self.engine.cached_block_hashes(), [], clear=True)
+        host = self.engine.block_manager.host_hashes()
+        self._send(self.engine.cached_block_hashes() + host, [], host, clear=True)
         self._announced = True
 
     def keep_listed(self) -> None:
@@ -52,12 +53,13 @@ class PrefixAnnouncer:
         gone (this thread stalled past its TTL, or Redis lost it) makes the loop resync."""
         if not self._announced:
             return
-        indexed = self.protocol.announce([], [], clear=False, ttl_s=self.ttl_s)
+        indexed = self.protocol.announce([], [], [], clear=False, ttl_s=self.ttl_s)
         self.metrics.indexed_blocks.set(indexed)
         if indexed == 0 and self._indexed > 0:
             self.resync = True
 
-    def _send(self, stored: list[bytes], removed: list[bytes], clear: bool) -> None:
-        indexed = self.protocol.announce(stored, removed, clear=clear, ttl_s=self.ttl_s)
-        self.metrics.blocks_announced(len(stored), len(removed), indexed)
+    def _send(self, stored: list[bytes], removed: list[bytes], host: list[bytes],
+              clear: bool) -> None:
+        indexed = self.protocol.announce(stored, removed, host, clear=clear, ttl_s=self.ttl_s)
+        self.metrics.blocks_announced(len(stored), len(removed), indexed, len(host))
         self._indexed = indexed

@@ -179,7 +179,7 @@ class WorkerMetrics:
             LABELS + ("source",), registry=self.registry)
         self._announced_blocks = Counter(
             p + "kv_announced_blocks", "Prefix-cache blocks announced to the fleet's index, by "
-            "change (stored, removed).", LABELS + ("change",), registry=self.registry)
+            "change (stored, removed, host: moved to the host tier).", LABELS + ("change",), registry=self.registry)
         self.announcements = self._counter(
             p + "kv_announcements", "Announcements that carried a change of the prefix cache "
             "(one per step that changed it; the heartbeat's refreshes not counted).")
@@ -402,11 +402,12 @@ class WorkerMetrics:
         if from_home is not None:
             self.stolen(sum(d.source == "shared" and not from_home(d) for d in deliveries))
 
-    def blocks_announced(self, stored: int, removed: int, indexed: int) -> None:
+    def blocks_announced(self, stored: int, removed: int, indexed: int, host: int = 0) -> None:
         """An announcement with a change went out; `indexed`: the set's size it returned."""
         self.announcements.inc()
         self._announced_blocks.labels(change="stored", **self._labels()).inc(stored)
         self._announced_blocks.labels(change="removed", **self._labels()).inc(removed)
+        self._announced_blocks.labels(change="host", **self._labels()).inc(host)
         self.indexed_blocks.set(indexed)
 
     def numerics(self, fingerprint: str) -> None:

@@ -552,14 +552,15 @@ class WorkerProtocol:
         pipe.pexpire(key, int(ttl_s * 1000))
         pipe.execute()
 
-    def announce(self, stored: list[BlockHash], removed: list[BlockHash], *, clear: bool,
-                 ttl_s: float) -> int:
+    def announce(self, stored: list[BlockHash], removed: list[BlockHash],
+                 host: list[BlockHash] = (), *, clear: bool, ttl_s: float) -> int:
         """ANNOUNCE_BLOCKS: a net change of this worker's prefix cache (empty: only stay listed
-        for another `ttl_s`; `clear`: the set starts over, a new start). Returns the size of its
-        set in Redis."""
+        for another `ttl_s`; `clear`: the set starts over, a new start), `host` the blocks now in
+        its host tier (NetChange.peek's form). Returns the size of its set in Redis."""
         call = affinity.announce_blocks(self.keys, self.model, self.worker_id,
                                         ttl_ms=int(ttl_s * 1000), stored=pack_ids(stored),
-                                        removed=pack_ids(removed), clear=clear)
+                                        removed=pack_ids(removed), host=pack_ids(host),
+                                        clear=clear)
         size, _ = self._announce(keys=call.keys, args=call.args)
         return int(size)
 

@@ -164,7 +164,11 @@ class _RouterCollector:
             labels=["model"])
         cached = CounterMetricFamily(
             "kvfleet_gateway_routed_cached_tokens", "Of those, the tokens the router expected "
-            "the chosen worker to find in its prefix cache.", labels=["model"])
+            "the chosen worker to find in its prefix cache on its device.", labels=["model"])
+        host_tier = CounterMetricFamily(
+            "kvfleet_gateway_routed_host_tier_tokens", "Of those, the tokens the router expected "
+            "the chosen worker to bring back from its host tier (`--kv-offloading-size`).",
+            labels=["model"])
         for model, stats in sorted(router.model_stats.items()):
             for reason in ROUTES[getattr(router, "policy", "affinity")]:
                 routed.add_metric([model, reason], stats.routed.get(reason, 0))
@@ -172,9 +176,14 @@ class _RouterCollector:
                 by_worker.add_metric([model, worker_id], count)
             prompt.add_metric([model], stats.prompt_tokens)
             cached.add_metric([model], stats.cached_tokens)
+            host_tier.add_metric([model], getattr(stats, "host_tier_tokens", 0))
         blocks = GaugeMetricFamily(
             "kvfleet_gateway_prefix_index_blocks", "Blocks in this gateway's prefix index (summed "
-            "over the workers holding them), per model followed.", labels=["model", "index"])
+            "over the workers holding them, in either tier), per model followed.",
+            labels=["model", "index"])
+        host_blocks = GaugeMetricFamily(
+            "kvfleet_gateway_prefix_index_host_blocks", "Of those, the blocks held in a worker's "
+            "host tier (`--kv-offloading-size`).", labels=["model", "index"])
         events = CounterMetricFamily(
             "kvfleet_gateway_prefix_index_events", "Announcement events applied to the prefix "
             "index; its rate is the fleet's announcements per second.", labels=["model", "index"])
@@ -184,9 +193,11 @@ class _RouterCollector:
             labels=["model", "index"])
         for followed, index in sorted(router.indexes.items()):
             blocks.add_metric([followed, followed], index.num_blocks)
+            host_blocks.add_metric([followed, followed], getattr(index, "num_host_blocks", 0))
             events.add_metric([followed, followed], index.events_applied)
             snapshots.add_metric([followed, followed], index.snapshots)
-        return [routed, by_worker, prompt, cached, blocks, events, snapshots]
+        return [routed, by_worker, prompt, cached, host_tier, blocks, host_blocks, events,
+                snapshots]
 
 
 @dataclass

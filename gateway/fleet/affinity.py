@@ -14,7 +14,12 @@ heartbeat said, and the requests this gateway routed to it that have not ended y
 The rule: a worker is eligible while its load after this request stays within `balance` x the
 mean (or `LEAST_LOAD_SLACK` above the least loaded worker), and its free KV holds the prompt's
 uncached part; among the eligible the longest cached prefix wins (`min_blocks` at least: fewer
-count as none), ties to the least loaded. A worker's prefix is what it announced plus the blocks
+count as none), ties to the least loaded. A prefix is scored block by block over its leading run
+(which ends at the first block the worker holds in neither tier): a block on the worker's device
+counts 1, one in its host tier (`--kv-offloading-size`) `host_tier_weight` (restoring it is a
+copy, far cheaper than recomputing but not free), so a device holder beats a host-tier holder of
+the same prefix, which beats a worker holding nothing (weight 1: the tiers alike; 0: a host-tier
+block adds nothing, as if absent). A worker's prefix is what it announced plus the blocks
 of the prompts this gateway routed to it in the last `EXPECTED_S` (it is computing them): a burst
 of requests sharing a new system prompt goes to one worker, not to all of them before the first
 announcement. A worker that drains or only decodes (role `decode`) reads no new requests: it is
@@ -64,7 +69,8 @@ class RouterStats:
     routed: dict[str, int] = field(default_factory=dict)  # by Route.reason
     by_worker: dict[str, int] = field(default_factory=dict)  # requests routed to a worker
     prompt_tokens: int = 0  # of every request routed
-    cached_tokens: int = 0  # expected cached at the chosen worker
+    cached_tokens: int = 0  # expected cached at the chosen worker (on its device)
+    host_tier_tokens: int = 0  # expected in the chosen worker's host tier (brought back there)
 
 
 @dataclass(frozen=True)
@@ -72,13 +78,16 @@ class Route:
     """Where one request goes: `worker` (its own stream) or None (the shared streams)."""
 
     worker: str | None
-    cached_tokens: int  # prompt tokens the chosen worker is expected to find in its cache
+    # prompt tokens the chosen worker is expected to find in its cache on its device (the
+    # entry's `cached`: its admission counts them as held)
+    cached_tokens: int
     # "affinity": the worker holds (or is about to hold) at least min_blocks of its prompt;
     # "least_loaded": none that the load allows does, the least loaded takes it; "random": a
     # uniformly random worker (policy random); "shared": no index or no live worker yet, the
     # shared streams
     reason: str
     seconds: float = 0.0  # time spent routing
+    host_tier_tokens: int = 0  # of the leading run, tokens the worker holds in its host tier
 
 
 class WorkerLoads:
@@ -120,9 +129,12 @@ class Router:
 
     def __init__(self, redis: Redis, keys: Keys, *, balance: float = 1.5, min_blocks: int = 1,
                  listing_ttl_ms: int = 10_000, policy: str = "affinity",
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, host_tier_weight: float = 0.75):
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
+        if not 0.0 <= host_tier_weight <= 1.0:
+            raise ValueError(f"host_tier_weight must be in [0, 1], got {host_tier_weight}")
+        self.host_tier_weight = host_tier_weight
         self.policy = policy
         self.rng = rng or random.Random()
         self.redis = redis
@@ -213,11 +225,13 @@ class Router:
             stats.routed[route.reason] = stats.routed.get(route.reason, 0) + 1
             stats.prompt_tokens += len(prompt_token_ids)
             stats.cached_tokens += route.cached_tokens
+            stats.host_tier_tokens += route.host_tier_tokens
             if route.worker is not None:
                 stats.by_worker[route.worker] = stats.by_worker.get(route.worker, 0) + 1
         if self.observe is not None:
             self.observe(model, seconds)
-        return Route(route.worker, route.cached_tokens, route.reason, seconds)
+        return Route(route.worker, route.cached_tokens, route.reason, seconds,
+                     route.host_tier_tokens)
 
     def _root(self, model: str, adapter: str, adapter_path: str) -> bytes:
         """The hash chain's root of the model's (or its adapter's) prompts, as workers make it."""
@@ -247,24 +261,28 @@ class Router:
         ids = self._block_ids(root, prompt_token_ids, loads.beats)
         expected = self._expected.setdefault(model, {})
         now = time.monotonic()
-        held, cached = {}, {}  # per worker: leading tokens held or expected, held (announced)
+        # per worker, the prompt's leading run it holds or is expected to hold (held), and the
+        # one it announced (cached): (blocks, of them on device, score in tokens)
+        held, cached = {}, {}
         for w in workers:
-            size = loads.beats[w].block_size
-            held[w] = _leading(ids.get(size, ()), index.sets.get(w, ()), expected.get(w), now) \
-                * size
-            cached[w] = index.leading(w, ids.get(size, [])) * size
+            size, mine = loads.beats[w].block_size, ids.get(loads.beats[w].block_size, ())
+            sets, host = index.sets.get(w, ()), index.host.get(w, ())
+            held[w] = _leading(mine, sets, host, expected.get(w), now, self.host_tier_weight,
+                               size)
+            cached[w] = _leading(mine, sets, host, None, now, self.host_tier_weight, size)
         mean_after = (sum(load.values()) + 1) / len(workers)
         cap = max(self.balance * mean_after, min(load.values()) + LEAST_LOAD_SLACK)
         balanced = [w for w in workers if load[w] + 1 <= cap]
-        fitting = [w for w in balanced if _fits(loads.beats[w], len(prompt_token_ids) - held[w])]
+        # a host-tier block is brought back into a free pool block: only device ones are free
+        fitting = [w for w in balanced if _fits(loads.beats[w], len(prompt_token_ids)
+                                                - held[w][1] * loads.beats[w].block_size)]
 
-        def enough(w: str) -> int:  # a worker holding fewer than min_blocks holds nothing here
-            return held[w] if held[w] >= self.min_blocks * max(loads.beats[w].block_size, 1) \
-                else 0
+        def enough(w: str) -> float:  # a worker holding fewer than min_blocks holds nothing here
+            return held[w][2] if held[w][0] >= self.min_blocks else 0.0
 
         # ties: what a worker announced beats what it is only expected to hold (an entry
         # another worker took computed its blocks there), then the least loaded
-        best = max(fitting or balanced, key=lambda w: (enough(w), cached[w], -load[w]))
+        best = max(fitting or balanced, key=lambda w: (enough(w), cached[w][2], -load[w]))
         # the chosen worker will hold the prompt's blocks: the next request sharing its prefix
         # follows it before the worker has computed and announced them
         size = loads.beats[best].block_size
@@ -272,7 +290,9 @@ class Router:
             mine = expected.setdefault(best, {})
             for block_id in ids[size]:
                 mine[block_id] = now + EXPECTED_S
-        return Route(best, cached[best], "affinity" if enough(best) else "least_loaded")
+        blocks, device, _ = cached[best]
+        return Route(best, device * size, "affinity" if enough(best) else "least_loaded",
+                     host_tier_tokens=(blocks - device) * size)
 
     def _random(self, model: str) -> Route:
         """A uniformly random live worker that reads new requests; none yet: the shared
@@ -310,15 +330,22 @@ class Router:
                     del by_worker[worker_id]
 
 
-def _leading(ids: Sequence[bytes], held, expected: dict[bytes, float] | None,
-             now: float) -> int:
-    """How many of `ids` from the first on are in `held` or expected until after `now`."""
-    count = 0
+def _leading(ids: Sequence[bytes], held, host, expected: dict[bytes, float] | None,
+             now: float, host_weight: float, block_size: int) -> tuple[int, int, float]:
+    """(blocks, of them on device, score in tokens) of the leading run of `ids` a worker holds:
+    each id in `held` (in its host tier when also in `host`) or expected until after `now` (on
+    device: it is being computed there); the run ends at the first id held in neither tier. A
+    device block scores `block_size`, a host-tier one `host_weight` x that."""
+    count = device = 0
     for block_id in ids:
-        if block_id not in held and (expected is None or expected.get(block_id, 0.0) <= now):
+        if expected is not None and expected.get(block_id, 0.0) > now:
+            device += 1
+        elif block_id not in held:
             break
+        elif block_id not in host:
+            device += 1
         count += 1
-    return count
+    return count, device, (device + host_weight * (count - device)) * block_size
 
 
 def _fits(beat: Heartbeat, uncached_tokens: int) -> bool:

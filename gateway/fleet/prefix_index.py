@@ -3,10 +3,14 @@ block, by announce id (docs/ARCHITECTURE.md, "Prefix-affinity routing").
 
 Fed from Redis only: `PREFIX_SNAPSHOT` gives the last announcement event's id and every listed
 worker's block set at one moment; the index then follows the model's event stream
-(`Keys.kv_events`) with `XREAD BLOCK` from that id, applying each worker's stored and removed ids
-in order. Applying the events after the snapshot's id to the snapshot is exact. It takes a snapshot
-again when its position is no longer in the stream (trimmed past it, or the stream gone or reset:
-a Redis restart) and after any Redis failure. A lookup never touches Redis.
+(`Keys.kv_events`) with `XREAD BLOCK` from that id, applying each worker's stored, removed and
+host-tier ids in order. Applying the events after the snapshot's id to the snapshot is exact. It
+takes a snapshot again when its position is no longer in the stream (trimmed past it, or the
+stream gone or reset: a Redis restart) and after any Redis failure. A lookup never touches Redis.
+
+Each (worker, block) is kept with its tier: `sets` holds every block a worker holds, `host` the
+subset held only in its host tier (`--kv-offloading-size`): a block the worker's pool evicts into
+the tier moves into `host`, one brought back leaves it, one the tier drops leaves both.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ class PrefixIndex:
         self.model = model
         self.listing_ttl_ms = listing_ttl_ms
         self.block_ms = block_ms
-        self.sets: dict[str, set[bytes]] = {}  # worker id -> announce ids it holds
+        self.sets: dict[str, set[bytes]] = {}  # worker id -> announce ids it holds (either tier)
+        self.host: dict[str, set[bytes]] = {}  # worker id -> of those, held in its host tier
         self.last_id: str | None = None  # position in the event stream (None: not in sync)
         self.events_applied = 0
         self.snapshots = 0
@@ -61,6 +66,11 @@ class PrefixIndex:
     @property
     def num_blocks(self) -> int:
         return sum(len(ids) for ids in self.sets.values())
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Of `num_blocks`, those held in a worker's host tier."""
+        return sum(len(ids) for ids in self.host.values())
 
     # ---- lookups (no Redis) -----------------------------------------------------------------
 
@@ -81,6 +91,7 @@ class PrefixIndex:
         """Drop the blocks of workers that are not live (their heartbeat is gone)."""
         for worker_id in [w for w in self.sets if w not in live]:
             del self.sets[worker_id]
+            self.host.pop(worker_id, None)
 
     # ---- following Redis --------------------------------------------------------------------
 
@@ -94,7 +105,11 @@ class PrefixIndex:
             if set(listed) <= set(passed):
                 break
             passed = sorted(set(passed) | set(listed))
-        self.sets = {w: set(ids) for w, ids in zip(passed, members) if w in listed}
+        held, host = members[0::2], members[1::2]  # each worker's set, then its host subset
+        self.sets = {w: set(ids) for w, ids in zip(passed, held) if w in listed}
+        # a host-tier id outside the set is a leftover (an older worker started under this id)
+        self.host = {w: self.sets[w] & set(ids) for w, ids in zip(passed, host)
+                     if w in listed and ids}
         self.last_id = text(last)
         self.snapshots += 1
         self._gap_checked_at = time.monotonic()
@@ -105,10 +120,16 @@ class PrefixIndex:
             # changes alone would leave out what it held before; the next read takes a snapshot
             self.resync = True
         held = self.sets.setdefault(event.worker_id, set())
+        host = self.host.setdefault(event.worker_id, set())
         if event.cleared:
             held.clear()
+            host.clear()
         held.difference_update(event.removed)
+        host.difference_update(event.removed)
         held.update(event.stored)
+        host.difference_update(event.stored)
+        held.update(event.host)
+        host.update(event.host)
         self.events_applied += 1
 
     async def read_events(self) -> int:

@@ -186,6 +186,7 @@ class RedisEngineClient(EngineClient):
                    inboxes=settings.gateway_inboxes,
                    router=Router(context.redis, context.keys, balance=settings.affinity_balance,
                                  min_blocks=settings.affinity_min_blocks,
+                                 host_tier_weight=settings.affinity_host_tier_weight,
                                  policy=settings.routing)
                    if settings.routing != "shared" else None)
 

@@ -93,6 +93,11 @@ class Keys:
         prefix cache. Expires with the worker's announcements (heartbeat TTL)."""
         return f"{self.prefix}{{{model}}}:kv:{worker_id}"
 
+    def kv_host_blocks(self, model: str, worker_id: str) -> str:
+        """Set: of `kv_blocks`, the announce ids of the blocks held only in the worker's host
+        tier (`--kv-offloading-size`), not on its device. Expires with `kv_blocks`."""
+        return f"{self.prefix}{{{model}}}:kvhost:{worker_id}"
+
     def kv_workers(self, model: str) -> str:
         """Sorted set: the workers announcing blocks for `model`, scored by the time (ms) of
         their last announcement; those older than the heartbeat TTL are dropped."""

@@ -11,13 +11,14 @@ import time
 
 import pytest
 
+from kvfleet.gateway.dashboard.metrics import _RouterCollector
 from kvfleet.gateway.dashboard.router import add_routing, routing_summary
 from kvfleet.gateway.fleet.affinity import Router
 from kvfleet.gateway.fleet.prefix_index import PrefixIndex
 from kvfleet.gateway.fleet.redis_client import RedisEngineClient
 from kvfleet.shared.redis_connect import connect
 from kvfleet.shared.wire import GenerationRequest, Heartbeat, Keys, QueueEntry, SamplingParams
-from kvfleet.shared.wire.affinity import ANNOUNCE_BLOCKS, announce_blocks
+from kvfleet.shared.wire.affinity import ANNOUNCE_BLOCKS, KvEvent, announce_blocks
 from kvfleet.shared.wire.prefix_hash import block_hashes, lora_root, pack_ids, root_hash
 
 pytestmark = pytest.mark.topologies
@@ -47,9 +48,9 @@ def hashes(prompt: list[int]) -> list[bytes]:
     return block_hashes(prompt, BLOCK, root_hash(MODEL))
 
 
-def announce(sync, keys, worker: str, stored=(), removed=(), clear=False) -> None:
+def announce(sync, keys, worker: str, stored=(), removed=(), clear=False, host=()) -> None:
     call = announce_blocks(keys, MODEL, worker, ttl_ms=TTL_MS, stored=pack_ids(stored),
-                           removed=pack_ids(removed), clear=clear)
+                           removed=pack_ids(removed), clear=clear, host=pack_ids(host))
     ANNOUNCE_BLOCKS.register(sync)(keys=call.keys, args=call.args)
 
 
@@ -121,6 +122,127 @@ async def test_an_index_behind_a_trimmed_stream_takes_a_snapshot_again(redis_url
         await index.take_snapshot()
         assert index.sets["w-a"] == {h[:8] for h in a} and not await index.position_lost()
     finally:
+        await engine.close()
+
+
+def ids(blocks) -> set[bytes]:
+    return {h[:8] for h in blocks}
+
+
+async def test_the_index_keeps_each_blocks_tier_as_blocks_move_between_tiers(redis_url, sync,
+                                                                              keys):
+    """device -> host tier -> dropped, host tier -> device, new straight into the host tier:
+    after each event the index (and Redis's sets) hold each block in its tier, as a snapshot
+    taken then does; a reader that knows no tiers sees every block held, in either tier."""
+    engine = RedisEngineClient.from_url(redis_url, keys, shard_shares=False)
+    try:
+        follower = PrefixIndex(engine.redis, keys, MODEL, listing_ttl_ms=TTL_MS, block_ms=10)
+        a = hashes(prompt_of(6, 160))
+        announce(sync, keys, "w-a", stored=a[:6], clear=True)
+        await follower.take_snapshot()
+        steps = [  # (announcement, held afterwards, of them in the host tier)
+            (dict(host=a[3:6]), a[:6], a[3:6]),  # the pool evicts three blocks into the tier
+            (dict(removed=a[5:6]), a[:5], a[3:5]),  # the tier drops one
+            (dict(stored=a[3:4]), a[:5], a[4:5]),  # one is brought back into the pool
+            # new, straight into the tier
+            (dict(stored=a[6:7], host=a[6:7]), a[:5] + a[6:7], a[4:5] + a[6:7]),
+            (dict(removed=a[4:5] + a[0:1]), a[1:4] + a[6:7], a[6:7]),  # dropped, evicted
+        ]
+        old_view = {h[:8] for h in a[:6]}  # what a gateway reading only `s` and `r` holds
+        for change, held, host in steps:
+            announce(sync, keys, "w-a", **change)
+            while await follower.read_events():
+                pass
+            assert (follower.sets["w-a"], follower.host["w-a"]) == (ids(held), ids(host))
+            assert sync.smembers(keys.kv_blocks(MODEL, "w-a")) == ids(held)
+            assert sync.smembers(keys.kv_host_blocks(MODEL, "w-a")) == ids(host)
+            fresh = PrefixIndex(engine.redis, keys, MODEL, listing_ttl_ms=TTL_MS)
+            await fresh.take_snapshot()
+            assert (fresh.sets, fresh.host) == (follower.sets, follower.host)
+            last = KvEvent.decode(sync.xrevrange(keys.kv_events(MODEL), count=1)[0][1])
+            old_view = (old_view - set(last.removed)) | set(last.stored)
+            assert old_view == ids(held)  # an older gateway: held, at one weight
+        assert follower.num_host_blocks == 1 and follower.num_blocks == 4
+        announce(sync, keys, "w-a", stored=a[:1], clear=True)  # a new start empties both
+        while await follower.read_events():
+            pass
+        assert (follower.sets["w-a"], follower.host["w-a"]) == (ids(a[:1]), set())
+        assert not sync.exists(keys.kv_host_blocks(MODEL, "w-a"))
+    finally:
+        await engine.close()
+
+
+async def test_a_host_tier_block_scores_below_a_device_block_and_above_none(redis_url, sync,
+                                                                             keys):
+    """Three workers, one prompt: w-a holds its first 6 blocks on device, w-b the same 6 with
+    the last 4 in its host tier, w-c none. Weight 0.75: w-a, then w-b over w-c; weight 1.0
+    (the negative control): w-b scores like w-a (the tie goes to the less loaded); weight 0:
+    w-b's host-tier blocks count as absent (w-b holding 2 device blocks ranks as holding 2)."""
+    tenant = prompt_of(7, 200)
+    a = hashes(tenant)
+    for worker in ("w-a", "w-b", "w-c"):
+        beat(sync, keys, worker)
+    announce(sync, keys, "w-a", stored=a[:6], clear=True)
+    announce(sync, keys, "w-b", stored=a[:6], host=a[2:6], clear=True)
+    announce(sync, keys, "w-c", clear=True)
+    engine = RedisEngineClient.from_url(redis_url, keys, shard_shares=False, router=None)
+    routers = []
+    try:
+        async def make(weight: float, host_blocks: int = 4) -> Router:
+            router = Router(engine.redis, keys, listing_ttl_ms=TTL_MS, balance=10.0,
+                            host_tier_weight=weight)
+            routers.append(router)
+            await synced_router(router, sync, keys, ["w-a", "w-b", "w-c"])
+            await eventually(lambda: router.indexes[MODEL].num_host_blocks == host_blocks)
+            return router
+
+        default = await make(0.75)
+        route = default.route(MODEL, tenant)
+        assert (route.worker, route.cached_tokens, route.host_tier_tokens) == ("w-a", 6 * BLOCK, 0)
+        # without w-a (draining), the host-tier holder beats the worker holding nothing
+        beat(sync, keys, "w-a", draining=1)
+        await default.refresh_loads(MODEL)
+        route = default.route(MODEL, tenant)
+        assert (route.worker, route.reason) == ("w-b", "affinity")
+        # its admission counts only the device blocks as cached; the rest comes from the tier
+        assert (route.cached_tokens, route.host_tier_tokens) == (2 * BLOCK, 4 * BLOCK)
+        assert default.stats.host_tier_tokens == 4 * BLOCK
+        samples = {(m.name, sample.value) for m in _RouterCollector(default).collect()
+                   for sample in m.samples}
+        assert ("kvfleet_gateway_routed_host_tier_tokens", 4 * BLOCK) in samples
+        assert ("kvfleet_gateway_prefix_index_host_blocks", 4) in samples
+        beat(sync, keys, "w-a")
+        await default.refresh_loads(MODEL)
+
+        # weight 1.0: host-tier blocks score like device ones; w-a has one in flight, so w-b
+        alike = await make(1.0)
+        alike.loads[MODEL].routed("w-a")
+        assert alike.route(MODEL, tenant).worker == "w-b"
+        # ... while at 0.75 the device holder wins despite that request in flight
+        default.loads[MODEL].routed("w-b")
+        default.loads[MODEL].routed("w-a")
+        assert default.route(MODEL, tenant).worker == "w-a"
+
+        # weight 0: a host-tier block adds nothing: w-b scores as a worker holding 2 blocks,
+        # which loses to w-c holding 3 on device (announced now)
+        announce(sync, keys, "w-c", stored=a[:3])
+        absent = await make(0.0)
+        await eventually(lambda: len(absent.indexes[MODEL].sets.get("w-c", ())) == 3)
+        beat(sync, keys, "w-a", draining=1)
+        await absent.refresh_loads(MODEL)
+        assert absent.route(MODEL, tenant).worker == "w-c"
+        # and with only host-tier blocks and weight 0, w-b holds nothing here: least loaded (a
+        # new router: the last one expects the prompt at w-c, where it routed it)
+        announce(sync, keys, "w-b", stored=a[:6], host=a[:6], clear=True)
+        announce(sync, keys, "w-c", clear=True)  # (w-a, holding it on device, drains)
+        nothing = await make(0.0, host_blocks=6)
+        await eventually(lambda: not nothing.indexes[MODEL].sets.get("w-c"))
+        assert nothing.route(MODEL, tenant).reason == "least_loaded"
+        with pytest.raises(ValueError):
+            Router(engine.redis, keys, host_tier_weight=1.5)
+    finally:
+        for router in routers:
+            await router.close()
         await engine.close()
 
 

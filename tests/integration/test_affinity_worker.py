@@ -5,12 +5,15 @@ resume of a dead worker's request by the worker holding its prefix."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import pytest
 import redis
 
+from kvfleet.gateway.fleet.affinity import Router
+from kvfleet.gateway.fleet.redis_client import RedisEngineClient
 from kvfleet.shared.redis_connect import connect
 from kvfleet.shared.wire import GenerationRequest, Heartbeat, Keys, RequestRecord, SamplingParams, scripts
 from kvfleet.shared.wire.affinity import KvEvent, PREFIX_MATCH, prefix_match
@@ -325,3 +328,72 @@ def test_a_dead_workers_request_is_resumed_first_by_the_worker_holding_its_prefi
     assert set(holder.inflight) == {second}
     run_until(holder, lambda: client.final(second))
     assert client.text(second) == client.text(first)
+
+
+# ---- the host tier: a block evicted into it stays announced, as host-tier -------------------
+
+async def test_a_block_evicted_to_the_host_tier_stays_indexed_and_ranks_between_device_and_none(
+        redis_url, client, tiny):
+    """w1 (with a host tier) and w2 serve one prompt; w1's pool then evicts it into its tier.
+    The gateway's index keeps it at w1 as host-tier; the router sends the prompt to w2 (device),
+    and with w2 gone to w1 (host tier) rather than w3 (nothing)."""
+    keys = client.keys
+    block_bytes = tiny.engine(num_blocks=4, block_size=BS).pool.block_bytes
+    tier = {"kv_offloading_size": 64 * block_bytes / (1 << 30)}  # GiB: 64 blocks
+    w1 = make_service(redis_url, tiny, "w1", heartbeat_ttl_s=30, engine_config=tier)
+    w2 = make_service(redis_url, tiny, "w2", heartbeat_ttl_s=30)
+    w3 = make_service(redis_url, tiny, "w3", heartbeat_ttl_s=30)
+    prompt = random_prompt(21, seed=11)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for worker in (w1, w2):  # each serves it in turn: both cache its blocks on device
+        req_id = client.send(prompt, params)
+        run_until(worker, lambda: client.final(req_id))
+    ids = [h[:8] for h in block_hashes(prompt, BS, root_hash(MODEL))][:5]  # the router's 5
+    host = keys.kv_host_blocks(MODEL, "w1")
+    for seed in range(100, 120):  # other prompts through w1 until its pool evicted the prompt
+        if set(ids) <= client.redis.smembers(host):
+            break
+        req_id = client.send(random_prompt(40, seed=seed), SamplingParams(max_tokens=2))
+        run_until(w1, lambda: client.final(req_id))
+    assert set(ids) <= client.redis.smembers(host)  # moved to the host tier, not removed
+    assert set(ids) <= client.redis.smembers(keys.kv_blocks(MODEL, "w1"))
+    assert w1.engine.num_cached_prefix_blocks(prompt) == 0  # none of it left in w1's pool
+    assert not client.redis.exists(keys.kv_host_blocks(MODEL, "w2"))
+    assert 'kvfleet_worker_kv_announced_blocks_total{change="host",model="tiny",worker="w1"}' \
+        in w1.metrics.render().decode()
+    for worker in (w1, w2, w3):
+        worker._snapshot_stats()
+        worker._beat()
+
+    engine = RedisEngineClient.from_url(redis_url, keys, shard_shares=False, router=None)
+    router = Router(engine.redis, keys, listing_ttl_ms=30_000)  # weight 0.75, the default
+    try:
+        router.follow(MODEL)
+        await router.refresh_loads(MODEL)
+        index = router.indexes[MODEL]
+        deadline = time.monotonic() + 10
+        while not (index.synced and set(ids) <= index.host.get("w1", set())):
+            assert time.monotonic() < deadline, "the index never held w1's host-tier blocks"
+            await asyncio.sleep(0.02)
+        assert set(ids) <= index.sets["w1"] and not index.host.get("w2")
+        assert index.leading("w2", ids) == 5 and index.leading("w1", ids) == 5
+        route = router.route(MODEL, prompt)
+        assert (route.worker, route.reason, route.cached_tokens) == ("w2", "affinity", 5 * BS)
+        client.redis.delete(keys.worker("w2"))  # w2 is gone
+        await router.refresh_loads(MODEL)
+        route = router.route(MODEL, prompt)
+        assert (route.worker, route.reason) == ("w1", "affinity")
+        assert (route.cached_tokens, route.host_tier_tokens) == (0, 5 * BS)
+
+        # w1 brings the prompt back into its pool: on device again in the index
+        req_id = client.send(prompt + [7], SamplingParams(max_tokens=1))
+        run_until(w1, lambda: client.final(req_id))
+        assert w1.engine.block_manager.tier.num_restored_blocks >= 5
+        deadline = time.monotonic() + 10
+        while set(ids) & index.host.get("w1", set()):
+            assert time.monotonic() < deadline, "w1's restored blocks stayed host-tier"
+            await asyncio.sleep(0.02)
+        assert set(ids) <= index.sets["w1"]
+    finally:
+        await router.close()
+        await engine.close()

@@ -125,8 +125,8 @@ class Engine(EngineParts):
         """Every block hash in the prefix cache now."""
         return self.block_manager.cached_hashes()
 
-    def drain_block_announcements(self) -> tuple[list[bytes], list[bytes]]:
-        """(stored, removed) block hashes of the prefix cache since the last call (net change)."""
+    def drain_block_announcements(self):
+        """The prefix cache's NetChange since the last call (stored, removed, moved tier)."""
         return self.block_manager.drain_announcements()
 
     def can_admit(self, num_prompt_tokens: int) -> bool:

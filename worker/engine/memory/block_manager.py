@@ -16,7 +16,9 @@ each further block it holds is brought back into a free pool block, published ag
 as a hit (`prefix_host_hit_tokens` when a request takes it), its bytes copied in before the step.
 
 Announcements (prefix-affinity routing): every hash published to or evicted from the cache is
-recorded as a net change since the last `drain_announcements`, which the worker sends to Redis.
+recorded as a net change since the last `drain_announcements`, which the worker sends to Redis,
+with its tier: a block the pool evicts into the host tier is announced as moved there (the worker
+still holds it), one the tier drops (or never took) as removed, one brought back as on device.
 """
 
 from __future__ import annotations
@@ -30,46 +32,65 @@ if TYPE_CHECKING:
     from kvfleet.worker.engine.memory.kv_tier import TierIndex
 
 
+DEVICE, HOST = "device", "host"  # where a held block is: the KV pool, the host tier (kv_tier.py)
+
+
 class NetChange:
-    """The net change of a set of hashes since the last drain: an item added and then removed
-    (or removed and then added) in between cancels out. Callers add only items not in the set
-    and remove only items in it, so each item is in at most one of the two lists drained."""
+    """The net change of a set of hashes, each held in a tier (DEVICE or HOST) or not at all,
+    since the last drain: only where an item was at the last drain and where it is now count,
+    so a change undone in between cancels out (added then removed, removed then added again,
+    offloaded to the host tier then restored). Callers state each move from where the item is
+    (`add` one not held, `remove` one held in `tier`, `offload` one on device, `restore` one in
+    the host tier)."""
 
     def __init__(self) -> None:
-        self._pending: dict[BlockHash, bool] = {}  # hash -> True: added, False: removed
+        # item -> (tier at the last drain, tier now); None: not held
+        self._pending: dict[BlockHash, tuple[str | None, str | None]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._pending)
 
+    def _move(self, item: BlockHash, before: str | None, after: str | None) -> None:
+        first = self._pending[item][0] if item in self._pending else before
+        if first == after:
+            del self._pending[item]
+        else:
+            self._pending[item] = (first, after)
+
     def add(self, item: BlockHash) -> None:
-        if self._pending.get(item) is False:
-            del self._pending[item]
-        else:
-            self._pending[item] = True
+        self._move(item, None, DEVICE)
 
-    def remove(self, item: BlockHash) -> None:
-        if self._pending.get(item) is True:
-            del self._pending[item]
-        else:
-            self._pending[item] = False
+    def remove(self, item: BlockHash, tier: str = DEVICE) -> None:
+        self._move(item, tier, None)
 
-    def merge(self, added: list[BlockHash], removed: list[BlockHash]) -> None:
-        """Apply a later net change on top of this one."""
-        for item in added:
-            self.add(item)
-        for item in removed:
-            self.remove(item)
+    def offload(self, item: BlockHash) -> None:
+        """Evicted from the pool, kept in the host tier."""
+        self._move(item, DEVICE, HOST)
 
-    def peek(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(added, removed), without clearing."""
-        return ([h for h, added in self._pending.items() if added],
-                [h for h, added in self._pending.items() if not added])
+    def restore(self, item: BlockHash) -> None:
+        """Brought back from the host tier into the pool."""
+        self._move(item, HOST, DEVICE)
 
-    def drain(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(added, removed) since the last drain; starts over empty."""
-        change = self.peek()
-        self._pending.clear()
-        return change
+    def merge(self, later: NetChange) -> None:
+        """Apply a later net change (a drained one) on top of this one."""
+        for item, (before, after) in later._pending.items():
+            self._move(item, before, after)
+
+    def peek(self) -> tuple[list[BlockHash], list[BlockHash], list[BlockHash]]:
+        """(stored, removed, host), the announcement's wire form, without clearing: `stored`
+        the items now on device and those now in the host tier that were not held before (a
+        reader that knows no tiers adds them too); `removed` those no longer held; `host` those
+        now in the host tier (moved there, or new: then in `stored` too)."""
+        pending = self._pending.items()
+        return ([h for h, (before, now) in pending if now == DEVICE or (now and before is None)],
+                [h for h, (_, now) in pending if now is None],
+                [h for h, (_, now) in pending if now == HOST])
+
+    def drain(self) -> NetChange:
+        """The change since the last drain (its own NetChange); this one starts over empty."""
+        drained = NetChange()
+        drained._pending, self._pending = self._pending, {}
+        return drained
 
 
 class BlockManager:
@@ -98,9 +119,12 @@ class BlockManager:
         self.tier = tier  # the host tier of evicted blocks; None: evicted blocks are gone
         self.prefix_host_hit_tokens = 0  # of prefix_hit_tokens, those brought back from the tier
         self._restored: set[int] = set()  # blocks brought back that no request took yet
-        # hashes published to / evicted from the cache since the last drain_announcements;
-        # bounded: without drains only published ones, at most num_blocks
+        # hashes published to / evicted from the cache / moved between its tiers since the last
+        # drain_announcements; bounded: without drains only the hashes held, at most num_blocks
+        # plus the tier's capacity
         self._announcements = NetChange()
+        if tier is not None:
+            tier.on_drop = self._tier_dropped
 
     # ---- counts -------------------------------------------------------------------------------
 
@@ -178,10 +202,22 @@ class BlockManager:
         """Every hash in the prefix cache now (a worker's whole announcement, at its start)."""
         return list(self._cached)
 
-    def drain_announcements(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(stored, removed): the hashes published to and evicted from the cache since the last
-        drain, as a net change (a hash published and evicted in between is in neither)."""
+    def host_hashes(self) -> list[BlockHash]:
+        """Every hash the host tier holds that the pool does not (announced in the host tier)."""
+        if self.tier is None:
+            return []
+        return [h for h in self.tier.hashes() if h not in self._cached]
+
+    def drain_announcements(self) -> NetChange:
+        """The hashes published to, evicted from and moved between the tiers of the cache since
+        the last drain, as a net change (a hash published and evicted in between is not in it;
+        `.peek()` gives its wire form)."""
         return self._announcements.drain()
+
+    def _tier_dropped(self, block_hash: BlockHash) -> None:
+        """The host tier dropped `block_hash` for room: gone unless the pool holds it too."""
+        if block_hash not in self._cached:
+            self._announcements.remove(block_hash, HOST)
 
     def find_cached_prefix(self, req_id: str, token_ids: list[int],
                            root: BlockHash | None = None) -> list[int]:
@@ -228,7 +264,7 @@ class BlockManager:
             return None
         self._cached[block_hash] = block
         self._block_hash[block] = block_hash
-        self._announcements.add(block_hash)
+        self._announcements.restore(block_hash)
         self._evictable[block] = None
         self._restored.add(block)
         self.tier.restore(block_hash, block)
@@ -295,10 +331,13 @@ class BlockManager:
         block_hash = self._block_hash[block]
         if self._cached.get(block_hash) == block:
             del self._cached[block_hash]
-            self._announcements.remove(block_hash)
             if self.tier is not None:
                 self.tier.offload(block_hash, block)
                 self._restored.discard(block)
+            if self.tier is not None and self.tier.holds(block_hash):
+                self._announcements.offload(block_hash)
+            else:
+                self._announcements.remove(block_hash)
         self._block_hash[block] = None
         return block
 

@@ -14,6 +14,9 @@ loses a block and where a lookup misses the pool:
   (`take_loads`), after the swaps of preempted streams have read their blocks; until then the
   slot is pinned (no offload of this step overwrites it).
 
+`on_drop(hash)` (set by the block manager) hears of each hash the tier drops for room: the worker
+announces it removed unless the pool holds it again.
+
 A slot is reused only after its hash left the index, so the tier never holds more than
 `capacity_blocks` blocks, whatever the traffic.
 """
@@ -43,12 +46,16 @@ class TierIndex:
         self.num_evicted_blocks = 0  # blocks dropped from the tier for room
         self.num_restored_blocks = 0  # blocks copied back into the pool
         self.num_dropped_blocks = 0  # evicted from the pool with no slot left (every slot pinned)
+        self.on_drop: Callable[[BlockHash], None] | None = None  # a hash dropped for room
 
     def __len__(self) -> int:
         return len(self._slots)
 
     def holds(self, block_hash: BlockHash) -> bool:
         return block_hash in self._slots
+
+    def hashes(self) -> list[BlockHash]:
+        return list(self._slots)
 
     def offload(self, block_hash: BlockHash, block: int) -> None:
         """The pool evicts `block`, published as `block_hash`: keep its bytes here."""
@@ -86,5 +93,7 @@ class TierIndex:
             if slot not in pinned:
                 del self._slots[block_hash]
                 self.num_evicted_blocks += 1
+                if self.on_drop is not None:
+                    self.on_drop(block_hash)
                 return slot
         return None
