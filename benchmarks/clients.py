@@ -398,6 +398,8 @@ def run_jobs(server: str, url: str, args, tools: dict, tmp: Path, round_index: i
         tag = f"-{server.lower()}-{job}-{round_index + 1}"
         # prompts no earlier run on this server sent (its prefix cache holds those)
         trace = trace_of(tools["vllm"], args.served, workload, args, seed + 1 + index, tmp)
+        control = (trace_of(tools["vllm"], args.served, workload, args, seed + 50, tmp)
+                   if client == "kvfleet bench" else None)
 
         def measure_client() -> Figures:
             if client == "vllm bench serve":
@@ -406,7 +408,6 @@ def run_jobs(server: str, url: str, args, tools: dict, tmp: Path, round_index: i
                                                     workload, vllm_args(args, seed),
                                                     tmp / f"vllm{tag}.json"))
             if client == "kvfleet bench":
-                control = trace_of(tools["vllm"], args.served, workload, args, seed + 50, tmp)
                 figures = run_kvfleet_bench(url, args.served, control, args,
                                             tmp / f"kvfleet-bench-control{tag}")
                 figures.client = "kvfleet bench (control)"
