@@ -99,26 +99,45 @@ class FusedDecoderLayer(torch.nn.Module):
         self.down_proj = product(mlp.down_proj, invariant)
         self.input_norm = FusedRMSNorm(layer.input_layernorm)
         self.post_norm = FusedRMSNorm(layer.post_attention_layernorm)
+        # what every forward splits its q/k/v product by, computed once
+        self._num_heads_qk = self.num_heads + self.num_kv_heads
+        self._num_heads_qkv = self._num_heads_qk + self.num_kv_heads
+        self._head_split = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None,
                 **kwargs) -> torch.Tensor:  # [1, T, hidden] -> [1, T, hidden]
         x = hidden_states[0].contiguous()  # [T, hidden]
-        num_tokens, dim = x.shape[0], self.head_dim
+        num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm.weight, self.input_norm.eps)
-        qkv = self.qkv(h)  # [T, (H + 2 KVH) * D]
-        q_end, k_end = self.num_heads * dim, (self.num_heads + self.num_kv_heads) * dim
-        cos, sin = (t[0].contiguous() for t in position_embeddings)  # [T, D] each
+        # [T, H + 2 KVH, D]: q, k and v heads side by side in each row, split as views
+        heads = self.qkv(h).view(num_tokens, self._num_heads_qkv, self.head_dim)
+        q, k, v = heads.split(self._head_split, dim=1)
+        cos, sin = _rope_tables(position_embeddings)  # [T, D] each
         # q and k heads side by side in each row: one rotation pass for both
-        rope_(qkv[:, :k_end].view(num_tokens, self.num_heads + self.num_kv_heads, dim), cos, sin)
-        attn = fused_layer_attention(
-            self.layer_idx, qkv[:, :q_end].view(num_tokens, self.num_heads, dim),
-            qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, dim),
-            qkv[:, k_end:].view(num_tokens, self.num_kv_heads, dim), kwargs[CONTEXT_KWARG],
-            self.scaling)  # [T, H, D]
+        rope_(heads[:, :self._num_heads_qk], cos, sin)
+        attn = fused_layer_attention(self.layer_idx, q, k, v, kwargs[CONTEXT_KWARG],
+                                     self.scaling)  # [T, H, D]
         residual = self.o_proj(attn.view(num_tokens, -1))  # becomes x + attention below
         h = rms_norm(x, self.post_norm.weight, self.post_norm.eps, residual=residual)
-        out = residual + self.down_proj(silu_mul(self.gate_up(h)))
-        return out.unsqueeze(0)
+        # in place: the same bf16 (or float32) sum, without a new tensor
+        return residual.add_(self.down_proj(silu_mul(self.gate_up(h)))).unsqueeze(0)
+
+
+# The last forward's RoPE tables: every layer of one forward gets the same `position_embeddings`
+# tuple (the model computes it once), so its contiguous [T, D] copies are made once a forward,
+# not once a layer. One slot holds (that tuple, its tables), read and replaced whole, so two
+# engines' threads can only make a copy twice; the tuple is held, so `is` cannot match a new
+# tuple at a reused address.
+_rope_cache: list = [None]
+
+
+def _rope_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, D], contiguous, from the model's ([1, T, D], [1, T, D])."""
+    cached = _rope_cache[0]
+    if cached is None or cached[0] is not position_embeddings:
+        cached = (position_embeddings, tuple(t[0].contiguous() for t in position_embeddings))
+        _rope_cache[0] = cached
+    return cached[1]
 
 
 def can_fuse(layer: torch.nn.Module) -> bool:
