@@ -90,12 +90,16 @@ def test_the_kernel_takes_plain_kv_in_the_models_dtype_only(kv_dtype, model_dtyp
 
 
 @pytest.mark.parametrize("name", ["bf16-default-shape", "bf16-prefill-g3-d64-bs64"])
-def test_two_threads_compute_what_one_does(name):
+def test_two_threads_compute_what_one_does(name, monkeypatch):
     """The kernels split (sequence, KV head) pairs and (chunk, KV head, query tile) tasks over
-    torch's OpenMP threads: the split must not change a single bit of the output."""
+    torch's OpenMP threads: the split must not change a single bit of the output. A decode of
+    few keys runs on one thread (SERIAL_DECODE_ELEMENTS): the same bits again."""
     case = ALL_CASES[name]
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
+        _, by_size = run_case(case, CPU, backend="cpu")  # these few keys: on one thread
+        monkeypatch.setattr(cpu_attention, "SERIAL_DECODE_ELEMENTS", 0)  # every decode split
         torch.set_num_threads(1)
         _, one = run_case(case, CPU, backend="cpu")
         torch.set_num_threads(2)
@@ -103,6 +107,25 @@ def test_two_threads_compute_what_one_does(name):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+    assert torch.equal(by_size, two)
+
+
+def test_a_decode_of_few_keys_runs_on_one_thread():
+    """Waking the other threads costs more than reading a few keys: below
+    SERIAL_DECODE_ELEMENTS (keys x KV heads x head_dim) the decode kernel runs on one thread;
+    above it, or where the keys were not counted, on torch's."""
+    tables = torch.zeros(1, 64, dtype=torch.int32)
+
+    def plan(keys: int, counted: bool = True) -> cpu_attention.CpuDecodePlan:
+        ctx_lens = torch.tensor([keys], dtype=torch.int32)
+        return (cpu_attention.CpuDecodePlan(1, tables, ctx_lens, keys) if counted
+                else cpu_attention.CpuDecodePlan(1, tables, ctx_lens))
+
+    limit = cpu_attention.SERIAL_DECODE_ELEMENTS // (3 * 64)  # the default model's 3 x 64
+    assert plan(64).threads(3, 64) == 1
+    assert plan(limit - 1).threads(3, 64) == 1
+    assert plan(limit).threads(3, 64) == torch.get_num_threads()
+    assert plan(64, counted=False).threads(3, 64) == torch.get_num_threads()
 
 
 @pytest.mark.parametrize("backend", ["cpu", "sdpa"])

@@ -110,8 +110,9 @@ def decode_plan(decodes: list, block_size: int) -> CpuDecodePlan | None:
     """Every decode's block table and context length."""
     if not decodes:
         return None
+    ctx_lens = [c.end for c in decodes]
     return CpuDecodePlan(len(decodes), padded_tables(decodes, block_size),
-                         torch.tensor([c.end for c in decodes], dtype=torch.int32))
+                         torch.tensor(ctx_lens, dtype=torch.int32), sum(ctx_lens))
 
 
 def rows_plan(decodes: list, prefills: list, block_size: int) -> CpuDecodePlan | None:
@@ -126,7 +127,7 @@ def rows_plan(decodes: list, prefills: list, block_size: int) -> CpuDecodePlan |
         tables.extend([padded(chunk.block_table, width)] * chunk.num_tokens)
         ctx_lens.extend(range(chunk.start + 1, chunk.end + 1))
     return CpuDecodePlan(len(ctx_lens), torch.tensor(tables, dtype=torch.int32),
-                         torch.tensor(ctx_lens, dtype=torch.int32))
+                         torch.tensor(ctx_lens, dtype=torch.int32), sum(ctx_lens))
 
 
 def prefill_plan(prefills: list, block_size: int, q_start: int) -> CpuPrefillPlan | None:

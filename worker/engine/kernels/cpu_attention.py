@@ -35,6 +35,13 @@ __all__ = ["DTYPE_CODES", "CpuDecodePlan", "CpuPrefillPlan", "KernelUnavailable"
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' `dtype` argument
 
+# K/V elements a step's decode rows read per layer (keys x KV heads x head_dim) below which the
+# decode kernel runs on the calling thread alone. Each (row, KV head) pair is computed by one
+# thread whatever the count, so the result is the same; at these sizes (a few tens of
+# microseconds of reading) waking the other threads and waiting for them at the region's end
+# costs more than the work, most of all where another process holds their cores.
+SERIAL_DECODE_ELEMENTS = 1 << 18
+
 
 @dataclass
 class CpuDecodePlan:
@@ -43,6 +50,14 @@ class CpuDecodePlan:
     num_seqs: int
     block_tables: torch.Tensor  # [num_seqs, width] int32: the pages of each sequence's keys
     ctx_lens: torch.Tensor  # [num_seqs] int32: keys [0, ctx_len) including the step's token
+    num_keys: int = -1  # the sum of ctx_lens (-1: not counted: the kernel runs on every thread)
+
+    def threads(self, num_kv_heads: int, head_dim: int) -> int:
+        """The decode kernel's thread count for this plan: 1 where its keys are few
+        (SERIAL_DECODE_ELEMENTS), else torch's."""
+        if 0 <= self.num_keys * num_kv_heads * head_dim < SERIAL_DECODE_ELEMENTS:
+            return 1
+        return torch.get_num_threads()
 
 
 @dataclass
@@ -88,13 +103,15 @@ def paged_decode(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuDe
     if query.stride(-1) != 1:
         query = query.contiguous()
     num_heads, _, head_dim = query.shape
+    num_kv_heads = pool.layout.num_kv_heads
     kv = pool.layer(layer)  # [2, KVH, NB, bs, D], contiguous
     with named_while_profiling("attention (cpu kernel)"):
         status = decode_kernel().kvfleet_paged_decode(
             DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
             kv.data_ptr(), out.data_ptr(), plan.block_tables.data_ptr(), plan.block_tables.shape[1],
-            plan.ctx_lens.data_ptr(), plan.num_seqs, num_heads, pool.layout.num_kv_heads,
-            head_dim, pool.num_blocks, pool.block_size, scaling, torch.get_num_threads())
+            plan.ctx_lens.data_ptr(), plan.num_seqs, num_heads, num_kv_heads,
+            head_dim, pool.num_blocks, pool.block_size, scaling,
+            plan.threads(num_kv_heads, head_dim))
     if status != 0:
         raise RuntimeError(f"kvfleet_paged_decode failed with status {status}")
 
