@@ -18,6 +18,7 @@ there; `.` is the working tree as it is.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -70,10 +71,15 @@ def measure(steps: int, threads: int | None) -> dict:
 
     wall: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    tokens_of: dict[str, list[int]] = {}  # every request's tokens: the same in both revisions
+
+    def step() -> None:
+        for out in engine.step():
+            tokens_of.setdefault(out.req_id, []).extend(out.new_token_ids)
 
     def timed(name: str) -> None:
         w, c = time.perf_counter(), time.process_time()
-        engine.step()
+        step()
         wall.setdefault(name, []).append(time.perf_counter() - w)
         cpu.setdefault(name, []).append(time.process_time() - c)
 
@@ -84,8 +90,8 @@ def measure(steps: int, threads: int | None) -> dict:
                 engine.add_request(req_id, prompt(128), params(steps + 16))
             while (engine.stats().num_waiting
                    or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running)):
-                engine.step()
-            engine.step()  # warm-up
+                step()
+            step()  # warm-up
             for _ in range(steps):
                 timed(name)
             for req_id in ids:
@@ -95,8 +101,9 @@ def measure(steps: int, threads: int | None) -> dict:
                 engine.add_request(f"{name}-{i}", prompt(tokens), params(1))
                 timed(name)
                 while engine.has_unfinished():
-                    engine.step()
-    return {"wall": wall, "cpu": cpu, "threads": torch.get_num_threads()}
+                    step()
+    digest = hashlib.sha256(json.dumps(sorted(tokens_of.items())).encode()).hexdigest()[:16]
+    return {"wall": wall, "cpu": cpu, "threads": torch.get_num_threads(), "tokens": digest}
 
 
 # ---- the rounds -------------------------------------------------------------------------------
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
                 steps = " / ".join(f"{statistics.median(result['wall'][name]) * 1e3:.1f}"
                                    for name, _ in SCENARIOS)
                 print(f"# round {round_ + 1} {revision}: decode 1 / 32 / prefill 512 {steps} ms; "
-                      f"load {loads}", flush=True)
+                      f"load {loads}; tokens {result['tokens']}", flush=True)
     threads = results[args.revisions[0]][0]["threads"]
     print(f"\n{args.rounds} rounds per revision, alternated; {threads} torch threads; medians, ms")
     print("| revision | time | decode 1 | decode 32 | prefill 512 | a (fixed) | b (per token) |")
@@ -175,7 +182,10 @@ def main(argv=None) -> int:
             print(f"| {revision} | {kind} | {m['decode 1']:.1f} | {m['decode 32']:.1f} | "
                   f"{m['prefill 512']:.1f} | {m['a']:.1f} | {m['b']:.3f} |")
     print(f"# load averages at the end: {os.getloadavg()}")
-    return 0
+    digests = {r["tokens"] for rounds in results.values() for r in rounds}
+    print("# every round generated the same tokens" if len(digests) == 1 else
+          f"# the rounds' tokens differ: {sorted(digests)}")
+    return 0 if len(digests) == 1 else 1
 
 
 if __name__ == "__main__":
