@@ -6,6 +6,7 @@ other distribution's top-level `worker` or `shared` can collide with ours."""
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -63,8 +64,16 @@ def test_a_checkout_imports_its_folders_under_kvfleet():
 def test_the_wheel_installs_everything_under_kvfleet(tmp_path):
     """Built as pip builds it: every product module, and the kernels' C++ sources, under
     kvfleet/, and nothing else at the top but the distribution's metadata."""
+    # built from a copy of the checkout's files: setuptools builds in the source's build/, where
+    # modules moved or deleted since an earlier build would still be packed
+    source = tmp_path / "source"
+    for name in subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.split():
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                           "--no-build-isolation", "--wheel-dir", str(tmp_path), str(ROOT)],
+                           "--no-build-isolation", "--wheel-dir", str(tmp_path), str(source)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = tmp_path.glob("kvfleet-*.whl")
