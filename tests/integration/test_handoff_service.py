@@ -153,8 +153,10 @@ def test_prefill_and_decode_workers_apart(redis_url, client, tiny):
     params = SamplingParams(max_tokens=16, temperature=0.7, seed=9, ignore_eos=True)
     prompts = [random_prompt(25, seed=60 + i) for i in range(4)]
     expected = reference_texts(redis_url, tiny, client, prompts, params)
-    prefill = service(redis_url, tiny, "prefill", role="prefill")
-    decode = service(redis_url, tiny, "decode", role="decode")
+    # heartbeats that outlast a slow turn on a loaded host: an entry claimed as an orphan meanwhile
+    # would be handed over twice (no worker dies here)
+    prefill = service(redis_url, tiny, "prefill", role="prefill", heartbeat_ttl_s=5)
+    decode = service(redis_url, tiny, "decode", role="decode", heartbeat_ttl_s=5)
     ids = [client.send(p, params) for p in prompts]
     step_all(workers(prefill, decode), lambda: all(client.final(r) for r in ids))
     assert [client.text(r) for r in ids] == expected
