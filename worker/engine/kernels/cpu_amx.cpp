@@ -11,7 +11,9 @@
 //
 // A product takes up to 32 rows of x (two A tiles) against two blocks (two B tiles) into four C
 // tiles (tmm0-3: C[r][b] = A[r] (tmm4+r) x B[b] (tmm6+b)); for each k tile in order it loads the
-// A and B tiles and issues one TDPBF16PS per C tile. The last k tile of an x whose k is no
+// A and B tiles and issues one TDPBF16PS per C tile. The k tiles go in passes of 8: the 32 rows'
+// A tiles of a pass stay in L1 while a thread's blocks stream past, and between passes the C tiles
+// are stored as fp32 and loaded back unchanged, so the sums are those of one pass over all of k. The last k tile of an x whose k is no
 // multiple of 32 is read from a copy padded with zeros (a tile load reads 64 bytes per row: past
 // the row's end, the next row's values or memory past x). Rows past m are never loaded: the tile
 // configuration gives the A and C tiles the rows that are left.
@@ -49,6 +51,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_amx.h"
 #include "cpu_kernels.h"
@@ -177,6 +180,7 @@ template <int B> inline void load_b(const uint16_t* at) { tiles::load(6 + B, at,
 template <int R, int B> inline void zero_c() { tiles::zero(2 * R + B); }
 template <int R, int B> inline void dot_c() { tiles::dpbf16ps(2 * R + B, 4 + R, 6 + B); }
 template <int R, int B> inline void store_c(float* at) { tiles::store(2 * R + B, at, kRowBytes); }
+template <int R, int B> inline void load_c(const float* at) { tiles::load(2 * R + B, at, kRowBytes); }
 inline void configure(const TileConfig& config) { tiles::configure(config); }
 inline void release() { tiles::release(); }
 
@@ -213,6 +217,13 @@ template <int R, int B> KVFLEET_AMX_TARGET inline void store_c(float* at) {
     else if constexpr (R == 0) _tile_stored(1, at, kRowBytes);
     else if constexpr (B == 0) _tile_stored(2, at, kRowBytes);
     else _tile_stored(3, at, kRowBytes);
+}
+template <int R, int B> KVFLEET_AMX_TARGET inline void load_c(const float* at) {
+    barrier();
+    if constexpr (R == 0 && B == 0) _tile_loadd(0, at, kRowBytes);
+    else if constexpr (R == 0) _tile_loadd(1, at, kRowBytes);
+    else if constexpr (B == 0) _tile_loadd(2, at, kRowBytes);
+    else _tile_loadd(3, at, kRowBytes);
 }
 KVFLEET_AMX_TARGET inline void configure(const TileConfig& config) {
     barrier();
@@ -276,19 +287,32 @@ struct Job {
 };
 
 // x's rows [row, row + rows) (1-32; two A tiles where TwoA) against blocks [block, block + 1 or
-// 2] (TwoB); `tail`: the last k tile's columns of those rows padded with zeros (32 x 32), or null
-// where k is a multiple of 32.
+// 2] (TwoB), k tiles [t0, t1) of them: the C tiles start at zero where t0 is the first k tile,
+// else from `partial` (the fp32 sums of k tiles [0, t0), as stored below: exact, so a sum is the
+// same whichever k tiles a pass covers); where t1 is the last, the sums go to y as bf16, else
+// back to `partial`. `tail`: the last k tile's columns of those rows padded with zeros (32 x 32),
+// or null where k is a multiple of 32.
 template <bool TwoA, bool TwoB>
 KVFLEET_AMX_TARGET void tile_product(const Job& j, int64_t row, int rows, int64_t block,
-                                     const uint16_t* tail) {
+                                     int64_t t0, int64_t t1, const uint16_t* tail,
+                                     float* partial) {
     const int64_t tiles_k = k_tiles(j.k);
     const uint16_t* w0 = j.w + block * tiles_k * kTileElems;
     const uint16_t* w1 = w0 + tiles_k * kTileElems;
-    zero_c<0, 0>();
-    if constexpr (TwoB) zero_c<0, 1>();
-    if constexpr (TwoA) zero_c<1, 0>();
-    if constexpr (TwoA && TwoB) zero_c<1, 1>();
-    for (int64_t t = 0; t < tiles_k; ++t) {
+    constexpr int64_t kC = kTileRows * kLanes;  // floats of one C tile
+    // partial: [2 row tiles][2 blocks][16 rows][16 lanes]
+    if (t0 == 0) {
+        zero_c<0, 0>();
+        if constexpr (TwoB) zero_c<0, 1>();
+        if constexpr (TwoA) zero_c<1, 0>();
+        if constexpr (TwoA && TwoB) zero_c<1, 1>();
+    } else {
+        load_c<0, 0>(partial);
+        if constexpr (TwoB) load_c<0, 1>(partial + kC);
+        if constexpr (TwoA) load_c<1, 0>(partial + 2 * kC);
+        if constexpr (TwoA && TwoB) load_c<1, 1>(partial + 3 * kC);
+    }
+    for (int64_t t = t0; t < t1; ++t) {
         const bool padded = tail && t == tiles_k - 1;
         const uint16_t* a = padded ? tail : j.x + row * j.x_stride + t * kTileK;
         const int64_t stride = padded ? kTileK : j.x_stride;  // elements between rows
@@ -301,30 +325,38 @@ KVFLEET_AMX_TARGET void tile_product(const Job& j, int64_t row, int rows, int64_
         if constexpr (TwoA) dot_c<1, 0>();
         if constexpr (TwoA && TwoB) dot_c<1, 1>();
     }
-    alignas(64) float sums[2][2][kTileRows * kLanes];
-    store_c<0, 0>(sums[0][0]);
-    if constexpr (TwoB) store_c<0, 1>(sums[0][1]);
-    if constexpr (TwoA) store_c<1, 0>(sums[1][0]);
-    if constexpr (TwoA && TwoB) store_c<1, 1>(sums[1][1]);
+    store_c<0, 0>(partial);
+    if constexpr (TwoB) store_c<0, 1>(partial + kC);
+    if constexpr (TwoA) store_c<1, 0>(partial + 2 * kC);
+    if constexpr (TwoA && TwoB) store_c<1, 1>(partial + 3 * kC);
+    if (t1 < tiles_k) return;
     const int r0 = rows < kTileRows ? rows : kTileRows;
     for (int b = 0; b < (TwoB ? 2 : 1); ++b) {
         const int64_t col = (block + b) * kLanes;
         const int valid = static_cast<int>(j.n - col < kLanes ? j.n - col : kLanes);
         const float* bias = j.bias ? j.bias + col : nullptr;
         uint16_t* y = j.y + row * j.y_stride + col;
-        store_rows(sums[0][b], r0, bias, valid, y, j.y_stride);
-        if (TwoA) store_rows(sums[1][b], rows - r0, bias, valid, y + kTileRows * j.y_stride, j.y_stride);
+        store_rows(partial + b * kC, r0, bias, valid, y, j.y_stride);
+        if (TwoA) store_rows(partial + (2 + b) * kC, rows - r0, bias, valid,
+                             y + kTileRows * j.y_stride, j.y_stride);
     }
 }
 
+// k tiles per pass over a chunk's blocks: 32 rows of x for 8 k tiles are 16 KiB, which stay in
+// L1 while each pair of blocks' 16 KiB of those k tiles streams past (with the whole k at once,
+// x's 32 rows and a pair of blocks need up to twice L1 at k = 2048 and both came from L2)
+constexpr int64_t kPassTiles = 8;
+
 // every row of x against blocks [block, end), 32 rows at a time, on this thread's tiles
-KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t block, int64_t end) {
+KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t block, int64_t end, float* partials) {
     const int64_t tiles_k = k_tiles(j.k), tail_cols = j.k - (tiles_k - 1) * kTileK;
     alignas(64) uint16_t tail[2 * kTileRows * kTileK];
+    int configured = -1;
     for (int64_t row = 0; row < j.m; row += 2 * kTileRows) {
         const int rows = static_cast<int>(j.m - row < 2 * kTileRows ? j.m - row : 2 * kTileRows);
         const int r0 = rows < kTileRows ? rows : kTileRows;
-        configure(config_for(r0, rows - r0));
+        if (rows != configured) configure(config_for(r0, rows - r0));
+        configured = rows;
         const uint16_t* padded = nullptr;
         if (tail_cols < kTileK) {
             std::memset(tail, 0, sizeof(tail));
@@ -333,14 +365,18 @@ KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t block, int64_t end) {
                             tail_cols * 2);
             padded = tail;
         }
-        for (int64_t b = block; b < end; b += 2) {
-            const bool two_b = b + 1 < end;
-            if (rows > kTileRows)
-                two_b ? tile_product<true, true>(j, row, rows, b, padded)
-                      : tile_product<true, false>(j, row, rows, b, padded);
-            else
-                two_b ? tile_product<false, true>(j, row, rows, b, padded)
-                      : tile_product<false, false>(j, row, rows, b, padded);
+        for (int64_t t0 = 0; t0 < tiles_k; t0 += kPassTiles) {
+            const int64_t t1 = t0 + kPassTiles < tiles_k ? t0 + kPassTiles : tiles_k;
+            for (int64_t b = block; b < end; b += 2) {
+                const bool two_b = b + 1 < end;
+                float* partial = partials + (b - block) / 2 * 4 * kTileRows * kLanes;
+                if (rows > kTileRows)
+                    two_b ? tile_product<true, true>(j, row, rows, b, t0, t1, padded, partial)
+                          : tile_product<true, false>(j, row, rows, b, t0, t1, padded, partial);
+                else
+                    two_b ? tile_product<false, true>(j, row, rows, b, t0, t1, padded, partial)
+                          : tile_product<false, false>(j, row, rows, b, t0, t1, padded, partial);
+            }
         }
     }
     release();  // the tile state back to its init state: no 8 KiB saved at every switch
@@ -354,10 +390,18 @@ void product(const Job& j, int threads) {
     const int64_t target = (num_blocks + 8 * threads - 1) / (8 * threads);
     const int64_t size = (target + 1) / 2 * 2;
     const int64_t num_chunks = (num_blocks + size - 1) / size;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t c = 0; c < num_chunks; ++c) {
-        const int64_t block = c * size;
-        chunk(j, block, block + size < num_blocks ? block + size : num_blocks);
+    // each thread's sums between passes: 4 C tiles per pair of blocks of its chunk
+    const int64_t partial_floats = size / 2 * 4 * kTileRows * kLanes;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> partials(partial_floats + 16);
+        float* aligned = reinterpret_cast<float*>(
+            (reinterpret_cast<uintptr_t>(partials.data()) + 63) & ~uintptr_t(63));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < num_chunks; ++c) {
+            const int64_t block = c * size;
+            chunk(j, block, block + size < num_blocks ? block + size : num_blocks, aligned);
+        }
     }
 }
 
