@@ -347,13 +347,17 @@ KVFLEET_AMX_TARGET void tile_product(const Job& j, int64_t row, int rows, int64_
 // x's 32 rows and a pair of blocks need up to twice L1 at k = 2048 and both came from L2)
 constexpr int64_t kPassTiles = 8;
 
-// every row of x against blocks [block, end), 32 rows at a time, on this thread's tiles
-KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t block, int64_t end, float* partials) {
+// x's rows [first, last) against blocks [block, end), 32 rows at a time, on this thread's tiles
+KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t first, int64_t last, int64_t block,
+                              int64_t end, float* partials) {
     const int64_t tiles_k = k_tiles(j.k), tail_cols = j.k - (tiles_k - 1) * kTileK;
+    // passes of at most kPassTiles, as even as they go (18 k tiles: 6, 6, 6, not 8, 8, 2)
+    const int64_t passes = (tiles_k + kPassTiles - 1) / kPassTiles;
+    const int64_t pass_tiles = (tiles_k + passes - 1) / passes;
     alignas(64) uint16_t tail[2 * kTileRows * kTileK];
     int configured = -1;
-    for (int64_t row = 0; row < j.m; row += 2 * kTileRows) {
-        const int rows = static_cast<int>(j.m - row < 2 * kTileRows ? j.m - row : 2 * kTileRows);
+    for (int64_t row = first; row < last; row += 2 * kTileRows) {
+        const int rows = static_cast<int>(last - row < 2 * kTileRows ? last - row : 2 * kTileRows);
         const int r0 = rows < kTileRows ? rows : kTileRows;
         if (rows != configured) configure(config_for(r0, rows - r0));
         configured = rows;
@@ -365,8 +369,8 @@ KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t block, int64_t end, float* p
                             tail_cols * 2);
             padded = tail;
         }
-        for (int64_t t0 = 0; t0 < tiles_k; t0 += kPassTiles) {
-            const int64_t t1 = t0 + kPassTiles < tiles_k ? t0 + kPassTiles : tiles_k;
+        for (int64_t t0 = 0; t0 < tiles_k; t0 += pass_tiles) {
+            const int64_t t1 = t0 + pass_tiles < tiles_k ? t0 + pass_tiles : tiles_k;
             for (int64_t b = block; b < end; b += 2) {
                 const bool two_b = b + 1 < end;
                 float* partial = partials + (b - block) / 2 * 4 * kTileRows * kLanes;
@@ -382,14 +386,21 @@ KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t block, int64_t end, float* p
     release();  // the tile state back to its init state: no 8 KiB saved at every switch
 }
 
+// rows of x per task: 256 rows of k = 2048 are 1 MiB, which stays in L2 while a thread's tasks
+// of those rows take one chunk of blocks after another (with every row in one task, x was read
+// from memory again for each chunk once it outgrew L2)
+constexpr int64_t kTaskRows = 8 * 2 * kTileRows;
+
 void product(const Job& j, int threads) {
     const int64_t num_blocks = (j.n + kLanes - 1) / kLanes;
-    // Threads take chunks of blocks as they finish the last (about 8 per thread, an even number
-    // of blocks each: whole pairs of B tiles), as cpu_matmul.cpp's do; the split decides which
-    // thread computes an output, never how it is summed.
+    // Threads take tasks as they finish the last: 256 rows of x against a chunk of blocks (about
+    // 8 chunks per thread, an even number of blocks each: whole pairs of B tiles), the chunks of
+    // one rows' task in turn, as cpu_matmul.cpp's do; the split decides which thread computes an
+    // output, never how it is summed.
     const int64_t target = (num_blocks + 8 * threads - 1) / (8 * threads);
     const int64_t size = (target + 1) / 2 * 2;
     const int64_t num_chunks = (num_blocks + size - 1) / size;
+    const int64_t row_tasks = (j.m + kTaskRows - 1) / kTaskRows;
     // each thread's sums between passes: 4 C tiles per pair of blocks of its chunk
     const int64_t partial_floats = size / 2 * 4 * kTileRows * kLanes;
 #pragma omp parallel num_threads(threads)
@@ -398,9 +409,10 @@ void product(const Job& j, int threads) {
         float* aligned = reinterpret_cast<float*>(
             (reinterpret_cast<uintptr_t>(partials.data()) + 63) & ~uintptr_t(63));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < num_chunks; ++c) {
-            const int64_t block = c * size;
-            chunk(j, block, block + size < num_blocks ? block + size : num_blocks, aligned);
+        for (int64_t task = 0; task < row_tasks * num_chunks; ++task) {
+            const int64_t first = task / num_chunks * kTaskRows, block = task % num_chunks * size;
+            chunk(j, first, first + kTaskRows < j.m ? first + kTaskRows : j.m, block,
+                  block + size < num_blocks ? block + size : num_blocks, aligned);
         }
     }
 }
