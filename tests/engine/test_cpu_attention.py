@@ -178,7 +178,8 @@ def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound
     (measured on a Zen 5: at most 0.004 through the kernel, 0.006 through SDPA), 1e-4 in float32;
     a chunk attending to the wrong keys or rows would be off by whole units. With
     `--no-deterministic` the chunks take the prefill kernel where it runs here; by default every
-    row takes the decode kernel (batch-invariant), which must follow HF as closely."""
+    row takes the decode kernel, or in bf16 on AMX CPUs the tile kernel (batch-invariant), which
+    must follow HF as closely."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
@@ -193,7 +194,9 @@ def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound
                                         deterministic=deterministic))
     has_kernel = flag in cpu_features().flags and not deterministic
     assert engine.attention_backend.prefill_kernel is has_kernel
-    assert ("attention cpu (every query row in the decode kernel: batch-invariant);"
+    tiles = dtype == torch.bfloat16 and cpu_linear.amx_tiles() is None  # AMX CPUs: on tiles
+    assert (("attention cpu (every query row on AMX tiles: batch-invariant);" if tiles else
+             "attention cpu (every query row in the decode kernel: batch-invariant);")
             if deterministic else "attention cpu (decode and prefill kernels);" if has_kernel
             else "attention cpu (decode kernel; prefill chunks on SDPA);") in engine.device_report()
     engine.add_request("neighbour", random_prompt(20, seed=1), greedy(40))

@@ -231,7 +231,7 @@ class KernelRows:
     draft model's forwards, in a pool of their own, are not counted."""
 
     KERNELS = {"paged_decode": "decode kernel", "paged_prefill": "prefill kernel",
-               "prefill_attention": "sdpa"}
+               "prefill_attention": "sdpa", "amx_attention": "amx tiles"}
 
     def __init__(self, engine: Engine, monkeypatch):
         self.pool = engine.pool
@@ -279,8 +279,8 @@ class KernelRows:
 def test_without_deterministic_numerics_verified_rows_take_another_kernel(wide_llama, plain,
                                                                          monkeypatch):
     """The negative control, first half (what --deterministic changes, on every CPU): with the
-    default every row of every forward is computed by the decode kernel, a verified row too,
-    as plain decoding computes it, and the answers are plain decoding's; with
+    default every row of every forward is computed by the decode kernel (on AMX CPUs in bf16 the
+    tile kernel), a verified row too, as plain decoding computes it, and the answers are plain decoding's; with
     --no-deterministic every verified row is computed by the prefill path instead: the prefill
     kernel where it runs (AVX-512 with AVX512-BF16), else SDPA; both are taken here. Either sums
     a row's q.k in another order than the decode kernel (cpu_prefill.cpp: a row's dimensions in
@@ -307,15 +307,17 @@ def test_without_deterministic_numerics_verified_rows_take_another_kernel(wide_l
         computed = {kernel: spy.rows(kernel)[1] for kernel in KernelRows.KERNELS.values()}
         if deterministic:
             assert engine.invariance_gap is None, engine.invariance_gap
-            assert verified["decode kernel"] == total, (label, verified)
-            # nothing else runs at all: prompt rows are decode-kernel rows too
-            assert computed["prefill kernel"] == computed["sdpa"] == 0, (label, computed)
+            # the invariant form: the tile kernel on AMX CPUs, else the decode kernel
+            form = "amx tiles" if engine.attention_backend.amx_tiles else "decode kernel"
+            assert verified[form] == total, (label, verified)
+            # nothing else runs at all: prompt rows are that form's rows too
+            assert sum(n for kernel, n in computed.items() if kernel != form) == 0, (label, computed)
             assert got == plain["bfloat16"]
         else:
             assert engine.invariance_gap == "--no-deterministic"
             path = "prefill kernel" if engine.attention_backend.prefill_kernel else "sdpa"
             assert prefill_path != "sdpa" or path == "sdpa"
-            assert verified["decode kernel"] == 0, (label, verified)
+            assert verified["decode kernel"] == verified["amx tiles"] == 0, (label, verified)
             assert verified[path] == total, (label, verified)
 
 

@@ -20,8 +20,8 @@ import torch
 
 from kvfleet.worker.engine.attention.backend import AttentionBackend, AttentionMetadata, StepGeometry
 from kvfleet.worker.engine.attention.sdpa_backend import PrefillChunk, prefill_attention, prefill_chunks
-from kvfleet.worker.engine.kernels.cpu_attention import (CpuDecodePlan, CpuPrefillPlan, paged_decode,
-                                         paged_prefill, write_kv)
+from kvfleet.worker.engine.kernels.cpu_attention import (CpuDecodePlan, CpuPrefillPlan, amx_attention,
+                                         paged_decode, paged_prefill, write_kv)
 
 
 @dataclass
@@ -29,20 +29,25 @@ class CpuMetadata(AttentionMetadata):
     decode: CpuDecodePlan | None = None  # every decode row; None in a step without decodes
     prefill: CpuPrefillPlan | None = None  # every prefill chunk, where the prefill kernel runs
     prefills: list[PrefillChunk] = field(default_factory=list)  # else these, on SDPA
+    tiles: CpuPrefillPlan | None = None  # every row, decodes and prefill chunks, on AMX tiles
 
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
     cpu_kernel = True
 
-    def __init__(self, prefill_kernel: bool, row_invariant: bool = False):
-        # every query row through the decode kernel (batch-invariant); else prefill chunks take
-        # the prefill kernel where it runs here (no dense copy of cached prefixes, and SDPA's
-        # bf16 products run as converted fp32 sgemm on CPUs without AMX), else SDPA
+    def __init__(self, prefill_kernel: bool, row_invariant: bool = False, amx_tiles: bool = False):
+        # every query row through one form (batch-invariant): the AMX tile kernel where it runs
+        # here (`amx_tiles`), else the decode kernel; not invariant, prefill chunks take the
+        # prefill kernel where it runs here (no dense copy of cached prefixes, and SDPA's bf16
+        # products run as converted fp32 sgemm on CPUs without AMX), else SDPA
         self.row_invariant = row_invariant
+        self.amx_tiles = amx_tiles and row_invariant
         self.prefill_kernel = prefill_kernel and not row_invariant
 
     def describe(self) -> str:
+        if self.amx_tiles:
+            return "cpu (every query row on AMX tiles: batch-invariant)"
         if self.row_invariant:
             return "cpu (every query row in the decode kernel: batch-invariant)"
         return ("cpu (decode and prefill kernels)" if self.prefill_kernel
@@ -51,6 +56,9 @@ class CpuBackend(AttentionBackend):
     def build_metadata(self, geometry: StepGeometry, write_index: torch.Tensor,
                        decodes: list, prefills: list) -> CpuMetadata:
         bs = geometry.block_size
+        if self.amx_tiles:  # a decode is a chunk of one row, first in the flattened order
+            return CpuMetadata(self, geometry.pool, write_index, tiles=prefill_plan(
+                decodes + prefills, bs, q_start=0))
         if self.row_invariant:
             return CpuMetadata(self, geometry.pool, write_index,
                                decode=rows_plan(decodes, prefills, bs))
@@ -67,6 +75,8 @@ class CpuBackend(AttentionBackend):
         pool.write(layer, metadata.write_index, key[0].reshape(-1, head_dim),
                    value[0].reshape(-1, head_dim))
         scale = scaling if scaling is not None else head_dim ** -0.5
+        if metadata.tiles is not None:
+            amx_attention(query[0], pool, layer, metadata.tiles, scale, out)
         if metadata.decode is not None:
             paged_decode(query[0], pool, layer, metadata.decode, scale, out)
         if metadata.prefill is not None:
@@ -81,6 +91,8 @@ class CpuBackend(AttentionBackend):
         pool = metadata.pool
         write_kv(pool, layer, key, value, metadata.write_index)
         out = query.new_empty(query.shape)
+        if metadata.tiles is not None:
+            amx_attention(query.transpose(0, 1), pool, layer, metadata.tiles, scaling, out)
         if metadata.decode is not None:
             paged_decode(query.transpose(0, 1), pool, layer, metadata.decode, scaling, out)
         if metadata.prefill is not None:

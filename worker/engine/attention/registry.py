@@ -70,4 +70,5 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
         return SdpaBackend("cpu", note=f"gather + SDPA for --kv-dtype {kv_format.name}: the "
                                        f"kernel reads plain K/V")
     return CpuBackend(prefill_kernel=cpu_attention.prefill_supported(probe, dtype, head_dim),
-                      row_invariant=deterministic)
+                      row_invariant=deterministic,
+                      amx_tiles=cpu_attention.amx_attention_supported(probe, dtype, head_dim))

@@ -48,6 +48,7 @@
 // per process (the permission is the process's, every thread has it), the first time it is asked
 // whether it computes; where Linux refuses, the form is unavailable and cpu_linear.py takes
 // another, so a tile instruction never runs without the state (it would raise SIGILL).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -417,6 +418,245 @@ void product(const Job& j, int threads) {
     }
 }
 
+// ---- Attention on tiles (cpu_attention.py's row-invariant path on AMX CPUs) ------------------
+//
+// Every query row of a step, a decode's or a prefill chunk's, is computed from its own query,
+// the keys and values [0, ctx) of its sequence and nothing else, in the same order whatever
+// rows share its tiles; so a stream's tokens are the same whether its prompt was computed in
+// one chunk, several, or row by row as decodes (batch invariance, identical resume).
+//
+// A task is (chunk, KV head, up to kGroupTokens of the chunk's tokens): its rows, each token
+// times the `rep` query heads of that KV head, are computed 16 at a time (a row tile) against
+// the keys [0, the task's last position] read once through the block table into two packed
+// copies: K as B tiles of 16 keys x 16 dimension pairs (scores = Q K^T: A = 16 query rows x 32
+// dimensions), V as B tiles of 16 key pairs x 16 dimensions (out = P V: A = 16 rows x 32 keys of
+// probabilities). For each row:
+//   1. score_t = scale * (q . k_t) for t < ctx, the dot product as TDPBF16PS sums it, 32
+//      dimensions a tile in order (the SDM's model: cpu_amx.cpp's header);
+//   2. a softmax over those scores in fp32: the maximum, then p_t = exp(score_t - max) summed in
+//      16 partial sums (t mod 16) added in a fixed tree; p_t rounded to bf16 (as the decode
+//      kernel and SDPA's bf16 kernel do), 0 for t >= ctx;
+//   3. out_d = (sum_t p_t v_t,d, 32 keys a tile in order) / the sum, rounded to bf16.
+// Keys and probabilities past a row's ctx are zero in the tiles (a tile's sums with them are its
+// sums without them: exact zeros added to a sum that is not -0, and a sum holds p = 1 at its
+// maximum). Rows of one tile differ in ctx only by what they read as zero.
+namespace attention {
+
+using kvfleet::exp_approx;
+using kvfleet::store;
+#if defined(__AVX512F__)
+using kvfleet::exp512;
+#endif
+
+constexpr int kGroupTokens = 128;  // tokens of a chunk per task
+
+struct Shape {
+    int num_heads, num_kv_heads, head_dim, block_size;
+    int64_t num_blocks, table_width, q_stride_h, q_stride_t;
+    float scale;
+};
+
+struct Buffers {  // one thread's, reused across its tasks
+    std::vector<uint16_t> q, k, v, p;
+    std::vector<float> s, c;
+    std::vector<int> ctx;
+    template <typename V> static auto* aligned(V& vec, size_t n) {
+        vec.resize(n + 64);
+        using T = typename V::value_type;
+        return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(vec.data()) + 63) & ~uintptr_t(63));
+    }
+};
+
+// the keys' and values' rows [0, n) of one KV head (pool: [num_blocks, block_size, dim] each),
+// packed: k_tiles [n16 / 16][dim / 32][16 pairs][16 keys][2], v_tiles [n32 / 32][dim / 16][16
+// key pairs][16 dims][2], rows past n zero (n16, n32: n rounded up to 16 and 32 keys).
+KVFLEET_AMX_TARGET void pack_kv(const uint16_t* keys, const uint16_t* values,
+                                const int32_t* table, int n, const Shape& shape,
+                                uint16_t* k_tiles, uint16_t* v_tiles) {
+    const int dim = shape.head_dim, bs = shape.block_size, dim_tiles = dim / 32;
+    const int n32 = (n + 31) / 32 * 32;
+    auto row = [&](int t) { return static_cast<int64_t>(table[t / bs]) * bs + t % bs; };
+    for (int t0 = 0; t0 < n32; t0 += 16) {  // K: a 16-key tile, each dimension pair's 16 keys
+        uint32_t* kt = reinterpret_cast<uint32_t*>(k_tiles) + static_cast<int64_t>(t0 / 16) * dim_tiles * 256;
+        const uint32_t* from[16];
+        for (int i = 0; i < 16; ++i)
+            from[i] = t0 + i < n ? reinterpret_cast<const uint32_t*>(keys + row(t0 + i) * dim) : nullptr;
+        for (int pair = 0; pair < dim / 2; ++pair)
+            for (int i = 0; i < 16; ++i)
+                kt[(pair / 16) * 256 + (pair % 16) * 16 + i] = from[i] ? from[i][pair] : 0u;
+    }
+    for (int t0 = 0; t0 < n32; t0 += 2) {  // V: a key pair's rows side by side per dimension
+        uint32_t* vt = reinterpret_cast<uint32_t*>(v_tiles) + static_cast<int64_t>(t0 / 32) * dim * 16 + (t0 % 32 / 2) * 16;
+        const uint16_t* v0 = t0 < n ? values + row(t0) * dim : nullptr;
+        const uint16_t* v1 = t0 + 1 < n ? values + row(t0 + 1) * dim : nullptr;
+        for (int d = 0; d < dim; ++d)
+            vt[(d / 16) * 256 + d % 16] = (v0 ? v0[d] : 0u) | (v1 ? uint32_t(v1[d]) << 16 : 0u);
+    }
+}
+
+// rows' softmax (step 2) from their scores (tile-major: [key tile][16 rows][16 keys], unscaled)
+// into probabilities (tile-major: [32-key tile][16 rows][32 keys], bf16) and 1 / their sums. The
+// AVX-512 form and the scalar one (an emulation build on a CPU without AVX-512) take the same
+// steps: exp512 is exp_approx on 16 lanes, VCVTNEPS2BF16 rounds as store() does (no
+// probability is a denormal: exp_approx's input is clamped at -87).
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+KVFLEET_AMX_TARGET void softmax_rows(const float* s, int rows, const int* ctx, int key_pairs,
+                                     float scale, uint16_t* p, float* inv) {
+    const __m512 scales = _mm512_set1_ps(scale);
+    for (int r = 0; r < rows; ++r) {
+        const int n = ctx[r];
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            const __mmask16 valid = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + (static_cast<int64_t>(t0 / 16) * 16 + r) * 16), scales);
+            mv = _mm512_mask_max_ps(mv, valid, mv, v);
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 lanes = _mm512_setzero_ps();
+        for (int t0 = 0; t0 < key_pairs * 32; t0 += 16) {
+            const __mmask16 valid = t0 >= n ? 0 : n - t0 >= 16 ? 0xFFFF
+                                  : static_cast<__mmask16>((1u << (n - t0)) - 1);
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + (static_cast<int64_t>(t0 / 16) * 16 + r) * 16), scales);
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(v, m)));
+            lanes = _mm512_add_ps(lanes, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + (static_cast<int64_t>(t0 / 32) * 16 + r) * 32 + t0 % 32),
+                                (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, lanes);
+        for (int width = 8; width >= 1; width /= 2)  // the fixed tree: lane l += lane l + width
+            for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
+        inv[r] = 1.f / sums[0];
+    }
+}
+#else
+void softmax_rows(const float* s, int rows, const int* ctx, int key_pairs, float scale,
+                  uint16_t* p, float* inv) {
+    for (int r = 0; r < rows; ++r) {
+        const int n = ctx[r];
+        float m = -INFINITY;
+        for (int t = 0; t < n; ++t) {
+            const float v = s[(static_cast<int64_t>(t / 16) * 16 + r) * 16 + t % 16] * scale;
+            m = v > m ? v : m;
+        }
+        float sums[16] = {};
+        for (int t0 = 0; t0 < key_pairs * 32; t0 += 16)
+            for (int l = 0; l < 16; ++l) {
+                const float v = s[(static_cast<int64_t>(t0 / 16) * 16 + r) * 16 + l] * scale;
+                const float e = t0 + l < n ? exp_approx(v - m) : 0.f;
+                sums[l] += e;
+                store(e, p + (static_cast<int64_t>(t0 / 32) * 16 + r) * 32 + t0 % 32 + l);
+            }
+        for (int width = 8; width >= 1; width /= 2)  // the fixed tree: lane l += lane l + width
+            for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
+        inv[r] = 1.f / sums[0];
+    }
+}
+#endif
+
+// one task: tokens [first, first + tokens) of a chunk whose token i is at position pos0 + i
+KVFLEET_AMX_TARGET void task(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
+                             uint16_t* out, const int32_t* table, int q_row, int pos0, int first,
+                             int tokens, int kvh, const Shape& shape, Buffers& b) {
+    const int dim = shape.head_dim, rep = shape.num_heads / shape.num_kv_heads;
+    const int rows = tokens * rep, n = pos0 + first + tokens;  // keys [0, n)
+    const int n32 = (n + 31) / 32 * 32;
+    uint16_t* qa = Buffers::aligned(b.q, static_cast<size_t>(rows + 16) * dim);
+    uint16_t* kt = Buffers::aligned(b.k, static_cast<size_t>(n32) * dim);
+    uint16_t* vt = Buffers::aligned(b.v, static_cast<size_t>(n32) * dim);
+    float* s = Buffers::aligned(b.s, static_cast<size_t>(16) * n32);
+    uint16_t* p = Buffers::aligned(b.p, static_cast<size_t>(16) * n32);
+    float* c = Buffers::aligned(b.c, 2 * 256 + 16);
+    b.ctx.resize(16);
+    pack_kv(keys, values, table, n, shape, kt, vt);
+    for (int i = 0; i < tokens; ++i)  // row i * rep + r: token i, query head kvh * rep + r
+        for (int r = 0; r < rep; ++r)
+            std::memcpy(qa + static_cast<int64_t>(i * rep + r) * dim,
+                        q + (kvh * rep + r) * shape.q_stride_h + (q_row + first + i) * shape.q_stride_t,
+                        dim * 2);
+    const int dim_tiles = dim / 32;
+    int configured = -1;
+    float inv[16];
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const int count = rows - r0 < 16 ? rows - r0 : 16;
+        if (count != configured) configure(config_for(count, 0));
+        configured = count;
+        int last = 0;  // the tile's keys: [0, last)
+        for (int r = 0; r < count; ++r) {
+            b.ctx[r] = pos0 + first + (r0 + r) / rep + 1;
+            last = b.ctx[r] > last ? b.ctx[r] : last;
+        }
+        const int pairs = (last + 31) / 32;  // 32-key tiles
+        for (int kp = 0; kp < pairs; ++kp) {  // scores of keys [32 kp, 32 kp + 32)
+            zero_c<0, 0>();
+            zero_c<0, 1>();
+            for (int dt = 0; dt < dim_tiles; ++dt) {
+                load_a<0>(qa + static_cast<int64_t>(r0) * dim + dt * 32, dim * 2);
+                load_b<0>(kt + (static_cast<int64_t>(2 * kp) * dim_tiles + dt) * 512);
+                load_b<1>(kt + (static_cast<int64_t>(2 * kp + 1) * dim_tiles + dt) * 512);
+                dot_c<0, 0>();
+                dot_c<0, 1>();
+            }
+            store_c<0, 0>(s + static_cast<int64_t>(2 * kp) * 256);
+            store_c<0, 1>(s + static_cast<int64_t>(2 * kp + 1) * 256);
+        }
+        softmax_rows(s, count, b.ctx.data(), pairs, shape.scale, p, inv);
+        for (int db = 0; db < dim / 16; db += 2) {  // outputs [16 db, 16 db + 32)
+            zero_c<0, 0>();
+            zero_c<0, 1>();
+            for (int kp = 0; kp < pairs; ++kp) {
+                load_a<0>(p + static_cast<int64_t>(kp) * 512, kRowBytes);
+                load_b<0>(vt + (static_cast<int64_t>(kp) * dim / 16 + db) * 512);
+                load_b<1>(vt + (static_cast<int64_t>(kp) * dim / 16 + db + 1) * 512);
+                dot_c<0, 0>();
+                dot_c<0, 1>();
+            }
+            store_c<0, 0>(c);
+            store_c<0, 1>(c + 256);
+            for (int r = 0; r < count; ++r) {
+                const int row = r0 + r, token = first + row / rep, head = kvh * rep + row % rep;
+                uint16_t* o = out + (static_cast<int64_t>(q_row + token) * shape.num_heads + head) * dim + 16 * db;
+                for (int half = 0; half < 2; ++half)
+                    for (int l = 0; l < 16; ++l) store(c[half * 256 + r * 16 + l] * inv[r], o + half * 16 + l);
+            }
+        }
+    }
+}
+
+}  // namespace attention
+
+namespace attention {
+
+void run(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* tables,
+         const int32_t* q_starts, const int32_t* q_lens, const int32_t* ctx_ends, int num_chunks,
+         const Shape& shape, int num_threads) {
+    const int64_t head_elems = shape.num_blocks * shape.block_size * shape.head_dim;
+    const uint16_t* values = kv + shape.num_kv_heads * head_elems;
+    std::vector<int64_t> offsets(num_chunks + 1, 0);  // tasks before each chunk (per KV head)
+    for (int c = 0; c < num_chunks; ++c)
+        offsets[c + 1] = offsets[c] + (q_lens[c] + kGroupTokens - 1) / kGroupTokens;
+    const int64_t tasks = offsets[num_chunks] * shape.num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        Buffers buffers;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) {
+            const int kvh = static_cast<int>(t % shape.num_kv_heads);
+            const int64_t group = t / shape.num_kv_heads;
+            const int c = static_cast<int>(
+                std::upper_bound(offsets.begin(), offsets.end(), group) - offsets.begin() - 1);
+            const int first = static_cast<int>(group - offsets[c]) * kGroupTokens;
+            const int tokens = q_lens[c] - first < kGroupTokens ? q_lens[c] - first : kGroupTokens;
+            task(q, kv + kvh * head_elems, values + kvh * head_elems, out,
+                 tables + c * shape.table_width, q_starts[c], ctx_ends[c] - q_lens[c], first,
+                 tokens, kvh, shape, buffers);
+        }
+        release();
+    }
+}
+
+}  // namespace attention
+
 }  // namespace
 
 extern "C" {  // the arguments of each: cpu_amx.h
@@ -457,6 +697,23 @@ int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x
                 static_cast<const uint16_t*>(packed), n, bias, static_cast<uint16_t*>(y),
                 y_stride},
             threads);
+    return 0;
+}
+
+int kvfleet_amx_attention(const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv,
+                          void* out, const int32_t* tables, int64_t table_width,
+                          const int32_t* q_starts, const int32_t* q_lens, const int32_t* ctx_ends,
+                          int num_chunks, int num_heads, int num_kv_heads, int head_dim,
+                          int64_t num_blocks, int block_size, float scale, int num_threads) {
+    if (!kvfleet_amx_supported(kTilesCode)) return -1;
+    if (head_dim <= 0 || head_dim % 32 != 0) return 1;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return 2;
+    if (num_chunks <= 0) return 0;
+    const attention::Shape shape{num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                                 table_width, q_stride_h, q_stride_t, scale};
+    attention::run(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(kv),
+                   static_cast<uint16_t*>(out), tables, q_starts, q_lens, ctx_ends, num_chunks,
+                   shape, num_threads);
     return 0;
 }
 

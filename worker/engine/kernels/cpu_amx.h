@@ -24,4 +24,18 @@ int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x
                        const void* packed, int64_t n, const float* bias, void* y,
                        int64_t y_stride, int threads);
 
+// Causal attention on AMX tiles, bf16, for every row of a step (cpu_amx.cpp, "Attention on
+// tiles"): each row's result depends on its query and its sequence's keys and values [0, ctx)
+// only. Arguments as kvfleet_paged_prefill's (cpu_prefill.h): q [num_heads, T, head_dim] with
+// strides (q_stride_h, q_stride_t, 1); out [T, num_heads, head_dim] contiguous; chunk c's queries
+// are rows [q_starts[c], q_starts[c] + q_lens[c]) at positions [ctx_ends[c] - q_lens[c],
+// ctx_ends[c]), its keys [0, ctx_ends[c]) through tables[c]; a decode is a chunk of one row.
+// Returns 0; -1 where kvfleet_amx_supported(3) is 0; 1 where head_dim is no multiple of 32; 2
+// for a bad shape.
+int kvfleet_amx_attention(const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv,
+                          void* out, const int32_t* tables, int64_t table_width,
+                          const int32_t* q_starts, const int32_t* q_lens, const int32_t* ctx_ends,
+                          int num_chunks, int num_heads, int num_kv_heads, int head_dim,
+                          int64_t num_blocks, int block_size, float scale, int num_threads);
+
 }  // extern "C"

@@ -15,6 +15,11 @@ chunk attends causally over its keys in place, its 16-token query tiles against 
 mask, and where MKL has no bf16 instructions to use (AMD's AVX512-BF16, no AMX) its bf16 products
 run as fp32 sgemm on converted copies. CPUs without AVX-512, or where the prefill kernel does not
 build, keep SDPA.
+
+Batch-invariant steps (`--deterministic`) compute every query row, a decode's or a prompt's, in
+one form whose result for a row depends on that row alone: on CPUs with AMX-BF16 tiles, bf16,
+the tile kernel of cpu_amx.cpp (`amx_attention`: scores and P.V as TDPBF16PS sums, whole
+prompts' 16-row tiles at once); elsewhere the decode kernel row by row.
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ from dataclasses import dataclass
 import torch
 
 from kvfleet.worker.engine.kernels import cpu_kernels
-from kvfleet.worker.engine.kernels.cpu_kernels import decode_kernel, layer_ops_kernel, prefill_kernel
+from kvfleet.worker.engine.kernels.cpu_kernels import (amx_kernel, decode_kernel, layer_ops_kernel,
+                                                      prefill_kernel)
 from kvfleet.worker.engine.kernels.kernel_build import KernelUnavailable
 from kvfleet.worker.engine.memory.device import is_cpu
 from kvfleet.worker.engine.memory.kv_cache import KVCachePool
 from kvfleet.worker.engine.kernels.torch_private import named_while_profiling
 
-__all__ = ["DTYPE_CODES", "CpuDecodePlan", "CpuPrefillPlan", "KernelUnavailable", "paged_decode",
-           "paged_prefill", "prefill_supported", "supports", "unavailable_reason", "write_kv"]
+__all__ = ["DTYPE_CODES", "CpuDecodePlan", "CpuPrefillPlan", "KernelUnavailable", "amx_attention",
+           "amx_attention_supported", "paged_decode", "paged_prefill", "prefill_supported",
+           "supports", "unavailable_reason", "write_kv"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' `dtype` argument
 
@@ -94,6 +101,36 @@ def prefill_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> b
         return bool(prefill.kvfleet_prefill_supported(DTYPE_CODES[dtype], head_dim))
     except KernelUnavailable:
         return False
+
+
+def amx_attention_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> bool:
+    """The tile kernel computes this pool's rows here: bf16 K/V the decode kernel reads
+    (`supports`), head_dim a multiple of 32, and AMX tiles this process may use."""
+    if dtype != torch.bfloat16 or head_dim % 32 or not supports(pool, dtype):
+        return False
+    from kvfleet.worker.engine.kernels.cpu_linear import amx_tiles
+    return amx_tiles() is None
+
+
+def amx_attention(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuPrefillPlan,
+                  scaling: float, out: torch.Tensor, kernel=None) -> None:
+    """Causal attention of every chunk of `plan` (a decode: a chunk of one row) on AMX tiles:
+    query [H, T, D] (last dim contiguous), out [T, H, D] contiguous; each row's result is the
+    same whatever rows share the step (cpu_amx.cpp, "Attention on tiles"). `kernel`: another
+    build of cpu_amx.cpp (the tests' emulation)."""
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    num_heads, _, head_dim = query.shape
+    kv = pool.layer(layer)  # [2, KVH, NB, bs, D], contiguous
+    with named_while_profiling("attention (amx tiles)"):
+        status = (kernel or amx_kernel()).kvfleet_amx_attention(
+            query.data_ptr(), query.stride(0), query.stride(1), kv.data_ptr(), out.data_ptr(),
+            plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.q_starts.data_ptr(),
+            plan.q_lens.data_ptr(), plan.ctx_ends.data_ptr(), plan.q_starts.shape[0], num_heads,
+            pool.layout.num_kv_heads, head_dim, pool.num_blocks, pool.block_size, scaling,
+            torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"kvfleet_amx_attention failed with status {status}")
 
 
 def paged_decode(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuDecodePlan,
