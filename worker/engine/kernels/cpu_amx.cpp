@@ -470,6 +470,38 @@ struct Buffers {  // one thread's, reused across its tasks
 // the keys' and values' rows [0, n) of one KV head (pool: [num_blocks, block_size, dim] each),
 // packed: k_tiles [n16 / 16][dim / 32][16 pairs][16 keys][2], v_tiles [n32 / 32][dim / 16][16
 // key pairs][16 dims][2], rows past n zero (n16, n32: n rounded up to 16 and 32 keys).
+#if defined(__AVX512F__)
+// rows[i] (16 rows of 16 32-bit words; null: zeros) transposed into out[16][16]: out[w][i] =
+// rows[i][w]
+KVFLEET_AMX_TARGET inline void transpose16(const uint32_t* const rows[16], uint32_t* out) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i)
+        r[i] = rows[i] ? _mm512_loadu_si512(rows[i]) : _mm512_setzero_si512();
+    for (int i = 0; i < 16; i += 2) {  // pairs of rows: words interleaved
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // quads: 64-bit pairs interleaved
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // r[4q + j], 128-bit lane L: rows 4q..4q+3, word 4L + j; the lanes gathered across quads
+    for (int j = 0; j < 4; ++j) {
+        const __m512i a = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);      // lanes 0, 2 of each
+        const __m512i b = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);      // lanes 1, 3
+        const __m512i c = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+        const __m512i d = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+        const int word = j;
+        _mm512_storeu_si512(out + (0 + word) * 16, _mm512_shuffle_i32x4(a, c, 0x88));
+        _mm512_storeu_si512(out + (8 + word) * 16, _mm512_shuffle_i32x4(a, c, 0xDD));
+        _mm512_storeu_si512(out + (4 + word) * 16, _mm512_shuffle_i32x4(b, d, 0x88));
+        _mm512_storeu_si512(out + (12 + word) * 16, _mm512_shuffle_i32x4(b, d, 0xDD));
+    }
+}
+#endif
+
 KVFLEET_AMX_TARGET void pack_kv(const uint16_t* keys, const uint16_t* values,
                                 const int32_t* table, int n, const Shape& shape,
                                 uint16_t* k_tiles, uint16_t* v_tiles) {
@@ -481,16 +513,34 @@ KVFLEET_AMX_TARGET void pack_kv(const uint16_t* keys, const uint16_t* values,
         const uint32_t* from[16];
         for (int i = 0; i < 16; ++i)
             from[i] = t0 + i < n ? reinterpret_cast<const uint32_t*>(keys + row(t0 + i) * dim) : nullptr;
-        for (int pair = 0; pair < dim / 2; ++pair)
-            for (int i = 0; i < 16; ++i)
-                kt[(pair / 16) * 256 + (pair % 16) * 16 + i] = from[i] ? from[i][pair] : 0u;
+        for (int dt = 0; dt < dim_tiles; ++dt) {
+#if defined(__AVX512F__)
+            const uint32_t* part[16];
+            for (int i = 0; i < 16; ++i) part[i] = from[i] ? from[i] + dt * 16 : nullptr;
+            transpose16(part, kt + dt * 256);
+#else
+            for (int pair = 0; pair < 16; ++pair)
+                for (int i = 0; i < 16; ++i)
+                    kt[dt * 256 + pair * 16 + i] = from[i] ? from[i][dt * 16 + pair] : 0u;
+#endif
+        }
     }
     for (int t0 = 0; t0 < n32; t0 += 2) {  // V: a key pair's rows side by side per dimension
         uint32_t* vt = reinterpret_cast<uint32_t*>(v_tiles) + static_cast<int64_t>(t0 / 32) * dim * 16 + (t0 % 32 / 2) * 16;
         const uint16_t* v0 = t0 < n ? values + row(t0) * dim : nullptr;
         const uint16_t* v1 = t0 + 1 < n ? values + row(t0 + 1) * dim : nullptr;
+#if defined(__AVX512F__)
+        for (int d = 0; d < dim; d += 16) {
+            const __m512i a = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)))
+                                 : _mm512_setzero_si512();
+            const __m512i b = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)))
+                                 : _mm512_setzero_si512();
+            _mm512_storeu_si512(vt + (d / 16) * 256, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
+#else
         for (int d = 0; d < dim; ++d)
             vt[(d / 16) * 256 + d % 16] = (v0 ? v0[d] : 0u) | (v1 ? uint32_t(v1[d]) << 16 : 0u);
+#endif
     }
 }
 
