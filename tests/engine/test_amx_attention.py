@@ -31,9 +31,10 @@ class Sequences:
     """Random bf16 K/V of sequences of `lengths` tokens in a paged pool (pages in a shuffled
     order), their queries [H, T, D] (all tokens of all sequences, one after the other)."""
 
-    def __init__(self, lengths: list[int], dim: int, seed: int):
+    def __init__(self, lengths: list[int], dim: int, seed: int, block: int = BLOCK):
         g = torch.Generator().manual_seed(seed)
-        pages = [-(-n // BLOCK) for n in lengths]
+        self.block = block
+        pages = [-(-n // block) for n in lengths]
         self.num_blocks = sum(pages) + 3
         order = torch.randperm(self.num_blocks, generator=g).tolist()
         self.tables, at = [], 0
@@ -42,7 +43,7 @@ class Sequences:
             at += n
         self.width = max(pages)
         self.lengths, self.dim = lengths, dim
-        self.kv = (torch.randn(2, KV_HEADS, self.num_blocks, BLOCK, dim, generator=g) * 2).to(torch.bfloat16)
+        self.kv = (torch.randn(2, KV_HEADS, self.num_blocks, block, dim, generator=g) * 2).to(torch.bfloat16)
         self.q = (torch.randn(HEADS, sum(lengths), dim, generator=g) * 2).to(torch.bfloat16)
         self.first = [sum(lengths[:i]) for i in range(len(lengths))]  # each one's first query row
 
@@ -60,7 +61,7 @@ class Sequences:
         status = kernel.kvfleet_amx_attention(
             q.data_ptr(), q.stride(0), q.stride(1), self.kv.data_ptr(), out.data_ptr(),
             tables.data_ptr(), self.width, q_starts.data_ptr(), q_lens.data_ptr(),
-            ctx_ends.data_ptr(), len(chunks), HEADS, KV_HEADS, self.dim, self.num_blocks, BLOCK,
+            ctx_ends.data_ptr(), len(chunks), HEADS, KV_HEADS, self.dim, self.num_blocks, self.block,
             self.dim ** -0.5, threads)
         assert status == 0
         return out
@@ -76,11 +77,12 @@ class Sequences:
         return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-@pytest.mark.parametrize("dim", [64, 128])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(emulated, dim):
-    """A 70-token prompt (a page boundary, a partial 32-key tile, more than one 32-token task)
-    in one chunk, in three, row by row as decodes, and beside another sequence: the same bits."""
-    seqs = Sequences([70, 45], dim, seed=dim)
+@pytest.mark.parametrize("dim, block", [(64, 16), (128, 16), (64, 24)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(emulated, dim, block):
+    """A 70-token prompt (page boundaries, a partial 32-key tile) in one chunk, in three, row by
+    row as decodes, and beside another sequence: the same bits. Pages of 16 keys are read in
+    place, pages of 24 (no whole 16-key tiles) from a dense copy."""
+    seqs = Sequences([70, 45], dim, seed=dim, block=block)
     whole = seqs.run(emulated, [(0, 0, 70)])
     assert torch.equal(seqs.run(emulated, [(0, 0, 20), (0, 20, 25), (0, 45, 25)]), whole)
     decodes = torch.cat([seqs.run(emulated, [(0, i, 1)], threads=1) for i in range(70)])
@@ -90,9 +92,9 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(emulated, dim):
     assert torch.equal(mixed[71:], seqs.run(emulated, [(1, 0, 30)]))
 
 
-@pytest.mark.parametrize("dim", [64, 128])
-def test_it_is_causal_attention_within_bf16s_rounding(emulated, dim):
-    seqs = Sequences([70, 45], dim, seed=3 + dim)
+@pytest.mark.parametrize("dim, block", [(64, 16), (128, 16), (64, 24), (32, 64)])
+def test_it_is_causal_attention_within_bf16s_rounding(emulated, dim, block):
+    seqs = Sequences([70, 45], dim, seed=3 + dim, block=block)
     got = seqs.run(emulated, [(0, 0, 70), (1, 0, 45)]).double()
     want = torch.cat([seqs.reference(0), seqs.reference(1)])
     scale = want.abs().max()
@@ -120,8 +122,8 @@ def test_shapes_it_does_not_compute_are_refused(emulated):
 @pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16 tiles (amx_tile, amx_bf16)")
 def test_the_real_tiles_attend_as_the_emulation_does(emulated):
     amx = cpu_kernels.amx_kernel()
-    for dim in (64, 128):
-        seqs = Sequences([70, 45, 3], dim, seed=11 + dim)
+    for dim, block in ((64, 16), (128, 64), (64, 24)):
+        seqs = Sequences([70, 45, 3], dim, seed=11 + dim, block=block)
         chunks = [(2, 2, 1), (0, 0, 70), (1, 10, 35)]
         for threads in (1, 2):
             assert torch.equal(seqs.run(amx, chunks, threads), seqs.run(emulated, chunks, threads))

@@ -427,19 +427,22 @@ void product(const Job& j, int threads) {
 //
 // A task is (chunk, KV head, up to kGroupTokens of the chunk's tokens): its rows, each token
 // times the `rep` query heads of that KV head, are computed 16 at a time (a row tile) against
-// the keys [0, the task's last position] read once through the block table into two packed
-// copies: K as B tiles of 16 keys x 16 dimension pairs (scores = Q K^T: A = 16 query rows x 32
-// dimensions), V as B tiles of 16 key pairs x 16 dimensions (out = P V: A = 16 rows x 32 keys of
-// probabilities). For each row:
+// the keys [0, the tile's last position]. Scores are C = K Q^T: A tiles of 16 keys x 32
+// dimensions read in place from the pool's pages (pages of whole 16-key tiles; otherwise from a
+// dense copy), B tiles the row tile's queries (16 dimension pairs x 16 rows), so a C tile holds
+// 16 keys x the 16 rows and the softmax runs with rows across vector lanes. P.V takes A tiles of
+// 16 rows x 32 keys of probabilities and B tiles of V packed once per task (16 key pairs x 16
+// dimensions). For each row:
 //   1. score_t = scale * (q . k_t) for t < ctx, the dot product as TDPBF16PS sums it, 32
-//      dimensions a tile in order (the SDM's model: cpu_amx.cpp's header);
+//      dimensions a tile in order (the SDM's model: this file's header; k_t[i] q[i] and q[i]
+//      k_t[i] are the same exact product, so which operand is A does not change a sum);
 //   2. a softmax over those scores in fp32: the maximum, then p_t = exp(score_t - max) summed in
-//      16 partial sums (t mod 16) added in a fixed tree; p_t rounded to bf16 (as the decode
-//      kernel and SDPA's bf16 kernel do), 0 for t >= ctx;
+//      16 partial sums (t mod 16) in key order, added in a fixed tree; p_t rounded to bf16 (as
+//      the decode kernel and SDPA's bf16 kernel do), 0 for t >= ctx;
 //   3. out_d = (sum_t p_t v_t,d, 32 keys a tile in order) / the sum, rounded to bf16.
-// Keys and probabilities past a row's ctx are zero in the tiles (a tile's sums with them are its
-// sums without them: exact zeros added to a sum that is not -0, and a sum holds p = 1 at its
-// maximum). Rows of one tile differ in ctx only by what they read as zero.
+// Keys and probabilities past a row's ctx are zero or masked in the tiles (a tile's sums with
+// them are its sums without them: exact zeros added to a sum that is not -0, and a sum holds
+// p = 1 at its maximum). Rows of one tile differ in ctx only by what they read as zero.
 namespace attention {
 
 using kvfleet::exp_approx;
@@ -459,7 +462,6 @@ struct Shape {
 struct Buffers {  // one thread's, reused across its tasks
     std::vector<uint16_t> q, k, v, p;
     std::vector<float> s, c;
-    std::vector<int> ctx;
     template <typename V> static auto* aligned(V& vec, size_t n) {
         vec.resize(n + 64);
         using T = typename V::value_type;
@@ -502,30 +504,14 @@ KVFLEET_AMX_TARGET inline void transpose16(const uint32_t* const rows[16], uint3
 }
 #endif
 
-KVFLEET_AMX_TARGET void pack_kv(const uint16_t* keys, const uint16_t* values,
-                                const int32_t* table, int n, const Shape& shape,
-                                uint16_t* k_tiles, uint16_t* v_tiles) {
-    const int dim = shape.head_dim, bs = shape.block_size, dim_tiles = dim / 32;
+// the values' rows [0, n) of one KV head (pool: [num_blocks, block_size, dim]) as B tiles of
+// 16 key pairs x 16 dimensions: [n32 / 32][dim / 16][16 key pairs][16 dims][2], rows past n zero
+KVFLEET_AMX_TARGET void pack_values(const uint16_t* values, const int32_t* table, int n,
+                                    const Shape& shape, uint16_t* v_tiles) {
+    const int dim = shape.head_dim, bs = shape.block_size;
     const int n32 = (n + 31) / 32 * 32;
     auto row = [&](int t) { return static_cast<int64_t>(table[t / bs]) * bs + t % bs; };
-    for (int t0 = 0; t0 < n32; t0 += 16) {  // K: a 16-key tile, each dimension pair's 16 keys
-        uint32_t* kt = reinterpret_cast<uint32_t*>(k_tiles) + static_cast<int64_t>(t0 / 16) * dim_tiles * 256;
-        const uint32_t* from[16];
-        for (int i = 0; i < 16; ++i)
-            from[i] = t0 + i < n ? reinterpret_cast<const uint32_t*>(keys + row(t0 + i) * dim) : nullptr;
-        for (int dt = 0; dt < dim_tiles; ++dt) {
-#if defined(__AVX512F__)
-            const uint32_t* part[16];
-            for (int i = 0; i < 16; ++i) part[i] = from[i] ? from[i] + dt * 16 : nullptr;
-            transpose16(part, kt + dt * 256);
-#else
-            for (int pair = 0; pair < 16; ++pair)
-                for (int i = 0; i < 16; ++i)
-                    kt[dt * 256 + pair * 16 + i] = from[i] ? from[i][dt * 16 + pair] : 0u;
-#endif
-        }
-    }
-    for (int t0 = 0; t0 < n32; t0 += 2) {  // V: a key pair's rows side by side per dimension
+    for (int t0 = 0; t0 < n32; t0 += 2) {  // a key pair's rows side by side per dimension
         uint32_t* vt = reinterpret_cast<uint32_t*>(v_tiles) + static_cast<int64_t>(t0 / 32) * dim * 16 + (t0 % 32 / 2) * 16;
         const uint16_t* v0 = t0 < n ? values + row(t0) * dim : nullptr;
         const uint16_t* v1 = t0 + 1 < n ? values + row(t0 + 1) * dim : nullptr;
@@ -544,60 +530,150 @@ KVFLEET_AMX_TARGET void pack_kv(const uint16_t* keys, const uint16_t* values,
     }
 }
 
-// rows' softmax (step 2) from their scores (tile-major: [key tile][16 rows][16 keys], unscaled)
-// into probabilities (tile-major: [32-key tile][16 rows][32 keys], bf16) and 1 / their sums. The
-// AVX-512 form and the scalar one (an emulation build on a CPU without AVX-512) take the same
-// steps: exp512 is exp_approx on 16 lanes, VCVTNEPS2BF16 rounds as store() does (no
-// probability is a denormal: exp_approx's input is clamped at -87).
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-KVFLEET_AMX_TARGET void softmax_rows(const float* s, int rows, const int* ctx, int key_pairs,
-                                     float scale, uint16_t* p, float* inv) {
-    const __m512 scales = _mm512_set1_ps(scale);
-    for (int r = 0; r < rows; ++r) {
-        const int n = ctx[r];
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int t0 = 0; t0 < n; t0 += 16) {
-            const __mmask16 valid = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
-            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + (static_cast<int64_t>(t0 / 16) * 16 + r) * 16), scales);
-            mv = _mm512_mask_max_ps(mv, valid, mv, v);
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        __m512 lanes = _mm512_setzero_ps();
-        for (int t0 = 0; t0 < key_pairs * 32; t0 += 16) {
-            const __mmask16 valid = t0 >= n ? 0 : n - t0 >= 16 ? 0xFFFF
-                                  : static_cast<__mmask16>((1u << (n - t0)) - 1);
-            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + (static_cast<int64_t>(t0 / 16) * 16 + r) * 16), scales);
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(v, m)));
-            lanes = _mm512_add_ps(lanes, e);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + (static_cast<int64_t>(t0 / 32) * 16 + r) * 32 + t0 % 32),
-                                (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        alignas(64) float sums[16];
-        _mm512_store_ps(sums, lanes);
-        for (int width = 8; width >= 1; width /= 2)  // the fixed tree: lane l += lane l + width
-            for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
-        inv[r] = 1.f / sums[0];
+// The tile registers by number (the intrinsics paste the number into the instruction's text: one
+// branch per register, chosen at compile time).
+#if defined(KVFLEET_AMX_EMULATE)
+template <int T> inline void tload(const void* at, int64_t stride) { tiles::load(T, at, stride); }
+template <int T> inline void tstore(void* at) { tiles::store(T, at, kRowBytes); }
+template <int T> inline void tzero() { tiles::zero(T); }
+template <int C, int A, int B> inline void tdot() { tiles::dpbf16ps(C, A, B); }
+#else
+#define KVFLEET_TILE_CASES(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
+template <int T> KVFLEET_AMX_TARGET inline void tload(const void* at, int64_t stride) {
+    barrier();
+#define KVFLEET_LOAD(i) if constexpr (T == i) _tile_loadd(i, at, stride);
+    KVFLEET_TILE_CASES(KVFLEET_LOAD)
+#undef KVFLEET_LOAD
+}
+template <int T> KVFLEET_AMX_TARGET inline void tstore(void* at) {
+#define KVFLEET_STORE(i) if constexpr (T == i) _tile_stored(i, at, kRowBytes);
+    KVFLEET_TILE_CASES(KVFLEET_STORE)
+#undef KVFLEET_STORE
+}
+template <int T> KVFLEET_AMX_TARGET inline void tzero() {
+#define KVFLEET_ZERO(i) if constexpr (T == i) _tile_zero(i);
+    KVFLEET_TILE_CASES(KVFLEET_ZERO)
+#undef KVFLEET_ZERO
+}
+template <int C, int A, int B> KVFLEET_AMX_TARGET inline void tdot() {
+#define KVFLEET_DOT_B(c, a, b) if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
+#define KVFLEET_DOT(c, a) KVFLEET_DOT_B(c, a, 4) KVFLEET_DOT_B(c, a, 5) \
+    KVFLEET_DOT_B(c, a, 6) KVFLEET_DOT_B(c, a, 7)
+    KVFLEET_DOT(0, 2) KVFLEET_DOT(0, 3) KVFLEET_DOT(1, 2) KVFLEET_DOT(1, 3)
+#undef KVFLEET_DOT
+#undef KVFLEET_DOT_B
+}
+#undef KVFLEET_TILE_CASES
+#endif
+
+// the 16 rows' queries (rows[i], null past the tile's rows) as B tiles, one per 32 dimensions:
+// [16 dimension pairs][16 rows][2]
+KVFLEET_AMX_TARGET void pack_queries(const uint16_t* const rows[16], int dim, uint32_t* out) {
+    for (int dt = 0; dt < dim / 32; ++dt) {
+        const uint32_t* part[16];
+        for (int i = 0; i < 16; ++i)
+            part[i] = rows[i] ? reinterpret_cast<const uint32_t*>(rows[i]) + dt * 16 : nullptr;
+#if defined(__AVX512F__)
+        transpose16(part, out + dt * 256);
+#else
+        for (int pair = 0; pair < 16; ++pair)
+            for (int i = 0; i < 16; ++i) out[dt * 256 + pair * 16 + i] = part[i] ? part[i][pair] : 0u;
+#endif
     }
 }
+
+// scores of keys [16 g, 16 g + 32) (two key tiles, the A tiles: 16 keys x 32 dimensions, `stride`
+// bytes between keys) against the row tile's queries (B tiles tmm4..): C tile [16 keys][16 rows]
+// into s_t + 256 g
+template <int kDimTiles>
+KVFLEET_AMX_TARGET void score_pair(const uint16_t* k0, const uint16_t* k1, int64_t stride,
+                                   float* s_t) {
+    tzero<0>();
+    tzero<1>();
+    tload<2>(k0, stride);
+    tload<3>(k1, stride);
+    tdot<0, 2, 4>();
+    tdot<1, 3, 4>();
+    if constexpr (kDimTiles > 1) {
+        tload<2>(k0 + 32, stride);
+        tload<3>(k1 + 32, stride);
+        tdot<0, 2, 5>();
+        tdot<1, 3, 5>();
+    }
+    if constexpr (kDimTiles > 2) {
+        tload<2>(k0 + 64, stride);
+        tload<3>(k1 + 64, stride);
+        tdot<0, 2, 6>();
+        tdot<1, 3, 6>();
+    }
+    if constexpr (kDimTiles > 3) {
+        tload<2>(k0 + 96, stride);
+        tload<3>(k1 + 96, stride);
+        tdot<0, 2, 7>();
+        tdot<1, 3, 7>();
+    }
+    tstore<0>(s_t);
+    tstore<1>(s_t + 256);
+}
+
+// The rows' softmax (step 2) from their scores, keys across tiles and rows across lanes (s_t:
+// [key][16 rows], unscaled, 32 * key_pairs keys), into probabilities for P.V (p: [32-key tile][16
+// rows][32 keys], bf16) and 1 / their sums (inv[16]). ctx[r]: row r's keys (0 past the tile's
+// rows). Each row's sums: 16 partial sums (key t into sum t mod 16) in key order, then a fixed
+// tree. The AVX-512 form and the scalar one (an emulation build on a CPU without AVX-512) take
+// the same steps: exp512 is exp_approx on 16 lanes, VCVTNEPS2BF16 rounds as store() does (no
+// probability is a denormal: exp_approx's input is clamped at -87).
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+KVFLEET_AMX_TARGET void softmax_lanes(const float* s_t, const int* ctx, int key_pairs, float scale,
+                                      uint16_t* p, float* inv) {
+    const __m512 scales = _mm512_set1_ps(scale);
+    const __m512i limit = _mm512_loadu_si512(ctx);
+    const int keys = key_pairs * 32;
+    int last = 0;
+    for (int r = 0; r < 16; ++r) last = ctx[r] > last ? ctx[r] : last;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < last; ++t) {
+        const __mmask16 valid = _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(t));
+        mv = _mm512_mask_max_ps(mv, valid, mv, _mm512_mul_ps(_mm512_loadu_ps(s_t + t * 16), scales));
+    }
+    __m512 sums[16];
+    for (int l = 0; l < 16; ++l) sums[l] = _mm512_setzero_ps();
+    for (int t0 = 0; t0 < keys; t0 += 16) {
+        alignas(64) float e[16][16];  // [key][row]
+        for (int l = 0; l < 16; ++l) {
+            const int t = t0 + l;
+            const __mmask16 valid = _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(t));
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s_t + t * 16), scales);
+            const __m512 x = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(v, mv)));
+            sums[l] = _mm512_add_ps(sums[l], x);
+            _mm512_store_ps(e[l], x);
+        }
+        const uint32_t* rows[16];
+        for (int l = 0; l < 16; ++l) rows[l] = reinterpret_cast<const uint32_t*>(e[l]);
+        alignas(64) float by_row[16][16];  // [row][key]
+        transpose16(rows, reinterpret_cast<uint32_t*>(by_row));
+        for (int r = 0; r < 16; ++r)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + (static_cast<int64_t>(t0 / 32) * 16 + r) * 32 + t0 % 32),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(by_row[r])));
+    }
+    for (int width = 8; width >= 1; width /= 2)  // the fixed tree: sum l += sum l + width
+        for (int l = 0; l < width; ++l) sums[l] = _mm512_add_ps(sums[l], sums[l + width]);
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sums[0]));
+}
 #else
-void softmax_rows(const float* s, int rows, const int* ctx, int key_pairs, float scale,
-                  uint16_t* p, float* inv) {
-    for (int r = 0; r < rows; ++r) {
+void softmax_lanes(const float* s_t, const int* ctx, int key_pairs, float scale, uint16_t* p,
+                   float* inv) {
+    for (int r = 0; r < 16; ++r) {
         const int n = ctx[r];
         float m = -INFINITY;
-        for (int t = 0; t < n; ++t) {
-            const float v = s[(static_cast<int64_t>(t / 16) * 16 + r) * 16 + t % 16] * scale;
-            m = v > m ? v : m;
-        }
+        for (int t = 0; t < n; ++t) m = s_t[t * 16 + r] * scale > m ? s_t[t * 16 + r] * scale : m;
         float sums[16] = {};
-        for (int t0 = 0; t0 < key_pairs * 32; t0 += 16)
-            for (int l = 0; l < 16; ++l) {
-                const float v = s[(static_cast<int64_t>(t0 / 16) * 16 + r) * 16 + l] * scale;
-                const float e = t0 + l < n ? exp_approx(v - m) : 0.f;
-                sums[l] += e;
-                store(e, p + (static_cast<int64_t>(t0 / 32) * 16 + r) * 32 + t0 % 32 + l);
-            }
-        for (int width = 8; width >= 1; width /= 2)  // the fixed tree: lane l += lane l + width
+        for (int t = 0; t < key_pairs * 32; ++t) {
+            const float e = t < n ? exp_approx(s_t[t * 16 + r] * scale - m) : 0.f;
+            sums[t % 16] += e;
+            store(e, p + (static_cast<int64_t>(t / 32) * 16 + r) * 32 + t % 32);
+        }
+        for (int width = 8; width >= 1; width /= 2)  // the fixed tree: sum l += sum l + width
             for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
         inv[r] = 1.f / sums[0];
     }
@@ -605,64 +681,69 @@ void softmax_rows(const float* s, int rows, const int* ctx, int key_pairs, float
 #endif
 
 // one task: tokens [first, first + tokens) of a chunk whose token i is at position pos0 + i
+template <int kDimTiles>
 KVFLEET_AMX_TARGET void task(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
                              uint16_t* out, const int32_t* table, int q_row, int pos0, int first,
                              int tokens, int kvh, const Shape& shape, Buffers& b) {
-    const int dim = shape.head_dim, rep = shape.num_heads / shape.num_kv_heads;
+    constexpr int dim = 32 * kDimTiles;
+    const int rep = shape.num_heads / shape.num_kv_heads, bs = shape.block_size;
     const int rows = tokens * rep, n = pos0 + first + tokens;  // keys [0, n)
     const int n32 = (n + 31) / 32 * 32;
-    uint16_t* qa = Buffers::aligned(b.q, static_cast<size_t>(rows + 16) * dim);
-    uint16_t* kt = Buffers::aligned(b.k, static_cast<size_t>(n32) * dim);
+    // keys are read in place where a page holds whole 16-key tiles, else from a dense copy
+    const bool in_place = bs % 16 == 0;
+    // in place: a 16-key tile past the last key reads zeros (its page is not the sequence's)
+    uint16_t* dense = Buffers::aligned(b.k, static_cast<size_t>(in_place ? 16 : n32) * dim);
+    if (in_place) std::memset(dense, 0, static_cast<size_t>(16) * dim * 2);
     uint16_t* vt = Buffers::aligned(b.v, static_cast<size_t>(n32) * dim);
-    float* s = Buffers::aligned(b.s, static_cast<size_t>(16) * n32);
+    float* s_t = Buffers::aligned(b.s, static_cast<size_t>(16) * n32);
     uint16_t* p = Buffers::aligned(b.p, static_cast<size_t>(16) * n32);
+    uint32_t* qt = reinterpret_cast<uint32_t*>(Buffers::aligned(b.q, static_cast<size_t>(kDimTiles) * 512));
     float* c = Buffers::aligned(b.c, 2 * 256 + 16);
-    b.ctx.resize(16);
-    pack_kv(keys, values, table, n, shape, kt, vt);
-    for (int i = 0; i < tokens; ++i)  // row i * rep + r: token i, query head kvh * rep + r
-        for (int r = 0; r < rep; ++r)
-            std::memcpy(qa + static_cast<int64_t>(i * rep + r) * dim,
-                        q + (kvh * rep + r) * shape.q_stride_h + (q_row + first + i) * shape.q_stride_t,
-                        dim * 2);
-    const int dim_tiles = dim / 32;
-    int configured = -1;
-    float inv[16];
+    pack_values(values, table, n, shape, vt);
+    if (!in_place)
+        for (int t = 0; t < n32; ++t) {
+            if (t < n) std::memcpy(dense + t * dim, keys + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * dim, dim * 2);
+            else std::memset(dense + t * dim, 0, dim * 2);
+        }
+    auto key_tile = [&](int t0) -> const uint16_t* {  // the A tile of keys [t0, t0 + 16)
+        if (!in_place) return dense + static_cast<int64_t>(t0) * dim;
+        return t0 < n ? keys + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * dim : dense;
+    };
+    alignas(64) int ctx[16];
+    alignas(64) float inv[16];
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const int count = rows - r0 < 16 ? rows - r0 : 16;
-        if (count != configured) configure(config_for(count, 0));
-        configured = count;
+        const uint16_t* row_q[16];
         int last = 0;  // the tile's keys: [0, last)
-        for (int r = 0; r < count; ++r) {
-            b.ctx[r] = pos0 + first + (r0 + r) / rep + 1;
-            last = b.ctx[r] > last ? b.ctx[r] : last;
+        for (int r = 0; r < 16; ++r) {
+            const int row = r0 + r, token = first + row / rep;
+            row_q[r] = r < count ? q + (kvh * rep + row % rep) * shape.q_stride_h + (q_row + token) * shape.q_stride_t
+                                 : nullptr;
+            ctx[r] = r < count ? pos0 + token + 1 : 0;
+            last = ctx[r] > last ? ctx[r] : last;
         }
+        pack_queries(row_q, dim, qt);
+        tload<4>(qt, kRowBytes);
+        if constexpr (kDimTiles > 1) tload<5>(qt + 256, kRowBytes);
+        if constexpr (kDimTiles > 2) tload<6>(qt + 512, kRowBytes);
+        if constexpr (kDimTiles > 3) tload<7>(qt + 768, kRowBytes);
         const int pairs = (last + 31) / 32;  // 32-key tiles
-        for (int kp = 0; kp < pairs; ++kp) {  // scores of keys [32 kp, 32 kp + 32)
-            zero_c<0, 0>();
-            zero_c<0, 1>();
-            for (int dt = 0; dt < dim_tiles; ++dt) {
-                load_a<0>(qa + static_cast<int64_t>(r0) * dim + dt * 32, dim * 2);
-                load_b<0>(kt + (static_cast<int64_t>(2 * kp) * dim_tiles + dt) * 512);
-                load_b<1>(kt + (static_cast<int64_t>(2 * kp + 1) * dim_tiles + dt) * 512);
-                dot_c<0, 0>();
-                dot_c<0, 1>();
-            }
-            store_c<0, 0>(s + static_cast<int64_t>(2 * kp) * 256);
-            store_c<0, 1>(s + static_cast<int64_t>(2 * kp + 1) * 256);
-        }
-        softmax_rows(s, count, b.ctx.data(), pairs, shape.scale, p, inv);
+        for (int kp = 0; kp < pairs; ++kp)
+            score_pair<kDimTiles>(key_tile(32 * kp), key_tile(32 * kp + 16), dim * 2,
+                                  s_t + static_cast<int64_t>(kp) * 512);
+        softmax_lanes(s_t, ctx, pairs, shape.scale, p, inv);
         for (int db = 0; db < dim / 16; db += 2) {  // outputs [16 db, 16 db + 32)
-            zero_c<0, 0>();
-            zero_c<0, 1>();
+            tzero<0>();
+            tzero<1>();
             for (int kp = 0; kp < pairs; ++kp) {
-                load_a<0>(p + static_cast<int64_t>(kp) * 512, kRowBytes);
-                load_b<0>(vt + (static_cast<int64_t>(kp) * dim / 16 + db) * 512);
-                load_b<1>(vt + (static_cast<int64_t>(kp) * dim / 16 + db + 1) * 512);
-                dot_c<0, 0>();
-                dot_c<0, 1>();
+                tload<2>(p + static_cast<int64_t>(kp) * 512, kRowBytes);
+                tload<4>(vt + (static_cast<int64_t>(kp) * dim / 16 + db) * 512, kRowBytes);
+                tload<5>(vt + (static_cast<int64_t>(kp) * dim / 16 + db + 1) * 512, kRowBytes);
+                tdot<0, 2, 4>();
+                tdot<1, 2, 5>();
             }
-            store_c<0, 0>(c);
-            store_c<0, 1>(c + 256);
+            tstore<0>(c);
+            tstore<1>(c + 256);
             for (int r = 0; r < count; ++r) {
                 const int row = r0 + r, token = first + row / rep, head = kvh * rep + row % rep;
                 uint16_t* o = out + (static_cast<int64_t>(q_row + token) * shape.num_heads + head) * dim + 16 * db;
@@ -675,6 +756,7 @@ KVFLEET_AMX_TARGET void task(const uint16_t* q, const uint16_t* keys, const uint
 
 }  // namespace attention
 
+
 namespace attention {
 
 void run(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* tables,
@@ -686,9 +768,11 @@ void run(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* ta
     for (int c = 0; c < num_chunks; ++c)
         offsets[c + 1] = offsets[c] + (q_lens[c] + kGroupTokens - 1) / kGroupTokens;
     const int64_t tasks = offsets[num_chunks] * shape.num_kv_heads;
+    const int dim_tiles = shape.head_dim / 32;
 #pragma omp parallel num_threads(num_threads)
     {
         Buffers buffers;
+        configure(config_for(kTileRows, kTileRows));  // every tile 16 rows of 64 bytes
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) {
             const int kvh = static_cast<int>(t % shape.num_kv_heads);
@@ -697,9 +781,11 @@ void run(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* ta
                 std::upper_bound(offsets.begin(), offsets.end(), group) - offsets.begin() - 1);
             const int first = static_cast<int>(group - offsets[c]) * kGroupTokens;
             const int tokens = q_lens[c] - first < kGroupTokens ? q_lens[c] - first : kGroupTokens;
-            task(q, kv + kvh * head_elems, values + kvh * head_elems, out,
-                 tables + c * shape.table_width, q_starts[c], ctx_ends[c] - q_lens[c], first,
-                 tokens, kvh, shape, buffers);
+            auto* run_task = dim_tiles == 1 ? task<1> : dim_tiles == 2 ? task<2>
+                           : dim_tiles == 3 ? task<3> : task<4>;
+            run_task(q, kv + kvh * head_elems, values + kvh * head_elems, out,
+                     tables + c * shape.table_width, q_starts[c], ctx_ends[c] - q_lens[c], first,
+                     tokens, kvh, shape, buffers);
         }
         release();
     }
@@ -756,7 +842,7 @@ int kvfleet_amx_attention(const void* q, int64_t q_stride_h, int64_t q_stride_t,
                           int num_chunks, int num_heads, int num_kv_heads, int head_dim,
                           int64_t num_blocks, int block_size, float scale, int num_threads) {
     if (!kvfleet_amx_supported(kTilesCode)) return -1;
-    if (head_dim <= 0 || head_dim % 32 != 0) return 1;
+    if (head_dim <= 0 || head_dim % 32 != 0 || head_dim > 128) return 1;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return 2;
     if (num_chunks <= 0) return 0;
     const attention::Shape shape{num_heads, num_kv_heads, head_dim, block_size, num_blocks,

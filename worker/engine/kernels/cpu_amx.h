@@ -30,7 +30,7 @@ int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x
 // strides (q_stride_h, q_stride_t, 1); out [T, num_heads, head_dim] contiguous; chunk c's queries
 // are rows [q_starts[c], q_starts[c] + q_lens[c]) at positions [ctx_ends[c] - q_lens[c],
 // ctx_ends[c]), its keys [0, ctx_ends[c]) through tables[c]; a decode is a chunk of one row.
-// Returns 0; -1 where kvfleet_amx_supported(3) is 0; 1 where head_dim is no multiple of 32; 2
+// Returns 0; -1 where kvfleet_amx_supported(3) is 0; 1 where head_dim is not 32, 64, 96 or 128; 2
 // for a bad shape.
 int kvfleet_amx_attention(const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv,
                           void* out, const int32_t* tables, int64_t table_width,

@@ -105,8 +105,8 @@ def prefill_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> b
 
 def amx_attention_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> bool:
     """The tile kernel computes this pool's rows here: bf16 K/V the decode kernel reads
-    (`supports`), head_dim a multiple of 32, and AMX tiles this process may use."""
-    if dtype != torch.bfloat16 or head_dim % 32 or not supports(pool, dtype):
+    (`supports`), head_dim 32, 64, 96 or 128, and AMX tiles this process may use."""
+    if dtype != torch.bfloat16 or head_dim not in (32, 64, 96, 128) or not supports(pool, dtype):
         return False
     from kvfleet.worker.engine.kernels.cpu_linear import amx_tiles
     return amx_tiles() is None
