@@ -250,16 +250,17 @@ def test_the_wire_rate_is_measured():
 
 def test_the_plane_runs_at_a_large_share_of_the_wire_rate(serve, taker):
     """A loose bound on purpose (machines are noisy); the benchmark reports the real ratio. The
-    best of three runs each."""
+    best of four runs each, alternated, so that a burst of load on a shared host (the suite's
+    other processes) falls on both measures alike."""
     num_bytes = 128 << 20
     payload = memoryview(random_bytes(num_bytes))
     _, addr = serve(lambda handoff_id: Outgoing(b"", [payload]))
-    plane_rate = 0.0
-    for _ in range(3):
+    plane_rate = wire_rate = 0.0
+    for _ in range(4):
         started = time.perf_counter()
         _, received = taker.fetch(addr, "h", timeout_s=30)
         plane_rate = max(plane_rate, num_bytes / (time.perf_counter() - started))
         assert received.nbytes == num_bytes
         del received
-    wire_rate = max(measure_wire_rate(num_bytes, LOOPBACK) for _ in range(3))
+        wire_rate = max(wire_rate, measure_wire_rate(num_bytes, LOOPBACK))
     assert plane_rate >= 0.3 * wire_rate, (plane_rate, wire_rate)

@@ -108,8 +108,10 @@ def amx_attention_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int
     (`supports`), head_dim 32, 64, 96 or 128, and AMX tiles this process may use."""
     if dtype != torch.bfloat16 or head_dim not in (32, 64, 96, 128) or not supports(pool, dtype):
         return False
-    from kvfleet.worker.engine.kernels.cpu_linear import amx_tiles
-    return amx_tiles() is None
+    try:  # 1: the CPU has the tiles and Linux granted their state (cpu_amx.h; 3: bf16 on tiles)
+        return int(amx_kernel().kvfleet_amx_supported(3)) == 1
+    except KernelUnavailable:
+        return False
 
 
 def amx_attention(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuPrefillPlan,
