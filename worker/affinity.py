@@ -4,7 +4,10 @@ routing"), beside `WorkerProtocol`, which uses it:
 - `OwnStreamOwners`: the model's workers that have own streams (`Keys.worker_queue_owners`) and
   their heartbeats, read about once a heartbeat interval: whose own streams a fill reads after
   its own and the shared ones, with what minimum age and owner's room (READ_IF_FITS ARGV 5, 7),
-  and the cleanup of a gone owner's empty streams.
+  and the cleanup of a gone owner's empty streams. The owners due a read are probed together
+  first (`with_entries`: OWN_STREAMS_WAITING in one pipelined round trip), so a fill costs a
+  READ_IF_FITS round trip only per owner whose streams hold something: with N workers each
+  reading the N - 1 others, N^2 round trips a steal period became N.
 - `resume_min_idle_ms`: how long an orphaned entry must have been idle before this worker claims
   it: the heartbeat TTL when this worker holds at least as much of its prompt as any other live
   announcing worker, else `prefer_ms` longer (the best holder claims it first).
@@ -20,6 +23,7 @@ import redis
 
 from kvfleet.shared.wire import Heartbeat, Keys, QueueEntry
 from kvfleet.shared.wire import affinity
+from kvfleet.shared.wire.lua import run_pipelined
 from kvfleet.shared.wire.prefix_hash import BlockHash, block_hashes, pack_ids
 from kvfleet.shared.wire.records import text
 
@@ -57,6 +61,7 @@ class OwnStreamOwners:
         self._gone_since: dict[str, float] = {}
         self._read_at: dict[str, float] = {}  # owner -> when a fill last read its streams
         self.drop_script = affinity.DROP_OWN_STREAMS.register(client)
+        self.waiting_script = affinity.OWN_STREAMS_WAITING.register(client)
 
     def streams(self) -> list[str]:
         """Every other owner's own streams (where a dead worker's entries may be pending)."""
@@ -124,6 +129,20 @@ class OwnStreamOwners:
                 continue
             reads.append(ForeignRead(owner, self.steal_after_ms, room))
         return reads
+
+    def with_entries(self, reads: list[ForeignRead]) -> list[ForeignRead]:
+        """The `reads` whose owner's streams hold an undelivered entry, probed for all at once
+        (OWN_STREAMS_WAITING, one pipelined round trip; one per node on a cluster). Most due
+        reads find nothing: one READ_IF_FITS each would cost a round trip per owner. A single
+        read is returned unprobed (the probe would cost the round trip it saves). An entry that
+        arrives after the probe is read at the owner's next due read, as one that arrives after
+        a READ_IF_FITS would be."""
+        if len(reads) < 2:
+            return reads
+        calls = [affinity.OWN_STREAMS_WAITING.bind(self.keys.worker_queues(self.model, r.owner),
+                                                    [self.keys.group]) for r in reads]
+        replies = run_pipelined(self.client, self.waiting_script, calls)
+        return [read for read, waiting in zip(reads, replies) if int(waiting)]
 
 
 @dataclass(frozen=True)

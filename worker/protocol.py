@@ -221,7 +221,7 @@ class WorkerProtocol:
     def ensure_groups(self) -> None:
         for script in (self._start_attempt, self._publish, self._publish_step,
                        self._read_if_fits, self._roster, self._announce, self._prefix_match,
-                       self.owners.drop_script):
+                       self.owners.drop_script, self.owners.waiting_script):
             self.client.script_load(script.script)  # every primary of a cluster
         self._create_groups(self.streams)
         self._ensure_own_streams()
@@ -254,7 +254,8 @@ class WorkerProtocol:
         """Take up to `max_requests` new requests whose prompts together fit `budget_tokens`,
         highest priority first, with one READ_IF_FITS call per stream group visited
         (`_fill_plan`): this worker's own streams, the home shards, the other shards' entries
-        that waited `steal_after_ms`, the other owners' own streams, until `max_requests` are
+        that waited `steal_after_ms`, the other owners' own streams (those where something
+        waits, `OwnStreamOwners.with_entries`), until `max_requests` are
         taken (`load`: this worker's requests running and waiting, for the rule of taking from
         another owner, `OwnStreamOwners.due_reads`). A request from the own streams needs its
         prompt less its `cached` tokens. A group
@@ -291,8 +292,9 @@ class WorkerProtocol:
         plan = [_Read(self.own_streams, 0, "own", use_cached=True)]
         plan += [_Read(self.keys.queues(self.model, shard), min_age_ms, "shared")
                  for shard, min_age_ms in self._read_order()]
+        due = self.owners.with_entries(self.owners.due_reads(load))
         plan += [_Read(self.keys.worker_queues(self.model, read.owner), read.min_age_ms, "other",
-                       owner_room=read.owner_room) for read in self.owners.due_reads(load)]
+                       owner_room=read.owner_room) for read in due]
         return plan
 
     def _refresh_owners(self) -> None:

@@ -19,6 +19,9 @@ held, adds a block new to the set from `s` (where such a block is listed too) an
 snapshot of `kv_blocks`. A worker that sends no `h` (an older one) holds everything on device.
 - DROP_OWN_STREAMS: a gone worker's own streams are deleted only when they hold nothing (no
   entry pending, none undelivered), checked and done in one step.
+- OWN_STREAMS_WAITING: whether a worker's own streams hold an undelivered entry: a worker probes
+  every other owner's streams that are due a read in one pipelined round trip, then runs
+  READ_IF_FITS only where something waits (one round trip per owner with work, not per owner).
 All keys of one model's announcements share the model's tag: one slot, one node on a cluster.
 """
 
@@ -222,4 +225,26 @@ for _, stream in ipairs(KEYS) do
 end
 redis.call('DEL', unpack(KEYS))
 return 1
+""")
+
+OWN_STREAMS_WAITING = LuaScript.build(
+    "own_streams_waiting",
+    keys=["a worker's own streams (Keys.worker_queues)"],
+    variadic_keys=True,
+    argv=["consumer group"],
+    returns="1 when a stream with the group holds an entry after the group's last-delivered id "
+            "(one READ_IF_FITS could deliver), else 0",
+    source=_GROUP_STATE + """
+for _, stream in ipairs(KEYS) do
+  if redis.call('EXISTS', stream) == 1 then
+    local group = group_state(stream, ARGV[1])
+    if group ~= nil then
+      local last = group['last-delivered-id']
+      local start = '-'
+      if last ~= '0-0' then start = '(' .. last end
+      if #redis.call('XRANGE', stream, start, '+', 'COUNT', 1) > 0 then return 1 end
+    end
+  end
+end
+return 0
 """)

@@ -213,6 +213,41 @@ def test_another_workers_own_entry_is_taken_at_once_when_its_owner_cannot_hold_i
     assert taken(next(thieves)) == [("too-large", "other")]
 
 
+def test_a_fill_probes_the_other_owners_at_once_and_reads_only_where_something_waits(
+        redis_client):
+    """With many owners due a read, one pipelined probe (OWN_STREAMS_WAITING) says whose
+    streams hold an undelivered entry, and only those get a READ_IF_FITS: an empty stream, an
+    entry already delivered (pending at its owner), a stream without the group and an owner
+    without streams are passed over; the entries that wait are taken as before."""
+    owners = {name: protocol_of(redis_client, name) for name in
+              ("empty", "delivered", "waiting", "gone-waiting")}
+    keys = owners["empty"].keys
+    for owner in owners.values():
+        beat(owner) if owner.worker_id != "gone-waiting" else None
+    enqueue(redis_client, keys, "served", owner="delivered")
+    owners["delivered"].read_new(keys.worker_queue(MODEL, "delivered"), None)  # pending there
+    enqueue(redis_client, keys, "routed", owner="waiting")
+    enqueue(redis_client, keys, "orphan", owner="gone-waiting")  # its owner never beat
+    redis_client.sadd(keys.worker_queue_owners(MODEL), "no-streams")
+    thief = protocol_of(redis_client, "thief", 1)
+    thief.owners.refresh()
+    probed = thief.owners.with_entries(thief.owners.due_reads())
+    assert sorted(read.owner for read in probed) == ["gone-waiting", "waiting"]
+
+    reads = []
+    real = thief._read_if_fits
+    thief._read_if_fits = lambda **call: reads.append(call["keys"][0]) or real(**call)
+    thief.owners._read_at.clear()
+    time.sleep(0.01)  # "routed" waited the thief's 1 ms steal delay
+    assert sorted(taken(thief)) == [("orphan", "other"), ("routed", "other")]
+    foreign = [stream for stream in reads if stream not in thief.streams + thief.own_streams]
+    assert sorted(foreign) == sorted([keys.worker_queue(MODEL, "gone-waiting"),
+                                      keys.worker_queue(MODEL, "waiting")])
+    # a read due alone is not probed (the probe would cost the round trip it saves)
+    lone = [read for read in thief.owners.due_reads() if read.owner == "empty"]
+    assert thief.owners.with_entries(lone) == lone
+
+
 def test_a_gone_owners_empty_streams_are_dropped_and_busy_ones_kept(redis_client):
     gone, busy = protocol_of(redis_client, "gone"), protocol_of(redis_client, "busy")
     keys = gone.keys
