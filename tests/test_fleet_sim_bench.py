@@ -138,6 +138,10 @@ def test_tables_print_ours_and_llm_ds_labelled_as_theirs():
     assert target_lines(rows) == [
         "  60 req/s: random/affinity TTFT p90 100.0x (target >= 20x), affinity/random tok/s "
         "2.00x (target >= 1.5x)  [a run is INVALID]"]
+    shared = RunRow("shared", 60, 10, 10, 6000.0, 1.0, 1.25, 0.03, 0.3, (1, 2), (10, 20), 0.01,
+                    "ok")
+    assert target_lines(rows[:1] + [shared]) == [  # item 7's: 3x lower than shared routing
+        "  60 req/s: shared/affinity TTFT p90 2.5x (target >= 3x), affinity/shared tok/s 1.50x"]
     peers = [RunRow("dynamo-kv", 60, 10, 10, 8000.0, 0.2, 1.0, 0.03, None, None, None, None,
                     "unchecked"),
              RunRow("dynamo-random", 60, 10, 10, 4000.0, 2.0, 10.0, 0.03, None, None, None,
