@@ -19,6 +19,7 @@ from kvfleet.gateway.fleet.client import (
     RequestSnapshot,
 )
 from kvfleet.gateway.fleet.affinity import Route, Router
+from kvfleet.gateway.fleet.cancels import CancelPublisher
 from kvfleet.gateway.fleet.fanout import ConnectionLost, TokenFanout, TokenQueue
 from kvfleet.gateway.fleet.homes import GatewayHomes
 from kvfleet.gateway.fleet.inboxes import Inboxes
@@ -161,6 +162,11 @@ class RedisEngineClient(EngineClient):
         self._owns_context = owns_context  # close() closes it too
         self.fanout = TokenFanout(self.redis, subscribe_timeout_s=self._command_timeout_s,
                                   sharded=context.cluster)
+        # one task publishes the cancellations, in batches: a burst of clients going away
+        # takes one connection, not the pool the requests still in flight need
+        self.cancels = CancelPublisher(self.redis, self.keys.cancel(), sharded=context.cluster,
+                                       command_timeout_s=self._command_timeout_s,
+                                       give_up_s=request_timeout_s)
         self._enqueue = scripts.ENQUEUE.register(self.redis)
         self._attach = scripts.ATTACH.register(self.redis)
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
@@ -205,6 +211,7 @@ class RedisEngineClient(EngineClient):
             self._homes_task = asyncio.create_task(self.homes.run(), name="gateway-roster")
 
     async def close(self) -> None:
+        await self.cancels.close()
         if self.router is not None:
             await self.router.close()
         if self._homes_task is not None:
@@ -364,13 +371,10 @@ class RedisEngineClient(EngineClient):
                          pace_room=pace.room, pace_promised=pace.promised)
 
     async def cancel(self, req_id: str) -> None:
-        try:
-            if self.context.cluster:
-                await self.redis.spublish(self.keys.cancel(), req_id)
-            else:
-                await self.redis.publish(self.keys.cancel(), req_id)
-        except (*REDIS_FAILURES, OSError) as exc:
-            log.warning("could not publish the cancellation of %s: %r", req_id, exc)
+        """Publish the cancellation with the next batch (gateway/fleet/cancels.py) and wait until
+        Redis took it; a failed batch is sent again until Redis takes it or the request's deadline
+        passed."""
+        await self.cancels.publish(req_id)
 
     async def is_ready(self) -> bool:
         try:
