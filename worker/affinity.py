@@ -34,6 +34,19 @@ STEAL_LOAD_GAP = 2
 NEVER_MS = 10 ** 12  # a minimum age no entry reaches: only the owner-room rule applies
 
 
+# The heartbeat fields a fill's rules read of another owner (`due_reads`): read with HMGET, not
+# the whole heartbeat (its fitted curve, URLs, counters), by every worker about once an interval.
+OWNER_FIELDS = ("model", "ts", "blocks_free", "block_size", "running", "waiting", "own_queue")
+
+
+def _owner_beat(values: list) -> Heartbeat | None:
+    """An owner's heartbeat from its OWNER_FIELDS (None: no heartbeat, the owner is gone)."""
+    if all(value is None for value in values):
+        return None
+    return Heartbeat.decode({name: value for name, value in zip(OWNER_FIELDS, values)
+                             if value is not None})
+
+
 @dataclass(frozen=True)
 class ForeignRead:
     """One READ_IF_FITS over another worker's own streams."""
@@ -80,11 +93,10 @@ class OwnStreamOwners:
         self.listed = self.worker_id in members
         members = [m for m in members if m != self.worker_id]
         pipe = self.client.pipeline(transaction=False)
-        for owner in members:
-            pipe.hgetall(self.keys.worker(owner))
+        for owner in members:  # the fields the fills use, not the whole heartbeat
+            pipe.hmget(self.keys.worker(owner), OWNER_FIELDS)
         beats = pipe.execute() if members else []
-        self.heartbeats = {owner: Heartbeat.decode(raw) if raw else None
-                           for owner, raw in zip(members, beats)}
+        self.heartbeats = {owner: _owner_beat(values) for owner, values in zip(members, beats)}
         for owner, beat in list(self.heartbeats.items()):
             if beat is not None:
                 self._gone_since.pop(owner, None)

@@ -248,6 +248,22 @@ def test_a_fill_probes_the_other_owners_at_once_and_reads_only_where_something_w
     assert thief.owners.with_entries(lone) == lone
 
 
+def test_the_owners_are_read_with_the_fields_their_rules_need(redis_client):
+    """A refresh reads each owner's load and room (HMGET of OWNER_FIELDS, not the whole
+    heartbeat); an owner without a heartbeat reads as gone."""
+    owner, reader = protocol_of(redis_client, "owner"), protocol_of(redis_client, "reader")
+    enqueue(redis_client, owner.keys, "routed", owner="owner")  # its own_queue: 1
+    owner.heartbeat(Heartbeat(MODEL, 0.0, blocks_total=50, blocks_free=7, block_size=BS,
+                              running=3, waiting=2, metrics_url="http://x"), 30)
+    protocol_of(redis_client, "silent")  # listed, never beat
+    reader.owners.refresh()
+    beat_read = reader.owners.heartbeats["owner"]
+    assert (beat_read.model, beat_read.blocks_free, beat_read.block_size, beat_read.running,
+            beat_read.waiting, beat_read.own_queue) == (MODEL, 7, BS, 3, 2, 1)
+    assert beat_read.ts > 0 and beat_read.metrics_url == ""  # not read: not needed
+    assert reader.owners.heartbeats["silent"] is None
+
+
 def test_a_gone_owners_empty_streams_are_dropped_and_busy_ones_kept(redis_client):
     gone, busy = protocol_of(redis_client, "gone"), protocol_of(redis_client, "busy")
     keys = gone.keys
