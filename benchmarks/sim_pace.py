@@ -60,6 +60,7 @@ class PaceRow:
     requests: int
     failed: int
     counts: StepCounts
+    running: int = 0  # streams the workers ran at the window's end (their heartbeats)
 
 
 def best_fixed(rows: list[PaceRow], target_s: float) -> PaceRow | None:

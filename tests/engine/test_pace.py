@@ -311,3 +311,28 @@ def test_the_warm_up_fits_the_curve_and_leaves_nothing_behind(tiny_llama):
     torch.manual_seed(0)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert engine.generate([[5, 6, 7]], params) == [tiny_llama.reference([5, 6, 7], 6)]
+
+
+def test_the_latency_window_p99_is_the_sorted_samples_at_99_percent_within_the_window():
+    """p99: the sorted values' element at index 0.99 n of the samples of the last
+    LATENCY_WINDOW_S (0 with none), recomputed at most every half second."""
+    from kvfleet.worker.engine.core.pace import LATENCY_WINDOW_S, LatencyWindow
+
+    now = [0.0]
+    window = LatencyWindow(clock=lambda: now[0])
+    assert window.p99() == 0.0
+    rng = random.Random(5)
+    for n in (1, 3, 100, 1000):
+        window = LatencyWindow(clock=lambda: now[0])
+        values = [rng.random() for _ in range(n)]
+        for value in values:
+            window.add(value)
+        assert window.p99() == sorted(values)[min(int(0.99 * n), n - 1)]
+    window.add(50.0)  # the largest of 1001: the p99 moves only after half a second
+    held = window.p99()
+    now[0] += 0.6
+    assert window.p99() == sorted(values + [50.0])[int(0.99 * 1001)] and held < 1.0
+    now[0] += LATENCY_WINDOW_S + 1  # every sample outside the window
+    window.add(0.25)
+    now[0] += 0.6
+    assert window.p99() == 0.25
