@@ -59,6 +59,27 @@ COEFFICIENTS = ("base_s", "decode_row_s", "context_token_s", "prefill_token_s",
                 "prefill_context_s", "swap_block_s")
 
 
+def most_that_fit(fits, limit: int = 1 << 16) -> int:
+    """The largest n in [1, limit] with fits(n), for a `fits` true up to some n and false after
+    (doubling, then bisection): 0 when fits(1) is false, `limit` when fits(limit)."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    if high > limit:
+        if fits(limit):
+            return limit
+        high = limit
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 @dataclass(frozen=True)
 class StepCostCurve:
     """Seconds of a worker's step as a function of its work (see the module's docstring)."""
@@ -100,25 +121,7 @@ class StepCostCurve:
             work = StepFeatures.of_decode(n, context_per_stream).plus(reserve)
             return self.turn_seconds(work) <= target_itl_s
 
-        if not fits(1):
-            return 0
-        low, high = 1, 2
-        while high <= limit and fits(high):
-            low, high = high, high * 2
-        if high > limit:
-            return limit if fits(limit) else self._search(fits, low, limit)
-        return self._search(fits, low, high)
-
-    @staticmethod
-    def _search(fits, low: int, high: int) -> int:
-        """The largest n in [low, high) with fits(n), given fits(low) and not fits(high)."""
-        while high - low > 1:
-            middle = (low + high) // 2
-            if fits(middle):
-                low = middle
-            else:
-                high = middle
-        return low
+        return most_that_fit(fits, limit)
 
     def tokens_per_s_at_pace(self, target_itl_s: float, context_per_stream: float) -> float:
         """Output tokens/s of a worker decoding `streams_at_pace` streams (0 when none fit)."""

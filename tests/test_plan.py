@@ -4,6 +4,7 @@ from a config; bad input ends in a one-line error and exit code 2."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -204,3 +205,116 @@ def test_tensor_parallel_without_a_model_and_whole_workers(capsys):
     table = capsys.readouterr().out
     assert "Memory (per rank: a worker is 2 accelerators" in table
     assert "in 724 workers of 2" in table and "Conversations per worker" in table
+
+
+# --step-cost with the prompts: a worker at pace decodes n streams and, at steady state, prefills
+# the prompts of the streams that replace those ending, n x P / O prompt tokens a step on average
+
+# per stream a step: 0.5 ms a row + 1,000 positions x 0.1 µs + 600 / 400 prompt tokens x 0.2 ms
+PREFILL_CURVE = {"base_s": 0.010, "decode_row_s": 0.0005, "context_token_s": 1e-7,
+                 "prefill_token_s": 2e-4, "overhead_s": 0.002, "margin": 1.25, "steps": 300}
+
+
+def curve_file(tmp_path, **coefficients) -> str:
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({**PREFILL_CURVE, **coefficients}))
+    return str(path)
+
+
+def pace_of(capsys, path: str, *argv: str) -> dict:
+    return run_json(capsys, "--step-cost", path, "--target-itl-ms", "50", *argv)["measured_pace"]
+
+
+def test_the_streams_at_pace_count_the_prefill_of_the_prompts_that_replace_ending_streams(
+        tmp_path, capsys):
+    path = curve_file(tmp_path)
+    document = run_json(capsys, "--step-cost", path, "--target-itl-ms", "50",
+                        "--prompt-tokens", "600", "--output-tokens", "400", "--demand", "10000")
+    pace = document["measured_pace"]
+    # the largest s: base + s x row + s x C x ctx + s x (P / O) x p <= target / margin - overhead
+    per_stream = 0.0005 + 1000 * 1e-7 + 600 / 400 * 2e-4
+    streams = math.floor((0.050 / 1.25 - 0.002 - 0.010) / per_stream)
+    assert pace["streams"] == streams == 31  # 0.028 / 0.0009 = 31.1
+    assert pace["streams_decode_only"] == math.floor(0.028 / 0.0006) == 46  # the old figure
+    turn = (0.010 + streams * per_stream + 0.002) * 1.25
+    assert pace["tokens_per_s"] == pytest.approx(streams / turn)
+    assert document["throughput"]["streams_per_gpu"] == 31
+    assert document["throughput"]["gpus_needed"] == math.ceil(10000 / (streams / turn))
+    # the context defaults to prompt + answer: the memory section's too
+    assert pace["context_tokens"] == 1000 and conversations_by_context(document).keys() == {1000}
+    assert (pace["prompt_tokens"], pace["output_tokens"], pace["prefix_share"]) == (600, 400, 0)
+    assert pace["prefill_tokens_per_stream_step"] == pytest.approx(1.5)
+    assert pace["prefill_tokens_per_step"] == pytest.approx(31 * 1.5)
+    assert pace["prefill_share"] == pytest.approx(31 * 1.5 * 2e-4 * 1.25 / turn)
+    assert pace["prefill_source"] == "--prompt-tokens, --output-tokens"
+
+
+def test_without_a_prefill_coefficient_or_prompt_the_decode_only_figures_stay(tmp_path, capsys):
+    from kvfleet.shared.pace import StepCostCurve
+
+    no_prefill = curve_file(tmp_path, prefill_token_s=0.0)
+    curve = StepCostCurve.from_json(json.dumps({**PREFILL_CURVE, "prefill_token_s": 0.0}))
+    for argv in (("--prompt-tokens", "600", "--output-tokens", "400"), ("--context", "1000")):
+        pace = pace_of(capsys, no_prefill, *argv)
+        assert pace["streams"] == pace["streams_decode_only"] == \
+            curve.streams_at_pace(0.050, 1000) == 46
+        assert pace["tokens_per_s"] == curve.tokens_per_s_at_pace(0.050, 1000)  # to the bit
+        assert pace["prefill_share"] == 0
+    # no prompt tokens on a curve with a prefill cost: decode only too
+    pace = pace_of(capsys, curve_file(tmp_path), "--prompt-tokens", "0", "--context", "1000")
+    assert (pace["streams"], pace["output_tokens"]) == (46, 1000)
+
+
+def test_the_prefill_context_counts_each_uncached_prompt_token_against_its_positions(
+        tmp_path, capsys):
+    path = curve_file(tmp_path, context_token_s=0.0, prefill_token_s=0.0, prefill_context_s=1e-7,
+                      overhead_s=0.0, margin=1.0)
+
+    def expected(prompt: int, output: int, share: float) -> int:
+        uncached = prompt * (1 - share)  # after the cached opening of prompt - uncached tokens
+        pairs = uncached * (prompt - uncached) + uncached * (uncached + 1) / 2
+        return math.floor((0.030 - 0.010) / (0.0005 + pairs / output * 1e-7))
+
+    def streams(*argv: str) -> int:
+        return run_json(capsys, "--step-cost", path, "--target-itl-ms", "30",
+                        "--prompt-tokens", "1000", "--output-tokens", "500",
+                        *argv)["measured_pace"]["streams"]
+
+    assert streams() == expected(1000, 500, 0.0) == 33  # 1,001 pairs a stream a step
+    assert streams("--prefix-share", "0.5") == expected(1000, 500, 0.5) == 34  # 750.5 pairs
+    assert streams("--prefix-share", "1") == 40  # every prompt cached: decode only
+
+
+def test_a_missing_prompt_or_answer_length_is_the_rest_of_the_context(tmp_path, capsys):
+    path = curve_file(tmp_path)
+    seed = pace_of(capsys, path, "--context", "2000,8000")  # the longest: 8,000
+    assert (seed["prompt_tokens"], seed["output_tokens"]) == (7500, 500)  # the seed's answers
+    assert "assumed: the seed's 500-token answers" in seed["prefill_source"]
+    assert seed["streams"] < seed["streams_decode_only"]
+    answer = pace_of(capsys, path, "--context", "8000", "--output-tokens", "2000")
+    assert (answer["prompt_tokens"], answer["output_tokens"]) == (6000, 2000)
+    prompt = pace_of(capsys, path, "--context", "8000", "--prompt-tokens", "6000")
+    assert (prompt["prompt_tokens"], prompt["output_tokens"]) == (6000, 2000)
+    assert prompt["streams"] == answer["streams"]
+    short = pace_of(capsys, path, "--context", "300")  # the seed's answer, at most the context
+    assert (short["prompt_tokens"], short["output_tokens"]) == (0, 300)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--context", "8000", "--output-tokens", "9000"), "--output-tokens 9,000 is longer than"),
+    (("--context", "8000", "--prompt-tokens", "8000"), "--prompt-tokens 8,000 leaves no answer"),
+])
+def test_prompt_and_answer_lengths_beyond_the_context_exit_2(tmp_path, capsys, argv, message):
+    assert plan.main(["--step-cost", curve_file(tmp_path), "--target-itl-ms", "50", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+def test_the_report_says_the_prefill_share_it_assumed(tmp_path, capsys):
+    assert plan.main(["--step-cost", curve_file(tmp_path), "--target-itl-ms", "50",
+                      "--prompt-tokens", "600", "--output-tokens", "400"]) == 0
+    table = capsys.readouterr().out
+    assert "600 prompt tokens and 400 output tokens (--prompt-tokens, --output-tokens)" in table
+    # 31 x 1.5 x 0.2 ms of a (10 + 31 x 0.9 + 2) ms step and loop
+    assert "1.5 prompt tokens a stream a step, 46.5 a step: 23% of its turn" in table
+    assert "31 per worker (46 counting the decode steps only)" in table

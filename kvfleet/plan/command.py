@@ -20,7 +20,7 @@ from kvfleet.plan.capacity import (
     make_plan,
 )
 from kvfleet.plan.model_shape import ModelShapeError, load_model_shape
-from kvfleet.plan.pace import MeasuredPace, StepCostError, measure, read_curve
+from kvfleet.plan.pace import MeasuredPace, Prefill, StepCostError, measure, read_curve
 from kvfleet.plan.redis_side import (
     DEFAULT_GATEWAY_EVENTS_PER_S,
     DEFAULT_HEADROOM,
@@ -40,7 +40,13 @@ DEFAULT_NUM_PARAMS = 20e9
 DEFAULT_GPU_TOKENS_PER_S = 2000
 DEFAULT_STREAMS = 32
 DEFAULT_CONTEXTS = [2000, 8000, 16000]
+# the seed's answer: its 2,893,519 output tokens/s over its 500M requests a day (5,787 a second)
+SEED_OUTPUT_TOKENS = 500
 EXIT_USAGE = 2
+
+
+class WorkloadError(ValueError):
+    """--prompt-tokens / --output-tokens that do not fit the context: a usage error."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +88,9 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload and fleet")
     contexts = group.add_mutually_exclusive_group()
     contexts.add_argument("--context", type=arg_types.positive_int_list, default=None,
-                          help="context lengths in tokens, comma-separated "
-                               "(default: 2000,8000,16000)")
+                          help="context lengths in tokens, comma-separated (default: "
+                               "--prompt-tokens + --output-tokens when both are given, else "
+                               "2000,8000,16000)")
     contexts.add_argument("--context-mix", type=arg_types.context_mix, default=None,
                           help="weighted mix TOKENS:WEIGHT,..., e.g. 2000:0.5,8000:0.4,16000:0.1")
     group.add_argument("--demand", type=arg_types.positive_count, default=2893519,
@@ -96,8 +103,17 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                             "; from the curve with --step-cost)")
     group.add_argument("--cost-per-hour", type=arg_types.non_negative_float, default=None,
                        help="$ per accelerator-hour, e.g. 2.5 (default: not priced)")
+    group.add_argument("--prompt-tokens", type=arg_types.non_negative_int, default=None,
+                       help="prompt tokens a request; with --step-cost a worker at pace also "
+                            "prefills the prompts of the streams replacing those that end "
+                            "(default: the context the pace is counted at less --output-tokens)")
+    group.add_argument("--output-tokens", type=arg_types.positive_int, default=None,
+                       help="output (answer) tokens a request (default: the context less "
+                            f"--prompt-tokens when that is given, else the seed's "
+                            f"{SEED_OUTPUT_TOKENS}, at most the context)")
     group.add_argument("--prefix-share", type=arg_types.fraction, default=None,
-                       help="fraction of prompt tokens served from a shared cached opening")
+                       help="fraction of prompt tokens served from a shared cached opening "
+                            "(with --step-cost: not prefilled)")
     group.add_argument("--prefix-prompts", type=arg_types.positive_int, default=1000,
                        help="prompts sharing one opening, for the what-if (default: 1000)")
     group.add_argument("--prefix-tokens", type=arg_types.non_negative_int, default=2000,
@@ -158,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         plan = make_plan(inputs)
     except StepCostError as exc:
         return _fail(f"--step-cost: {exc}")
+    except WorkloadError as exc:
+        return _fail(str(exc))
     except ModelShapeError as exc:
         return _fail(f"--from-model: {exc}")
     except WeightsDoNotFit as exc:
@@ -205,8 +223,36 @@ def measured_pace(args: argparse.Namespace) -> MeasuredPace | None:
     if args.context_mix:
         context = sum(tokens * weight for tokens, weight in args.context_mix)
     else:
-        context = max(args.context or DEFAULT_CONTEXTS)
-    return measure(found, target_itl_ms, context)
+        context = max(_context_list(args))
+    return measure(found, target_itl_ms, context, prefill(args, context))
+
+
+def prefill(args: argparse.Namespace, context: float) -> Prefill:
+    """The prompts a worker at pace prefills: --prompt-tokens and --output-tokens; one left out
+    is the rest of `context` (the context the streams are counted at: a request's prompt and
+    answer), both left out the seed's answer (at most the context) and the rest the prompt;
+    --prefix-share of each prompt comes from the cache."""
+    prompt, output = args.prompt_tokens, args.output_tokens
+    if prompt is not None and output is not None:
+        source = "--prompt-tokens, --output-tokens"
+    elif prompt is not None:
+        output = context - prompt
+        if output < 1:
+            raise WorkloadError(f"--prompt-tokens {prompt:,} leaves no answer in a context of "
+                                f"{context:,.0f} tokens: give --output-tokens")
+        source = "--prompt-tokens; the answer the rest of the context"
+    elif output is not None:
+        if output > context:
+            raise WorkloadError(f"--output-tokens {output:,} is longer than the context of "
+                                f"{context:,.0f} tokens: give --prompt-tokens")
+        prompt = context - output
+        source = "--output-tokens; the prompt the rest of the context"
+    else:
+        output = min(SEED_OUTPUT_TOKENS, context)
+        prompt = context - output
+        source = (f"assumed: the seed's {SEED_OUTPUT_TOKENS}-token answers, the prompt the rest "
+                  "of the context; give --prompt-tokens and --output-tokens")
+    return Prefill(prompt, output, args.prefix_share or 0.0, source)
 
 
 def plan_inputs(args: argparse.Namespace, pace: MeasuredPace | None = None) -> PlanInputs:
@@ -277,7 +323,17 @@ def _kv_size(args: argparse.Namespace) -> tuple[int, str, int | None]:
 def _contexts(args: argparse.Namespace) -> tuple[tuple[int, float | None], ...]:
     if args.context_mix:
         return tuple((tokens, weight) for tokens, weight in args.context_mix)
-    return tuple((tokens, None) for tokens in args.context or DEFAULT_CONTEXTS)
+    return tuple((tokens, None) for tokens in _context_list(args))
+
+
+def _context_list(args: argparse.Namespace) -> list[int]:
+    """--context; without it a request's prompt and answer when both are given, else the
+    seed's contexts."""
+    if args.context:
+        return args.context
+    if args.prompt_tokens is not None and args.output_tokens is not None:
+        return [args.prompt_tokens + args.output_tokens]
+    return DEFAULT_CONTEXTS
 
 
 def _fail(message: str) -> int:

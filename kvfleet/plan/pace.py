@@ -3,9 +3,21 @@ step-cost curve (shared/pace.py) instead of the `--streams` and `--gpu-tokens-pe
 
 The curve comes from a JSON file (what a heartbeat's `step_cost` field holds, e.g. saved with
 `redis-cli HGET kvf:worker:<id> step_cost`) or straight from a fleet's Redis: the named worker's
-live heartbeat, else the first (by id) of the model's workers with a fitted curve. A worker
-decodes `curve.streams_at_pace(target, context)` streams while every turn stays within the target
-ITL, at `curve.tokens_per_s_at_pace(...)` output tokens/s: the plan sizes the fleet from those.
+live heartbeat, else the first (by id) of the model's workers with a fitted curve.
+
+A worker at pace decodes n streams and, at steady state, prefills the prompts of the streams that
+replace those ending: a stream decodes for O steps (its answer) and needs its prompt's P tokens
+prefilled once (only the uncached U = P x (1 - prefix share), the cached opening first), so a
+step carries on average n x U / O prefill tokens and n x (U x (P - U) + U (U + 1) / 2) / O
+prefill-context pairs. The streams at pace are the most n whose turn keeps the target ITL:
+
+    (base + n x (decode_row + C x context_token + U/O x prefill_token
+                 + (U (P - U) + U (U + 1) / 2) / O x prefill_context) + overhead) x margin
+        <= target
+
+(C: the context the streams are counted at), at n / turn output tokens/s: the plan sizes the
+fleet from those. With P = 0 (or a curve without prefill coefficients) it is the decode-only
+`curve.streams_at_pace(target, C)`.
 """
 
 from __future__ import annotations
@@ -15,13 +27,14 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from kvfleet.shared.pace import StepCostCurve, StepFeatures
+from kvfleet.shared.pace import StepCostCurve, StepFeatures, most_that_fit
 from kvfleet.shared.redis_connect import connect
 from kvfleet.shared.wire import Heartbeat, Keys
 from kvfleet.shared.wire.records import text
 
 REDIS_SCHEMES = ("redis://", "rediss://")
 REDIS_TIMEOUT_S = 5.0
+STREAMS_LIMIT = 1 << 16  # shared/pace.py's: the most streams counted
 
 
 class StepCostError(ValueError):
@@ -38,6 +51,74 @@ class CurveSource:
 
 
 @dataclass(frozen=True)
+class Prefill:
+    """The prompts a worker at pace prefills besides decoding: every stream that ends, after
+    `output_tokens` steps, is replaced by one whose prompt of `prompt_tokens` is prefilled, the
+    uncached part only (a `prefix_share` of it comes from the prefix cache, its opening)."""
+
+    prompt_tokens: float
+    output_tokens: float
+    prefix_share: float = 0.0
+    source: str = ""  # where the lengths came from, for the report
+
+    @property
+    def uncached_tokens(self) -> float:
+        """Prompt tokens prefilled a request: the part after the cached opening."""
+        return self.prompt_tokens * (1.0 - self.prefix_share)
+
+    @property
+    def tokens_per_stream(self) -> float:
+        """Prefill tokens a step carries for each stream decoding, on average (U / O)."""
+        return self.uncached_tokens / self.output_tokens
+
+    @property
+    def context_per_stream(self) -> float:
+        """Prefill-context pairs (a prefill token x the positions it attends to) a step carries
+        for each stream decoding, on average: a prompt's uncached U tokens after its cached
+        P - U, as `StepFeatures.of_prefill(U, P - U)` counts them, over O steps."""
+        uncached = self.uncached_tokens
+        cached = self.prompt_tokens - uncached
+        return (uncached * cached + uncached * (uncached + 1) / 2) / self.output_tokens
+
+    def seconds_per_stream(self, curve: StepCostCurve) -> float:
+        """The step time each decoding stream's share of the prefill adds on `curve`."""
+        if self.uncached_tokens <= 0:
+            return 0.0
+        return (curve.prefill_token_s * self.tokens_per_stream
+                + curve.prefill_context_s * self.context_per_stream)
+
+    def as_json(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "prefix_share": self.prefix_share, "uncached_prompt_tokens": self.uncached_tokens,
+                "prefill_tokens_per_stream_step": self.tokens_per_stream,
+                "prefill_context_per_stream_step": self.context_per_stream,
+                "prefill_source": self.source}
+
+
+NO_PREFILL = Prefill(0, 1, source="not counted")
+
+
+def turn_seconds(curve: StepCostCurve, streams: int, context_tokens: float,
+                 prefill: Prefill = NO_PREFILL) -> float:
+    """A turn of `streams` streams of `context_tokens` positions and their share of the prefill
+    at steady state, overhead and margin in (with no prefill: `curve.turn_seconds` of the
+    decode step, to the last bit)."""
+    step = curve.step_seconds(StepFeatures.of_decode(streams, context_tokens))
+    return (step + streams * prefill.seconds_per_stream(curve) + curve.overhead_s) * curve.margin
+
+
+def streams_at_pace(curve: StepCostCurve, target_itl_s: float, context_tokens: float,
+                    prefill: Prefill = NO_PREFILL, limit: int = STREAMS_LIMIT) -> int:
+    """The most streams whose turn (`turn_seconds`, prefill in) stays within `target_itl_s`:
+    0 when not one fits, `limit` when the turn does not grow with streams
+    (`StepCostCurve.streams_at_pace`'s search, with the prefill)."""
+    def fits(n: int) -> bool:
+        return turn_seconds(curve, n, context_tokens, prefill) <= target_itl_s
+
+    return most_that_fit(fits, limit)
+
+
+@dataclass(frozen=True)
 class MeasuredPace:
     """What the curve says one worker serves at the target: the plan's throughput inputs."""
 
@@ -47,11 +128,30 @@ class MeasuredPace:
     streams: int
     tokens_per_s: float
     curve: StepCostCurve
+    prefill: Prefill = NO_PREFILL
+    streams_decode_only: int = 0  # the streams at pace were the prefill not counted
+
+    @property
+    def prefill_tokens_per_step(self) -> float:
+        """Prefill tokens a step of the streams at pace carries, on average."""
+        return self.streams * self.prefill.tokens_per_stream
+
+    @property
+    def prefill_share(self) -> float:
+        """The share of a turn at pace the prefill takes (0: none counted)."""
+        turn = turn_seconds(self.curve, self.streams, self.context_tokens, self.prefill)
+        if turn <= 0:
+            return 0.0
+        return self.streams * self.prefill.seconds_per_stream(self.curve) * self.curve.margin / turn
 
     def as_json(self) -> dict:
         return {"source": self.source, "target_itl_ms": self.target_itl_ms,
                 "context_tokens": self.context_tokens, "streams": self.streams,
-                "tokens_per_s": self.tokens_per_s, "curve_steps": self.curve.steps}
+                "tokens_per_s": self.tokens_per_s, "curve_steps": self.curve.steps,
+                **self.prefill.as_json(),
+                "prefill_tokens_per_step": self.prefill_tokens_per_step,
+                "prefill_share": self.prefill_share,
+                "streams_decode_only": self.streams_decode_only}
 
 
 def read_curve(source: str, *, model: str | None = None, worker: str | None = None,
@@ -64,19 +164,26 @@ def read_curve(source: str, *, model: str | None = None, worker: str | None = No
     return _read_file(source)
 
 
-def measure(found: CurveSource, target_itl_ms: float, context_tokens: float) -> MeasuredPace:
+def measure(found: CurveSource, target_itl_ms: float, context_tokens: float,
+            prefill: Prefill = NO_PREFILL) -> MeasuredPace:
     """Streams and tokens/s one worker keeps at `target_itl_ms` with streams of
-    `context_tokens` positions; StepCostError when not one stream fits."""
+    `context_tokens` positions and their share of `prefill`; StepCostError when not one stream
+    fits."""
     target_s = target_itl_ms / 1000.0
-    streams = found.curve.streams_at_pace(target_s, context_tokens)
+    curve = found.curve
+    streams = streams_at_pace(curve, target_s, context_tokens, prefill)
     if streams == 0:
-        fastest_ms = found.curve.turn_seconds(StepFeatures.of_decode(1, context_tokens)) * 1000
+        fastest_ms = turn_seconds(curve, 1, context_tokens, prefill) * 1000
+        with_prompts = (f" (with its share of the prefill of {prefill.uncached_tokens:,.0f}-token "
+                        f"prompts for {prefill.output_tokens:,.0f}-token answers)"
+                        if prefill.seconds_per_stream(curve) > 0 else "")
         raise StepCostError(
             f"a target ITL of {target_itl_ms:g} ms fits not one stream of "
-            f"{context_tokens:,.0f} tokens: one stream's turn takes {fastest_ms:.1f} ms on the "
-            f"curve of {found.source}")
-    return MeasuredPace(found.source, target_itl_ms, context_tokens, streams,
-                        found.curve.tokens_per_s_at_pace(target_s, context_tokens), found.curve)
+            f"{context_tokens:,.0f} tokens: one stream's turn takes {fastest_ms:.1f} ms"
+            f"{with_prompts} on the curve of {found.source}")
+    tokens_per_s = streams / turn_seconds(curve, streams, context_tokens, prefill)
+    return MeasuredPace(found.source, target_itl_ms, context_tokens, streams, tokens_per_s, curve,
+                        prefill, streams_at_pace(curve, target_s, context_tokens))
 
 
 def _read_file(path: str) -> CurveSource:

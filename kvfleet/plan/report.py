@@ -90,10 +90,29 @@ def _pace_lines(pace: MeasuredPace | None) -> list[str]:
         _row("curve", f"{pace.source} ({pace.curve.steps:,} steps fitted)"),
         _row("target ITL", f"{format_number(pace.target_itl_ms)} ms p99, streams of "
                            f"{format_number(pace.context_tokens, 0)} tokens"),
-        _row("streams at pace", f"{pace.streams:,} per worker"),
+        *_prefill_rows(pace),
+        _row("streams at pace", f"{pace.streams:,} per worker"
+             + (f" ({pace.streams_decode_only:,} counting the decode steps only)"
+                if pace.streams_decode_only != pace.streams else "")),
         _row("tokens/s at pace", f"{format_number(pace.tokens_per_s)} per worker"),
         "",
     ]
+
+
+def _prefill_rows(pace: MeasuredPace) -> list[str]:
+    """The prefill share the streams at pace were counted with: each stream that ends is
+    replaced by one whose prompt is prefilled, so a step carries U / O prompt tokens a stream."""
+    p = pace.prefill
+    cached = (f" ({format_number(p.uncached_tokens, 0)} uncached)" if p.prefix_share else "")
+    prompts = _row("request", f"{format_number(p.prompt_tokens, 0)} prompt tokens{cached} and "
+                              f"{format_number(p.output_tokens, 0)} output tokens ({p.source})")
+    if p.uncached_tokens <= 0:
+        return [prompts, _row("prefill at pace", "none counted (no uncached prompt tokens)")]
+    free = "" if p.seconds_per_stream(pace.curve) > 0 else " (the curve gives prefill no cost)"
+    return [prompts, _row("prefill at pace",
+                          f"{format_number(p.tokens_per_stream)} prompt tokens a stream a step, "
+                          f"{format_number(pace.prefill_tokens_per_step)} a step: "
+                          f"{pace.prefill_share:.0%} of its turn{free}")]
 
 
 def _throughput_lines(plan: Plan) -> list[str]:
