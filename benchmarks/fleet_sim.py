@@ -64,6 +64,7 @@ from benchmarks.fleet_sim_trace import (QUERY_MODES, BeatCounters, RunRow, TimeS
                                         published_table, summarise, table, target_lines,
                                         trace_requests, warmup_requests)
 from benchmarks.fleet_sim_dynamo import ROUTER_MODES, SERVED_NAME, DynamoFleet, dynamo_python
+from benchmarks.sim_fleet import stop_fleets_on_sigterm
 from benchmarks.http_peers import stop_session, wait_first_answer
 from benchmarks.peer_env import dropped_line, peer_env
 from kvfleet.bench.client import BenchTarget, RequestRecord
@@ -297,6 +298,7 @@ def main(argv=None) -> int:
     dynamo = (f"{found}: {DYNAMO_NOTE}" if python is not None else
               f"not run: {found}. Installing it here: benchmarks/fleet_sim_dynamo.py")
     print(f"# NVIDIA Dynamo (mocker + KV router): {dynamo}", flush=True)
+    stop_fleets_on_sigterm()  # a killed run stops its fleets (run_routing's finally)
     redis_server = EmbeddedRedis(port=free_port()).start()
     rows: list[RunRow] = []
     try:

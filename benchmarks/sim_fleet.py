@@ -6,8 +6,10 @@ signal; the workers' heartbeats and their played and lagged steps."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +64,15 @@ def kvfleet(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvfleet", *args]
 
 
+
+def stop_fleets_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a CI job's cancel) ends a benchmark as Ctrl-C does, so that its
+    `finally` blocks and context managers stop the fleets it started rather than leave their
+    processes running (Python's default for SIGTERM runs none of them)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 class SimFleet:
     """`commands` (named, in order) on a fresh embedded Redis; `env` added to this process's."""
 
@@ -78,6 +89,7 @@ class SimFleet:
         self.client = redis.Redis.from_url(self.redis_server.url)
 
     def __enter__(self) -> SimFleet:
+        stop_fleets_on_sigterm()
         return self
 
     def __exit__(self, *exc) -> None:
