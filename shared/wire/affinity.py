@@ -199,6 +199,14 @@ local function group_state(stream, group)
   end
   return nil
 end
+
+-- whether an existing stream holds an entry after its group's last-delivered id
+local function has_undelivered(stream, state)
+  local last = state['last-delivered-id']
+  local start = '-'
+  if last ~= '0-0' then start = '(' .. last end
+  return #redis.call('XRANGE', stream, start, '+', 'COUNT', 1) > 0
+end
 """
 
 DROP_OWN_STREAMS = LuaScript.build(
@@ -214,12 +222,8 @@ for _, stream in ipairs(KEYS) do
     local group = group_state(stream, ARGV[1])
     if group == nil then
       if redis.call('XLEN', stream) > 0 then return 0 end
-    else
-      if tonumber(group['pending']) > 0 then return 0 end
-      local last = group['last-delivered-id']
-      local start = '-'
-      if last ~= '0-0' then start = '(' .. last end
-      if #redis.call('XRANGE', stream, start, '+', 'COUNT', 1) > 0 then return 0 end
+    elseif tonumber(group['pending']) > 0 or has_undelivered(stream, group) then
+      return 0
     end
   end
 end
@@ -238,12 +242,7 @@ OWN_STREAMS_WAITING = LuaScript.build(
 for _, stream in ipairs(KEYS) do
   if redis.call('EXISTS', stream) == 1 then
     local group = group_state(stream, ARGV[1])
-    if group ~= nil then
-      local last = group['last-delivered-id']
-      local start = '-'
-      if last ~= '0-0' then start = '(' .. last end
-      if #redis.call('XRANGE', stream, start, '+', 'COUNT', 1) > 0 then return 1 end
-    end
+    if group ~= nil and has_undelivered(stream, group) then return 1 end
   end
 end
 return 0
