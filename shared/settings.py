@@ -379,6 +379,17 @@ class WorkerSettings(EngineSettings):
     handoff_lease_s: float = Field(10.0, gt=0, description=(
         "how long a source keeps a handed-off stream's KV for its taker: a taker that has not "
         "fenced the stream by then loses it, and the source continues it itself"))
+    kv_peer_fetch: bool = Field(True, description=(
+        "`--routing affinity`: a request whose prompt opening another live worker of the same "
+        "numerics holds beyond this worker's cache (in its pool or host tier) takes those KV "
+        "blocks over the transfer plane instead of computing them, when the estimate (bytes "
+        "over the measured wire rate against the fitted prefill cost) says fetching is faster; "
+        "requests sharing a prefix share one fetch; a failed or late fetch falls back to "
+        "computing it (docs/OPERATIONS.md, \"Prefixes fetched from peers\"). Needs the "
+        "transfer plane (--handoff-port not -1)"))
+    kv_peer_fetch_min_tokens: int = Field(64, ge=1, description=(
+        "--kv-peer-fetch: fetch only when a peer holds at least this many more prompt tokens "
+        "than this worker's cache"))
 
     # A simulated worker (worker/sim/): the real worker with the model's forward pass replaced
     # by a cost model (docs/OPERATIONS.md, "A simulated fleet")

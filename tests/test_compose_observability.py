@@ -49,6 +49,9 @@ COVERAGE = {
                              "kvfleet_worker_handoff_fallbacks_total",
                              "kvfleet_worker_takeovers_total"},
     "the host tier's hits by tier": {"kvfleet_worker_prefix_cache_tier_hit_tokens_total"},
+    "prefixes fetched from peers": {"kvfleet_worker_kv_peer_fetches_total",
+                                    "kvfleet_worker_kv_peer_fetched_blocks_total",
+                                    "kvfleet_worker_kv_peer_served_blocks_total"},
 }
 
 

@@ -44,6 +44,7 @@ class FakeStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
     prefix_host_hit_tokens: int = 0
+    prefix_peer_hit_tokens: int = 0
     kv_offload_capacity_bytes: int = 0
     kv_offload_used_bytes: int = 0
     kv_offloaded_blocks: int = 0
@@ -84,6 +85,30 @@ def test_host_tier_counts_hits_by_tier_and_its_blocks():
     assert value(metrics, "kvfleet_worker_kv_offload_restored_blocks_total") == 10
     assert value(metrics, "kvfleet_worker_kv_offload_used_bytes") == 8192
     assert value(metrics, "kvfleet_worker_kv_offload_capacity_bytes") == 1 << 20
+
+
+def test_peer_hits_are_their_own_tier_and_fetches_count_by_outcome():
+    metrics = WorkerMetrics("w1", "tiny", clock=FakeClock())
+    tier_hits = "kvfleet_worker_prefix_cache_tier_hit_tokens_total"
+    metrics.update_stats(FakeStats(prefix_hit_tokens=96, prefix_host_hit_tokens=16,
+                                   prefix_peer_hit_tokens=64))
+    assert value(metrics, tier_hits, tier="peer") == 64
+    assert value(metrics, tier_hits, tier="host") == 16
+    assert value(metrics, tier_hits, tier="device") == 16  # the rest
+    fetches = "kvfleet_worker_kv_peer_fetches_total"
+    for outcome in ("fetched", "joined", "slower", "failed", "late", "incompatible"):
+        assert value(metrics, fetches, outcome=outcome) == 0  # listed before any happens
+    metrics.tier.peer_fetch("fetched", 4, 4096, 0.05, saved_s=0.2)
+    metrics.tier.peer_fetch("joined")
+    metrics.tier.peer_fetch("late")
+    metrics.tier.peer_fetch("fetched", 2, 2048, 0.5, saved_s=-0.1)  # slower than estimated
+    assert value(metrics, fetches, outcome="fetched") == 2
+    assert value(metrics, fetches, outcome="joined") == 1
+    assert value(metrics, fetches, outcome="late") == 1
+    assert value(metrics, "kvfleet_worker_kv_peer_fetched_blocks_total") == 6
+    assert value(metrics, "kvfleet_worker_kv_peer_fetched_bytes_total") == 6144
+    assert value(metrics, "kvfleet_worker_kv_peer_fetch_saved_seconds_total") == pytest.approx(0.2)
+    assert value(metrics, "kvfleet_worker_kv_peer_fetch_seconds_count") == 2
 
 
 class FakeClock:

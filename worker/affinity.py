@@ -8,6 +8,8 @@ routing"), beside `WorkerProtocol`, which uses it:
   first (`with_entries`: OWN_STREAMS_WAITING in one pipelined round trip), so a fill costs a
   READ_IF_FITS round trip only per owner whose streams hold something: with N workers each
   reading the N - 1 others, N^2 round trips a steal period became N.
+- `prefix_holders`: the other live workers holding more of a prompt's opening than this one,
+  with their transfer planes and numerics (a peer fetch's candidates, worker/handoff/peer_prefixes.py).
 - `resume_min_idle_ms`: how long an orphaned entry must have been idle before this worker claims
   it: the heartbeat TTL when this worker holds at least as much of its prompt as any other live
   announcing worker, else `prefer_ms` longer (the best holder claims it first).
@@ -212,3 +214,45 @@ def undelivered_entries(client: redis.Redis, streams: list[str], group: str) -> 
             last = text(state.get("last-delivered-id")) or "0-0"
             total += len(client.xrange(stream, min=f"({last}" if last != "0-0" else "-"))
     return total
+
+
+# The heartbeat fields a peer fetch reads of a prefix's holders (worker/handoff/peer_prefixes.py)
+HOLDER_FIELDS = ("handoff_addr", "numerics", "draining")
+
+
+@dataclass(frozen=True)
+class PrefixHolder:
+    """Another live worker holding a prompt's leading blocks, as a peer fetch needs it."""
+
+    worker_id: str
+    num_blocks: int  # leading blocks of the prompt it announced holding, in either tier
+    addr: str  # its transfer plane ("" = none)
+    numerics: str  # its numerics fingerprint
+    draining: bool
+
+
+def prefix_holders(client: redis.Redis, prefix_match, keys: Keys, model: str, worker_id: str,
+                   hashes: list[BlockHash], min_blocks: int, ttl_ms: int) -> list[PrefixHolder]:
+    """The other live announcing workers (listed in `Keys.kv_workers` within `ttl_ms`) holding
+    more than `min_blocks` leading blocks of `hashes`, most first, with their transfer planes
+    and numerics: three round trips (the list, PREFIX_MATCH over it, the holders' heartbeat
+    fields). `prefix_match`: PREFIX_MATCH registered on `client`."""
+    listed = client.zrangebyscore(keys.kv_workers(model), time.time() * 1000 - ttl_ms, "+inf")
+    others = [w for w in (text(m) for m in listed) if w != worker_id]
+    if not others or not hashes:
+        return []
+    call = affinity.prefix_match(keys, model, others, pack_ids(hashes))
+    counts = [int(n) for n in prefix_match(keys=call.keys, args=call.args)]
+    ranked = sorted(((n, w) for w, n in zip(others, counts) if n > min_blocks), reverse=True)
+    if not ranked:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for _, holder in ranked:
+        pipe.hmget(keys.worker(holder), HOLDER_FIELDS)
+    holders = []
+    for (count, holder), (addr, numerics, draining) in zip(ranked, pipe.execute()):
+        if addr is None and numerics is None:  # its heartbeat is gone
+            continue
+        holders.append(PrefixHolder(holder, count, text(addr), text(numerics),
+                                    text(draining) not in ("", "0")))
+    return holders

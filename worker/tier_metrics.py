@@ -1,13 +1,20 @@
-"""Prometheus metrics of a worker's host tier of the prefix cache (`--kv-offloading-size`,
-worker/engine/tiers/offloading.py), on the worker's registry (metrics.py `WorkerMetrics.tier`): hits by
-tier, blocks offloaded, dropped from the tier and brought back, the tier's bytes. All zeros while
-the tier is off."""
+"""Prometheus metrics of a worker's tiers of the prefix cache beyond its KV pool, on the worker's
+registry (metrics.py `WorkerMetrics.tier`): hits by tier (device, host, peer), the host tier's
+blocks offloaded, dropped and brought back and its bytes (`--kv-offloading-size`,
+worker/engine/tiers/offloading.py; zeros while off), and prefixes fetched from peers
+(`--kv-peer-fetch`, worker/handoff/peer_prefixes.py): decisions by outcome, blocks and bytes, time taken
+and the prefill time they saved, blocks served to peers."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# what a prefix that another worker holds came to (worker/handoff/peer_prefixes.py): fetched; joined a
+# fetch of the same prefix in progress; recomputed because the estimate said so (slower), the
+# fetch failed or was refused, came too late, or brought blocks of another layout
+PEER_OUTCOMES = ("fetched", "joined", "slower", "failed", "late", "incompatible")
 
 
 class TierStats(Protocol):
@@ -15,6 +22,7 @@ class TierStats(Protocol):
 
     prefix_hit_tokens: int
     prefix_host_hit_tokens: int
+    prefix_peer_hit_tokens: int
     kv_offload_capacity_bytes: int
     kv_offload_used_bytes: int
     kv_offloaded_blocks: int
@@ -31,10 +39,11 @@ class TierMetrics:
         self._labels = labels
         self._hits = Counter(
             p + "prefix_cache_tier_hit_tokens", "Prompt tokens found in the prefix cache, by "
-            "tier: device (in the KV pool) or host (brought back from the host tier, "
-            "--kv-offloading-size); their sum is prefix_cache_hit_tokens.",
+            "tier: device (in the KV pool), host (brought back from the host tier, "
+            "--kv-offloading-size) or peer (fetched from another worker, --kv-peer-fetch); their "
+            "sum is prefix_cache_hit_tokens.",
             label_names + ("tier",), registry=registry)
-        self._device_hits, self._host_hits = delta(), delta()
+        self._device_hits, self._host_hits, self._peer_hits = delta(), delta(), delta()
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(p + name, doc, label_names, registry=registry).labels(**labels)
@@ -52,12 +61,43 @@ class TierMetrics:
         self.capacity = gauge("kv_offload_capacity_bytes", "The host tier's size "
                               "(--kv-offloading-size; 0: off).")
         self._offloaded, self._evicted, self._restored = delta(), delta(), delta()
+        self._fetches = Counter(
+            p + "kv_peer_fetches", "Admitted requests whose prompt opening another live worker "
+            "held beyond this one's cache, by outcome: fetched, joined (a fetch of it in "
+            "progress), slower (recomputed: fetching was estimated slower), failed, late, "
+            "incompatible (recomputed after trying).", label_names + ("outcome",),
+            registry=registry)
+        for outcome in PEER_OUTCOMES:
+            self._fetches.labels(**labels, outcome=outcome)
+        self.fetched_blocks = counter("kv_peer_fetched_blocks", "KV blocks fetched from peers "
+                                      "and installed in this worker's prefix cache.")
+        self.fetched_bytes = counter("kv_peer_fetched_bytes", "KV bytes fetched from peers.")
+        self.saved_seconds = counter("kv_peer_fetch_saved_seconds", "Prefill seconds the "
+                                     "fetches saved: the estimated time to compute their blocks "
+                                     "less the time the fetches took.")
+        self.served_blocks = counter("kv_peer_served_blocks", "KV blocks this worker sent to "
+                                     "peers that asked for a prefix.")
+        self.fetch_time = Histogram(
+            p + "kv_peer_fetch_seconds", "Time from deciding to fetch a prefix to its blocks in "
+            "the prefix cache.", label_names, registry=registry,
+            buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)).labels(**labels)
+
+    def peer_fetch(self, outcome: str, num_blocks: int = 0, num_bytes: int = 0,
+                   seconds: float | None = None, saved_s: float = 0.0) -> None:
+        self._fetches.labels(**self._labels, outcome=outcome).inc()
+        if outcome == "fetched":
+            self.fetched_blocks.inc(num_blocks)
+            self.fetched_bytes.inc(num_bytes)
+            self.saved_seconds.inc(max(0.0, saved_s))
+            if seconds is not None:
+                self.fetch_time.observe(seconds)
 
     def update(self, stats: TierStats) -> None:
-        host = stats.prefix_host_hit_tokens
+        host, peer = stats.prefix_host_hit_tokens, stats.prefix_peer_hit_tokens
         self._hits.labels(**self._labels, tier="device").inc(
-            self._device_hits.step(stats.prefix_hit_tokens - host))
+            self._device_hits.step(stats.prefix_hit_tokens - host - peer))
         self._hits.labels(**self._labels, tier="host").inc(self._host_hits.step(host))
+        self._hits.labels(**self._labels, tier="peer").inc(self._peer_hits.step(peer))
         self.offloaded.inc(self._offloaded.step(stats.kv_offloaded_blocks))
         self.evicted.inc(self._evicted.step(stats.kv_offload_evicted_blocks))
         self.restored.inc(self._restored.step(stats.kv_offload_restored_blocks))

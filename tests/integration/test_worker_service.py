@@ -46,7 +46,10 @@ class Client:
         self.events: dict[str, list[TokenEvent]] = {}
 
     def send(self, prompt, params: SamplingParams, deadline: float | None = None,
-             req_id: str | None = None, created: float = 0.0, traceparent: str = "") -> str:
+             req_id: str | None = None, created: float = 0.0, traceparent: str = "",
+             worker_id: str = "") -> str:
+        """Enqueue on the model's shared streams, or on `worker_id`'s own stream as the router
+        sends a request there (with no cached tokens expected)."""
         req_id = req_id or f"r-{uuid.uuid4().hex[:8]}"
         if self.pubsub is None:
             self.pubsub = subscribe(self.redis, self.keys.tokens(req_id))
@@ -57,7 +60,7 @@ class Client:
         request = GenerationRequest(req_id, MODEL, prompt, params, deadline=deadline,
                                     created=created, traceparent=traceparent)
         self.redis.hset(self.keys.request(req_id), mapping=RequestRecord(request).encode())
-        stream, fields = scripts.queue_entry(self.keys, request)
+        stream, fields = scripts.queue_entry(self.keys, request, worker_id)
         self.redis.xadd(stream, fields)
         self.events[req_id] = []
         return req_id

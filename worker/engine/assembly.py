@@ -37,6 +37,7 @@ from kvfleet.worker.engine.core.model_runner import ModelRunner
 from kvfleet.worker.engine.moves import SequenceMoves
 from kvfleet.worker.engine.model.numerics import Numerics, engine_numerics
 from kvfleet.worker.engine.tiers.offloading import HostTier, Offloading
+from kvfleet.worker.engine.tiers.prefix_copies import PrefixCopies
 from kvfleet.worker.engine.core.pace import Pace
 from kvfleet.worker.engine.pacing import Pacing
 from kvfleet.worker.engine.core.preemption import PreemptionCostModel, SwapSpace
@@ -84,6 +85,7 @@ class EngineParts:
     features: Features
     moves: SequenceMoves  # its sequences out to and in from other engines (handoffs)
     tier: HostTier | None  # the host tier of evicted prefix blocks (`--kv-offloading-size`)
+    prefixes: PrefixCopies  # prefix blocks out to and in from peers' caches
 
 
 def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: RankGroup | None,
@@ -169,7 +171,8 @@ def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: Ran
     return EngineParts(config, ranks, device, dtype, max_model_len, layout.kv_format, backend,
                        budget, pool, block_manager, swap_space, preemption, swapped, pace,
                        scheduler, Sampler(eos), constrained, prepared, prepared.module, gap,
-                       numerics, runner, lora, speculation, registered, moves, tier)
+                       numerics, runner, lora, speculation, registered, moves, tier,
+                       PrefixCopies(pool, block_manager, tier, moves.layout, moves.gap))
 
 
 def _host_tier(cache: CacheConfig, pool: KVCachePool) -> HostTier | None:

@@ -46,6 +46,7 @@ class EngineStats:
     spec_accepted_per_position: tuple[int, ...] = ()  # [i]: proposals i + 1 accepted
     # the host tier of evicted prefix blocks (offloading.py; zeros when off)
     prefix_host_hit_tokens: int = 0  # of prefix_hit_tokens, those brought back from the tier
+    prefix_peer_hit_tokens: int = 0  # of prefix_hit_tokens, those installed from a peer
     kv_offload_capacity_bytes: int = 0
     kv_offload_used_bytes: int = 0
     kv_offloaded_blocks: int = 0  # blocks copied into the tier
@@ -68,6 +69,7 @@ def engine_stats(bm: BlockManager, sched: Scheduler, runner: ModelRunner, swap_u
         num_running=len(sched.running), num_waiting=len(sched.waiting),
         num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queried_tokens,
         prefix_hit_tokens=bm.prefix_hit_tokens, prefix_host_hit_tokens=bm.prefix_host_hit_tokens,
+        prefix_peer_hit_tokens=bm.prefix_peer_hit_tokens,
         num_cached_blocks=bm.num_cached_blocks,
         num_generated_tokens=sched.num_generated_tokens,
         num_prefill_tokens_computed=sched.num_prefill_tokens_computed,

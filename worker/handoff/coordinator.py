@@ -24,6 +24,7 @@ from kvfleet.shared.settings import WorkerSettings
 from kvfleet.shared.wire.handoff import HandoffOffer, new_handoff_id
 from kvfleet.worker.engine.engine import Engine
 from kvfleet.worker.engine.core.handoff import HandoffError, SequenceState
+from kvfleet.worker.handoff.peer_prefixes import PREFIX_ID
 from kvfleet.worker.handoff.protocol import HandoffProtocol
 from kvfleet.worker.handoff.transfer import Outgoing, TransferError, TransferPlane
 from kvfleet.worker.inflight import Inflight, InflightTable, StreamCalls
@@ -87,6 +88,8 @@ class Handoffs:
         self._serial = itertools.count()
         self._offers_read_at = 0.0
         self._fetchers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-fetch")
+        # a peer's ask for prefix blocks (worker/handoff/peer_prefixes.py), answered between two steps
+        self.prefix_provider: Callable[[str], Outgoing | None] | None = None
         self.addr = plane.start(self._provide) if plane is not None else ""
 
     @property
@@ -156,7 +159,8 @@ class Handoffs:
             return None
 
     def serve_asks(self) -> None:
-        """Between two steps: hand over every stream a taker asked for."""
+        """Between two steps: hand over every stream a taker asked for, copy every prefix a
+        peer asked for."""
         while True:
             try:
                 ask = self._asks.get_nowait()
@@ -166,7 +170,11 @@ class Handoffs:
                 if ask.abandoned:
                     continue
                 try:
-                    ask.reply = self._hand_over(ask.handoff_id)
+                    if ask.handoff_id.startswith(PREFIX_ID):
+                        provide = self.prefix_provider
+                        ask.reply = None if provide is None else provide(ask.handoff_id)
+                    else:
+                        ask.reply = self._hand_over(ask.handoff_id)
                 finally:
                     ask.done.set()
 

@@ -34,7 +34,11 @@ _REQUEST = struct.Struct("!4sBH")  # magic, version, id length
 _REPLY = struct.Struct("!4sBBIQ")  # magic, version, status, header length, payload length
 OK, GONE, FAILED = 0, 1, 2
 _STATUS_WORDS = {GONE: "gone", FAILED: "failed"}
-MAX_ID_BYTES = 1024  # handoff ids are short (`req_id@worker_id#serial`)
+# a handoff id is short (`req_id@worker_id#serial`); a prefix's lists its blocks' hashes
+# (worker/handoff/peer_prefixes.py): up to the length field's limit. A plane older than prefix fetches
+# took at most 1,024 bytes and closes the connection on a longer id: the fetch fails, the asker
+# computes the prefix
+MAX_ID_BYTES = 0xFFFF
 MAX_HEADER_BYTES = 64 << 20  # a header is a few MB at most: a longer one is a garbled reply
 SOCKET_BUFFER_BYTES = 4 << 20
 # The source sends its payload this much at a time: the idle timeout bounds each piece, so a
@@ -89,8 +93,8 @@ class TransferPlane(Protocol):
     hosts."""
 
     def start(self, provide: Callable[[str], Outgoing | None]) -> str:
-        """Serve handoffs, `provide(handoff_id)` giving each one's bytes (None: gone); returns
-        the advertised "host:port"."""
+        """Serve handoffs and prefixes, `provide(id)` giving each one's bytes (None: gone);
+        returns the advertised "host:port"."""
         ...
 
     def fetch(self, addr: str, handoff_id: str, timeout_s: float) -> tuple[bytes, memoryview]:
@@ -240,7 +244,9 @@ class TcpTransferPlane:
         whole fetch (connecting, the source's `provide`, the transfer) within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         host, port = _split_addr(addr)
-        what = f"handoff {handoff_id} from {addr}"
+        shown = (handoff_id if len(handoff_id) <= 80  # a prefix's id lists its hashes
+                 else f"{handoff_id[:72]}... ({len(handoff_id)} bytes)")
+        what = f"handoff {shown} from {addr}"
         raw_id = handoff_id.encode()
         if not 0 < len(raw_id) <= MAX_ID_BYTES:
             raise TransferError(f"{what}: the id must be 1 to {MAX_ID_BYTES} bytes")

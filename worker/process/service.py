@@ -27,7 +27,8 @@ from kvfleet.shared.settings import WorkerSettings
 from kvfleet.shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
 from kvfleet.shared.wire.scripts import Started
 from kvfleet.shared.wire.prefix_hash import lora_root, root_hash
-from kvfleet.worker.affinity import ResumePreference
+from kvfleet.shared.wire.affinity import PREFIX_MATCH
+from kvfleet.worker.affinity import PrefixHolder, ResumePreference, prefix_holders
 from kvfleet.worker.announcer import PrefixAnnouncer
 from kvfleet.worker.coalescing import EventCoalescer
 from kvfleet.worker.engine.memory.device import DeviceFailure
@@ -35,6 +36,7 @@ from kvfleet.worker.engine.engine import Engine, RequestOutput
 from kvfleet.worker.engine.lora import LoraRequest
 from kvfleet.worker.handoff.coordinator import OFFER_POLL_S, Handoffs
 from kvfleet.worker.handoff.drain import Drain
+from kvfleet.worker.handoff.peer_prefixes import PeerPrefixes
 from kvfleet.worker.handoff.protocol import HandoffProtocol
 from kvfleet.worker.handoff.transfer import TransferPlane
 from kvfleet.worker.inflight import Inflight, InflightTable, StreamCalls
@@ -108,6 +110,12 @@ class WorkerService:
                                  self.inflight, streams, protocol.claim_handed, plane)
         self.drainer = Drain(settings.drain_timeout_s, engine, self.metrics, self.inflight,
                              self.handoffs, streams)
+        # prefixes fetched from peers (worker/handoff/peer_prefixes.py), and served to them
+        self._prefix_match = PREFIX_MATCH.register(client)
+        self.peers = PeerPrefixes(settings, engine, self.metrics.tier, self._prefix_holders,
+                                  protocol.numerics, self.prefix_root, plane, self._enter)
+        if plane is not None and self.peers.copies is not None:
+            self.handoffs.prefix_provider = self.peers.provide
         if self.role != "both" and plane is None:
             log.warning("--role %s without KV handoffs: a prefill worker decodes its streams "
                         "itself, a decode worker serves only orphaned requests", self.role)
@@ -143,6 +151,7 @@ class WorkerService:
                 raise
         self._stop_beating(beat)
         self.handoffs.close()
+        self.peers.close()
 
     def _stop_beating(self, beat: threading.Thread) -> None:
         """Stop the heartbeat thread, then remove the heartbeat: in the other order a beat in
@@ -180,6 +189,7 @@ class WorkerService:
             self._publish_items([])
         self._handle_cancels()
         if self.drain.is_set() and not self.drainer.active:
+            self.peers.release_all()  # its requests go to peers with the rest
             self.drainer.begin()
             self._load_changed.set()  # beat now: routers stop sending here
         handoffs = self.handoffs
@@ -188,8 +198,12 @@ class WorkerService:
             handoffs.resolve_handed()
         if handoffs.incoming:
             handoffs.complete_incoming()
+        self.peers.complete()
         if not self.drainer.active:
-            self._admit(block=not self.engine.has_unfinished() and not handoffs.busy)
+            self._admit(block=not self.engine.has_unfinished() and not handoffs.busy
+                        and not self.peers.busy)
+        if self.peers.busy and not self.engine.has_unfinished():
+            self.peers.wait(OFFER_POLL_S)  # nothing to step meanwhile: no spinning
         if self.engine.has_unfinished():
             started = time.perf_counter()
             outputs = self.engine.step()
@@ -205,6 +219,7 @@ class WorkerService:
 
     def _handle_cancels(self) -> None:
         while (req_id := self.protocol.next_cancel(self._pubsub)) is not None:
+            self.peers.release(req_id)  # waiting for its prefix: in the engine, to abort it
             if req_id in self.inflight:
                 output = self.engine.abort(req_id)
                 log.info("cancelled %s", req_id)
@@ -227,11 +242,11 @@ class WorkerService:
         # Requests just admitted hold no blocks until the scheduler runs them: the budget is taken
         # once and what they will need is subtracted from it (and the room streams being
         # fetched were promised).
-        budget_tokens = self.engine.admissible_tokens() - self.handoffs.reserved_tokens()
+        budget_tokens = self._budget_tokens()
         want = self._want()
         if self.handoffs.enabled and self.role != "prefill":  # streams offered with their KV
             self.handoffs.take_offers(budget_tokens, want)
-            budget_tokens = self.engine.admissible_tokens() - self.handoffs.reserved_tokens()
+            budget_tokens = self._budget_tokens()
             want = self._want()
         if self.role == "decode":  # new requests are the prefill workers'
             if block and not self.inflight and not self.handoffs.busy:
@@ -246,11 +261,18 @@ class WorkerService:
             self._wait_for_work()
         # else: the next request is left in its stream for a worker with room
 
+    def _budget_tokens(self) -> int:
+        """Free KV tokens less the room promised to streams being fetched and to requests
+        waiting for their prefix from a peer."""
+        return (self.engine.admissible_tokens() - self.handoffs.reserved_tokens()
+                - self.peers.reserved_tokens())
+
     def _want(self) -> int:
         """Streams to take now: no read-ahead beyond the running group or the room at the pace
         (-1: none promised); a request left in its stream may go to a worker with room sooner."""
         want, room = self.settings.max_running - len(self.inflight), self.engine.pace_report().room
-        return min(want, room if room >= 0 else want) - len(self.handoffs.incoming)
+        return (min(want, room if room >= 0 else want) - len(self.handoffs.incoming)
+                - self.peers.num_waiting)
 
     def _wait_for_work(self) -> None:
         """Idle: block briefly (below the socket timeout) until a request arrives in this
@@ -290,6 +312,11 @@ class WorkerService:
             self.metrics.takeover()
             self._start(delivery)
 
+    def _prefix_holders(self, hashes: list, min_blocks: int) -> list[PrefixHolder]:
+        return prefix_holders(self.client, self._prefix_match, self.protocol.keys,
+                              self.protocol.model, self.protocol.worker_id, hashes, min_blocks,
+                              int(self.settings.heartbeat_ttl_s * 1000))
+
     def engine_block_size(self) -> int:
         return self.engine.config.cache.block_size
 
@@ -307,7 +334,8 @@ class WorkerService:
         fresh: dict[str, Delivery] = {}
         for delivery in deliveries:
             req_id = delivery.request.req_id
-            known = self.inflight[req_id].delivery if req_id in self.inflight else fresh.get(req_id)
+            known = (self.inflight[req_id].delivery if req_id in self.inflight
+                     else fresh.get(req_id) or self.peers.waiting_delivery(req_id))
             if known is not None:
                 if known.entry_id != delivery.entry_id:
                     self.protocol.ack(delivery.stream, delivery.entry_id)
@@ -350,6 +378,14 @@ class WorkerService:
                                "could start it")
             self._release(delivery)
             return
+        if not self.peers.hold(delivery, started):  # else in once its prefix is fetched
+            self._enter(delivery, started)
+
+    def _enter(self, delivery: Delivery, started: Started) -> None:
+        """Add a started request to the engine and serve it from here on."""
+        request = delivery.request
+        req_id, attempt, checkpoint = request.req_id, started.attempt, started.checkpoint
+        seq = len(checkpoint)
         try:
             self.engine.add_request(req_id, request.prompt_token_ids, self._params_of(request),
                                     output_token_ids=checkpoint or None,

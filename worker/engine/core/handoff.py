@@ -74,17 +74,11 @@ class SequenceState:
     def encode(self) -> tuple[bytes, list[memoryview]]:
         """A header (msgpack: every field but the tensors, plus each tensor's dtype/shape) and the
         tensors' raw bytes as memoryviews (no copy), to be sent back to back."""
-        tensors = [(name, getattr(self, name)) for name in _TENSORS
-                   if getattr(self, name) is not None]
         header = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name not in _TENSORS}
         header["params"] = self.params.to_dict()
         header["lora"] = None if self.lora is None else dataclasses.asdict(self.lora)
-        header["tensors"] = [{"name": name, "dtype": str(t.dtype).removeprefix("torch."),
-                              "shape": list(t.shape)} for name, t in tensors]
-        # host copies are contiguous (index_select's output): contiguous() copies nothing
-        return pack(header), [memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-                              for _, t in tensors]
+        return pack_tensors(header, [(name, getattr(self, name)) for name in _TENSORS])
 
     @classmethod
     def decode(cls, header: bytes, payload) -> SequenceState:
@@ -92,23 +86,7 @@ class SequenceState:
         memoryview; the tensors are views of it, not copies). Raises HandoffError on a malformed
         header or a payload of the wrong length."""
         try:
-            fields = unpack(header)
-            buffer = memoryview(payload).cast("B")
-            tensors, offset = {}, 0
-            for spec in fields.pop("tensors"):
-                name, dtype, shape = spec["name"], _DTYPES[spec["dtype"]], spec["shape"]
-                if (name not in _TENSORS or name in tensors
-                        or not all(isinstance(n, int) and n > 0 for n in shape)):
-                    raise ValueError(f"tensor {name!r} of shape {shape}")
-                num_bytes = math.prod(shape) * dtype.itemsize
-                if offset + num_bytes > buffer.nbytes:
-                    raise HandoffError(f"handoff of {fields.get('req_id')!r}: the payload "
-                                       f"({buffer.nbytes} bytes) ends inside tensor {name!r}")
-                tensors[name] = _view(buffer, offset, num_bytes, dtype, shape)
-                offset += num_bytes
-            if offset != buffer.nbytes:
-                raise HandoffError(f"handoff of {fields.get('req_id')!r}: {buffer.nbytes} payload "
-                                   f"bytes where the header describes {offset}")
+            fields, tensors = unpack_tensors(header, payload, _TENSORS)
             fields["params"] = SamplingParams.from_dict(fields["params"])
             if fields["lora"] is not None:
                 fields["lora"] = LoraRequest(**fields["lora"])
@@ -121,6 +99,42 @@ class SequenceState:
             raise HandoffError(f"a malformed handoff state: {exc!r}") from exc
         _check_types(state)
         return state
+
+
+def pack_tensors(header: dict, tensors: list[tuple[str, torch.Tensor | None]]
+                 ) -> tuple[bytes, list[memoryview]]:
+    """`header` (msgpack) with each present tensor's name, dtype and shape added, and the
+    tensors' raw bytes as memoryviews (host copies are contiguous: no copy), back to back."""
+    present = [(name, t) for name, t in tensors if t is not None]
+    header = {**header, "tensors": [{"name": name, "dtype": str(t.dtype).removeprefix("torch."),
+                                     "shape": list(t.shape)} for name, t in present]}
+    return pack(header), [memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                          for _, t in present]
+
+
+def unpack_tensors(header: bytes, payload, names: tuple[str, ...]
+                   ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """`pack_tensors`' header fields and its tensors, views of `payload` (only `names` taken).
+    HandoffError for a payload of another length than the header says; ValueError, KeyError or
+    TypeError for a malformed header."""
+    fields = unpack(header)
+    buffer = memoryview(payload).cast("B")
+    tensors, offset = {}, 0
+    for spec in fields.pop("tensors"):
+        name, dtype, shape = spec["name"], _DTYPES[spec["dtype"]], spec["shape"]
+        if (name not in names or name in tensors
+                or not all(isinstance(n, int) and n > 0 for n in shape)):
+            raise ValueError(f"tensor {name!r} of shape {shape}")
+        num_bytes = math.prod(shape) * dtype.itemsize
+        if offset + num_bytes > buffer.nbytes:
+            raise HandoffError(f"handoff of {fields.get('req_id')!r}: the payload "
+                               f"({buffer.nbytes} bytes) ends inside tensor {name!r}")
+        tensors[name] = _view(buffer, offset, num_bytes, dtype, shape)
+        offset += num_bytes
+    if offset != buffer.nbytes:
+        raise HandoffError(f"handoff of {fields.get('req_id')!r}: {buffer.nbytes} payload "
+                           f"bytes where the header describes {offset}")
+    return fields, tensors
 
 
 def _view(buffer: memoryview, offset: int, num_bytes: int, dtype: torch.dtype,

@@ -15,6 +15,11 @@ is offered to it (`TierIndex.offload`), and a lookup that misses the pool goes o
 each further block it holds is brought back into a free pool block, published again and counted
 as a hit (`prefix_host_hit_tokens` when a request takes it), its bytes copied in before the step.
 
+Blocks from a peer (worker/handoff/peer_prefixes.py): `install` publishes blocks another worker computed
+under their hashes, taking free blocks for them as a restore does; they wait evictable, like any
+cached block, until a request's lookup takes them (`prefix_peer_hit_tokens` then). `locate` says
+where the cache holds a hash (a pool block or the tier), for a peer asking for it.
+
 Announcements (prefix-affinity routing): every hash published to or evicted from the cache is
 recorded as a net change since the last `drain_announcements`, which the worker sends to Redis,
 with its tier: a block the pool evicts into the host tier is announced as moved there (the worker
@@ -119,6 +124,8 @@ class BlockManager:
         self.tier = tier  # the host tier of evicted blocks; None: evicted blocks are gone
         self.prefix_host_hit_tokens = 0  # of prefix_hit_tokens, those brought back from the tier
         self._restored: set[int] = set()  # blocks brought back that no request took yet
+        self.prefix_peer_hit_tokens = 0  # of prefix_hit_tokens, those installed from a peer
+        self._installed: set[int] = set()  # blocks installed from a peer that no request took yet
         # hashes published to / evicted from the cache / moved between its tiers since the last
         # drain_announcements; bounded: without drains only the hashes held, at most num_blocks
         # plus the tier's capacity
@@ -197,6 +204,62 @@ class BlockManager:
                 break
             count += 1
         return count
+
+    def num_held_leading_blocks(self, hashes: list[BlockHash]) -> int:
+        """How many of `hashes` (a prompt's chained block hashes, in order) the cache holds from
+        the first on, in the pool or the host tier."""
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._cached and (self.tier is None
+                                                   or not self.tier.holds(block_hash)):
+                break
+            count += 1
+        return count
+
+    def locate(self, block_hash: BlockHash) -> tuple[str, int] | None:
+        """Where the cache holds `block_hash`: (DEVICE, pool block) or (HOST, tier slot); None
+        when it holds it in neither. Between steps only (a slot is reused at an eviction)."""
+        block = self._cached.get(block_hash)
+        if block is not None:
+            return DEVICE, block
+        if self.tier is not None and self.tier.holds(block_hash):
+            return HOST, self.tier.slot_of(block_hash)
+        return None
+
+    def install(self, hashes: list[BlockHash], keep: list[BlockHash] = ()) -> list[int]:
+        """Publish blocks a peer computed: a free pool block for each of `hashes` in order up
+        to the first the cache holds already or the first with no free block left (a block in
+        use stays in use); returns the blocks taken, which the caller fills before the next
+        step. Each waits evictable, most recently used, until a request takes it. `keep`
+        (cached blocks before them, the prompt's own) are touched first, so taking free blocks
+        evicts other prefixes before them."""
+        if not self.enable_prefix_caching:
+            return []
+        kept = set()
+        for block_hash in keep:
+            block = self._cached.get(block_hash)
+            if block is not None and block in self._evictable:
+                self._evictable.move_to_end(block)
+                kept.add(block)
+        # the room: never-cached free blocks and evictable ones other than `keep`'s (least
+        # recently used before them); a block installed here joins the evictable ones after
+        # them and must not be taken again by this call (its bytes are not written yet)
+        room = len(self._free_uncached) + len(self._evictable) - len(kept)
+        taken: list[int] = []
+        for block_hash in hashes:
+            if block_hash in self._cached or len(taken) >= room:
+                break
+            block = self._take_free_block()
+            if block_hash in self._cached:  # cannot happen: a free block holds no new hash
+                self._free_uncached.appendleft(block)
+                break
+            self._cached[block_hash] = block
+            self._block_hash[block] = block_hash
+            self._announcements.add(block_hash)
+            self._evictable[block] = None
+            self._installed.add(block)
+            taken.append(block)
+        return taken
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash in the prefix cache now (a worker's whole announcement, at its start)."""
@@ -301,6 +364,9 @@ class BlockManager:
                 if block in self._restored:
                     self._restored.discard(block)
                     self.prefix_host_hit_tokens += self.block_size
+                elif block in self._installed:
+                    self._installed.discard(block)
+                    self.prefix_peer_hit_tokens += self.block_size
             self._ref_counts[block] += 1
             table.append(block)
         if cached_blocks:
@@ -334,6 +400,7 @@ class BlockManager:
             if self.tier is not None:
                 self.tier.offload(block_hash, block)
                 self._restored.discard(block)
+            self._installed.discard(block)
             if self.tier is not None and self.tier.holds(block_hash):
                 self._announcements.offload(block_hash)
             else:

@@ -54,6 +54,10 @@ class TierIndex:
     def holds(self, block_hash: BlockHash) -> bool:
         return block_hash in self._slots
 
+    def slot_of(self, block_hash: BlockHash) -> int:
+        """The slot holding `block_hash` (KeyError if none); a peer's read, so not touched."""
+        return self._slots[block_hash]
+
     def hashes(self) -> list[BlockHash]:
         return list(self._slots)
 
