@@ -26,6 +26,7 @@ SGLANG_ROUTER_HINT = ("make it with `bash benchmarks/sglang_router_env.sh` (or p
 KEY_PREFIX = "kvf:"  # `kvfleet up`'s default key prefix (CommonSettings.key_prefix)
 # a worker's admissions by the stream taken from (docs/OPERATIONS.md): own, shared, other
 TAKEN_METRIC = "kvfleet_worker_requests_taken"
+PEER_FETCH_METRIC = "kvfleet_worker_kv_peer_fetches"
 
 
 class KvfleetServer:
@@ -33,12 +34,14 @@ class KvfleetServer:
     children), its embedded Redis on a port chosen here so that the benchmark can read it."""
 
     def __init__(self, workers: int, routing: str, dtype: str, log_path: Path,
-                 num_threads: int | None = None):
-        """`num_threads`: torch threads of each worker; None: `kvfleet up`'s cores / workers."""
+                 num_threads: int | None = None, extra_args: tuple[str, ...] = ()):
+        """`num_threads`: torch threads of each worker; None: `kvfleet up`'s cores / workers.
+        `extra_args`: more flags of `kvfleet up`."""
         self.workers = workers
         self.port, self.redis_port = free_port(), free_port()
         command = [sys.executable, "-m", "kvfleet", "up", "--port", str(self.port),
-                   "--workers", str(workers), "--routing", routing, "--dtype", dtype]
+                   "--workers", str(workers), "--routing", routing, "--dtype", dtype,
+                   *extra_args]
         # the trace must be served whole, as SGLang's router serves it: the gateway's
         # expected-wait admission limit (429 beyond 60 s by default) is off
         env = peer_env({"KVFLEET_EMBEDDED_REDIS_PORT": str(self.redis_port),
@@ -96,12 +99,21 @@ class KvfleetServer:
         """Requests the live workers admitted, by the stream they took them from (own, shared,
         other), summed over the workers' /metrics; {} where workers have no such metric. A
         worker restarted after a kill counts from its restart."""
+        return self._summed(TAKEN_METRIC, "source")
+
+    def peer_fetches(self) -> dict[str, int]:
+        """Admitted requests whose prompt opening a peer held, by what came of it (fetched,
+        joined, slower, failed, late, incompatible), summed over the live workers' /metrics."""
+        return {k: v for k, v in self._summed(PEER_FETCH_METRIC, "outcome").items() if v}
+
+    def _summed(self, metric: str, label: str) -> dict[str, int]:
         rows = httpx.get(f"{self.url}/dashboard/data", timeout=10).json()["workers"]
-        taken: dict[str, int] = {}
+        counts: dict[str, int] = {}
         for url in (row["metrics_url"] for row in rows if row["metrics_url"]):
-            for source, count in taken_by_source(httpx.get(url, timeout=10).text).items():
-                taken[source] = taken.get(source, 0) + count
-        return taken
+            text = httpx.get(url, timeout=10).text
+            for value, count in counts_by_label(text, metric, label).items():
+                counts[value] = counts.get(value, 0) + count
+        return counts
 
     def kill_busiest_worker(self) -> str:
         """SIGKILL the worker process running the most streams now (its supervisor, `kvfleet
@@ -122,15 +134,20 @@ class KvfleetServer:
 
 def taken_by_source(metrics_text: str) -> dict[str, int]:
     """`kvfleet_worker_requests_taken_total` by its `source` label, from one worker's /metrics."""
-    taken: dict[str, int] = {}
+    return counts_by_label(metrics_text, TAKEN_METRIC, "source")
+
+
+def counts_by_label(metrics_text: str, metric: str, label: str) -> dict[str, int]:
+    """Counter `metric` (its name without `_total`) summed by one label, from one /metrics."""
+    counts: dict[str, int] = {}
     for family in text_string_to_metric_families(metrics_text):
-        if family.name != TAKEN_METRIC:
+        if family.name != metric:
             continue
         for sample in family.samples:
-            if sample.name == TAKEN_METRIC + "_total":
-                source = sample.labels.get("source", "")
-                taken[source] = taken.get(source, 0) + int(sample.value)
-    return taken
+            if sample.name == metric + "_total":
+                value = sample.labels.get(label, "")
+                counts[value] = counts.get(value, 0) + int(sample.value)
+    return counts
 
 
 def worker_pids(parent_pid: int) -> dict[str, int]:

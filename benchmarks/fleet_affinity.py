@@ -2,7 +2,9 @@
 
 One multi-tenant, multi-turn chat trace, the same client, against 1 worker, N workers with
 `--routing shared`, N workers with `--routing affinity`, and SGLang's router (`sglang-router`,
-policy `cache_aware`) in front of N independent one-worker kvfleet servers.
+policy `cache_aware`) in front of N independent one-worker kvfleet servers; and N workers with
+affinity but without prefixes fetched from peers (`affinity-nofetch`: `--no-kv-peer-fetch`,
+issue 52's case (b): the prompt tokens the fleet computes against one worker's, the ideal).
 
     .venv/bin/python -m benchmarks.fleet_affinity                   # all four, N = 3
     .venv/bin/python -m benchmarks.fleet_affinity --skew            # tenant 0: 80% of requests
@@ -52,7 +54,7 @@ from kvfleet.bench.stats import Distribution, distribution
 from kvfleet.bench.trace import TraceRequest
 from kvfleet.shared.models import DEFAULT_MODEL
 
-CONFIGS = ("single", "shared", "affinity", "sglang")
+CONFIGS = ("single", "shared", "affinity", "affinity-nofetch", "sglang")
 
 
 @dataclass
@@ -121,6 +123,7 @@ class ConfigSummary:
     num_ok: int
     num_unsent: int  # turns not sent because an earlier turn of their conversation failed
     prompt_tokens: int  # of the answered requests
+    cached_tokens: int  # of those, served from a prefix cache (usage.cached_tokens)
     cached_share: float | None  # cached / prompt tokens, every turn
     cached_share_later: float | None  # turns 2..
     ttft_s: Distribution
@@ -135,9 +138,17 @@ class ConfigSummary:
     # requests the workers admitted by the stream they took them from (own / shared / other),
     # from their /metrics; {} where they do not count it (the sglang peer: not read)
     taken: dict[str, int] = field(default_factory=dict)
+    # admitted requests whose prompt opening another worker held, by outcome (fetched, joined,
+    # slower, failed, late, incompatible), from the workers' /metrics; {} where none or not read
+    fetches: dict[str, int] = field(default_factory=dict)
     # answered requests' text by "conversation-turn": configurations of one run are compared
     # (the history a turn resends holds the earlier answers, so one difference spreads)
     answers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the fleet computed (not served from a prefix cache)."""
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def num_lost(self) -> int:
@@ -176,20 +187,23 @@ def load_skew(loads: dict[str, int]) -> float | None:
 
 def summarise(config: str, name: str, turns: list[Turn], num_unsent: int, duration_s: float,
               worker_ids: list[str], events: list[str] | None = None,
-              taken: dict[str, int] | None = None) -> ConfigSummary:
+              taken: dict[str, int] | None = None,
+              fetches: dict[str, int] | None = None) -> ConfigSummary:
     answered = [t.record for t in turns if t.record.ok]
     output_tokens = sum(r.output_tokens or 0 for r in answered)
     seconds = max(duration_s, 1e-9)
     loads, unattributed = worker_loads(turns, worker_ids)
     return ConfigSummary(
         config=config, name=name, num_workers=len(worker_ids), num_sent=len(turns),
-        num_ok=len(answered), num_unsent=num_unsent, prompt_tokens=sum(r.prompt_tokens or 0 for r in answered),
+        num_ok=len(answered), num_unsent=num_unsent,
+        prompt_tokens=sum(r.prompt_tokens or 0 for r in answered),
+        cached_tokens=sum(r.cached_tokens or 0 for r in answered),
         cached_share=cached_share(turns), cached_share_later=cached_share(turns, min_turn=2),
         ttft_s=distribution([r.ttft_s for r in answered if r.ttft_s is not None]),
         output_tokens=output_tokens, duration_s=duration_s,
         output_tokens_per_s=output_tokens / seconds, requests_per_s=len(answered) / seconds,
         loads=loads, num_unattributed=unattributed, load_skew=load_skew(loads),
-        events=list(events or []), taken=dict(taken or {}),
+        events=list(events or []), taken=dict(taken or {}), fetches=dict(fetches or {}),
         answers={f"{t.conversation}-{t.turn}": t.record.text for t in turns if t.record.ok})
 
 
@@ -227,7 +241,18 @@ def ratios(by_config: dict[str, ConfigSummary]) -> list[Ratio]:
     def later(s): return s.cached_share_later
     def p90(s): return s.ttft_s.p90
     def tps(s): return s.output_tokens_per_s
+    def computed(s): return s.computed_tokens
     return [
+        # issue 52 (b): with prefixes fetched from peers, the fleet computes each distinct
+        # prefix about once, as one worker whose cache holds the whole trace does
+        Ratio("prompt tokens computed, affinity / 1 worker (the ideal)",
+              _ratio(get("affinity", computed), get("single", computed)), "<= 1.05"),
+        Ratio("cached share, affinity / 1 worker (all turns; issue 52)",
+              _ratio(get("affinity", share), get("single", share)), ">= 0.99"),
+        Ratio("prompt tokens computed, affinity without / with peer fetch",
+              _ratio(get("affinity-nofetch", computed), get("affinity", computed)), ""),
+        Ratio("prompt tokens computed, affinity without peer fetch / 1 worker",
+              _ratio(get("affinity-nofetch", computed), get("single", computed)), ""),
         Ratio("cached share, affinity / 1 worker (all turns)",
               _ratio(get("affinity", share), get("single", share)), ">= 0.95"),
         Ratio("cached share, affinity / 1 worker (turns 2..)",
@@ -252,16 +277,17 @@ def _num(value: float | None, digits: int = 2, scale: float = 1.0) -> str:
 
 
 def print_report(summaries: list[ConfigSummary]) -> None:
-    print("\n| configuration | answered / sent | lost | prompt tokens | cached share, all | "
-          "turns 2.. | TTFT p50 (s) | TTFT p90 (s) | output tok/s | requests/s | "
-          "requests per worker | max / mean |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    print("\n| configuration | answered / sent | lost | prompt tokens | computed | "
+          "cached share, all | turns 2.. | TTFT p50 (s) | TTFT p90 (s) | output tok/s | "
+          "requests/s | requests per worker | max / mean |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for s in summaries:
         loads = " / ".join(str(n) for n in s.loads.values())
         if s.num_unattributed:
             loads += f" (+{s.num_unattributed} unknown)"
         print(f"| {s.name} | {s.num_ok} / {s.num_sent} | {s.num_lost} | {s.prompt_tokens} | "
-              f"{_num(s.cached_share, 1, 100)}% | {_num(s.cached_share_later, 1, 100)}% | "
+              f"{s.computed_tokens} | {_num(s.cached_share, 1, 100)}% | "
+              f"{_num(s.cached_share_later, 1, 100)}% | "
               f"{_num(s.ttft_s.p50)} | {_num(s.ttft_s.p90)} | {_num(s.output_tokens_per_s, 1)} | "
               f"{_num(s.requests_per_s)} | {loads} | {_num(s.load_skew)} |")
     for s in summaries:
@@ -273,7 +299,10 @@ def print_report(summaries: list[ConfigSummary]) -> None:
         if s.taken:
             print(f"# {s.name}: requests taken from (worker metrics): "
                   + ", ".join(f"{source} {count}" for source, count in sorted(s.taken.items())))
-    print("\n| ratio | value | issue #34's target | |")
+        if s.fetches:
+            print(f"# {s.name}: prompt openings a peer held (worker metrics): "
+                  + ", ".join(f"{outcome} {n}" for outcome, n in sorted(s.fetches.items())))
+    print("\n| ratio | value | target (issue 34; 52 where it says) | |")
     print("|---|---:|---|---|")
     for r in ratios({s.config: s for s in summaries}):
         print(f"| {r.label} | {_num(r.value)} | {r.target or '-'} | {r.verdict} |")
@@ -284,6 +313,7 @@ def print_report(summaries: list[ConfigSummary]) -> None:
 def config_label(config: str, workers: int) -> str:
     return {"single": "1 worker", "shared": f"shared x{workers}",
             "affinity": f"affinity x{workers}",
+            "affinity-nofetch": f"affinity x{workers}, no peer fetch",
             "sglang": f"sglang-router cache_aware x{workers}"}[config]
 
 
@@ -292,7 +322,9 @@ def run_kvfleet(config: str, args, trace: list[Conversation], log_dir: Path) -> 
     workers = 1 if config == "single" else args.workers
     routing = "shared" if config == "shared" else "affinity"
     label = config_label(config, workers)
-    server = KvfleetServer(workers, routing, args.dtype, log_dir / f"{config}.log")
+    extra = ("--no-kv-peer-fetch",) if config == "affinity-nofetch" else ()
+    server = KvfleetServer(workers, routing, args.dtype, log_dir / f"{config}.log",
+                           extra_args=extra)
     events: list[str] = []
     try:
         server.wait_ready(DEFAULT_MODEL, args.startup_timeout_s)
@@ -303,10 +335,11 @@ def run_kvfleet(config: str, args, trace: list[Conversation], log_dir: Path) -> 
         during = killer(server, kill, events) if kill is not None else None
         turns, unsent, duration_s = asyncio.run(run_trace(server.url, target(args), trace, during))
         attribute(turns, [server])
-        taken = server.requests_taken()
+        taken, fetches = server.requests_taken(), server.peer_fetches()
     finally:
         server.stop()
-    return summarise(config, label, turns, unsent, duration_s, worker_ids, events, taken)
+    return summarise(config, label, turns, unsent, duration_s, worker_ids, events, taken,
+                     fetches)
 
 
 def killer(server: KvfleetServer, at_s: float,

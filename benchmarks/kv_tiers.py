@@ -19,8 +19,30 @@ Then the issue's per-hit target: one 2,000-token prefix (`--long-prefix-tokens`)
 out of a pool that holds one request by another prefix, and asked for again: that request's TTFT
 with the tier (its blocks brought back) against without (recomputed), medians over the repeats.
 
+Then the same prefix fetched from a peer (worker/handoff/peer_prefixes.py; target: a fetch at
+least 5x faster than recomputing it): engine A computes it (one request, the prefix and a few
+tokens, max_tokens 1); a fresh engine B of the same config fetches its blocks from A over a real
+TcpTransferPlane on loopback (export, the wire, decode, install: timed) and then serves the
+prefix with a new question (its TTFT); a third fresh engine C serves that prompt computing all of
+it. The ratio is C's TTFT over B's fetch + TTFT; B's answer must be C's (greedy). In the product
+the holder's loop answers a fetch between two of its steps; here A is idle, so the plane's thread
+exports from it directly.
+
+Then case (c): `--shared-requests` (50) requests sharing one `--shared-prefix-tokens` (10,000,
+capped to the model's context less the question and max_tokens) prefix, each with its own
+question, added at once and run to completion, on an engine whose pool holds their own blocks and
+one copy of the prefix, the tier on in both sides: "device", the prefix served once and left in
+the pool; "host", served once and then pushed into the tier by other prompts (until the pool holds
+none of it and the tier all of it; their blocks, evictable, are evicted as the requests need room,
+as a busy worker's would be). Target: host throughput at least 0.95x device (one load of the
+prefix, not one per request). Sides alternated, medians over the repeats.
+
+Each part can be skipped (`--skip-working-set`, `--skip-long-prefix`, `--skip-peer`,
+`--skip-shared`); each prints the command that runs it alone.
+
     .venv/bin/python -m benchmarks.kv_tiers                     # the default run
     .venv/bin/python -m benchmarks.kv_tiers --tenants 4 --prefix-tokens 256 --passes 2  # quick
+    .venv/bin/python -m benchmarks.kv_tiers --skip-working-set --skip-long-prefix --skip-shared
 """
 
 from __future__ import annotations
@@ -29,8 +51,10 @@ import argparse
 import copy
 import gc
 import json
+import math
 import platform
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -39,9 +63,17 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.engine_throughput import greedy, load_model
-from benchmarks.prefix_cache import percentile, random_tokens
+from benchmarks.prefix_cache import percentile, random_tokens, run_at_once
 from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.wire.prefix_hash import BlockHash, block_hashes
 from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.tiers.prefix_copies import PrefixState
+from kvfleet.worker.handoff.peer_prefixes import parse_prefix_id, prefix_id
+from kvfleet.worker.handoff.transfer import Outgoing, TcpTransferPlane
+
+PEER_TARGET = 5.0  # a peer fetch + TTFT at least 5x faster than recomputing the prefix
+SHARED_TARGET = 0.95  # case (c): host-tier throughput at least 0.95x the all-device-hit one
+FETCH_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -132,17 +164,84 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--working-set-ratio", type=float, default=4.0,
                    help="the tenants' prefixes over the pool's tokens")
-    p.add_argument("--repeats", type=int, default=2, help="on/off pairs, alternated")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="alternated pairs (on/off, device/host); the peer part's repeats")
     p.add_argument("--long-prefix-tokens", type=int, default=2000,
-                   help="the per-hit part's prefix (0: skip it)")
+                   help="the per-hit and peer parts' prefix (0: skip both)")
+    p.add_argument("--shared-prefix-tokens", type=int, default=10000,
+                   help="case (c)'s shared prefix (capped to the model's context less the "
+                        "question and max_tokens)")
+    p.add_argument("--shared-requests", type=int, default=50,
+                   help="case (c)'s concurrent requests sharing it")
+    p.add_argument("--skip-working-set", action="store_true", help="skip case (a)'s working set")
+    p.add_argument("--skip-long-prefix", action="store_true",
+                   help="skip the long prefix from the tier vs recomputed")
+    p.add_argument("--skip-peer", action="store_true",
+                   help="skip the long prefix fetched from a peer vs recomputed")
+    p.add_argument("--skip-shared", action="store_true",
+                   help="skip case (c): concurrent requests sharing a prefix in the tier")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args(argv)
 
 
+# the flags each part reads (beside --model, --dtype, --threads, --repeats, --seed)
+PART_FLAGS = {
+    "working_set": ("tenants", "prefix_tokens", "question_tokens", "max_tokens", "passes",
+                    "concurrency", "working_set_ratio"),
+    "long_prefix": ("long_prefix_tokens", "question_tokens", "max_tokens"),
+    "peer": ("long_prefix_tokens", "question_tokens", "max_tokens"),
+    "shared": ("shared_prefix_tokens", "shared_requests", "question_tokens", "max_tokens"),
+}
+
+
+def part_command(args: argparse.Namespace, part: str) -> str:
+    """The command line that runs `part` alone with these figures."""
+    words = [".venv/bin/python", "-m", "benchmarks.kv_tiers"]
+    for name, default in (("model", DEFAULT_MODEL), ("dtype", "auto"), ("threads", None)):
+        if getattr(args, name) != default:
+            words += [f"--{name}", str(getattr(args, name))]
+    for name in (*PART_FLAGS[part], "repeats", "seed"):
+        words += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    words += ["--skip-" + other.replace("_", "-") for other in PART_FLAGS if other != part]
+    return shlex.join(words)
+
+
+def verdict(ratio: float, target: float) -> str:
+    return "MET" if ratio >= target else "MISSED"
+
+
+def shared_prefix_length(requested: int, max_model_len: int, question_tokens: int,
+                         max_tokens: int) -> tuple[int, bool]:
+    """Case (c)'s prefix: `requested` tokens, or fewer where a request (the prefix, its question,
+    its answer) would not fit the model's context; and whether it was capped."""
+    room = max_model_len - question_tokens - max_tokens
+    if room < 1:
+        raise ValueError(f"a context of {max_model_len} leaves no room for a prefix beside a "
+                         f"{question_tokens}-token question and {max_tokens} output tokens")
+    return min(requested, room), requested > room
+
+
+def shared_pool_blocks(prefix_tokens: int, question_tokens: int, max_tokens: int, requests: int,
+                       block_size: int, watermark: float = 0.01) -> int:
+    """A pool that holds `requests` requests' own blocks and one copy of their shared prefix's
+    full blocks (a partly filled last prefix block is each request's own), beside the share the
+    scheduler keeps free (`watermark`) and a block of slack."""
+    shared = prefix_tokens // block_size
+    own = -(-(prefix_tokens + question_tokens + max_tokens) // block_size) - shared
+    needed = shared + requests * own
+    return math.ceil(needed / (1 - watermark)) + 1
+
+
+def peer_ratio(recompute_ttft_s: float, fetch_s: float, ttft_after_fetch_s: float) -> float:
+    """How many times faster a prefix fetched from a peer gets its first token than one
+    recomputed: the recomputing engine's TTFT over the fetch and the fetching engine's TTFT."""
+    return recompute_ttft_s / (fetch_s + ttft_after_fetch_s)
+
+
 class Setup:
-    """What both parts share: the model in the engine's dtype, its block size and block bytes."""
+    """What the parts share: the model in the engine's dtype, its block size and block bytes."""
 
     def __init__(self, args):
         path = resolve_model_path(args.model)
@@ -150,6 +249,7 @@ class Setup:
                        EngineConfig(device="cpu", dtype=args.dtype, num_blocks=4))
         self.dtype, self.block_size = probe.dtype, probe.config.block_size
         self.block_bytes, self.vocab_size = probe.pool.block_bytes, probe.model.config.vocab_size
+        self.max_model_len = probe.max_model_len
         del probe
         self.model = load_model(path, self.dtype)
 
@@ -186,7 +286,8 @@ def working_set_part(args, setup: Setup) -> dict:
           f"{working_set:,} tokens, pool {num_blocks * setup.block_size:,} tokens "
           f"({working_set / (num_blocks * setup.block_size):.1f}x), tier {tier_gib:.3f} GiB; "
           f"{len(prompts) - args.tenants} measured requests (+{args.tenants} warm-up), "
-          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}", flush=True)
+          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}\n"
+          f"{part_command(args, 'working_set')}", flush=True)
     base = dict(device="cpu", dtype=args.dtype, num_blocks=num_blocks,
                 max_running=args.concurrency)
     sides = alternated(args, setup, base, tier_gib, prompts, args)
@@ -209,7 +310,8 @@ def working_set_part(args, setup: Setup) -> dict:
     print(f"RATIO throughput on/off = {throughput_ratio:.2f}x (target >= 2x) -> "
           f"{'MET' if throughput_ratio >= 2 else 'MISSED'}")
     print(f"answers identical on and off: {identical}", flush=True)
-    return {"median": median, "ttft_p90_ratio": ttft_ratio, "throughput_ratio": throughput_ratio,
+    return {"command": part_command(args, "working_set"), "median": median,
+            "ttft_p90_ratio": ttft_ratio, "throughput_ratio": throughput_ratio,
             "identical": identical,
             "runs": {k: [{"ttft_s": s.ttft_s, "seconds": s.seconds, **s.stats} for s in v]
                      for k, v in sides.items()}}
@@ -224,7 +326,8 @@ def long_prefix_part(args, setup: Setup) -> dict:
     # exactly one request: the other prefix's request evicts every block of the first
     num_blocks = setup.blocks(args.long_prefix_tokens + args.question_tokens + args.max_tokens)
     print(f"\n## one {args.long_prefix_tokens:,}-token prefix pushed out of a pool that holds one "
-          f"request ({num_blocks} blocks) and asked for again: its TTFT", flush=True)
+          f"request ({num_blocks} blocks) and asked for again: its TTFT\n"
+          f"{part_command(args, 'long_prefix')}", flush=True)
     loop = argparse.Namespace(tenants=2, concurrency=1, max_tokens=args.max_tokens)
     base = dict(device="cpu", dtype=args.dtype, num_blocks=num_blocks, max_running=1)
     sides = alternated(args, setup, base, 1.25 * setup.gib(2 * num_blocks), prompts, loop)
@@ -233,7 +336,297 @@ def long_prefix_part(args, setup: Setup) -> dict:
     print(f"RATIO {args.long_prefix_tokens:,}-token prefix from the tier vs recomputed: TTFT "
           f"{ttft['on'] * 1000:.1f} vs {ttft['off'] * 1000:.1f} ms = {ratio:.1f}x "
           f"(target >= 5x) -> {'MET' if ratio >= 5 else 'MISSED'}", flush=True)
-    return {"ttft_s": ttft, "ratio": ratio}
+    return {"command": part_command(args, "long_prefix"), "ttft_s": ttft, "ratio": ratio,
+            "target": 5.0, "verdict": verdict(ratio, 5)}
+
+
+# ---- the parts that run requests by hand: one batch at a time ------------------------------------
+
+
+@dataclass
+class Batch:
+    """Requests added at once and run to completion."""
+
+    seconds: float  # from the first add to the step that finished the last one
+    ttft_s: list[float]  # each one's add to the step that returned its first token
+    outputs: list[list[int]]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+def run_batch(engine: Engine, label: str, prompts: list[list[int]], max_tokens: int) -> Batch:
+    """`prompts` added at once (greedy, `max_tokens` each) and stepped until every one ends."""
+    seconds, ttft, outputs = run_at_once(engine, label, prompts, [max_tokens] * len(prompts))
+    return Batch(seconds, list(ttft), outputs)
+
+
+def prompt_hashes(engine: Engine, prompt: list[int]) -> list[BlockHash]:
+    """The block hashes of `prompt` a lookup could hit: its full blocks but one token's."""
+    block_size = engine.config.cache.block_size
+    return block_hashes(prompt, block_size, engine.block_manager.root,
+                        (len(prompt) - 1) // block_size)
+
+
+def fresh(setup: Setup, config: EngineConfig) -> Engine:
+    return Engine(copy.deepcopy(setup.model), config)
+
+
+# ---- a long prefix fetched from a peer ----------------------------------------------------------
+
+
+def holder(engine: Engine):
+    """A transfer plane's `provide` over `engine`'s prefix blocks. In the product the holder's
+    loop answers between two of its steps (peer_prefixes.PeerPrefixes.provide); here the holder
+    is idle while it is asked, so the plane's thread exports from it directly."""
+
+    def provide(request_id: str) -> Outgoing | None:
+        hashes = parse_prefix_id(request_id)
+        state = None if hashes is None else engine.prefixes.export(hashes)
+        if state is None:
+            return None
+        header, buffers = state.encode()
+        return Outgoing(header, buffers)
+
+    return provide
+
+
+@dataclass
+class PeerRun:
+    """One repeat: A computed the prefix, B fetched it and served, C recomputed it."""
+
+    fetch_s: float  # B: the plane's fetch (A's export, the wire), decode, install
+    wire_s: float  # of it, the payload on the wire
+    bytes: int  # the header and the payload
+    payload_bytes: int  # of them, the blocks' KV
+    blocks: int  # installed in B
+    ttft_after_fetch_s: float  # B's request: add to its first token
+    recompute_ttft_s: float  # C's
+    peer_hit_tokens: int  # B's request's prompt tokens found installed
+    answers_match: bool  # B's tokens are C's
+
+    @property
+    def fetch_plus_ttft_s(self) -> float:
+        return self.fetch_s + self.ttft_after_fetch_s
+
+    @property
+    def ratio(self) -> float:
+        return peer_ratio(self.recompute_ttft_s, self.fetch_s, self.ttft_after_fetch_s)
+
+    def line(self) -> str:
+        return (f"  fetch {self.blocks} blocks, {self.bytes / 1e6:.2f} MB in "
+                f"{self.fetch_s * 1000:.1f} ms ({self.bytes / self.fetch_s / 1e6:.0f} MB/s end to "
+                f"end; on the wire {self.wire_s * 1000:.2f} ms), TTFT after it "
+                f"{self.ttft_after_fetch_s * 1000:.1f} ms; recomputed TTFT "
+                f"{self.recompute_ttft_s * 1000:.1f} ms = {self.ratio:.1f}x; answers match: "
+                f"{self.answers_match}")
+
+
+def peer_once(args, setup: Setup, config: EngineConfig, prefix: list[int], tail: list[int],
+              question: list[int], repeat: int) -> PeerRun:
+    prompt = prefix + question
+    engine_a = fresh(setup, config)
+    run_batch(engine_a, f"peer-a{repeat}", [prefix + tail], 1)
+    source = TcpTransferPlane("127.0.0.1", 0, "127.0.0.1")
+    taker = TcpTransferPlane("127.0.0.1", 0, "127.0.0.1")  # fetches only: never started
+    try:
+        addr = source.start(holder(engine_a))
+        engine_b = fresh(setup, config)
+        hashes = prompt_hashes(engine_b, prompt)
+        start = time.perf_counter()
+        header, payload = taker.fetch(addr, prefix_id(hashes), FETCH_TIMEOUT_S)
+        installed = engine_b.prefixes.install(PrefixState.decode(header, payload))
+        fetch_s = time.perf_counter() - start
+    finally:
+        source.close()
+        taker.close()
+    size, payload_size = len(header) + payload.nbytes, payload.nbytes
+    del engine_a, header, payload
+    gc.collect()
+    if installed != len(prefix) // setup.block_size:
+        raise RuntimeError(f"{installed} prefix blocks installed, not "
+                           f"{len(prefix) // setup.block_size}")
+
+    def recompute() -> Batch:
+        engine_c = fresh(setup, config)
+        done = run_batch(engine_c, f"peer-c{repeat}", [prompt], args.max_tokens)
+        del engine_c
+        gc.collect()
+        return done
+
+    recomputed = recompute() if repeat % 2 else None  # alternated: C first on odd repeats
+    fetched = run_batch(engine_b, f"peer-b{repeat}", [prompt], args.max_tokens)
+    peer_hit_tokens = engine_b.stats().prefix_peer_hit_tokens
+    del engine_b
+    gc.collect()
+    recomputed = recomputed or recompute()
+    return PeerRun(fetch_s, taker.stats.payload_seconds, size, payload_size, installed,
+                   fetched.ttft_s[0], recomputed.ttft_s[0], peer_hit_tokens,
+                   fetched.outputs == recomputed.outputs)
+
+
+def peer_part(args, setup: Setup) -> dict:
+    rng = random.Random(args.seed + 2)
+    prefix = random_tokens(rng, args.long_prefix_tokens, setup.vocab_size)
+    tail = random_tokens(rng, 4, setup.vocab_size)
+    question = random_tokens(rng, args.question_tokens, setup.vocab_size)
+    num_blocks = setup.blocks(args.long_prefix_tokens + args.question_tokens + args.max_tokens) + 1
+    config = EngineConfig(device="cpu", dtype=args.dtype, num_blocks=num_blocks, max_running=1)
+    print(f"\n## one {args.long_prefix_tokens:,}-token prefix fetched from a peer over a "
+          f"TcpTransferPlane on loopback (export, wire, decode, install), then its request's "
+          f"TTFT; against a fresh engine recomputing it\n{part_command(args, 'peer')}",
+          flush=True)
+    runs = []
+    for repeat in range(args.repeats):
+        runs.append(peer_once(args, setup, config, prefix, tail, question, repeat))
+        print(runs[-1].line(), flush=True)
+    median = {name: statistics.median(getattr(r, name) for r in runs)
+              for name in ("fetch_s", "wire_s", "bytes", "payload_bytes", "ttft_after_fetch_s",
+                           "fetch_plus_ttft_s", "recompute_ttft_s")}
+    median["mb_per_s"] = median["bytes"] / median["fetch_s"] / 1e6  # end to end
+    median["wire_mb_per_s"] = (median["payload_bytes"] / median["wire_s"] / 1e6
+                               if median["wire_s"] else 0.0)
+    ratio = peer_ratio(median["recompute_ttft_s"], median["fetch_s"], median["ttft_after_fetch_s"])
+    answers_match = all(r.answers_match for r in runs)
+    print(f"RATIO {args.long_prefix_tokens:,}-token prefix fetched from a peer vs recomputed: "
+          f"fetch {median['fetch_s'] * 1000:.1f} ms ({median['bytes'] / 1e6:.2f} MB, "
+          f"{median['mb_per_s']:.0f} MB/s) + TTFT {median['ttft_after_fetch_s'] * 1000:.1f} ms "
+          f"= {median['fetch_plus_ttft_s'] * 1000:.1f} ms vs TTFT recomputed "
+          f"{median['recompute_ttft_s'] * 1000:.1f} ms = {ratio:.1f}x (target >= "
+          f"{PEER_TARGET:g}x) -> {verdict(ratio, PEER_TARGET)}")
+    print(f"answers after the fetch identical to recomputed: {answers_match}", flush=True)
+    return {"prefix_tokens": args.long_prefix_tokens, "command": part_command(args, "peer"),
+            "median": median, "ratio": ratio, "target": PEER_TARGET,
+            "verdict": verdict(ratio, PEER_TARGET), "answers_match": answers_match,
+            "runs": [{**vars(r), "ratio": r.ratio} for r in runs]}
+
+
+# ---- case (c): concurrent requests sharing a prefix in the host tier ---------------------------
+
+
+@dataclass
+class SharedSide:
+    """The N requests through one engine, their prefix in the pool ("device") or the tier."""
+
+    label: str
+    seconds: float
+    output_tokens: int
+    ttft_s: list[float]
+    outputs: list[list[int]]
+    pushed_by: int  # prompts served to push the prefix out of the pool
+    restored_blocks: int  # host tier blocks copied back during the N requests
+    host_hit_tokens: int
+    hit_tokens: int
+    computed_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def line(self) -> str:
+        return (f"  {self.label:>6}: {self.tokens_per_s:6.1f} output tok/s, {self.seconds:.2f} s, "
+                f"TTFT p50 {percentile(self.ttft_s, 50) * 1000:7.1f} ms, p90 "
+                f"{percentile(self.ttft_s, 90) * 1000:7.1f} ms; prompt tokens computed "
+                f"{self.computed_tokens:,}, hits {self.hit_tokens:,} (host "
+                f"{self.host_hit_tokens:,}); restored {self.restored_blocks} blocks"
+                + (f" (prefix pushed out by {self.pushed_by} prompts)" if self.pushed_by else ""))
+
+
+def push_out(engine: Engine, label: str, prefix: list[int], hashes: list[BlockHash],
+             rng: random.Random, setup: Setup, args) -> int:
+    """Serve other prompts of the prefix's length until the pool holds none of the prefix and
+    the tier all of it; how many."""
+    bm = engine.block_manager
+    request_blocks = bm.blocks_for_tokens(len(prefix) + args.question_tokens + 1)
+    for pushed in range(2 * -(-bm.num_blocks // request_blocks) + 2):
+        if bm.num_cached_leading_blocks(prefix) == 0:
+            break
+        other = random_tokens(rng, len(prefix) + args.question_tokens, setup.vocab_size)
+        run_batch(engine, f"{label}-push{pushed}", [other], 1)
+    else:
+        raise RuntimeError("the prefix stayed in the pool")
+    held = bm.num_held_leading_blocks(hashes)
+    if held != len(hashes):
+        raise RuntimeError(f"the tier holds {held} of the prefix's {len(hashes)} blocks")
+    return pushed
+
+
+def shared_side(args, setup: Setup, config: EngineConfig, label: str, prefix: list[int],
+                questions: list[list[int]], repeat: int) -> SharedSide:
+    rng = random.Random(args.seed + 100 + repeat)
+    engine = fresh(setup, config)
+    warm = random_tokens(rng, args.question_tokens, setup.vocab_size)
+    run_batch(engine, f"{label}-warm", [prefix + warm], 1)
+    hashes = block_hashes(prefix, setup.block_size, engine.block_manager.root)
+    pushed = push_out(engine, label, prefix, hashes, rng, setup, args) if label == "host" else 0
+    before = engine.stats()
+    done = run_batch(engine, label, [prefix + q for q in questions], args.max_tokens)
+    after = engine.stats()
+    del engine
+    gc.collect()
+    return SharedSide(
+        label, done.seconds, done.output_tokens, done.ttft_s, done.outputs, pushed,
+        after.kv_offload_restored_blocks - before.kv_offload_restored_blocks,
+        after.prefix_host_hit_tokens - before.prefix_host_hit_tokens,
+        after.prefix_hit_tokens - before.prefix_hit_tokens,
+        after.num_prefill_tokens_computed - before.num_prefill_tokens_computed)
+
+
+def shared_part(args, setup: Setup) -> dict:
+    prefix_tokens, capped = shared_prefix_length(args.shared_prefix_tokens, setup.max_model_len,
+                                                 args.question_tokens, args.max_tokens)
+    rng = random.Random(args.seed + 3)
+    prefix = random_tokens(rng, prefix_tokens, setup.vocab_size)
+    questions = [random_tokens(rng, args.question_tokens, setup.vocab_size)
+                 for _ in range(args.shared_requests)]
+    num_blocks = shared_pool_blocks(prefix_tokens, args.question_tokens, args.max_tokens,
+                                    args.shared_requests, setup.block_size)
+    # the tier holds what pushing the prefix out and the requests' room evict, the prefix first
+    pusher_blocks = setup.blocks(prefix_tokens + args.question_tokens + 1)
+    tier_gib = 1.25 * setup.gib(2 * num_blocks + 3 * pusher_blocks)
+    config = EngineConfig(device="cpu", dtype=args.dtype, num_blocks=num_blocks,
+                          max_running=args.shared_requests, kv_offloading_size=tier_gib)
+    cap_note = (f" (capped from {args.shared_prefix_tokens:,}: the model's context is "
+                f"{setup.max_model_len:,} tokens)" if capped else "")
+    print(f"\n## (c) {args.shared_requests} concurrent requests sharing one {prefix_tokens:,}-token"
+          f" prefix{cap_note}, each with its own {args.question_tokens}-token question, max_tokens"
+          f" {args.max_tokens}: the prefix in the device pool vs in the host tier; pool "
+          f"{num_blocks} blocks ({num_blocks * setup.block_size:,} tokens), tier {tier_gib:.3f} "
+          f"GiB\n{part_command(args, 'shared')}", flush=True)
+    sides: dict[str, list[SharedSide]] = {"device": [], "host": []}
+    for repeat in range(args.repeats):
+        for label in (("device", "host") if repeat % 2 == 0 else ("host", "device")):
+            side = shared_side(args, setup, config, label, prefix, questions, repeat)
+            sides[label].append(side)
+            print(side.line(), flush=True)
+    median = {label: {"tokens_per_s": statistics.median(s.tokens_per_s for s in runs),
+                      "seconds": statistics.median(s.seconds for s in runs),
+                      "ttft_p50_s": statistics.median(percentile(s.ttft_s, 50) for s in runs),
+                      "ttft_p90_s": statistics.median(percentile(s.ttft_s, 90) for s in runs),
+                      "restored_blocks": statistics.median(s.restored_blocks for s in runs)}
+              for label, runs in sides.items()}
+    ratio = median["host"]["tokens_per_s"] / median["device"]["tokens_per_s"]
+    identical = all(a.outputs == b.outputs for a in sides["host"] for b in sides["device"])
+    print("\n| medians | output tok/s | seconds | TTFT p50 | TTFT p90 | restored blocks |\n"
+          "|---|---|---|---|---|---|")
+    for label in ("device", "host"):
+        m = median[label]
+        print(f"| prefix in {label} | {m['tokens_per_s']:.1f} | {m['seconds']:.2f} | "
+              f"{m['ttft_p50_s'] * 1000:.1f} ms | {m['ttft_p90_s'] * 1000:.1f} ms | "
+              f"{m['restored_blocks']:g} |")
+    print(f"\nRATIO throughput host/device = {ratio:.2f}x (target >= {SHARED_TARGET:g}x) -> "
+          f"{verdict(ratio, SHARED_TARGET)}")
+    print(f"answers identical host and device: {identical}", flush=True)
+    return {"prefix_tokens": prefix_tokens, "requested_prefix_tokens": args.shared_prefix_tokens,
+            "capped": capped, "max_model_len": setup.max_model_len,
+            "requests": args.shared_requests, "num_blocks": num_blocks, "tier_gib": tier_gib,
+            "prefix_blocks": prefix_tokens // setup.block_size,
+            "command": part_command(args, "shared"), "median": median, "ratio": ratio,
+            "target": SHARED_TARGET, "verdict": verdict(ratio, SHARED_TARGET),
+            "identical": identical,
+            "runs": {label: [{k: v for k, v in vars(s).items() if k != "outputs"} for s in runs]
+                     for label, runs in sides.items()}}
 
 
 def main(argv=None) -> int:
@@ -242,16 +635,25 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     setup = Setup(args)
     print(f"# kv_tiers: {args.model}, {str(setup.dtype).removeprefix('torch.')}, block size "
-          f"{setup.block_size}; {args.repeats} alternated on/off pairs; "
+          f"{setup.block_size}; {args.repeats} alternated pairs; "
           f"{torch.get_num_threads()} torch threads on {platform.processor() or platform.machine()}",
           flush=True)
-    results = {"args": vars(args), "working_set": working_set_part(args, setup)}
-    if args.long_prefix_tokens:
+    results = {"args": vars(args)}
+    if not args.skip_working_set:
+        results["working_set"] = working_set_part(args, setup)
+    if args.long_prefix_tokens and not args.skip_long_prefix:
         results["long_prefix"] = long_prefix_part(args, setup)
+    if args.long_prefix_tokens and not args.skip_peer:
+        results["peer"] = peer_part(args, setup)
+    if args.shared_requests and not args.skip_shared:
+        results["shared"] = shared_part(args, setup)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    return 0 if results["working_set"]["identical"] else 1
+    same = [results["working_set"]["identical"] if "working_set" in results else True,
+            results["peer"]["answers_match"] if "peer" in results else True,
+            results["shared"]["identical"] if "shared" in results else True]
+    return 0 if all(same) else 1
 
 
 if __name__ == "__main__":

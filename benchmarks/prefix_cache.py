@@ -79,6 +79,20 @@ def drive(model, config: EngineConfig, label: str, prompts: list[list[int]],
           max_tokens: list[int]) -> Run:
     """All prompts arrive at once; step until done, timing each request's first token."""
     engine = Engine(copy.deepcopy(model), config)
+    seconds, ttft, outputs = run_at_once(engine, label, prompts, max_tokens)
+    stats = engine.stats()
+    del engine
+    gc.collect()
+    return Run(label, seconds, sum(map(len, outputs)), stats.num_prefill_tokens_computed,
+               stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.num_preemptions,
+               [t for t in ttft if t is not None], outputs)
+
+
+def run_at_once(engine: Engine, label: str, prompts: list[list[int]], max_tokens: list[int]
+                ) -> tuple[float, list[float | None], list[list[int]]]:
+    """`prompts` added at once (greedy, `max_tokens[i]` each) and stepped until every one ends:
+    seconds from the first add to the last step, each request's add to the step that returned
+    its first token (None: none came), and its tokens. A failed or short request raises."""
     req_ids = [f"{label}-{i}" for i in range(len(prompts))]
     index = {r: i for i, r in enumerate(req_ids)}
     added_at = []
@@ -99,13 +113,9 @@ def drive(model, config: EngineConfig, label: str, prompts: list[list[int]],
                 ttft[i] = now - added_at[i]
             outputs[i].extend(out.new_token_ids)
     seconds = time.perf_counter() - start
-    assert [len(o) for o in outputs] == max_tokens, "a request stopped short"
-    stats = engine.stats()
-    del engine
-    gc.collect()
-    return Run(label, seconds, sum(map(len, outputs)), stats.num_prefill_tokens_computed,
-               stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.num_preemptions,
-               [t for t in ttft if t is not None], outputs)
+    if [len(o) for o in outputs] != list(max_tokens):
+        raise RuntimeError("a request stopped short")
+    return seconds, ttft, outputs
 
 
 def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:

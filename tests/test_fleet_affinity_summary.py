@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from benchmarks.affinity_servers import taken_by_source
+from benchmarks.affinity_servers import PEER_FETCH_METRIC, counts_by_label, taken_by_source
 from benchmarks.affinity_trace import TraceShape, generate_trace, history, tenant_of
 from benchmarks.fleet_affinity import (ChatTarget, ConfigSummary, Turn, answers_differing, chat,
                                        load_skew, ratios, summarise)
@@ -193,6 +193,40 @@ def test_requests_taken_are_read_by_source_from_a_workers_metrics():
             registry=registry).labels("m", "w0").inc(15)
     assert taken_by_source(generate_latest(registry).decode()) == {"own": 12, "other": 3}
     assert taken_by_source('kvfleet_worker_running{model="m",worker="w0"} 1.0\n') == {}
+
+
+def test_prompt_tokens_computed_against_one_worker_and_without_peer_fetch():
+    # (prompt, cached) per turn: the single worker computes 100 + 20, the fleet with fetches
+    # 100 + 26, without them 100 + 100 (the second turn landed where its prefix was not)
+    single = summarise("single", "1", [turn(1, 100, 0, "a"), turn(2, 120, 100, "a")], 0, 1.0,
+                       ["a"])
+    fetch = summarise("affinity", "x3", [turn(1, 100, 0, "a"), turn(2, 120, 94, "b")], 0, 1.0,
+                      ["a", "b"])
+    nofetch = summarise("affinity-nofetch", "x3 no fetch",
+                        [turn(1, 100, 0, "a"), turn(2, 120, 20, "b")], 0, 1.0, ["a", "b"])
+    assert (single.computed_tokens, fetch.computed_tokens, nofetch.computed_tokens) == (
+        120, 126, 200)
+    got = {r.label: r for r in ratios({"single": single, "affinity": fetch,
+                                       "affinity-nofetch": nofetch})}
+    ideal = got["prompt tokens computed, affinity / 1 worker (the ideal)"]
+    assert ideal.value == pytest.approx(126 / 120) and ideal.verdict == "met"  # 1.05
+    assert got["prompt tokens computed, affinity without / with peer fetch"].value == (
+        pytest.approx(200 / 126))
+    share = got["cached share, affinity / 1 worker (all turns; issue 52)"]
+    assert share.value == pytest.approx(94 / 100) and share.verdict == "NOT met"  # 0.99
+
+
+def test_peer_fetches_are_read_by_outcome_from_a_workers_metrics():
+    registry = CollectorRegistry()
+    fetches = Counter("kvfleet_worker_kv_peer_fetches", "by outcome",
+                      ("model", "worker", "outcome"), registry=registry)
+    fetches.labels("m", "w0", "fetched").inc(3)
+    fetches.labels("m", "w0", "joined").inc(5)
+    fetches.labels("m", "w0", "late")  # listed, never counted
+    got = counts_by_label(generate_latest(registry).decode(), PEER_FETCH_METRIC, "outcome")
+    assert got == {"fetched": 3, "joined": 5, "late": 0}
+    assert counts_by_label(generate_latest(registry).decode(), "kvfleet_worker_requests_taken",
+                           "source") == {}
 
 
 def test_answers_are_compared_by_conversation_and_turn():
