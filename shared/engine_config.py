@@ -173,6 +173,16 @@ class CacheConfig(_Group):
         "a request whose prefix is there gets them back instead of recomputing them (pinned on "
         "CUDA; on the CPU memory beside kv_memory; docs/OPERATIONS.md, \"The host tier\"). "
         "0: off, nothing allocated"))
+    kv_offloading_disk: str = Field("", json_schema_extra={"default_text": "none (off)"},
+                                    description=(
+        "a directory for a third tier of the prefix cache behind the host tier "
+        "(kv_offloading_size): blocks the host tier drops for room are kept in a "
+        "memory-mapped file there (kv_offloading_disk_size), least recently used dropped when "
+        "full, and brought back as the host tier's are; the file is unlinked at once, so "
+        "nothing outlives the worker (docs/OPERATIONS.md, \"The disk tier\")"))
+    kv_offloading_disk_size: float = Field(0.0, ge=0, json_schema_extra={"default_text": "0"},
+                                           description=(
+        "GiB of kv_offloading_disk the disk tier takes (needed with kv_offloading_disk)"))
     enable_prefix_caching: bool = Field(True, description=(
         "reuse the KV blocks of identical prompt openings"))
     watermark: float = Field(0.01, ge=0.0, lt=1.0, description=(
@@ -189,6 +199,10 @@ class CacheConfig(_Group):
     @property
     def kv_offloading_size_bytes(self) -> int:
         return int(self.kv_offloading_size * (1 << 30))
+
+    @property
+    def kv_offloading_disk_size_bytes(self) -> int:
+        return int(self.kv_offloading_disk_size * (1 << 30))
 
 
 class SchedulerConfig(_Group):
@@ -342,6 +356,13 @@ class EngineConfig:
     def _check_offloading(self) -> EngineConfig:
         # the tier's restores are copied into rank 0's pool only, and into the target's pool,
         # not a draft model's: refused rather than served wrong
+        cache = self.cache
+        if cache.kv_offloading_disk and not (cache.kv_offloading_size
+                                             and cache.kv_offloading_disk_size):
+            raise ValueError("kv_offloading_disk needs kv_offloading_size (the host tier it "
+                             "sits behind) and kv_offloading_disk_size")
+        if cache.kv_offloading_disk_size and not cache.kv_offloading_disk:
+            raise ValueError("kv_offloading_disk_size needs kv_offloading_disk (a directory)")
         if self.cache.kv_offloading_size and self.parallel.tensor_parallel_size > 1:
             raise ValueError("kv_offloading_size is not supported with tensor parallelism yet")
         spec = self.speculative_config

@@ -94,11 +94,18 @@ NOT_DEFAULTS = {
     "cuda_graphs": "off", "deterministic": False, "grammar_cache_size": 8,
     "tensor_parallel_size": 2, "block_size": 32, "num_blocks": 100, "kv_memory": "2GiB",
     "gpu_memory_utilization": 0.5, "kv_dtype": "int8", "swap_space": "1GiB",
-    "kv_offloading_size": 1.5, "enable_prefix_caching": False, "watermark": 0.05,
+    "kv_offloading_size": 1.5, "kv_offloading_disk": "/var/cache/kvfleet",
+    "kv_offloading_disk_size": 8.0, "enable_prefix_caching": False, "watermark": 0.05,
     "preemption": "swap", "max_batched_tokens": 256, "max_running": 8, "target_itl_ms": 30.0,
     "target_ttft_ms": 500.0, "min_target_itl_ms": 10.0, "pace_warmup": False,
     "enable_lora": True, "max_loras": 2, "max_cpu_loras": 8, "max_lora_rank": 64,
     "speculative_config": '{"method": "ngram"}',
+}
+# fields that are valid only with others of their group (the disk tier sits behind the host tier)
+COMPANIONS = {
+    "kv_offloading_disk": {"kv_offloading_size": 1.5, "kv_offloading_disk_size": 8.0},
+    "kv_offloading_disk_size": {"kv_offloading_size": 1.5,
+                                "kv_offloading_disk": "/var/cache/kvfleet"},
 }
 
 
@@ -106,7 +113,7 @@ def test_each_flat_keyword_lands_in_its_group_and_nowhere_else():
     assert set(NOT_DEFAULTS) == set(EngineConfig.__pydantic_fields__) == set(FIELD_GROUPS)
     default = EngineConfig()
     for name, value in NOT_DEFAULTS.items():
-        config = EngineConfig(**{name: value})
+        config = EngineConfig(**{name: value, **COMPANIONS.get(name, {})})
         group = FIELD_GROUPS[name]
         flat = getattr(config, name)
         assert flat != getattr(default, name), name

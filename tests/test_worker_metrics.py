@@ -45,6 +45,12 @@ class FakeStats:
     spec_accepted_per_position: tuple[int, ...] = ()
     prefix_host_hit_tokens: int = 0
     prefix_peer_hit_tokens: int = 0
+    prefix_disk_hit_tokens: int = 0
+    kv_disk_capacity_bytes: int = 0
+    kv_disk_used_bytes: int = 0
+    kv_disk_spilled_blocks: int = 0
+    kv_disk_evicted_blocks: int = 0
+    kv_disk_restored_blocks: int = 0
     kv_offload_capacity_bytes: int = 0
     kv_offload_used_bytes: int = 0
     kv_offloaded_blocks: int = 0

@@ -1,9 +1,10 @@
 """Prometheus metrics of a worker's tiers of the prefix cache beyond its KV pool, on the worker's
-registry (metrics.py `WorkerMetrics.tier`): hits by tier (device, host, peer), the host tier's
-blocks offloaded, dropped and brought back and its bytes (`--kv-offloading-size`,
-worker/engine/tiers/offloading.py; zeros while off), and prefixes fetched from peers
-(`--kv-peer-fetch`, worker/handoff/peer_prefixes.py): decisions by outcome, blocks and bytes, time taken
-and the prefill time they saved, blocks served to peers."""
+registry (metrics.py `WorkerMetrics.tier`): hits by tier (device, host, disk, peer); the host
+tier's blocks offloaded, dropped and brought back and its bytes (`--kv-offloading-size`,
+worker/engine/tiers/offloading.py; zeros while off), the disk tier's likewise
+(`--kv-offloading-disk`); and prefixes fetched from peers (`--kv-peer-fetch`,
+worker/handoff/peer_prefixes.py): decisions by outcome, blocks and bytes, time taken and the
+prefill time they saved, blocks served to peers."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ class TierStats(Protocol):
     prefix_hit_tokens: int
     prefix_host_hit_tokens: int
     prefix_peer_hit_tokens: int
+    prefix_disk_hit_tokens: int
+    kv_disk_capacity_bytes: int
+    kv_disk_used_bytes: int
+    kv_disk_spilled_blocks: int
+    kv_disk_evicted_blocks: int
+    kv_disk_restored_blocks: int
     kv_offload_capacity_bytes: int
     kv_offload_used_bytes: int
     kv_offloaded_blocks: int
@@ -40,10 +47,12 @@ class TierMetrics:
         self._hits = Counter(
             p + "prefix_cache_tier_hit_tokens", "Prompt tokens found in the prefix cache, by "
             "tier: device (in the KV pool), host (brought back from the host tier, "
-            "--kv-offloading-size) or peer (fetched from another worker, --kv-peer-fetch); their "
-            "sum is prefix_cache_hit_tokens.",
+            "--kv-offloading-size), disk (from the disk tier behind it, --kv-offloading-disk) or "
+            "peer (fetched from another worker, --kv-peer-fetch); their sum is "
+            "prefix_cache_hit_tokens.",
             label_names + ("tier",), registry=registry)
         self._device_hits, self._host_hits, self._peer_hits = delta(), delta(), delta()
+        self._disk_hits = delta()
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(p + name, doc, label_names, registry=registry).labels(**labels)
@@ -61,6 +70,16 @@ class TierMetrics:
         self.capacity = gauge("kv_offload_capacity_bytes", "The host tier's size "
                               "(--kv-offloading-size; 0: off).")
         self._offloaded, self._evicted, self._restored = delta(), delta(), delta()
+        self.disk_spilled = counter("kv_disk_spilled_blocks", "Blocks the host tier dropped for "
+                                    "room and the disk tier kept (--kv-offloading-disk).")
+        self.disk_evicted = counter("kv_disk_evicted_blocks", "Blocks dropped from the full disk "
+                                    "tier (least recently used).")
+        self.disk_restored = counter("kv_disk_restored_blocks", "Blocks read from the disk tier "
+                                     "back into the KV pool for a request's prefix.")
+        self.disk_used = gauge("kv_disk_used_bytes", "Bytes of the blocks the disk tier holds.")
+        self.disk_capacity = gauge("kv_disk_capacity_bytes", "The disk tier's size "
+                                   "(--kv-offloading-disk-size; 0: off).")
+        self._spilled, self._disk_evicted, self._disk_restored = delta(), delta(), delta()
         self._fetches = Counter(
             p + "kv_peer_fetches", "Admitted requests whose prompt opening another live worker "
             "held beyond this one's cache, by outcome: fetched, joined (a fetch of it in "
@@ -94,12 +113,19 @@ class TierMetrics:
 
     def update(self, stats: TierStats) -> None:
         host, peer = stats.prefix_host_hit_tokens, stats.prefix_peer_hit_tokens
+        disk = stats.prefix_disk_hit_tokens  # within the host tier's hits
         self._hits.labels(**self._labels, tier="device").inc(
             self._device_hits.step(stats.prefix_hit_tokens - host - peer))
-        self._hits.labels(**self._labels, tier="host").inc(self._host_hits.step(host))
+        self._hits.labels(**self._labels, tier="host").inc(self._host_hits.step(host - disk))
+        self._hits.labels(**self._labels, tier="disk").inc(self._disk_hits.step(disk))
         self._hits.labels(**self._labels, tier="peer").inc(self._peer_hits.step(peer))
         self.offloaded.inc(self._offloaded.step(stats.kv_offloaded_blocks))
         self.evicted.inc(self._evicted.step(stats.kv_offload_evicted_blocks))
         self.restored.inc(self._restored.step(stats.kv_offload_restored_blocks))
         self.used.set(stats.kv_offload_used_bytes)
         self.capacity.set(stats.kv_offload_capacity_bytes)
+        self.disk_spilled.inc(self._spilled.step(stats.kv_disk_spilled_blocks))
+        self.disk_evicted.inc(self._disk_evicted.step(stats.kv_disk_evicted_blocks))
+        self.disk_restored.inc(self._disk_restored.step(stats.kv_disk_restored_blocks))
+        self.disk_used.set(stats.kv_disk_used_bytes)
+        self.disk_capacity.set(stats.kv_disk_capacity_bytes)

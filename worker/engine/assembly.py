@@ -36,7 +36,7 @@ from kvfleet.worker.engine.model.model_prep import (
 from kvfleet.worker.engine.core.model_runner import ModelRunner
 from kvfleet.worker.engine.moves import SequenceMoves
 from kvfleet.worker.engine.model.numerics import Numerics, engine_numerics
-from kvfleet.worker.engine.tiers.offloading import HostTier, Offloading
+from kvfleet.worker.engine.tiers.offloading import DiskTier, HostTier, Offloading
 from kvfleet.worker.engine.tiers.prefix_copies import PrefixCopies
 from kvfleet.worker.engine.core.pace import Pace
 from kvfleet.worker.engine.pacing import Pacing
@@ -122,7 +122,9 @@ def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: Ran
         raise ValueError("the KV budget holds no block beside the CUDA graphs' scratch block")
     tier = _host_tier(cache, pool)
     block_manager = BlockManager(num_usable_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 tier=None if tier is None else tier.index)
+                                 tier=None if tier is None else tier.index,
+                                 disk=None if tier is None or tier.disk is None
+                                 else tier.disk.index)
     swap_space = SwapSpace(cache.swap_space_bytes // pool.block_bytes)
     preemption = preemption_cost_model(cache.preemption, pool, placed.module)
     swapped = SwappedKV(pool, preemption)
@@ -158,7 +160,7 @@ def assemble(model: torch.nn.Module, config: EngineConfig, tokenizer, ranks: Ran
     features: list[Feature] = [] if ranks is None else [RankSteps(ranks, runner, cache.block_size)]
     features.append(Swapping(swapped))
     if tier is not None:
-        features.append(Offloading(tier))
+        features.append(Offloading(tier, tier.disk))
     if speculation is not None:
         speculation.start(config.model, device, dtype, max_model_len,
                           prepared.module.config.vocab_size)
@@ -180,7 +182,11 @@ def _host_tier(cache: CacheConfig, pool: KVCachePool) -> HostTier | None:
     is allocated, and the block manager drops what it evicts as before)."""
     if not cache.kv_offloading_size_bytes or not cache.enable_prefix_caching:
         return None
-    return HostTier(pool, cache.kv_offloading_size_bytes)
+    tier = HostTier(pool, cache.kv_offloading_size_bytes)
+    if cache.kv_offloading_disk:  # behind it: what it drops (`--kv-offloading-disk`)
+        tier.disk = DiskTier(pool, cache.kv_offloading_disk_size_bytes, cache.kv_offloading_disk,
+                             tier)
+    return tier
 
 
 def _graphs_mode(config: EngineConfig, device: torch.device, ranks: RankGroup | None,

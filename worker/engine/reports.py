@@ -52,6 +52,13 @@ class EngineStats:
     kv_offloaded_blocks: int = 0  # blocks copied into the tier
     kv_offload_evicted_blocks: int = 0  # blocks dropped from the full tier
     kv_offload_restored_blocks: int = 0  # blocks copied back into the pool
+    # the disk tier behind it (`--kv-offloading-disk`; zeros when off)
+    prefix_disk_hit_tokens: int = 0  # of prefix_host_hit_tokens, those read from the disk tier
+    kv_disk_capacity_bytes: int = 0
+    kv_disk_used_bytes: int = 0
+    kv_disk_spilled_blocks: int = 0  # blocks the host tier dropped, kept on disk
+    kv_disk_evicted_blocks: int = 0  # blocks dropped from the full disk tier
+    kv_disk_restored_blocks: int = 0  # blocks read back into the pool
     # a simulated engine (worker/sim/): its cost model ("" for a real one), steps played, and
     # those that ended later than modelled (clock.py)
     simulated: str = ""
@@ -70,6 +77,7 @@ def engine_stats(bm: BlockManager, sched: Scheduler, runner: ModelRunner, swap_u
         num_preemptions=sched.num_preemptions, prefix_queried_tokens=bm.prefix_queried_tokens,
         prefix_hit_tokens=bm.prefix_hit_tokens, prefix_host_hit_tokens=bm.prefix_host_hit_tokens,
         prefix_peer_hit_tokens=bm.prefix_peer_hit_tokens,
+        prefix_disk_hit_tokens=bm.prefix_disk_hit_tokens,
         num_cached_blocks=bm.num_cached_blocks,
         num_generated_tokens=sched.num_generated_tokens,
         num_prefill_tokens_computed=sched.num_prefill_tokens_computed,

@@ -14,6 +14,9 @@ The host tier (kv_tier.py, `--kv-offloading-size`): with one, a cached block the
 is offered to it (`TierIndex.offload`), and a lookup that misses the pool goes on in the tier:
 each further block it holds is brought back into a free pool block, published again and counted
 as a hit (`prefix_host_hit_tokens` when a request takes it), its bytes copied in before the step.
+The disk tier (`--kv-offloading-disk`), behind it: a block the host tier drops for room goes
+there (`TierIndex.keep` from the host slot), and a lookup goes on there after the host tier
+(`prefix_disk_hit_tokens`, within the host hits).
 
 Blocks from a peer (worker/handoff/peer_prefixes.py): `install` publishes blocks another worker computed
 under their hashes, taking free blocks for them as a restore does; they wait evictable, like any
@@ -37,7 +40,8 @@ if TYPE_CHECKING:
     from kvfleet.worker.engine.memory.kv_tier import TierIndex
 
 
-DEVICE, HOST = "device", "host"  # where a held block is: the KV pool, the host tier (kv_tier.py)
+# where a held block is: the KV pool, the host tier, the disk tier behind it (kv_tier.py)
+DEVICE, HOST, DISK = "device", "host", "disk"
 
 
 class NetChange:
@@ -106,7 +110,8 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 root: BlockHash | None = None, tier: TierIndex | None = None):
+                 root: BlockHash | None = None, tier: TierIndex | None = None,
+                 disk: TierIndex | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -122,6 +127,9 @@ class BlockManager:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.tier = tier  # the host tier of evicted blocks; None: evicted blocks are gone
+        self.disk = disk  # the disk tier of blocks the host tier drops; None: they are gone
+        self.prefix_disk_hit_tokens = 0  # of prefix_host_hit_tokens, those from the disk tier
+        self._restored_disk: set[int] = set()  # of _restored, those read from the disk tier
         self.prefix_host_hit_tokens = 0  # of prefix_hit_tokens, those brought back from the tier
         self._restored: set[int] = set()  # blocks brought back that no request took yet
         self.prefix_peer_hit_tokens = 0  # of prefix_hit_tokens, those installed from a peer
@@ -132,6 +140,11 @@ class BlockManager:
         self._announcements = NetChange()
         if tier is not None:
             tier.on_drop = self._tier_dropped
+        if disk is not None:
+            if tier is None:
+                raise ValueError("the disk tier sits behind a host tier")
+            tier.on_evict = disk.keep  # a slot the host tier reuses goes to disk first
+            disk.on_drop = self._tier_dropped
 
     # ---- counts -------------------------------------------------------------------------------
 
@@ -210,11 +223,17 @@ class BlockManager:
         the first on, in the pool or the host tier."""
         count = 0
         for block_hash in hashes:
-            if block_hash not in self._cached and (self.tier is None
-                                                   or not self.tier.holds(block_hash)):
+            if block_hash not in self._cached and self._tier_of(block_hash) is None:
                 break
             count += 1
         return count
+
+    def _tier_of(self, block_hash: BlockHash) -> TierIndex | None:
+        """The tier beyond the pool holding `block_hash` (the host tier first), or None."""
+        for tier in (self.tier, self.disk):
+            if tier is not None and tier.holds(block_hash):
+                return tier
+        return None
 
     def locate(self, block_hash: BlockHash) -> tuple[str, int] | None:
         """Where the cache holds `block_hash`: (DEVICE, pool block) or (HOST, tier slot); None
@@ -222,9 +241,10 @@ class BlockManager:
         block = self._cached.get(block_hash)
         if block is not None:
             return DEVICE, block
-        if self.tier is not None and self.tier.holds(block_hash):
-            return HOST, self.tier.slot_of(block_hash)
-        return None
+        tier = self._tier_of(block_hash)
+        if tier is None:
+            return None
+        return (HOST if tier is self.tier else DISK), tier.slot_of(block_hash)
 
     def install(self, hashes: list[BlockHash], keep: list[BlockHash] = ()) -> list[int]:
         """Publish blocks a peer computed: a free pool block for each of `hashes` in order up
@@ -266,10 +286,11 @@ class BlockManager:
         return list(self._cached)
 
     def host_hashes(self) -> list[BlockHash]:
-        """Every hash the host tier holds that the pool does not (announced in the host tier)."""
-        if self.tier is None:
-            return []
-        return [h for h in self.tier.hashes() if h not in self._cached]
+        """Every hash the host or disk tier holds that the pool does not (announced in the host
+        tier: the router weighs the two alike)."""
+        held = dict.fromkeys(h for tier in (self.tier, self.disk) if tier is not None
+                             for h in tier.hashes())
+        return [h for h in held if h not in self._cached]
 
     def drain_announcements(self) -> NetChange:
         """The hashes published to, evicted from and moved between the tiers of the cache since
@@ -278,8 +299,11 @@ class BlockManager:
         return self._announcements.drain()
 
     def _tier_dropped(self, block_hash: BlockHash) -> None:
-        """The host tier dropped `block_hash` for room: gone unless the pool holds it too."""
-        if block_hash not in self._cached:
+        """A tier dropped `block_hash` for room: gone unless the pool or another tier holds it
+        (the host tier's drop went to the disk tier first)."""
+        if block_hash in self._cached:
+            return
+        if self._tier_of(block_hash) is None:  # the dropping tier no longer lists it
             self._announcements.remove(block_hash, HOST)
 
     def find_cached_prefix(self, req_id: str, token_ids: list[int],
@@ -316,13 +340,15 @@ class BlockManager:
         return hits
 
     def _restore(self, block_hash: BlockHash) -> int | None:
-        """A free block published again as `block_hash`, filled from the host tier before the
-        step (the block stays free, evictable, until a request takes it); None if the tier
-        does not hold it."""
-        if not self.tier.holds(block_hash):
+        """A free block published again as `block_hash`, filled from the host (or disk) tier
+        before the step (the block stays free, evictable, until a request takes it); None if
+        neither tier holds it."""
+        if self._tier_of(block_hash) is None:
             return None
         block = self._take_free_block()
-        if not self.tier.holds(block_hash):  # the block it evicted pushed it out of a full tier
+        # the block it evicted may have pushed the hash from the host tier to disk, or out
+        tier = self._tier_of(block_hash)
+        if tier is None:
             self._free_uncached.appendleft(block)
             return None
         self._cached[block_hash] = block
@@ -330,7 +356,9 @@ class BlockManager:
         self._announcements.restore(block_hash)
         self._evictable[block] = None
         self._restored.add(block)
-        self.tier.restore(block_hash, block)
+        if tier is self.disk:
+            self._restored_disk.add(block)
+        tier.restore(block_hash, block)
         return block
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
@@ -364,6 +392,9 @@ class BlockManager:
                 if block in self._restored:
                     self._restored.discard(block)
                     self.prefix_host_hit_tokens += self.block_size
+                    if block in self._restored_disk:
+                        self._restored_disk.discard(block)
+                        self.prefix_disk_hit_tokens += self.block_size
                 elif block in self._installed:
                     self._installed.discard(block)
                     self.prefix_peer_hit_tokens += self.block_size
@@ -398,10 +429,13 @@ class BlockManager:
         if self._cached.get(block_hash) == block:
             del self._cached[block_hash]
             if self.tier is not None:
-                self.tier.offload(block_hash, block)
+                # brought back from disk this step and never filled: its bytes are still there
+                if self.disk is None or not self.disk.cancel_load(block):
+                    self.tier.offload(block_hash, block)
                 self._restored.discard(block)
+                self._restored_disk.discard(block)
             self._installed.discard(block)
-            if self.tier is not None and self.tier.holds(block_hash):
+            if self._tier_of(block_hash) is not None:
                 self._announcements.offload(block_hash)
             else:
                 self._announcements.remove(block_hash)

@@ -15,7 +15,9 @@ loses a block and where a lookup misses the pool:
   slot is pinned (no offload of this step overwrites it).
 
 `on_drop(hash)` (set by the block manager) hears of each hash the tier drops for room: the worker
-announces it removed unless the pool holds it again.
+announces it removed unless the pool (or the disk tier) holds it again. `on_evict(hash, slot)`,
+just before, lets the disk tier keep the slot's bytes (`keep`): the same index, one tier down,
+with host slots as its sources.
 
 A slot is reused only after its hash left the index, so the tier never holds more than
 `capacity_blocks` blocks, whatever the traffic.
@@ -47,6 +49,9 @@ class TierIndex:
         self.num_restored_blocks = 0  # blocks copied back into the pool
         self.num_dropped_blocks = 0  # evicted from the pool with no slot left (every slot pinned)
         self.on_drop: Callable[[BlockHash], None] | None = None  # a hash dropped for room
+        # called with a hash and its slot as it is dropped for room, before the slot is reused:
+        # the disk tier keeps the bytes (tiers/offloading.py)
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -65,6 +70,11 @@ class TierIndex:
         """The pool evicts `block`, published as `block_hash`: keep its bytes here."""
         if self._loads.pop(block, None) is not None:  # brought back this step, never filled:
             return  # its hash is still here (a pinned slot is not evicted)
+        self.keep(block_hash, block)
+
+    def keep(self, block_hash: BlockHash, source: int) -> None:
+        """Keep `block_hash`'s bytes, copied now from `source` (the caller's `save` reads it: a
+        pool block, or the host tier's slot for the disk tier), unless they are here already."""
         if block_hash in self._slots:
             self._slots.move_to_end(block_hash)
             return
@@ -72,7 +82,7 @@ class TierIndex:
         if slot is None:
             self.num_dropped_blocks += 1
             return
-        self._save(block, slot)
+        self._save(source, slot)
         self._slots[block_hash] = slot
         self.num_offloaded_blocks += 1
 
@@ -82,6 +92,11 @@ class TierIndex:
         self._slots.move_to_end(block_hash)
         self._loads[block] = slot
         self.num_restored_blocks += 1
+
+    def cancel_load(self, block: int) -> bool:
+        """Forget the restore into `block` this step (the pool evicts it before it was filled:
+        the bytes stay here); whether there was one."""
+        return self._loads.pop(block, None) is not None
 
     def take_loads(self) -> list[tuple[int, int]]:
         """(slot, pool block) of every restore since the last call; their slots unpinned."""
@@ -95,6 +110,8 @@ class TierIndex:
         pinned = set(self._loads.values())
         for block_hash, slot in self._slots.items():  # least recently used first
             if slot not in pinned:
+                if self.on_evict is not None:
+                    self.on_evict(block_hash, slot)
                 del self._slots[block_hash]
                 self.num_evicted_blocks += 1
                 if self.on_drop is not None:

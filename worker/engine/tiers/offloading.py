@@ -17,6 +17,10 @@ budget (pages are touched as slots fill), and the copies are memcpy.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
+import numpy as np
 import torch
 
 from kvfleet.worker.engine.memory.device import is_cuda
@@ -31,19 +35,25 @@ GIB = 1 << 30
 class HostTier:
     """Slots in host memory for evicted pool blocks, and the copies between the two."""
 
+    SETTING = "kv_offloading_size"
+
     def __init__(self, pool: KVCachePool, size_bytes: int):
         self.pool = pool
         capacity = size_bytes // pool.block_bytes
         if capacity < 1:
-            raise ValueError(f"kv_offloading_size ({format_bytes(size_bytes)}) holds no KV block "
+            raise ValueError(f"{self.SETTING} ({format_bytes(size_bytes)}) holds no KV block "
                              f"of {pool.block_bytes:,} bytes")
-        self._async = is_cuda(pool.device)  # pinned, and copies queued without waiting
+        self._async = self._copies_async()
         values, scales = pool.block_range(0, 1)
-        self.values = self._slots(capacity, values)
-        self.scales = None if scales is None else self._slots(capacity, scales)
+        self.values = self._slots(capacity, values, "values")
+        self.scales = None if scales is None else self._slots(capacity, scales, "scales")
         self.index = TierIndex(capacity, self._save)
+        self.disk: DiskTier | None = None  # the tier behind this one (`--kv-offloading-disk`)
 
-    def _slots(self, capacity: int, like: torch.Tensor) -> torch.Tensor:
+    def _copies_async(self) -> bool:
+        return is_cuda(self.pool.device)  # pinned, and copies queued without waiting
+
+    def _slots(self, capacity: int, like: torch.Tensor, name: str) -> torch.Tensor:
         """[capacity, layers, 2, KVH, ...]: one contiguous slot per block."""
         shape = (capacity, *like.shape[:3], *like.shape[4:])
         return torch.empty(shape, dtype=like.dtype, pin_memory=self._async)
@@ -85,6 +95,53 @@ class HostTier:
         return slots.to(self.pool.device, non_blocking=self._async)
 
 
+class DiskTier(HostTier):
+    """The tier behind the host tier (`--kv-offloading-disk`): slots in a file in a directory,
+    memory-mapped, which take the blocks the host tier drops for room (copied from the host slot
+    as it is reused) and give them back to the pool as the host tier does (read at the step's
+    `before_execute`). The file is unlinked as soon as it is mapped: its space is the worker's
+    while it runs and is freed when it exits, however it exits; nothing outlives the process
+    (a cache, not a store). The kernel writes its pages back to the disk and reads them in on
+    demand, so the tier costs page cache, not the worker's memory."""
+
+    SETTING = "kv_offloading_disk_size"
+
+    def __init__(self, pool: KVCachePool, size_bytes: int, directory: str, host: HostTier):
+        self.directory, self.host = directory, host
+        if not os.path.isdir(directory):
+            raise ValueError(f"kv_offloading_disk: {directory!r} is not a directory")
+        super().__init__(pool, size_bytes)
+
+    def _copies_async(self) -> bool:
+        return False  # a mapped file is not pinned memory
+
+    def _slots(self, capacity: int, like: torch.Tensor, name: str) -> torch.Tensor:
+        shape = (capacity, *like.shape[:3], *like.shape[4:])
+        itemsize = like.element_size()  # mapped as bytes (numpy has no bfloat16), viewed back
+        raw_shape = (*shape[:-1], shape[-1] * itemsize)
+        handle, path = tempfile.mkstemp(prefix=f"kvfleet-kv-{name}-", suffix=".bin",
+                                        dir=self.directory)
+        try:
+            os.ftruncate(handle, int(np.prod(raw_shape)))
+            mapped = np.memmap(path, dtype=np.uint8, mode="r+", shape=raw_shape)
+        finally:
+            os.close(handle)
+            os.unlink(path)  # the mapping keeps the space while the process lives
+        return torch.from_numpy(mapped).view(like.dtype)
+
+    def _save(self, host_slot: int, slot: int) -> None:
+        """The host tier reuses `host_slot`: its bytes to disk slot `slot` first."""
+        self.values[slot].copy_(self.host.values[host_slot])
+        if self.scales is not None:
+            self.scales[slot].copy_(self.host.scales[host_slot])
+
+    def report_line(self) -> str:
+        tokens = self.capacity_blocks * self.pool.block_size
+        return (f"disk tier (--kv-offloading-disk {self.directory}): "
+                f"{format_bytes(self.num_bytes)} = {self.capacity_blocks} blocks "
+                f"({tokens:,} tokens) of prefixes the host tier dropped, memory-mapped")
+
+
 def paired_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(first a, first b, count) of each run of pairs whose a and b both go up by one, in the
     order of b: one copy per run instead of one per block."""
@@ -102,23 +159,34 @@ class Offloading(Feature):
     stream's blocks are read before anything is written into the pool); the tier's stats and
     budget line."""
 
-    def __init__(self, tier: HostTier):
-        self.tier = tier
+    def __init__(self, tier: HostTier, disk: DiskTier | None = None):
+        self.tier, self.disk = tier, disk
 
     def before_execute(self, sched: SchedulerOutput) -> None:
         self.tier.load()
+        if self.disk is not None:
+            self.disk.load()
 
     def stats(self) -> dict:
         index = self.tier.index
-        return {"kv_offload_capacity_bytes": self.tier.num_bytes,
-                "kv_offload_used_bytes": self.tier.used_bytes,
-                "kv_offloaded_blocks": index.num_offloaded_blocks,
-                "kv_offload_evicted_blocks": index.num_evicted_blocks,
-                "kv_offload_restored_blocks": index.num_restored_blocks}
+        stats = {"kv_offload_capacity_bytes": self.tier.num_bytes,
+                 "kv_offload_used_bytes": self.tier.used_bytes,
+                 "kv_offloaded_blocks": index.num_offloaded_blocks,
+                 "kv_offload_evicted_blocks": index.num_evicted_blocks,
+                 "kv_offload_restored_blocks": index.num_restored_blocks}
+        if self.disk is not None:
+            disk = self.disk.index
+            stats.update({"kv_disk_capacity_bytes": self.disk.num_bytes,
+                          "kv_disk_used_bytes": self.disk.used_bytes,
+                          "kv_disk_spilled_blocks": disk.num_offloaded_blocks,
+                          "kv_disk_evicted_blocks": disk.num_evicted_blocks,
+                          "kv_disk_restored_blocks": disk.num_restored_blocks})
+        return stats
 
     def report(self) -> list[str]:
         tier = self.tier
         tokens = tier.capacity_blocks * tier.pool.block_size
-        return [f"host tier (--kv-offloading-size): {format_bytes(tier.num_bytes)} = "
-                f"{tier.capacity_blocks} blocks ({tokens:,} tokens) of evicted prefixes"
-                + (", pinned" if is_cuda(tier.pool.device) else "")]
+        lines = [f"host tier (--kv-offloading-size): {format_bytes(tier.num_bytes)} = "
+                 f"{tier.capacity_blocks} blocks ({tokens:,} tokens) of evicted prefixes"
+                 + (", pinned" if is_cuda(tier.pool.device) else "")]
+        return lines + ([] if self.disk is None else [self.disk.report_line()])

@@ -5,7 +5,7 @@ over the transfer plane instead of computing them (worker/handoff/peer_prefixes.
 This is the engine's part:
 
 - `export(hashes)`: between two steps, a host copy of the leading run of `hashes` this engine
-  holds, in its pool or its host tier (tiers/offloading.py), in the pool's own storage codes (an
+  holds, in its pool or its host or disk tier (tiers/offloading.py), in the pool's own storage codes (an
   8-bit pool's blocks with their scales), block-major as a swapped-out sequence's copy is.
 - `install(state, keep)`: between two steps, the copy's blocks published in this engine's
   prefix cache under the same hashes (`BlockManager.install`), their bytes written into free pool
@@ -30,7 +30,7 @@ import torch
 from kvfleet.shared.wire.prefix_hash import BlockHash
 from kvfleet.worker.engine.core.handoff import (
     HandoffError, pack_tensors, state_blocks, unpack_tensors)
-from kvfleet.worker.engine.memory.block_manager import DEVICE, BlockManager
+from kvfleet.worker.engine.memory.block_manager import DEVICE, HOST, BlockManager
 from kvfleet.worker.engine.memory.kv_cache import HostBlocks, KVCachePool
 from kvfleet.worker.engine.tiers.offloading import HostTier
 
@@ -151,9 +151,10 @@ class PrefixCopies:
                     scales[:, :, :, i].copy_(from_pool.scales[:, :, :, pool_index])
                 pool_index += 1
             else:
-                values[:, :, :, i].copy_(self.tier.values[index])
+                slots = self.tier if tier == HOST else self.tier.disk
+                values[:, :, :, i].copy_(slots.values[index])
                 if scales is not None:
-                    scales[:, :, :, i].copy_(self.tier.scales[index])
+                    scales[:, :, :, i].copy_(slots.scales[index])
         return values, scales
 
     def install(self, state: PrefixState, keep: list[BlockHash] = ()) -> int:
