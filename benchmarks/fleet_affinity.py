@@ -144,6 +144,9 @@ class ConfigSummary:
     # answered requests' text by "conversation-turn": configurations of one run are compared
     # (the history a turn resends holds the earlier answers, so one difference spreads)
     answers: dict[str, str] = field(default_factory=dict)
+    # prompt tokens computed (not cached) by turn number, answered requests: where a fleet's
+    # excess over one worker is (first turns: tenants' prompts; later: conversations' history)
+    computed_by_turn: dict[int, int] = field(default_factory=dict)
 
     @property
     def computed_tokens(self) -> int:
@@ -154,6 +157,16 @@ class ConfigSummary:
     def num_lost(self) -> int:
         """Requests of the trace not answered in full: failed ones and those never sent."""
         return self.num_sent - self.num_ok + self.num_unsent
+
+
+def computed_by_turn(turns: list[Turn]) -> dict[int, int]:
+    """Prompt tokens computed (prompt less cached) per turn number, over the answered turns."""
+    computed: dict[int, int] = {}
+    for t in turns:
+        if t.record.ok:
+            spent = (t.record.prompt_tokens or 0) - (t.record.cached_tokens or 0)
+            computed[t.turn] = computed.get(t.turn, 0) + spent
+    return dict(sorted(computed.items()))
 
 
 def cached_share(turns: list[Turn], min_turn: int = 1) -> float | None:
@@ -204,7 +217,8 @@ def summarise(config: str, name: str, turns: list[Turn], num_unsent: int, durati
         output_tokens_per_s=output_tokens / seconds, requests_per_s=len(answered) / seconds,
         loads=loads, num_unattributed=unattributed, load_skew=load_skew(loads),
         events=list(events or []), taken=dict(taken or {}), fetches=dict(fetches or {}),
-        answers={f"{t.conversation}-{t.turn}": t.record.text for t in turns if t.record.ok})
+        answers={f"{t.conversation}-{t.turn}": t.record.text for t in turns if t.record.ok},
+        computed_by_turn=computed_by_turn(turns))
 
 
 def answers_differing(summary: ConfigSummary, reference: ConfigSummary) -> tuple[int, int]:
@@ -299,6 +313,9 @@ def print_report(summaries: list[ConfigSummary]) -> None:
         if s.taken:
             print(f"# {s.name}: requests taken from (worker metrics): "
                   + ", ".join(f"{source} {count}" for source, count in sorted(s.taken.items())))
+        if s.computed_by_turn:
+            print(f"# {s.name}: prompt tokens computed by turn: "
+                  + ", ".join(f"{turn}: {n}" for turn, n in s.computed_by_turn.items()))
         if s.fetches:
             print(f"# {s.name}: prompt openings a peer held (worker metrics): "
                   + ", ".join(f"{outcome} {n}" for outcome, n in sorted(s.fetches.items())))

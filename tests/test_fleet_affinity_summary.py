@@ -206,6 +206,7 @@ def test_prompt_tokens_computed_against_one_worker_and_without_peer_fetch():
                         [turn(1, 100, 0, "a"), turn(2, 120, 20, "b")], 0, 1.0, ["a", "b"])
     assert (single.computed_tokens, fetch.computed_tokens, nofetch.computed_tokens) == (
         120, 126, 200)
+    assert nofetch.computed_by_turn == {1: 100, 2: 100}  # the excess is the second turn's
     got = {r.label: r for r in ratios({"single": single, "affinity": fetch,
                                        "affinity-nofetch": nofetch})}
     ideal = got["prompt tokens computed, affinity / 1 worker (the ideal)"]
