@@ -8,7 +8,7 @@ routing"), beside `WorkerProtocol`, which uses it:
   first (`with_entries`: OWN_STREAMS_WAITING in one pipelined round trip), so a fill costs a
   READ_IF_FITS round trip only per owner whose streams hold something: with N workers each
   reading the N - 1 others, N^2 round trips a steal period became N.
-- `prefix_holders`: the other live workers holding more of a prompt's opening than this one,
+- `PrefixHolders`: the other live workers holding more of a prompt's opening than this one,
   with their transfer planes and numerics (a peer fetch's candidates, worker/handoff/peer_prefixes.py).
 - `resume_min_idle_ms`: how long an orphaned entry must have been idle before this worker claims
   it: the heartbeat TTL when this worker holds at least as much of its prompt as any other live
@@ -231,28 +231,50 @@ class PrefixHolder:
     draining: bool
 
 
-def prefix_holders(client: redis.Redis, prefix_match, keys: Keys, model: str, worker_id: str,
-                   hashes: list[BlockHash], min_blocks: int, ttl_ms: int) -> list[PrefixHolder]:
-    """The other live announcing workers (listed in `Keys.kv_workers` within `ttl_ms`) holding
-    more than `min_blocks` leading blocks of `hashes`, most first, with their transfer planes
-    and numerics: three round trips (the list, PREFIX_MATCH over it, the holders' heartbeat
-    fields). `prefix_match`: PREFIX_MATCH registered on `client`."""
-    listed = client.zrangebyscore(keys.kv_workers(model), time.time() * 1000 - ttl_ms, "+inf")
-    others = [w for w in (text(m) for m in listed) if w != worker_id]
-    if not others or not hashes:
-        return []
-    call = affinity.prefix_match(keys, model, others, pack_ids(hashes))
-    counts = [int(n) for n in prefix_match(keys=call.keys, args=call.args)]
-    ranked = sorted(((n, w) for w, n in zip(others, counts) if n > min_blocks), reverse=True)
-    if not ranked:
-        return []
-    pipe = client.pipeline(transaction=False)
-    for _, holder in ranked:
-        pipe.hmget(keys.worker(holder), HOLDER_FIELDS)
-    holders = []
-    for (count, holder), (addr, numerics, draining) in zip(ranked, pipe.execute()):
-        if addr is None and numerics is None:  # its heartbeat is gone
-            continue
-        holders.append(PrefixHolder(holder, count, text(addr), text(numerics),
-                                    text(draining) not in ("", "0")))
-    return holders
+class PrefixHolders:
+    """The other live workers holding more of a prompt's opening than this one (a peer fetch's
+    candidates, worker/handoff/peer_prefixes.py), most first, with their transfer planes and
+    numerics. The live announcers (`Keys.kv_workers` within the heartbeat TTL) are read at most
+    once per `refresh_s`: a lookup then costs one round trip (PREFIX_MATCH over them), plus one
+    for the heartbeat fields of those holding more; none while no other worker announces."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, worker_id: str, *,
+                 ttl_ms: int, refresh_s: float):
+        self.client, self.keys, self.model, self.worker_id = client, keys, model, worker_id
+        self.ttl_ms, self.refresh_s = ttl_ms, refresh_s
+        self.prefix_match = affinity.PREFIX_MATCH.register(client)
+        self._others: list[str] = []
+        self._read_at = -1e9
+
+    def others(self) -> list[str]:
+        """The other live announcing workers, as last read."""
+        now = time.monotonic()
+        if now - self._read_at >= self.refresh_s:
+            listed = self.client.zrangebyscore(self.keys.kv_workers(self.model),
+                                               time.time() * 1000 - self.ttl_ms, "+inf")
+            self._others = [w for w in (text(m) for m in listed) if w != self.worker_id]
+            self._read_at = now
+        return self._others
+
+    def __call__(self, hashes: list[BlockHash], min_blocks: int) -> list[PrefixHolder]:
+        """Those holding more than `min_blocks` leading blocks of `hashes`, most first (a
+        holder whose heartbeat is gone is left out)."""
+        others = self.others()
+        if not others or not hashes:
+            return []
+        call = affinity.prefix_match(self.keys, self.model, others, pack_ids(hashes))
+        counts = [int(n) for n in self.prefix_match(keys=call.keys, args=call.args)]
+        ranked = sorted(((n, w) for w, n in zip(others, counts) if n > min_blocks),
+                        reverse=True)
+        if not ranked:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for _, holder in ranked:
+            pipe.hmget(self.keys.worker(holder), HOLDER_FIELDS)
+        holders = []
+        for (count, holder), (addr, numerics, draining) in zip(ranked, pipe.execute()):
+            if addr is None and numerics is None:  # its heartbeat is gone
+                continue
+            holders.append(PrefixHolder(holder, count, text(addr), text(numerics),
+                                        text(draining) not in ("", "0")))
+        return holders

@@ -176,3 +176,23 @@ def test_a_cancel_while_the_prefix_is_fetched_ends_the_request(redis_url, client
     assert client.final(req_id).finish_reason == "abort"
     assert asker.peers.num_waiting == 0
     assert not asker.engine.has_unfinished()
+
+
+def test_the_live_announcers_are_read_once_a_refresh_and_none_is_asked_alone(redis_url,
+                                                                              client, tiny):
+    asker = svc(redis_url, tiny, "asker")
+    holders = asker.peers.holders
+    reads = []
+    real = holders.client.zrangebyscore
+    holders.client.zrangebyscore = lambda *a, **k: reads.append(a) or real(*a, **k)
+    holders.refresh_s = 60.0
+    holders._read_at = -1e9
+    hashes = [bytes(16)] * 4
+    assert holders(hashes, 0) == [] and holders(hashes, 0) == []  # alone: nobody to ask
+    assert len(reads) == 1  # the list read once for both lookups
+    holder = svc(redis_url, tiny, "holder")
+    warm(client, holder, random_prompt(PREFIX, seed=16))
+    assert holders.others() == []  # not read again before the refresh
+    holders._read_at = -1e9  # the refresh is due
+    assert holders.others() == ["holder"]
+    assert len(reads) == 2

@@ -27,8 +27,7 @@ from kvfleet.shared.settings import WorkerSettings
 from kvfleet.shared.wire import Heartbeat, RequestStatus, TokenEvent, Usage
 from kvfleet.shared.wire.scripts import Started
 from kvfleet.shared.wire.prefix_hash import lora_root, root_hash
-from kvfleet.shared.wire.affinity import PREFIX_MATCH
-from kvfleet.worker.affinity import PrefixHolder, ResumePreference, prefix_holders
+from kvfleet.worker.affinity import PrefixHolders, ResumePreference
 from kvfleet.worker.announcer import PrefixAnnouncer
 from kvfleet.worker.coalescing import EventCoalescer
 from kvfleet.worker.engine.memory.device import DeviceFailure
@@ -111,8 +110,10 @@ class WorkerService:
         self.drainer = Drain(settings.drain_timeout_s, engine, self.metrics, self.inflight,
                              self.handoffs, streams)
         # prefixes fetched from peers (worker/handoff/peer_prefixes.py), and served to them
-        self._prefix_match = PREFIX_MATCH.register(client)
-        self.peers = PeerPrefixes(settings, engine, self.metrics.tier, self._prefix_holders,
+        holders = PrefixHolders(client, protocol.keys, protocol.model, protocol.worker_id,
+                                ttl_ms=int(settings.heartbeat_ttl_s * 1000),
+                                refresh_s=settings.heartbeat_interval_s)
+        self.peers = PeerPrefixes(settings, engine, self.metrics.tier, holders,
                                   protocol.numerics, self.prefix_root, plane, self._enter)
         if plane is not None and self.peers.copies is not None:
             self.handoffs.prefix_provider = self.peers.provide
@@ -311,11 +312,6 @@ class WorkerService:
                         delivery.request.req_id, delivery.times_delivered)
             self.metrics.takeover()
             self._start(delivery)
-
-    def _prefix_holders(self, hashes: list, min_blocks: int) -> list[PrefixHolder]:
-        return prefix_holders(self.client, self._prefix_match, self.protocol.keys,
-                              self.protocol.model, self.protocol.worker_id, hashes, min_blocks,
-                              int(self.settings.heartbeat_ttl_s * 1000))
 
     def engine_block_size(self) -> int:
         return self.engine.config.cache.block_size
