@@ -11,11 +11,13 @@ import shlex
 
 import pytest
 
-from benchmarks.kv_tiers import (
-    MIB, PART_FLAGS, PEER_TARGET, SHARED_TARGET, SOAK_FLAGS, SoakSample, baseline_index,
-    leak_bounds, main, no_leak, parse_args, part_command, peer_ratio, pool_within_budget,
-    shared_pool_blocks, shared_prefix_length, soak_verdicts, tier_churned, tier_within_budget,
-    verdict)
+from benchmarks.kv_peer_fetch import PEER_TARGET, peer_ratio
+from benchmarks.kv_shared_prefix import SHARED_TARGET, shared_pool_blocks, shared_prefix_length
+from benchmarks.kv_soak import (
+    MIB, SoakSample, baseline_index, leak_bounds, no_leak, pool_within_budget, soak_verdicts,
+    tier_churned, tier_within_budget)
+from benchmarks.kv_tiers import PART_FLAGS, SOAK_FLAGS, main, parse_args, part_command
+from benchmarks.kv_tiers_common import verdict
 from tests.engine.tiny_models import save_tiny_llama
 
 
