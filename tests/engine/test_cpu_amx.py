@@ -20,7 +20,7 @@ from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
 from tests.engine import amx_model
 from tests.engine.kernel_variants import build_variant
 from kvfleet.worker.engine.kernels import cpu_kernels, cpu_linear
-from kvfleet.worker.engine.model import numerics
+from kvfleet.worker.engine.model import cpu_layers, numerics
 from kvfleet.worker.engine.kernels.cpu_linear import BF16_FORM_CODES, KernelLinear
 from kvfleet.worker.engine.kernels.kernel_binding import BoundKernel
 
@@ -287,3 +287,91 @@ def test_the_real_tiles_compute_what_the_emulation_does(emulated, sequential):
             linear.weight.copy_(weight)
             linear.bias.copy_(bias)
         assert torch.equal(KernelLinear(linear, form="amx")(x), expected)
+
+
+# ---- the gate/up product with SiLU in its epilogue ---------------------------------------------
+
+def silu_after(kernel: BoundKernel, weight, x, bias, threads: int = 2) -> torch.Tensor:
+    """The unfused reference: the plain tile product of [gate; up], then the layer ops' pass."""
+    gate_up = emulated_product(kernel, weight, x, bias, threads)
+    return cpu_layers.silu_mul(gate_up)
+
+
+def silu_fused(kernel: BoundKernel, weight, x, bias, threads: int = 2,
+               alternate: bool = True) -> torch.Tensor:
+    """kvfleet_amx_linear_silu over [gate; up] packed with the halves' blocks alternating (or,
+    with `alternate` false, as they are: a wrong packing)."""
+    n, k = weight.shape
+    order = cpu_linear._alternate_halves if alternate else (lambda t: t)
+    b = None if bias is None else order(bias).contiguous()
+    y = torch.empty(x.shape[0], n // 2, dtype=torch.bfloat16)
+    tiles = packed(kernel, order(weight))  # held: the kernel reads it
+    status = kernel.kvfleet_amx_linear_silu(
+        AMX, x.data_ptr(), x.shape[0], k, x.stride(0), tiles.data_ptr(), n,
+        None if b is None else b.data_ptr(), y.data_ptr(), n // 2, threads)
+    assert status == 0
+    return y
+
+
+@pytest.mark.parametrize("inter, k", [(48, 301), (96, 576), (16, 32)])
+def test_the_silu_epilogue_gives_the_bits_of_the_product_then_silu_mul(emulated, inter, k):
+    """silu(gate) * up computed in the product's epilogue is bit for bit the plain product
+    followed by kvfleet_silu_mul, for every row count through the A tiles, bias or none, 1 or 2
+    threads (an odd number of gate/up pairs splits unevenly across the threads' chunks)."""
+    for m, bias, threads in ((1, False, 1), (17, True, 2), (40, False, 2), (83, True, 1)):
+        weight, x, b = operands(2 * inter, k, m, seed=inter + m, bias=bias, spikes=False)
+        weight = weight * 4  # gate values of several units: SiLU far from linear
+        expected = silu_after(emulated, weight, x, b, threads)
+        assert torch.equal(silu_fused(emulated, weight, x, b, threads), expected), (m, bias)
+
+
+def test_the_silu_epilogue_needs_its_pairs(emulated):
+    """Control: the same weight packed without alternating the halves' blocks pairs gate block
+    0 with gate block 1 and gives other values; outputs that are no whole pairs of blocks are
+    refused (status 1) with nothing written."""
+    weight, x, _ = operands(2 * 48, 64, 20, seed=5, bias=False, spikes=False)
+    expected = silu_after(emulated, weight, x, None)
+    assert not torch.equal(silu_fused(emulated, weight, x, None, alternate=False), expected)
+    y = torch.zeros(20, 24, dtype=torch.bfloat16)
+    tiles = packed(emulated, weight[:48])
+    assert emulated.kvfleet_amx_linear_silu(AMX, x.data_ptr(), 20, 64, 64, tiles.data_ptr(), 48,
+                                            None, y.data_ptr(), 24, 2) == 1
+    assert not y.any()
+
+
+def test_the_fused_layer_takes_the_silu_epilogue_only_on_tiles(monkeypatch):
+    """A KernelLinear with silu_pairs is built only in the `amx` form over whole pairs of blocks;
+    cpu_linear.product gives it for a gate/up stack only where the tiles compute, else the plain
+    product (and the layer applies SiLU itself)."""
+    linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="silu_pairs"):
+        KernelLinear(linear, form="fma", silu_pairs=True)
+    with pytest.raises(ValueError, match="silu_pairs"):
+        KernelLinear(torch.nn.Linear(64, 80).to(torch.bfloat16), form="amx", silu_pairs=True)
+    fused = KernelLinear(linear, form="amx", silu_pairs=True)
+    assert fused.silu_pairs and fused.out_features == 96
+    built = cpu_linear.product(linear, invariant=True, silu_pairs=True)
+    takes_tiles = (cpu_linear.own_product(torch.bfloat16, True)
+                   and cpu_linear.bf16_form() == "amx")
+    assert getattr(built, "silu_pairs", False) == takes_tiles
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16 tiles (amx_tile, amx_bf16)")
+def test_the_real_tiles_fuse_silu_as_the_emulation_does(emulated):
+    """On AMX: the epilogue on real tiles equals the emulation's, and a KernelLinear with
+    silu_pairs equals the plain KernelLinear followed by silu_mul, bit for bit."""
+    amx = cpu_kernels.amx_kernel()
+    inter, k = 96, 576
+    weight, x, bias = operands(2 * inter, k, 83, seed=11, spikes=False)
+    weight = weight * 4
+    bias = bias.to(torch.bfloat16).float()
+    for m in (1, 16, 33, 83):
+        for threads in (1, 2):
+            assert torch.equal(silu_fused(amx, weight, x[:m], bias, threads),
+                               silu_fused(emulated, weight, x[:m], bias, threads)), (m, threads)
+    linear = torch.nn.Linear(k, 2 * inter).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    plain = cpu_layers.silu_mul(KernelLinear(linear, form="amx")(x))
+    assert torch.equal(KernelLinear(linear, form="amx", silu_pairs=True)(x), plain)

@@ -18,6 +18,13 @@
 // the row's end, the next row's values or memory past x). Rows past m are never loaded: the tile
 // configuration gives the A and C tiles the rows that are left.
 //
+// SiLU in the epilogue (kvfleet_amx_linear_silu). A SiLU MLP's gate and up projections packed
+// as one weight with their blocks of 16 outputs alternating (gate's, up's, gate's, ...): the two
+// B tiles a product takes together are one gate block and its up block, so where the sums are
+// stored the pair's bf16 outputs are made as above into a 1 KiB scratch and silu(gate) * up of
+// them written instead, by the layer ops' own row function: the bits of the plain product
+// followed by kvfleet_silu_mul, without the [m, 2 * inter] output's trip through memory.
+//
 // Sum order. Each output is the dot product of one row of x with one row of W. Its sums follow
 // from k alone: the k tiles in order, each a TDPBF16PS whose arithmetic on one output reads that
 // row of x and that output's weights only (the pseudo-code below); the rows that share its tile,
@@ -285,7 +292,23 @@ struct Job {
     const float* bias;  // n floats, or null
     uint16_t* y;
     int64_t y_stride;
+    // gate/up pairs (kvfleet_amx_linear_silu): blocks 2i and 2i + 1 are a gate's and an up's 16
+    // outputs, and y's columns [16i, 16i + 16) get silu(gate) * up of them (n / 2 columns)
+    bool silu = false;
 };
+
+// The fused epilogue of a gate/up pair: the pair's sums stored as bf16 exactly as the plain
+// product stores them (store_rows), then silu(gate) * up of those bf16 values by the layer ops'
+// own row pass (cpu_kernels.h), so y holds the bits that the product followed by
+// kvfleet_silu_mul would: the [rows, 2 * inter] output is never written to memory and read back.
+KVFLEET_AMX_TARGET void store_silu_rows(const float* gate_sums, const float* up_sums, int rows,
+                                        const float* bias, uint16_t* y, int64_t y_stride) {
+    alignas(64) uint16_t gate[kTileRows * kLanes], up[kTileRows * kLanes];
+    store_rows(gate_sums, rows, bias, kLanes, gate, kLanes);
+    store_rows(up_sums, rows, bias ? bias + kLanes : nullptr, kLanes, up, kLanes);
+    for (int r = 0; r < rows; ++r)
+        kvfleet::silu_mul_row(gate + r * kLanes, up + r * kLanes, y + r * y_stride, kLanes);
+}
 
 // x's rows [row, row + rows) (1-32; two A tiles where TwoA) against blocks [block, block + 1 or
 // 2] (TwoB), k tiles [t0, t1) of them: the C tiles start at zero where t0 is the first k tile,
@@ -332,6 +355,15 @@ KVFLEET_AMX_TARGET void tile_product(const Job& j, int64_t row, int rows, int64_
     if constexpr (TwoA && TwoB) store_c<1, 1>(partial + 3 * kC);
     if (t1 < tiles_k) return;
     const int r0 = rows < kTileRows ? rows : kTileRows;
+    if (j.silu) {  // a gate/up pair (TwoB: every pair is whole, kvfleet_amx_linear_silu)
+        const int64_t col = block * kLanes;
+        const float* bias = j.bias ? j.bias + col : nullptr;
+        uint16_t* y = j.y + row * j.y_stride + block / 2 * kLanes;
+        store_silu_rows(partial, partial + kC, r0, bias, y, j.y_stride);
+        if (TwoA) store_silu_rows(partial + 2 * kC, partial + 3 * kC, rows - r0, bias,
+                                  y + kTileRows * j.y_stride, j.y_stride);
+        return;
+    }
     for (int b = 0; b < (TwoB ? 2 : 1); ++b) {
         const int64_t col = (block + b) * kLanes;
         const int valid = static_cast<int>(j.n - col < kLanes ? j.n - col : kLanes);
@@ -833,6 +865,21 @@ int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x
                 static_cast<const uint16_t*>(packed), n, bias, static_cast<uint16_t*>(y),
                 y_stride},
             threads);
+    return 0;
+}
+
+int kvfleet_amx_linear_silu(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                            const void* packed, int64_t n, const float* bias, void* y,
+                            int64_t y_stride, int threads) {
+    if (!kvfleet_amx_supported(dtype)) return -1;
+    if (n % (2 * kLanes) != 0) return 1;
+    if (m <= 0 || n <= 0) return 0;
+    // product()'s chunks are whole pairs of blocks from an even block, so each TwoB call is one
+    // gate/up pair
+    Job job{static_cast<const uint16_t*>(x), m, k, x_stride, static_cast<const uint16_t*>(packed),
+            n, bias, static_cast<uint16_t*>(y), y_stride};
+    job.silu = true;
+    product(job, threads);
     return 0;
 }
 

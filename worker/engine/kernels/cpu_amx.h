@@ -24,6 +24,17 @@ int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x
                        const void* packed, int64_t n, const float* bias, void* y,
                        int64_t y_stride, int threads);
 
+// The gate/up product of a SiLU MLP with its activation fused: `packed` is kvfleet_amx_pack of
+// the [n, k] weight whose rows are the gate's and the up projection's 16 at a time, alternating
+// (rows [32i, 32i + 16) the gate's outputs [16i, 16i + 16), rows [32i + 16, 32i + 32) the up's
+// same outputs; bias likewise, or null); y[r, c] for c < n / 2 = silu(gate) * up, each rounded
+// to bf16 as kvfleet_silu_mul (cpu_layer_ops.h) rounds it, from the bf16 outputs
+// kvfleet_amx_linear would store: the same bits as that product followed by that pass. Returns
+// 0; -1 where kvfleet_amx_supported(dtype) is 0; 1 where n is not a multiple of 32.
+int kvfleet_amx_linear_silu(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                            const void* packed, int64_t n, const float* bias, void* y,
+                            int64_t y_stride, int threads);
+
 // Causal attention on AMX tiles, bf16, for every row of a step (cpu_amx.cpp, "Attention on
 // tiles"): each row's result depends on its query and its sequence's keys and values [0, ctx)
 // only. Arguments as kvfleet_paged_prefill's (cpu_prefill.h): q [num_heads, T, head_dim] with

@@ -67,6 +67,19 @@ inline float exp_approx(float x) {
     return y * scale;
 }
 
+// out[d] = silu(gate[d]) * up[d] for d < n, as an eager layer in T computes it: silu rounded to
+// T, the product rounded to T. The one definition of this pass's arithmetic: the layer ops'
+// pass over a gate/up product (cpu_layer_ops.cpp) and the AMX product's fused epilogue
+// (cpu_amx.cpp) both call it, so the two give the same bits.
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* out, int n) {
+#pragma omp simd
+    for (int d = 0; d < n; ++d) {
+        const float gv = load(gate[d]);
+        store(rounded<T>(gv / (1.f + exp_approx(-gv))) * load(up[d]), out + d);
+    }
+}
+
 #if defined(__AVX512F__)
 // exp_approx on 16 lanes: the same steps, so within the same ~2 ulp.
 inline __m512 exp512(__m512 x) {

@@ -71,13 +71,7 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads
 #pragma omp parallel for num_threads(num_threads) if (rows * inter >= kParallelElements)
     for (int64_t i = 0; i < rows; ++i) {
         const T* g = gate_up + i * 2 * inter;
-        const T* u = g + inter;
-        T* o = out + i * inter;
-#pragma omp simd
-        for (int d = 0; d < inter; ++d) {
-            const float gv = load(g[d]);
-            store(rounded<T>(gv / (1.f + exp_approx(-gv))) * load(u[d]), o + d);
-        }
+        silu_mul_row(g, g + inter, out + i * inter, inter);
     }
 }
 

@@ -139,12 +139,19 @@ def packs(dtype: torch.dtype, invariant: bool = False) -> bool:
     return own_product(dtype, invariant) or packing_available(dtype)
 
 
-def product(linear: torch.nn.Linear, invariant: bool = False) -> torch.nn.Module:
+def product(linear: torch.nn.Linear, invariant: bool = False,
+            silu_pairs: bool = False) -> torch.nn.Module:
     """The module that computes `linear` fastest here (batch-invariantly where `invariant`):
     KernelLinear where own_product, else PackedLinear where its dtype packs, else the linear
-    itself (F.linear: MKL's own path for float32, no reorder)."""
+    itself (F.linear: MKL's own path for float32, no reorder). `silu_pairs`: `linear` is a SiLU
+    MLP's gate and up projections stacked ([gate; up]); where its product is on AMX tiles and
+    the outputs are whole tiles' worth (a multiple of 32), the KernelLinear returned computes
+    silu(gate) * up in the product's epilogue (its `silu_pairs` is then true); otherwise the
+    plain product is returned, and the caller applies the activation."""
     if linear.weight.is_cpu and own_product(linear.weight.dtype, invariant):
-        return KernelLinear(linear)
+        fused = (silu_pairs and linear.weight.dtype == torch.bfloat16 and bf16_form() == "amx"
+                 and linear.out_features % 32 == 0)
+        return KernelLinear(linear, silu_pairs=fused)
     return PackedLinear(linear) if packing_available(linear.weight.dtype) else linear
 
 
@@ -167,14 +174,29 @@ class KernelLinear(torch.nn.Module):
     weight packed once in 16-output blocks of columns (bf16: column pairs; the `amx` form,
     cpu_amx.cpp: the same with the columns padded to whole 32-column tiles): fp32 sums, the bias
     added in fp32, one rounding to the output dtype; every output summed in one order whatever
-    the thread count or the batch. `form`: the bf16 form (default `bf16_form()`)."""
+    the thread count or the batch. `form`: the bf16 form (default `bf16_form()`).
 
-    def __init__(self, linear: torch.nn.Linear, form: str | None = None):
+    `silu_pairs` (the `amx` form, an even number of 16-output blocks): `linear` is [gate; up] of
+    a SiLU MLP and the module returns silu(gate) * up, [..., out_features / 2], computed in the
+    product's epilogue (cpu_amx.cpp, kvfleet_amx_linear_silu): the same bits as the product
+    followed by the layer ops' SiLU pass, without writing the gate/up output to memory and
+    reading it back. Its weight is packed with the gate's and up's blocks of 16 outputs
+    alternating, so each pair of B tiles the product takes together is one gate/up pair."""
+
+    def __init__(self, linear: torch.nn.Linear, form: str | None = None,
+                 silu_pairs: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
         self.form = (form or bf16_form()) if self.dtype == torch.bfloat16 else "float32"
+        self.silu_pairs = silu_pairs
+        if silu_pairs and (self.form != "amx" or self.out_features % 32):
+            raise ValueError("silu_pairs needs the amx form and outputs in whole pairs of blocks")
         weight = linear.weight.detach().contiguous()
+        bias = None if linear.bias is None else linear.bias.detach()
+        if silu_pairs:  # [gate; up] -> gate block 0, up block 0, gate block 1, ...
+            weight = _alternate_halves(weight)
+            bias = None if bias is None else _alternate_halves(bias)
         # what every call passes, looked up once (a decode step makes ~4 calls per layer)
         self._code = (BF16_FORM_CODES[self.form] if self.dtype == torch.bfloat16
                       else DTYPE_CODES[self.dtype])
@@ -190,7 +212,8 @@ class KernelLinear(torch.nn.Module):
             _check(amx.kvfleet_amx_pack(
                 self._code, weight.data_ptr(), self.out_features, self.in_features,
                 self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_amx_pack")
-            self._kvfleet_amx_linear = amx.kvfleet_amx_linear
+            self._kvfleet_amx_linear = (amx.kvfleet_amx_linear_silu if silu_pairs
+                                        else amx.kvfleet_amx_linear)
         else:
             matmul = matmul_kernel()
             _check(matmul.kvfleet_pack_linear(
@@ -199,7 +222,7 @@ class KernelLinear(torch.nn.Module):
             self._kvfleet_linear = matmul.kvfleet_linear
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(),
                                                                         requires_grad=False)
-        self._bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self._bias32 = None if bias is None else bias.float().contiguous()
         self._weight_ptr = self.packed_weight.data_ptr()
         self._bias_ptr = None if self._bias32 is None else self._bias32.data_ptr()
 
@@ -219,19 +242,27 @@ class KernelLinear(torch.nn.Module):
         if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
             rows = rows.contiguous()
         num_rows = rows.shape[0]
-        out = torch.empty((num_rows, self.out_features), dtype=self.dtype)
+        columns = self.out_features // 2 if self.silu_pairs else self.out_features
+        out = torch.empty((num_rows, columns), dtype=self.dtype)
         if self._amx:
             status = self._kvfleet_amx_linear(
                 self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
                 self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
-                self.out_features, torch.get_num_threads())
+                columns, torch.get_num_threads())
         else:
             status = self._kvfleet_linear(
                 self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
                 self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
                 self.out_features, torch.get_num_threads())
-        _check(status, "kvfleet_amx_linear" if self._amx else "kvfleet_linear")
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+        _check(status, ("kvfleet_amx_linear_silu" if self.silu_pairs else "kvfleet_amx_linear")
+               if self._amx else "kvfleet_linear")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], columns)
+
+
+def _alternate_halves(t: torch.Tensor) -> torch.Tensor:
+    """[2 * h, ...] (first half, second half) -> the halves' blocks of 16 rows alternating."""
+    halves = t.reshape(2, t.shape[0] // 32, 16, *t.shape[1:])
+    return halves.transpose(0, 1).reshape(t.shape).contiguous()
 
 
 def _copy_sharing_packed_weight(module: torch.nn.Module, memo) -> torch.nn.Module:

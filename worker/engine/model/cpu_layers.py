@@ -4,7 +4,8 @@ HF's eager layer runs about 30 small torch ops per layer around 7 matrix product
 their per-op cost and the Python between them are a large share of a step. `FusedDecoderLayer` computes
 the same layer as 4 packed oneDNN products (q/k/v together, o, gate/up together, down), the
 engine's paged attention, and 3 C++ element-wise passes (cpu_layer_ops.cpp: RMSNorm with the
-residual add folded in, RoPE in place on q and k, SiLU(gate) * up), rounding to bf16 where the
+residual add folded in, RoPE in place on q and k, SiLU(gate) * up; on AMX tiles the last is
+the gate/up product's own epilogue, same bits), rounding to bf16 where the
 eager bf16 layer rounds (float32 is plain float32: its greedy output still equals HF `generate`
 token for token in the tests). The products are oneDNN-packed where the dtype packs on this CPU
 (cpu_linear.py), else F.linear. `FusedRMSNorm` takes the final norm. Layers of another shape are
@@ -60,15 +61,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _concat(*linears: torch.nn.Linear, invariant: bool = False) -> torch.nn.Module:
-    """One product over the linears' stacked weights (outputs side by side)."""
+def _concat(*linears: torch.nn.Linear, invariant: bool = False,
+            silu_pairs: bool = False) -> torch.nn.Module:
+    """One product over the linears' stacked weights (outputs side by side); `silu_pairs`
+    (gate, up): where cpu_linear.product can, one that returns silu(gate) * up itself."""
     fused = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                             bias=linears[0].bias is not None, dtype=linears[0].weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([m.weight for m in linears]))
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([m.bias for m in linears]))
-    return product(fused, invariant)
+    return product(fused, invariant, silu_pairs)
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -95,7 +98,9 @@ class FusedDecoderLayer(torch.nn.Module):
         self.layer_idx = attn.layer_idx
         self.qkv = _concat(attn.q_proj, attn.k_proj, attn.v_proj, invariant=invariant)
         self.o_proj = product(attn.o_proj, invariant)
-        self.gate_up = _concat(mlp.gate_proj, mlp.up_proj, invariant=invariant)
+        self.gate_up = _concat(mlp.gate_proj, mlp.up_proj, invariant=invariant, silu_pairs=True)
+        # AMX tiles: silu(gate) * up in the product's epilogue (same bits as silu_mul after it)
+        self._silu_in_product = getattr(self.gate_up, "silu_pairs", False)
         self.down_proj = product(mlp.down_proj, invariant)
         self.input_norm = FusedRMSNorm(layer.input_layernorm)
         self.post_norm = FusedRMSNorm(layer.post_attention_layernorm)
@@ -120,7 +125,8 @@ class FusedDecoderLayer(torch.nn.Module):
         residual = self.o_proj(attn.view(num_tokens, -1))  # becomes x + attention below
         h = rms_norm(x, self.post_norm.weight, self.post_norm.eps, residual=residual)
         # in place: the same bf16 (or float32) sum, without a new tensor
-        return residual.add_(self.down_proj(silu_mul(self.gate_up(h)))).unsqueeze(0)
+        act = self.gate_up(h) if self._silu_in_product else silu_mul(self.gate_up(h))
+        return residual.add_(self.down_proj(act)).unsqueeze(0)
 
 
 # The last forward's RoPE tables: every layer of one forward gets the same `position_embeddings`
