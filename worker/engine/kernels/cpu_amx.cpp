@@ -272,6 +272,11 @@ void store_rows(const float* sums, int rows, const float* bias, int valid, uint1
         for (int lane = 0; lane < valid; ++lane)
             y[r * y_stride + lane] = to_bf16(sums[r * kLanes + lane] + (bias ? bias[lane] : 0.f));
 }
+void store_pair_rows(const float* sums0, const float* sums1, int rows, const float* bias,
+                     uint16_t* y, int64_t y_stride) {
+    store_rows(sums0, rows, bias, kLanes, y, y_stride);
+    store_rows(sums1, rows, bias ? bias + kLanes : nullptr, kLanes, y + kLanes, y_stride);
+}
 #else
 KVFLEET_AMX_TARGET void store_rows(const float* sums, int rows, const float* bias, int valid,
                                    uint16_t* y, int64_t y_stride) {
@@ -280,6 +285,22 @@ KVFLEET_AMX_TARGET void store_rows(const float* sums, int rows, const float* bia
     for (int r = 0; r < rows; ++r) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + r * kLanes), b);
         _mm256_mask_storeu_epi16(y + r * y_stride, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+// store_rows of two whole blocks side by side (sums1 the next 16 outputs): each row's 32
+// outputs in one 64-byte store, not two masked halves of it (measured 5-10% of a product's time
+// at the 135M model's prefill shapes on a Xeon with AMX: y's lines are written whole)
+KVFLEET_AMX_TARGET void store_pair_rows(const float* sums0, const float* sums1, int rows,
+                                        const float* bias, uint16_t* y, int64_t y_stride) {
+    const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_loadu_ps(bias + kLanes) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+        const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(sums0 + r * kLanes), b0);
+        const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(sums1 + r * kLanes), b1);
+        const __m512i both = _mm512_inserti64x4(
+            _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v0)),
+            (__m256i)_mm512_cvtneps_pbh(v1), 1);
+        _mm512_storeu_si512(y + r * y_stride, both);
     }
 }
 #endif
@@ -361,6 +382,15 @@ KVFLEET_AMX_TARGET void tile_product(const Job& j, int64_t row, int rows, int64_
         uint16_t* y = j.y + row * j.y_stride + block / 2 * kLanes;
         store_silu_rows(partial, partial + kC, r0, bias, y, j.y_stride);
         if (TwoA) store_silu_rows(partial + 2 * kC, partial + 3 * kC, rows - r0, bias,
+                                  y + kTileRows * j.y_stride, j.y_stride);
+        return;
+    }
+    if (TwoB && j.n - block * kLanes >= 2 * kLanes) {  // two whole blocks
+        const int64_t col = block * kLanes;
+        const float* bias = j.bias ? j.bias + col : nullptr;
+        uint16_t* y = j.y + row * j.y_stride + col;
+        store_pair_rows(partial, partial + kC, r0, bias, y, j.y_stride);
+        if (TwoA) store_pair_rows(partial + 2 * kC, partial + 3 * kC, rows - r0, bias,
                                   y + kTileRows * j.y_stride, j.y_stride);
         return;
     }
