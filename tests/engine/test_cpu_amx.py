@@ -375,3 +375,21 @@ def test_the_real_tiles_fuse_silu_as_the_emulation_does(emulated):
         linear.bias.copy_(bias)
     plain = cpu_layers.silu_mul(KernelLinear(linear, form="amx")(x))
     assert torch.equal(KernelLinear(linear, form="amx", silu_pairs=True)(x), plain)
+
+
+def test_chunks_capped_by_their_weight_bytes_sum_as_any_other(emulated):
+    """At k = 8192 a block's packed weight is 256 KiB, so a chunk holds at most 4 blocks (1 MiB)
+    and 66 blocks split into more chunks than the threads' 8 each would give: every row's
+    outputs are still the same on 1 or 2 threads and alone, within bf16's rounding of the exact
+    product, and on AMX the real tiles give the emulation's bits."""
+    weight, x, bias = operands(1056, 8192, 3, seed=17, spikes=False)
+    one = emulated_product(emulated, weight, x, bias, threads=1)
+    assert torch.equal(emulated_product(emulated, weight, x, bias, threads=2), one)
+    assert torch.equal(emulated_product(emulated, weight, x[1:2], bias, threads=2), one[1:2])
+    exact = x.double() @ weight.double().T + bias.double()
+    assert (one.double() - exact).abs().max().item() <= 2 ** -7 * exact.abs().max().item()
+    if HAS_AMX:
+        amx = cpu_kernels.amx_kernel()
+        for threads in (1, 2):
+            assert torch.equal(run(amx.kvfleet_amx_linear, weight, packed(amx, weight), x, bias,
+                                   threads), one)

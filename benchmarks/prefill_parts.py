@@ -1,0 +1,143 @@
+"""Where a prefill step's time goes on the CPU, part by part, and what fusing SiLU x up into the
+gate/up product saves: one process, two engines on the default model (the fused layers as the
+engine builds them, and the same with the gate/up product left plain and SiLU x up as its own
+pass after it), their prefill steps alternated.
+
+    .venv/bin/python -m benchmarks.prefill_parts --tokens 2048 --rounds 5
+
+Each round adds --tokens / 256 seeded random prompts of 256 tokens to an engine and times the
+step that computes them all (max_batched_tokens = --tokens; nothing is found in the prefix
+cache: the prompts differ in every round), then lets them finish. The parts are timed by
+wrapping the fused layer's calls (cpu_layers.py: each product by its shape, RMSNorm, RoPE, the
+attention with its K/V write, SiLU x up) and summed over the step's 30 layers; the rest is the
+step's time outside them (embedding, LM head rows, sampling, scheduling, Python). Medians over
+the rounds after the first (a warm-up). Where the engine does not fuse SiLU into the product
+(no AMX tiles, or `--no-deterministic`), both engines are the same and the ratio is ~1: the
+script says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import time
+
+import torch
+
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
+from kvfleet.shared.wire import SamplingParams
+from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.kernels import cpu_linear
+from kvfleet.worker.engine.model import cpu_layers
+
+PROMPT_LEN = 256
+
+
+class PartTimer:
+    """Seconds per named part, accumulated while `active`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.active = False
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if self.active:
+                    self.seconds[label] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def wrap_products(self) -> None:
+        inner = cpu_linear.KernelLinear.forward
+        timer = self
+
+        def forward(module, x):
+            start = time.perf_counter()
+            try:
+                return inner(module, x)
+            finally:
+                if timer.active:
+                    silu = " + SiLU x up" if module.silu_pairs else ""
+                    timer.seconds[f"product {module.in_features} x {module.out_features}{silu}"] \
+                        += time.perf_counter() - start
+
+        cpu_linear.KernelLinear.forward = forward
+
+
+def build(tokens: int, fuse_silu: bool) -> Engine:
+    """The default model's engine; without `fuse_silu`, its layers' gate/up products are built
+    plain (cpu_layers applies SiLU x up as its own pass)."""
+    product = cpu_layers.product
+    if not fuse_silu:
+        cpu_layers.product = lambda linear, invariant=False, silu_pairs=False: product(
+            linear, invariant, False)
+    try:
+        return Engine.from_pretrained(resolve_model_path(DEFAULT_MODEL), EngineConfig(
+            device="cpu", dtype="auto", max_batched_tokens=tokens, max_running=64))
+    finally:
+        cpu_layers.product = product
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens in the step")
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per engine")
+    args = parser.parse_args()
+    timer = PartTimer()
+    timer.wrap_products()
+    for name, label in (("rms_norm", "RMSNorm"), ("rope_", "RoPE"),
+                        ("fused_layer_attention", "attention (K/V write, kernel)"),
+                        ("silu_mul", "SiLU x up (its own pass)")):
+        timer.wrap(cpu_layers, name, label)
+    engines = {"SiLU in the product": build(args.tokens, True),
+               "SiLU a pass of its own": build(args.tokens, False)}
+    fused = any(getattr(layer, "_silu_in_product", False)
+                for layer in engines["SiLU in the product"].model.model.layers)
+    rng = random.Random(0)
+    steps: dict[str, list[float]] = collections.defaultdict(list)
+    parts: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    for round_ in range(args.rounds + 1):
+        for name, engine in engines.items():
+            for i in range(args.tokens // PROMPT_LEN):
+                engine.add_request(f"{round_}-{i}", [rng.randrange(1000, 40000)
+                                                     for _ in range(PROMPT_LEN)],
+                                   SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            timer.seconds.clear()
+            timer.active = True
+            start = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - start
+            timer.active = False
+            while engine.has_unfinished():
+                engine.step()
+            if round_:  # the first round warms up
+                steps[name].append(elapsed)
+                parts[name].append(dict(timer.seconds))
+    print(f"# {torch.get_num_threads()} threads; {args.tokens // PROMPT_LEN} prompts of "
+          f"{PROMPT_LEN} tokens a step; {args.rounds} rounds, alternated; medians, ms; "
+          f"SiLU fused into the product here: {'yes' if fused else 'no (both engines alike)'}")
+    names = sorted({p for rounds in parts.values() for r in rounds for p in r})
+    print("| part | " + " | ".join(engines) + " |")
+    print("|---|" + "---:|" * len(engines))
+    for part in names:
+        cells = [statistics.median(r.get(part, 0.0) for r in parts[e]) * 1e3 for e in engines]
+        print(f"| {part} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    for label, cells in (("the rest", [statistics.median(
+            s - sum(r.values()) for s, r in zip(steps[e], parts[e])) * 1e3 for e in engines]),
+            ("**step**", [statistics.median(steps[e]) * 1e3 for e in engines])):
+        print(f"| {label} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    ratios = [b / a for a, b in zip(steps["SiLU in the product"], steps["SiLU a pass of its own"])]
+    print(f"step time, SiLU a pass of its own over SiLU in the product: median of the rounds' "
+          f"ratios {statistics.median(ratios):.3f} ({', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
