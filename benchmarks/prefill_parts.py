@@ -1,7 +1,8 @@
-"""Where a prefill step's time goes on the CPU, part by part, and what fusing SiLU x up into the
-gate/up product saves: one process, two engines on the default model (the fused layers as the
-engine builds them, and the same with the gate/up product left plain and SiLU x up as its own
-pass after it), their prefill steps alternated.
+"""Where a prefill step's time goes on the CPU, part by part, and what the AMX product's fused
+epilogues save (SiLU x up in the gate/up product, the residual add in the down product): one
+process, two engines on the default model (the fused layers as the engine builds them, and the
+same with both left as passes of their own after plain products), their prefill steps
+alternated.
 
     .venv/bin/python -m benchmarks.prefill_parts --tokens 2048 --rounds 5
 
@@ -10,10 +11,10 @@ step that computes them all (max_batched_tokens = --tokens; nothing is found in 
 cache: the prompts differ in every round), then lets them finish. The parts are timed by
 wrapping the fused layer's calls (cpu_layers.py: each product by its shape, RMSNorm, RoPE, the
 attention with its K/V write, SiLU x up) and summed over the step's 30 layers; the rest is the
-step's time outside them (embedding, LM head rows, sampling, scheduling, Python). Medians over
-the rounds after the first (a warm-up). Where the engine does not fuse SiLU into the product
-(no AMX tiles, or `--no-deterministic`), both engines are the same and the ratio is ~1: the
-script says so.
+step's time outside them (the residual add where it is a pass of its own, embedding, LM head
+rows, sampling, scheduling, Python). Medians over the rounds after the first (a warm-up). A
+step that fails stops the script. Where the engine fuses neither (no AMX tiles, or
+`--no-deterministic`), both engines are the same and the ratio is ~1: the script says so.
 """
 
 from __future__ import annotations
@@ -59,31 +60,37 @@ class PartTimer:
         inner = cpu_linear.KernelLinear.forward
         timer = self
 
-        def forward(module, x):
+        def forward(module, x, add_to=None):
             start = time.perf_counter()
             try:
-                return inner(module, x)
+                return inner(module, x, add_to=add_to)
             finally:
                 if timer.active:
-                    silu = " + SiLU x up" if module.silu_pairs else ""
-                    timer.seconds[f"product {module.in_features} x {module.out_features}{silu}"] \
+                    fused = (" + SiLU x up" if module.silu_pairs else
+                             " + residual add" if add_to is not None else "")
+                    timer.seconds[f"product {module.in_features} x {module.out_features}{fused}"] \
                         += time.perf_counter() - start
 
         cpu_linear.KernelLinear.forward = forward
 
 
-def build(tokens: int, fuse_silu: bool) -> Engine:
-    """The default model's engine; without `fuse_silu`, its layers' gate/up products are built
-    plain (cpu_layers applies SiLU x up as its own pass)."""
+def build(tokens: int, fuse: bool) -> Engine:
+    """The default model's engine; without `fuse`, its layers' gate/up products are built plain
+    (cpu_layers applies SiLU x up as its own pass) and their down products add into the residual
+    with add_."""
     product = cpu_layers.product
-    if not fuse_silu:
+    if not fuse:
         cpu_layers.product = lambda linear, invariant=False, silu_pairs=False: product(
             linear, invariant, False)
     try:
-        return Engine.from_pretrained(resolve_model_path(DEFAULT_MODEL), EngineConfig(
+        engine = Engine.from_pretrained(resolve_model_path(DEFAULT_MODEL), EngineConfig(
             device="cpu", dtype="auto", max_batched_tokens=tokens, max_running=64))
     finally:
         cpu_layers.product = product
+    if not fuse:
+        for layer in engine.model.model.layers:
+            layer._add_in_product = False
+    return engine
 
 
 def main() -> None:
@@ -97,10 +104,11 @@ def main() -> None:
                         ("fused_layer_attention", "attention (K/V write, kernel)"),
                         ("silu_mul", "SiLU x up (its own pass)")):
         timer.wrap(cpu_layers, name, label)
-    engines = {"SiLU in the product": build(args.tokens, True),
-               "SiLU a pass of its own": build(args.tokens, False)}
+    engines = {"fused epilogues": build(args.tokens, True),
+               "passes of their own": build(args.tokens, False)}
     fused = any(getattr(layer, "_silu_in_product", False)
-                for layer in engines["SiLU in the product"].model.model.layers)
+                or getattr(layer, "_add_in_product", False)
+                for layer in engines["fused epilogues"].model.model.layers)
     rng = random.Random(0)
     steps: dict[str, list[float]] = collections.defaultdict(list)
     parts: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
@@ -113,8 +121,11 @@ def main() -> None:
             timer.seconds.clear()
             timer.active = True
             start = time.perf_counter()
-            engine.step()
+            outputs = engine.step()
             elapsed = time.perf_counter() - start
+            failed = [o for o in outputs if getattr(o, "error", None)]
+            if failed:
+                raise SystemExit(f"{name}: a step failed: {failed[0].error}")
             timer.active = False
             while engine.has_unfinished():
                 engine.step()
@@ -123,7 +134,7 @@ def main() -> None:
                 parts[name].append(dict(timer.seconds))
     print(f"# {torch.get_num_threads()} threads; {args.tokens // PROMPT_LEN} prompts of "
           f"{PROMPT_LEN} tokens a step; {args.rounds} rounds, alternated; medians, ms; "
-          f"SiLU fused into the product here: {'yes' if fused else 'no (both engines alike)'}")
+          f"epilogues fused here: {'yes' if fused else 'no (both engines alike)'}")
     names = sorted({p for rounds in parts.values() for r in rounds for p in r})
     print("| part | " + " | ".join(engines) + " |")
     print("|---|" + "---:|" * len(engines))
@@ -134,8 +145,8 @@ def main() -> None:
             s - sum(r.values()) for s, r in zip(steps[e], parts[e])) * 1e3 for e in engines]),
             ("**step**", [statistics.median(steps[e]) * 1e3 for e in engines])):
         print(f"| {label} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
-    ratios = [b / a for a, b in zip(steps["SiLU in the product"], steps["SiLU a pass of its own"])]
-    print(f"step time, SiLU a pass of its own over SiLU in the product: median of the rounds' "
+    ratios = [b / a for a, b in zip(steps["fused epilogues"], steps["passes of their own"])]
+    print(f"step time, passes of their own over fused epilogues: median of the rounds' "
           f"ratios {statistics.median(ratios):.3f} ({', '.join(f'{r:.3f}' for r in ratios)})")
 
 

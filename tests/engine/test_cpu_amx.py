@@ -393,3 +393,63 @@ def test_chunks_capped_by_their_weight_bytes_sum_as_any_other(emulated):
         for threads in (1, 2):
             assert torch.equal(run(amx.kvfleet_amx_linear, weight, packed(amx, weight), x, bias,
                                    threads), one)
+
+
+# ---- the product added into its addend (the layer's residual) ------------------------------
+
+def added(kernel: BoundKernel, weight, x, bias, addend: torch.Tensor, threads: int = 2):
+    n, k = weight.shape
+    y = addend.clone()
+    tiles = packed(kernel, weight)  # held: the kernel reads it
+    assert kernel.kvfleet_amx_linear_add(
+        AMX, x.data_ptr(), x.shape[0], k, x.stride(0), tiles.data_ptr(), n,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, threads) == 0
+    return y
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_the_product_added_in_its_epilogue_is_the_bf16_add_after_it(emulated, n, k):
+    """y += x W^T in the epilogue gives the bits of the plain product followed by torch's bf16
+    `add_` (pairs of whole blocks and a partial last one, k tails, bias or none, 1 or 2
+    threads); the addends matter (a control: added to zeros it is the plain product, and not the
+    sum)."""
+    for m, bias, threads in ((1, True, 1), (17, False, 2), (40, True, 2)):
+        weight, x, b = operands(n, k, m, seed=3 * m + n, bias=bias, spikes=False)
+        addend = (torch.randn(m, n, generator=torch.Generator().manual_seed(m)) * 8).to(
+            torch.bfloat16)
+        plain = emulated_product(emulated, weight, x, b, threads)
+        fused = added(emulated, weight, x, b, addend, threads)
+        assert torch.equal(fused, addend.clone().add_(plain)), (m, bias, threads)
+        assert torch.equal(added(emulated, weight, x, b, torch.zeros_like(addend), threads), plain)
+        assert not torch.equal(fused, plain)
+
+
+def test_a_kernel_linear_adds_into_its_target_in_every_form():
+    """KernelLinear(x, add_to=y) returns y += its product, in place: through the epilogue in the
+    `amx` form (where this process computes on tiles), through add_ in the others."""
+    linear = torch.nn.Linear(96, 64).to(torch.bfloat16)
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    forms = ["amx"] if HAS_AMX else []
+    forms += [f for f in ("dot", "fma") if cpu_kernels.matmul_kernel().kvfleet_linear_supported(
+        BF16_FORM_CODES[f]) == 1]
+    for form in forms:
+        product = KernelLinear(linear, form=form)
+        assert product.adds_in_place == (form == "amx")
+        target = torch.randn(5, 64).to(torch.bfloat16)
+        expected = target.clone().add_(product(x))
+        assert product(x, add_to=target) is target
+        assert torch.equal(target, expected), form
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16 tiles (amx_tile, amx_bf16)")
+def test_the_real_tiles_add_as_the_emulation_does(emulated):
+    amx = cpu_kernels.amx_kernel()
+    for n, k in SHAPES:
+        weight, x, bias = operands(n, k, 40, seed=n + k, spikes=False)
+        bias = bias.to(torch.bfloat16).float()
+        addend = (torch.randn(40, n, generator=torch.Generator().manual_seed(n)) * 8).to(
+            torch.bfloat16)
+        for m in (1, 16, 33, 40):
+            for threads in (1, 2):
+                assert torch.equal(added(amx, weight, x[:m], bias, addend[:m], threads),
+                                   added(emulated, weight, x[:m], bias, addend[:m], threads))

@@ -257,7 +257,9 @@ bool tiles_granted() {
 
 // The store of `rows` rows of one C tile's sums (fp32, 16 per row, 64 bytes apart) as bf16, bias
 // added in fp32: the lanes past n are left alone. The conversion is VCVTNEPS2BF16's: round to
-// nearest even, denormal inputs as zero (what cpu_matmul.cpp's AVX-512 forms store with).
+// nearest even, denormal inputs as zero (what cpu_matmul.cpp's AVX-512 forms store with). With
+// `add` (kvfleet_amx_linear_add) y holds an addend: that bf16 output is added to it in fp32 and
+// the sum rounded to bf16 alike, as a bf16 `y += product` after the product computes.
 #if defined(KVFLEET_AMX_EMULATE)
 uint16_t to_bf16(float v) {
     uint32_t bits;
@@ -266,41 +268,59 @@ uint16_t to_bf16(float v) {
     if (v != v) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN: quieted, sign kept
     return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
+float from_bf16(uint16_t h) { return tiles::as_float(static_cast<uint32_t>(h) << 16); }
 void store_rows(const float* sums, int rows, const float* bias, int valid, uint16_t* y,
-                int64_t y_stride) {
+                int64_t y_stride, bool add = false) {
     for (int r = 0; r < rows; ++r)
-        for (int lane = 0; lane < valid; ++lane)
-            y[r * y_stride + lane] = to_bf16(sums[r * kLanes + lane] + (bias ? bias[lane] : 0.f));
+        for (int lane = 0; lane < valid; ++lane) {
+            uint16_t& out = y[r * y_stride + lane];
+            const uint16_t p = to_bf16(sums[r * kLanes + lane] + (bias ? bias[lane] : 0.f));
+            out = add ? to_bf16(from_bf16(p) + from_bf16(out)) : p;
+        }
 }
 void store_pair_rows(const float* sums0, const float* sums1, int rows, const float* bias,
-                     uint16_t* y, int64_t y_stride) {
-    store_rows(sums0, rows, bias, kLanes, y, y_stride);
-    store_rows(sums1, rows, bias ? bias + kLanes : nullptr, kLanes, y + kLanes, y_stride);
+                     uint16_t* y, int64_t y_stride, bool add = false) {
+    store_rows(sums0, rows, bias, kLanes, y, y_stride, add);
+    store_rows(sums1, rows, bias ? bias + kLanes : nullptr, kLanes, y + kLanes, y_stride, add);
 }
 #else
+// bf16 lanes -> fp32 lanes (the high halves)
+KVFLEET_AMX_TARGET inline __m512 widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 KVFLEET_AMX_TARGET void store_rows(const float* sums, int rows, const float* bias, int valid,
-                                   uint16_t* y, int64_t y_stride) {
+                                   uint16_t* y, int64_t y_stride, bool add = false) {
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r) {
-        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + r * kLanes), b);
-        _mm256_mask_storeu_epi16(y + r * y_stride, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        uint16_t* out = y + r * y_stride;
+        __m256i p = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + r * kLanes), b));
+        if (add)
+            p = (__m256i)_mm512_cvtneps_pbh(
+                _mm512_add_ps(widen(p), widen(_mm256_maskz_loadu_epi16(mask, out))));
+        _mm256_mask_storeu_epi16(out, mask, p);
     }
 }
 // store_rows of two whole blocks side by side (sums1 the next 16 outputs): each row's 32
 // outputs in one 64-byte store, not two masked halves of it (measured 5-10% of a product's time
 // at the 135M model's prefill shapes on a Xeon with AMX: y's lines are written whole)
 KVFLEET_AMX_TARGET void store_pair_rows(const float* sums0, const float* sums1, int rows,
-                                        const float* bias, uint16_t* y, int64_t y_stride) {
+                                        const float* bias, uint16_t* y, int64_t y_stride,
+                                        bool add = false) {
     const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? _mm512_loadu_ps(bias + kLanes) : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r) {
-        const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(sums0 + r * kLanes), b0);
-        const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(sums1 + r * kLanes), b1);
-        const __m512i both = _mm512_inserti64x4(
-            _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v0)),
-            (__m256i)_mm512_cvtneps_pbh(v1), 1);
-        _mm512_storeu_si512(y + r * y_stride, both);
+        uint16_t* out = y + r * y_stride;
+        __m256i p0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums0 + r * kLanes), b0));
+        __m256i p1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums1 + r * kLanes), b1));
+        if (add) {
+            const __m512i old = _mm512_loadu_si512(out);
+            p0 = (__m256i)_mm512_cvtneps_pbh(
+                _mm512_add_ps(widen(p0), widen(_mm512_castsi512_si256(old))));
+            p1 = (__m256i)_mm512_cvtneps_pbh(
+                _mm512_add_ps(widen(p1), widen(_mm512_extracti64x4_epi64(old, 1))));
+        }
+        _mm512_storeu_si512(out, _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1));
     }
 }
 #endif
@@ -316,6 +336,7 @@ struct Job {
     // gate/up pairs (kvfleet_amx_linear_silu): blocks 2i and 2i + 1 are a gate's and an up's 16
     // outputs, and y's columns [16i, 16i + 16) get silu(gate) * up of them (n / 2 columns)
     bool silu = false;
+    bool add = false;  // y holds an addend: y += the bf16 outputs (kvfleet_amx_linear_add)
 };
 
 // The fused epilogue of a gate/up pair: the pair's sums stored as bf16 exactly as the plain
@@ -389,9 +410,9 @@ KVFLEET_AMX_TARGET void tile_product(const Job& j, int64_t row, int rows, int64_
         const int64_t col = block * kLanes;
         const float* bias = j.bias ? j.bias + col : nullptr;
         uint16_t* y = j.y + row * j.y_stride + col;
-        store_pair_rows(partial, partial + kC, r0, bias, y, j.y_stride);
+        store_pair_rows(partial, partial + kC, r0, bias, y, j.y_stride, j.add);
         if (TwoA) store_pair_rows(partial + 2 * kC, partial + 3 * kC, rows - r0, bias,
-                                  y + kTileRows * j.y_stride, j.y_stride);
+                                  y + kTileRows * j.y_stride, j.y_stride, j.add);
         return;
     }
     for (int b = 0; b < (TwoB ? 2 : 1); ++b) {
@@ -399,9 +420,9 @@ KVFLEET_AMX_TARGET void tile_product(const Job& j, int64_t row, int rows, int64_
         const int valid = static_cast<int>(j.n - col < kLanes ? j.n - col : kLanes);
         const float* bias = j.bias ? j.bias + col : nullptr;
         uint16_t* y = j.y + row * j.y_stride + col;
-        store_rows(partial + b * kC, r0, bias, valid, y, j.y_stride);
+        store_rows(partial + b * kC, r0, bias, valid, y, j.y_stride, j.add);
         if (TwoA) store_rows(partial + (2 + b) * kC, rows - r0, bias, valid,
-                             y + kTileRows * j.y_stride, j.y_stride);
+                             y + kTileRows * j.y_stride, j.y_stride, j.add);
     }
 }
 
@@ -905,6 +926,18 @@ int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x
                 static_cast<const uint16_t*>(packed), n, bias, static_cast<uint16_t*>(y),
                 y_stride},
             threads);
+    return 0;
+}
+
+int kvfleet_amx_linear_add(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                           const void* packed, int64_t n, const float* bias, void* y,
+                           int64_t y_stride, int threads) {
+    if (!kvfleet_amx_supported(dtype)) return -1;
+    if (m <= 0 || n <= 0) return 0;
+    Job job{static_cast<const uint16_t*>(x), m, k, x_stride, static_cast<const uint16_t*>(packed),
+            n, bias, static_cast<uint16_t*>(y), y_stride};
+    job.add = true;
+    product(job, threads);
     return 0;
 }
 

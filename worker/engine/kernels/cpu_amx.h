@@ -24,6 +24,14 @@ int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x
                        const void* packed, int64_t n, const float* bias, void* y,
                        int64_t y_stride, int threads);
 
+// kvfleet_amx_linear's product added into y: y[i, :n] holds bf16 addends on entry and gets
+// addend + output (the bf16 output kvfleet_amx_linear would store, added in fp32, the sum
+// rounded to bf16 alike): a bf16 `y += x W^T` without the output's trip through memory. Returns
+// as kvfleet_amx_linear.
+int kvfleet_amx_linear_add(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                           const void* packed, int64_t n, const float* bias, void* y,
+                           int64_t y_stride, int threads);
+
 // The gate/up product of a SiLU MLP with its activation fused: `packed` is kvfleet_amx_pack of
 // the [n, k] weight whose rows are the gate's and the up projection's 16 at a time, alternating
 // (rows [32i, 32i + 16) the gate's outputs [16i, 16i + 16), rows [32i + 16, 32i + 32) the up's

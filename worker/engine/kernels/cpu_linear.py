@@ -214,6 +214,7 @@ class KernelLinear(torch.nn.Module):
                 self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_amx_pack")
             self._kvfleet_amx_linear = (amx.kvfleet_amx_linear_silu if silu_pairs
                                         else amx.kvfleet_amx_linear)
+            self._kvfleet_amx_linear_add = amx.kvfleet_amx_linear_add
         else:
             matmul = matmul_kernel()
             _check(matmul.kvfleet_pack_linear(
@@ -235,13 +236,32 @@ class KernelLinear(torch.nn.Module):
     def __deepcopy__(self, memo) -> KernelLinear:
         return _copy_sharing_packed_weight(self, memo)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+    @property
+    def adds_in_place(self) -> bool:
+        """forward(x, add_to=y) adds the product into y in its epilogue (the `amx` form)."""
+        return self._amx and not self.silu_pairs
+
+    def forward(self, x: torch.Tensor,
+                add_to: torch.Tensor | None = None) -> torch.Tensor:  # [..., in] -> [..., out]
+        """The product; with `add_to` (same dtype, [..., out]), that tensor += the product, in
+        place, and returned: in the `amx` form inside the product's epilogue (`adds_in_place`:
+        the bf16 output added in fp32 and rounded, as `add_to.add_(product)` rounds it), else
+        by that add_."""
         if x.dtype != self.dtype or not x.is_cpu:
             raise TypeError(f"this linear takes {self.dtype} CPU input, got {x.dtype} on {x.device}")
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
             rows = rows.contiguous()
         num_rows = rows.shape[0]
+        if add_to is not None:
+            target = add_to.view(num_rows, self.out_features)  # raises unless it is [..., out]
+            if not self.adds_in_place or not target.is_contiguous() or target.dtype != self.dtype:
+                return add_to.add_(self.forward(x).view(add_to.shape))
+            _check(self._kvfleet_amx_linear_add(
+                self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
+                self._weight_ptr, self.out_features, self._bias_ptr, target.data_ptr(),
+                self.out_features, torch.get_num_threads()), "kvfleet_amx_linear_add")
+            return add_to
         columns = self.out_features // 2 if self.silu_pairs else self.out_features
         out = torch.empty((num_rows, columns), dtype=self.dtype)
         if self._amx:

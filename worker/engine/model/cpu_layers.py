@@ -99,9 +99,11 @@ class FusedDecoderLayer(torch.nn.Module):
         self.qkv = _concat(attn.q_proj, attn.k_proj, attn.v_proj, invariant=invariant)
         self.o_proj = product(attn.o_proj, invariant)
         self.gate_up = _concat(mlp.gate_proj, mlp.up_proj, invariant=invariant, silu_pairs=True)
-        # AMX tiles: silu(gate) * up in the product's epilogue (same bits as silu_mul after it)
+        # AMX tiles: silu(gate) * up in the product's epilogue (same bits as silu_mul after it),
+        # and the down product added into the residual in its own (as residual.add_ rounds)
         self._silu_in_product = getattr(self.gate_up, "silu_pairs", False)
         self.down_proj = product(mlp.down_proj, invariant)
+        self._add_in_product = getattr(self.down_proj, "adds_in_place", False)
         self.input_norm = FusedRMSNorm(layer.input_layernorm)
         self.post_norm = FusedRMSNorm(layer.post_attention_layernorm)
         # what every forward splits its q/k/v product by, computed once
@@ -126,6 +128,8 @@ class FusedDecoderLayer(torch.nn.Module):
         h = rms_norm(x, self.post_norm.weight, self.post_norm.eps, residual=residual)
         # in place: the same bf16 (or float32) sum, without a new tensor
         act = self.gate_up(h) if self._silu_in_product else silu_mul(self.gate_up(h))
+        if self._add_in_product:
+            return self.down_proj(act, add_to=residual).unsqueeze(0)
         return residual.add_(self.down_proj(act)).unsqueeze(0)
 
 
