@@ -359,7 +359,8 @@ def test_the_fused_layer_takes_the_silu_epilogue_only_on_tiles(monkeypatch):
 @pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16 tiles (amx_tile, amx_bf16)")
 def test_the_real_tiles_fuse_silu_as_the_emulation_does(emulated):
     """On AMX: the epilogue on real tiles equals the emulation's, and a KernelLinear with
-    silu_pairs equals the plain KernelLinear followed by silu_mul, bit for bit."""
+    silu_pairs equals the plain KernelLinear followed by silu_mul, bit for bit (and gives the
+    plain product itself when asked without SiLU)."""
     amx = cpu_kernels.amx_kernel()
     inter, k = 96, 576
     weight, x, bias = operands(2 * inter, k, 83, seed=11, spikes=False)
@@ -373,8 +374,11 @@ def test_the_real_tiles_fuse_silu_as_the_emulation_does(emulated):
     with torch.no_grad():
         linear.weight.copy_(weight)
         linear.bias.copy_(bias)
-    plain = cpu_layers.silu_mul(KernelLinear(linear, form="amx")(x))
-    assert torch.equal(KernelLinear(linear, form="amx", silu_pairs=True)(x), plain)
+    product = KernelLinear(linear, form="amx")(x)
+    fused = KernelLinear(linear, form="amx", silu_pairs=True)
+    assert torch.equal(fused(x), cpu_layers.silu_mul(product))
+    # without SiLU (for an adapter's forward hook): the plain [gate | up] output, in that order
+    assert torch.equal(fused(x, silu=False), product)
 
 
 def test_chunks_capped_by_their_weight_bytes_sum_as_any_other(emulated):

@@ -212,8 +212,8 @@ class KernelLinear(torch.nn.Module):
             _check(amx.kvfleet_amx_pack(
                 self._code, weight.data_ptr(), self.out_features, self.in_features,
                 self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_amx_pack")
-            self._kvfleet_amx_linear = (amx.kvfleet_amx_linear_silu if silu_pairs
-                                        else amx.kvfleet_amx_linear)
+            self._kvfleet_amx_linear = amx.kvfleet_amx_linear
+            self._kvfleet_amx_linear_silu = amx.kvfleet_amx_linear_silu
             self._kvfleet_amx_linear_add = amx.kvfleet_amx_linear_add
         else:
             matmul = matmul_kernel()
@@ -241,12 +241,14 @@ class KernelLinear(torch.nn.Module):
         """forward(x, add_to=y) adds the product into y in its epilogue (the `amx` form)."""
         return self._amx and not self.silu_pairs
 
-    def forward(self, x: torch.Tensor,
-                add_to: torch.Tensor | None = None) -> torch.Tensor:  # [..., in] -> [..., out]
+    def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None,
+                silu: bool = True) -> torch.Tensor:  # [..., in] -> [..., out]
         """The product; with `add_to` (same dtype, [..., out]), that tensor += the product, in
         place, and returned: in the `amx` form inside the product's epilogue (`adds_in_place`:
         the bf16 output added in fp32 and rounded, as `add_to.add_(product)` rounds it), else
-        by that add_."""
+        by that add_. With `silu_pairs`, silu(gate) * up, or with `silu` false the plain
+        [..., gate | up] output (a copy put back in that order: for forward hooks, such as
+        adapter terms, that add to the gate's and up's columns)."""
         if x.dtype != self.dtype or not x.is_cpu:
             raise TypeError(f"this linear takes {self.dtype} CPU input, got {x.dtype} on {x.device}")
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
@@ -262,9 +264,23 @@ class KernelLinear(torch.nn.Module):
                 self._weight_ptr, self.out_features, self._bias_ptr, target.data_ptr(),
                 self.out_features, torch.get_num_threads()), "kvfleet_amx_linear_add")
             return add_to
+        if self.silu_pairs and not silu:
+            out = torch.empty((num_rows, self.out_features), dtype=self.dtype)
+            _check(self._kvfleet_amx_linear(
+                self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
+                self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
+                self.out_features, torch.get_num_threads()), "kvfleet_amx_linear")
+            # blocks of 16 alternating (gate, up, gate, ...) -> gate's columns, then up's
+            out = out.view(num_rows, -1, 2, 16).transpose(1, 2).reshape(num_rows, -1)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         columns = self.out_features // 2 if self.silu_pairs else self.out_features
         out = torch.empty((num_rows, columns), dtype=self.dtype)
-        if self._amx:
+        if self.silu_pairs:
+            status = self._kvfleet_amx_linear_silu(
+                self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
+                self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
+                columns, torch.get_num_threads())
+        elif self._amx:
             status = self._kvfleet_amx_linear(
                 self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
                 self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),

@@ -127,8 +127,15 @@ class FusedDecoderLayer(torch.nn.Module):
         residual = self.o_proj(attn.view(num_tokens, -1))  # becomes x + attention below
         h = rms_norm(x, self.post_norm.weight, self.post_norm.eps, residual=residual)
         # in place: the same bf16 (or float32) sum, without a new tensor
-        act = self.gate_up(h) if self._silu_in_product else silu_mul(self.gate_up(h))
-        if self._add_in_product:
+        # the epilogues only where no forward hook (an adapter's terms, lora/) adds to the
+        # product's own output
+        if self._silu_in_product and not self.gate_up._forward_hooks:
+            act = self.gate_up(h)
+        elif self._silu_in_product:
+            act = silu_mul(self.gate_up(h, silu=False))
+        else:
+            act = silu_mul(self.gate_up(h))
+        if self._add_in_product and not self.down_proj._forward_hooks:
             return self.down_proj(act, add_to=residual).unsqueeze(0)
         return residual.add_(self.down_proj(act)).unsqueeze(0)
 
