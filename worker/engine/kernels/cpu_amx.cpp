@@ -25,6 +25,11 @@
 // them written instead, by the layer ops' own row function: the bits of the plain product
 // followed by kvfleet_silu_mul, without the [m, 2 * inter] output's trip through memory.
 //
+// The residual add in the epilogue (kvfleet_amx_linear_add): y holds the addend, and each bf16
+// output, made as above, is added to it in fp32 and the sum rounded to bf16 alike (a bf16
+// `y += x W^T`, as torch's add_ after the product rounds it, but for denormal sums, which the
+// conversion flushes), so the layer's down product never writes its output to be read back.
+//
 // Sum order. Each output is the dot product of one row of x with one row of W. Its sums follow
 // from k alone: the k tiles in order, each a TDPBF16PS whose arithmetic on one output reads that
 // row of x and that output's weights only (the pseudo-code below); the rows that share its tile,

@@ -5,7 +5,8 @@ their per-op cost and the Python between them are a large share of a step. `Fuse
 the same layer as 4 packed oneDNN products (q/k/v together, o, gate/up together, down), the
 engine's paged attention, and 3 C++ element-wise passes (cpu_layer_ops.cpp: RMSNorm with the
 residual add folded in, RoPE in place on q and k, SiLU(gate) * up; on AMX tiles the last is
-the gate/up product's own epilogue, same bits), rounding to bf16 where the
+the gate/up product's own epilogue, and the residual add after the down product that product's,
+same bits), rounding to bf16 where the
 eager bf16 layer rounds (float32 is plain float32: its greedy output still equals HF `generate`
 token for token in the tests). The products are oneDNN-packed where the dtype packs on this CPU
 (cpu_linear.py), else F.linear. `FusedRMSNorm` takes the final norm. Layers of another shape are
