@@ -891,6 +891,22 @@ void run(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* ta
 
 }  // namespace attention
 
+enum class Epilogue { kStore, kAdd, kSilu };
+
+// kvfleet_amx_linear and its fused forms: the arguments checked, then the product
+int run_product(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                const void* packed, int64_t n, const float* bias, void* y, int64_t y_stride,
+                int threads, Epilogue epilogue) {
+    if (!kvfleet_amx_supported(dtype)) return -1;
+    if (m <= 0 || n <= 0) return 0;
+    Job job{static_cast<const uint16_t*>(x), m, k, x_stride, static_cast<const uint16_t*>(packed),
+            n, bias, static_cast<uint16_t*>(y), y_stride};
+    job.add = epilogue == Epilogue::kAdd;
+    job.silu = epilogue == Epilogue::kSilu;
+    product(job, threads);
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {  // the arguments of each: cpu_amx.h
@@ -925,40 +941,25 @@ int kvfleet_amx_pack(int dtype, const void* w, int64_t n, int64_t k, void* out, 
 int kvfleet_amx_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
                        const void* packed, int64_t n, const float* bias, void* y,
                        int64_t y_stride, int threads) {
-    if (!kvfleet_amx_supported(dtype)) return -1;
-    if (m <= 0 || n <= 0) return 0;
-    product(Job{static_cast<const uint16_t*>(x), m, k, x_stride,
-                static_cast<const uint16_t*>(packed), n, bias, static_cast<uint16_t*>(y),
-                y_stride},
-            threads);
-    return 0;
+    return run_product(dtype, x, m, k, x_stride, packed, n, bias, y, y_stride, threads,
+                       Epilogue::kStore);
 }
 
 int kvfleet_amx_linear_add(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
                            const void* packed, int64_t n, const float* bias, void* y,
                            int64_t y_stride, int threads) {
-    if (!kvfleet_amx_supported(dtype)) return -1;
-    if (m <= 0 || n <= 0) return 0;
-    Job job{static_cast<const uint16_t*>(x), m, k, x_stride, static_cast<const uint16_t*>(packed),
-            n, bias, static_cast<uint16_t*>(y), y_stride};
-    job.add = true;
-    product(job, threads);
-    return 0;
+    return run_product(dtype, x, m, k, x_stride, packed, n, bias, y, y_stride, threads,
+                       Epilogue::kAdd);
 }
 
 int kvfleet_amx_linear_silu(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
                             const void* packed, int64_t n, const float* bias, void* y,
                             int64_t y_stride, int threads) {
-    if (!kvfleet_amx_supported(dtype)) return -1;
-    if (n % (2 * kLanes) != 0) return 1;
-    if (m <= 0 || n <= 0) return 0;
     // product()'s chunks are whole pairs of blocks from an even block, so each TwoB call is one
     // gate/up pair
-    Job job{static_cast<const uint16_t*>(x), m, k, x_stride, static_cast<const uint16_t*>(packed),
-            n, bias, static_cast<uint16_t*>(y), y_stride};
-    job.silu = true;
-    product(job, threads);
-    return 0;
+    if (kvfleet_amx_supported(dtype) && n % (2 * kLanes) != 0) return 1;
+    return run_product(dtype, x, m, k, x_stride, packed, n, bias, y, y_stride, threads,
+                       Epilogue::kSilu);
 }
 
 int kvfleet_amx_attention(const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv,
