@@ -430,19 +430,21 @@ def test_the_product_added_in_its_epilogue_is_the_bf16_add_after_it(emulated, n,
 
 def test_a_kernel_linear_adds_into_its_target_in_every_form():
     """KernelLinear(x, add_to=y) returns y += its product, in place: through the epilogue in the
-    `amx` form (where this process computes on tiles), through add_ in the others."""
-    linear = torch.nn.Linear(96, 64).to(torch.bfloat16)
-    x = torch.randn(5, 96).to(torch.bfloat16)
-    forms = ["amx"] if HAS_AMX else []
-    forms += [f for f in ("dot", "fma") if cpu_kernels.matmul_kernel().kvfleet_linear_supported(
-        BF16_FORM_CODES[f]) == 1]
-    for form in forms:
-        product = KernelLinear(linear, form=form)
-        assert product.adds_in_place == (form == "amx")
-        target = torch.randn(5, 64).to(torch.bfloat16)
+    `amx` form (where this process computes on tiles), through add_ in the others (float32 on
+    every CPU; the AVX-512 bf16 forms where they build)."""
+    linear = torch.nn.Linear(96, 64)
+    products = [KernelLinear(linear)]  # float32: the portable product where there is no AVX-512
+    bf16 = torch.nn.Linear(96, 64).to(torch.bfloat16)
+    products += [KernelLinear(bf16, form="amx")] if HAS_AMX else []
+    products += [KernelLinear(bf16, form=f) for f in ("dot", "fma")
+                 if cpu_kernels.matmul_kernel().kvfleet_linear_supported(BF16_FORM_CODES[f]) == 1]
+    for product in products:
+        assert product.adds_in_place == (product.form == "amx")
+        x = torch.randn(5, 96).to(product.dtype)
+        target = torch.randn(5, 64).to(product.dtype)
         expected = target.clone().add_(product(x))
         assert product(x, add_to=target) is target
-        assert torch.equal(target, expected), form
+        assert torch.equal(target, expected), product.form
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16 tiles (amx_tile, amx_bf16)")

@@ -299,7 +299,8 @@ KVFLEET_AMX_TARGET void store_rows(const float* sums, int rows, const float* bia
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r) {
         uint16_t* out = y + r * y_stride;
-        __m256i p = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + r * kLanes), b));
+        __m256i p = (__m256i)_mm512_cvtneps_pbh(
+            _mm512_add_ps(_mm512_loadu_ps(sums + r * kLanes), b));
         if (add)
             p = (__m256i)_mm512_cvtneps_pbh(
                 _mm512_add_ps(widen(p), widen(_mm256_maskz_loadu_epi16(mask, out))));
@@ -316,8 +317,10 @@ KVFLEET_AMX_TARGET void store_pair_rows(const float* sums0, const float* sums1, 
     const __m512 b1 = bias ? _mm512_loadu_ps(bias + kLanes) : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r) {
         uint16_t* out = y + r * y_stride;
-        __m256i p0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums0 + r * kLanes), b0));
-        __m256i p1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums1 + r * kLanes), b1));
+        __m256i p0 = (__m256i)_mm512_cvtneps_pbh(
+            _mm512_add_ps(_mm512_loadu_ps(sums0 + r * kLanes), b0));
+        __m256i p1 = (__m256i)_mm512_cvtneps_pbh(
+            _mm512_add_ps(_mm512_loadu_ps(sums1 + r * kLanes), b1));
         if (add) {
             const __m512i old = _mm512_loadu_si512(out);
             p0 = (__m256i)_mm512_cvtneps_pbh(
