@@ -1,6 +1,6 @@
 """One answer per (prompt, parameters, seed) at the default `--deterministic`: a request's tokens
-*and logprobs* are bit-identical alone, in a batch, with its prompt chunked, after a prefix-cache
-hit, after a preemption (recompute or swap) and when it resumes from a checkpoint as prompt +
+*and logprobs* are bit-identical alone, in a batch (sharing a prefix another request computes in
+the same step, or not), with its prompt chunked, after a prefix-cache hit, after a preemption (recompute or swap) and when it resumes from a checkpoint as prompt +
 tokens already sent (what a worker does after another died), in bf16 and float32.
 
 The model is a tiny Llama whose heads are 64 wide (the C++ kernels' vectorised paths) with
@@ -139,11 +139,13 @@ def test_the_engine_reports_itself_batch_invariant_by_default(wide_heads_llama):
     assert "not batch-invariant: --no-deterministic" in off.device_report()
 
 
-@pytest.mark.parametrize("case", ["batched", "chunked", "cache_hit", "recompute", "swap"])
+@pytest.mark.parametrize("case", ["batched", "batched_uncached", "chunked", "cache_hit",
+                                  "recompute", "swap"])
 def test_every_request_gets_its_lone_answer_bit_for_bit(reference, wide_heads_llama, case):
     dtype, expected, hidden = reference
     reqs = requests()
-    config = {"chunked": {"max_batched_tokens": 16},  # prefills cut into chunks beside decodes
+    config = {"batched_uncached": {"enable_prefix_caching": False},
+              "chunked": {"max_batched_tokens": 16},  # prefills cut into chunks beside decodes
               "recompute": {"num_blocks": 14, "preemption": "recompute"},
               "swap": {"num_blocks": 14, "preemption": "swap", "swap_space": "64MiB"}}.get(case, {})
     engine = make_engine(wide_heads_llama, dtype, **config)
@@ -153,6 +155,11 @@ def test_every_request_gets_its_lone_answer_bit_for_bit(reference, wide_heads_ll
     stats = engine.stats()
     if case == "cache_hit":
         assert stats.prefix_hit_tokens >= len(COMMON) // 16 * 16 * (NUM_REQUESTS // 2)
+    if case == "batched":  # admitted in one step: the later ones share the opening's blocks
+        # the first computes in that step (scheduler.py, prefix sharing within a step)
+        assert stats.prefix_hit_tokens == len(COMMON) // 16 * 16 * (NUM_REQUESTS // 2 - 1)
+    if case == "batched_uncached":
+        assert stats.prefix_hit_tokens == 0
     if case in ("recompute", "swap"):
         assert stats.num_preemptions > 0
         assert (stats.num_swap_preemptions > 0) is (case == "swap")

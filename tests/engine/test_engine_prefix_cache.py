@@ -153,3 +153,32 @@ def test_masked_prefill_after_a_cached_prefix_never_asks_sdpa_for_gqa(tiny_llama
     masked = [gqa for has_mask, gqa in calls if has_mask]
     assert masked and not any(masked)
     assert any(gqa for has_mask, gqa in calls if not has_mask)  # chunks from 0 keep is_causal GQA
+
+
+def test_prompts_sent_together_share_the_prefix_their_step_computes(tiny):
+    """Three prompts on one opening, added before any step: the first computes the opening
+    and the others, admitted in the same step, read its keys from the pool; every answer still
+    equals HF's."""
+    engine = tiny.engine(block_size=BS)
+    shared = random_prompt(18, seed=8)
+    prompts = {f"p{i}": shared + random_prompt(3 + i, seed=20 + i) for i in range(3)}
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, prompt, greedy(12))
+    produced: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    first = engine.step()
+    assert {out.req_id for out in first} == set(prompts)  # all three prefilled in one step
+    for out in first + run_to_completion_outputs(engine):
+        produced.setdefault(out.req_id, []).extend(out.new_token_ids)
+        cached[out.req_id] = out.num_cached_tokens
+    assert cached == {"p0": 0, "p1": 16, "p2": 16}  # 4 full blocks of the 18-token opening
+    for req_id, prompt in prompts.items():
+        assert produced[req_id] == tiny.reference(prompt, 12), req_id
+    assert engine.stats().num_blocks_free == engine.stats().num_blocks_total
+
+
+def run_to_completion_outputs(engine) -> list:
+    outputs = []
+    while engine.has_unfinished():
+        outputs.extend(engine.step())
+    return outputs

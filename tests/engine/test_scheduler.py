@@ -183,6 +183,54 @@ def test_prefix_hits_skip_computation_and_are_counted():
     assert plan(step(sched)) == {"c": 10} and skip.num_cached_tokens == 0
 
 
+def test_prompts_admitted_together_compute_their_shared_prefix_once():
+    """The second prompt shares the full blocks the first's chunk fills in the same step; the
+    blocks are published only after the step. Control: with prefix caching off it computes
+    its whole prompt beside the first."""
+    for caching in (True, False):
+        sched = make_scheduler(max_batched_tokens=64, prefix_caching=caching)
+        bm = sched.block_manager
+        first, second = seq("a", 14, max_tokens=2), seq("b", 14, max_tokens=2)
+        second.token_ids[-1] = 99  # the prompts differ in their last token only
+        sched.add(first)
+        sched.add(second)
+        out = sched.schedule()
+        if not caching:
+            assert plan(out) == {"a": 14, "b": 14}
+            continue
+        # 3 full blocks of 4 are shared: the second computes positions 12 and 13
+        assert plan(out) == {"a": 14, "b": 2}
+        assert bm.block_table("b")[:3] == bm.block_table("a")[:3]
+        assert bm.block_table("b")[3] != bm.block_table("a")[3]
+        assert second.num_cached_tokens == 12 and bm.prefix_hit_tokens == 12
+        assert bm.num_cached_blocks == 0  # nothing published before the step ran
+        sched.update(out, {"a": [(7, None)], "b": [(7, None)]})
+        assert bm.num_cached_blocks == 3  # the first's blocks, published once
+        bm.check_invariants()
+
+
+def test_shared_blocks_within_a_step_stop_where_the_chunk_stops():
+    """A chunk cut by the budget shares only the full blocks it fills; a third prompt on
+    another prefix shares nothing; a sequence that skips the cache shares nothing."""
+    sched = make_scheduler(max_batched_tokens=12)
+    sched.add(seq("a", 20, max_tokens=1))
+    out = sched.schedule()
+    assert plan(out) == {"a": 12}
+    sched.update(out, {})
+    sched.add(seq("b", 20, max_tokens=1))  # same prompt: 3 blocks published, 1 in this step
+    sched.add(seq("c", 20, max_tokens=1, start=500))
+    sched.add(seq("d", 20, max_tokens=1, skip_prefix_cache=True))
+    sched.max_batched_tokens = 64
+    out = sched.schedule()
+    # a computes 12..19 (filling blocks 3 and 4); b takes 4 blocks (its last token computes)
+    assert plan(out) == {"a": 8, "b": 4, "c": 20, "d": 20}
+    bm = sched.block_manager
+    assert bm.block_table("b")[:4] == bm.block_table("a")[:4]
+    assert not set(bm.block_table("c")) & set(bm.block_table("a"))
+    assert not set(bm.block_table("d")) & set(bm.block_table("a"))
+    assert [s.num_cached_tokens for s in sched.running] == [0, 16, 0, 0]
+
+
 def test_resumed_sequence_that_is_already_complete_finishes_at_once():
     sched = make_scheduler()
     s = Sequence("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0), [8, 9])

@@ -28,6 +28,13 @@ The promised pace (`pace`, pace.py): the decoding streams' rows go first, a pref
 only the step time their tightest ITL target leaves, and a waiting sequence is admitted only
 while the group with it keeps that target; one that would not waits (and so do those behind it).
 
+Prefix sharing within a step: each prefill chunk's full blocks that the prefix cache lacks are
+noted as the step is formed (`_Scheduling.computing`), and a sequence admitted after it in the
+same step takes them as cache hits. Its rows read those keys from the pool, which every layer
+fills with the whole step's keys and values before any row attends; so prompts arriving together
+on one prefix compute it once, not once per step they were spread over. The blocks are published
+(and announced) only after the step, as any other.
+
 Only the scheduler changes a sequence's status and progress.
 """
 
@@ -41,6 +48,7 @@ from dataclasses import dataclass, field, replace
 
 from kvfleet.shared.pace import StepFeatures
 from kvfleet.shared.wire import RequestStatus, TokenLogprob
+from kvfleet.shared.wire.prefix_hash import BlockHash
 
 from kvfleet.worker.engine.memory.block_manager import BlockManager
 from kvfleet.worker.engine.core.pace import Pace, StepBudget
@@ -124,6 +132,17 @@ class _Scheduling:
     preempted_req_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # full blocks this step's prefill chunks fill that the cache lacks: hash -> block
+    computing: dict[BlockHash, int] = field(default_factory=dict)
+
+    def add(self, chunk: ScheduledChunk, block_manager: BlockManager) -> None:
+        """Take `chunk` into the step; a prefill chunk's new full blocks become shareable."""
+        self.chunks.append(chunk)
+        seq = chunk.seq
+        if chunk.num_tokens > 1 and not chunk.lookahead and seq.params.uses_prefix_cache:
+            for block_hash, block in block_manager.blocks_computed(
+                    seq.req_id, seq.token_ids, chunk.end, seq.prefix_root).items():
+                self.computing.setdefault(block_hash, block)
 
 
 @dataclass(frozen=True)
@@ -295,7 +314,7 @@ class Scheduler:
                     seq.req_id, seq.num_computed_tokens + num_tokens)
             if table is None:
                 break  # `seq` itself was the last one running and got preempted
-            out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
+            out.add(ScheduledChunk.of(seq, num_tokens, table), self.block_manager)
             budget -= num_tokens
             i += 1
         return budget
@@ -379,8 +398,8 @@ class Scheduler:
         bm = self.block_manager
         seq = self.waiting[index]
         use_cache = bm.enable_prefix_caching and seq.params.uses_prefix_cache
-        cached = (bm.find_cached_prefix(seq.req_id, seq.token_ids, seq.prefix_root)
-                  if use_cache else [])
+        cached = (bm.find_cached_prefix(seq.req_id, seq.token_ids, seq.prefix_root,
+                                        out.computing) if use_cache else [])
         num_cached = len(cached) * bm.block_size
         # Admit only if the whole known sequence fits beside the watermark, so a long prompt
         # is not admitted chunk by chunk into certain preemption.
@@ -405,7 +424,7 @@ class Scheduler:
         seq.num_computed_tokens = num_cached
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
-        out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
+        out.add(ScheduledChunk.of(seq, num_tokens, table), bm)
         return True
 
     def _swap_in(self, index: int, out: _Scheduling, budget: int,
@@ -434,7 +453,7 @@ class Scheduler:
         seq.num_swapped_blocks = 0
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
-        out.chunks.append(ScheduledChunk.of(seq, num_tokens, table))
+        out.add(ScheduledChunk.of(seq, num_tokens, table), bm)
         return True
 
     # ---- after the forward --------------------------------------------------------------------

@@ -8,7 +8,10 @@ served model, or the model and a request's LoRA adapter: the gateways' router ha
 same way), so equal hashes mean equal token prefixes under the same weights (an edit anywhere earlier changes every later hash). A block whose reference count drops
 to 0 keeps its hash and content and waits in an LRU list; it is evicted only when a new block is
 needed and no never-cached block is free. Blocks are shared only when full and are never written
-again, so a sequence never changes KV another sequence reads.
+again, so a sequence never changes KV another sequence reads. Within the step being formed, the
+full blocks a prefill chunk fills are shared before they are published (`blocks_computed`, passed
+to `find_cached_prefix`): a prompt admitted beside the chunk that computes its prefix reads those
+keys from the pool, which every layer fills for the whole step before any row attends.
 
 The host tier (kv_tier.py, `--kv-offloading-size`): with one, a cached block the pool evicts
 is offered to it (`TierIndex.offload`), and a lookup that misses the pool goes on in the tier:
@@ -32,6 +35,7 @@ still holds it), one the tier drops (or never took) as removed, one brought back
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvfleet.shared.wire.prefix_hash import BlockHash, hash_block, root_hash
@@ -307,12 +311,14 @@ class BlockManager:
             self._announcements.remove(block_hash, HOST)
 
     def find_cached_prefix(self, req_id: str, token_ids: list[int],
-                           root: BlockHash | None = None) -> list[int]:
+                           root: BlockHash | None = None,
+                           computing: Mapping[BlockHash, int] | None = None) -> list[int]:
         """Blocks holding the longest cached prefix of `token_ids`.
 
         At most `(len(token_ids) - 1) // block_size` blocks: at least the last token is always
         computed (its logits give the next token), and a block that would be partly recomputed is
-        not shared, because recomputing writes into the block.
+        not shared, because recomputing writes into the block. `computing`: blocks the step being
+        formed computes for other sequences (`blocks_computed`), shared as if cached.
         """
         if not self.enable_prefix_caching:
             return []
@@ -322,6 +328,8 @@ class BlockManager:
         live = 0  # hits other sequences hold: the request would not take them from the free ones
         for block_hash in self.block_hashes(req_id, token_ids, root)[:max_blocks]:
             block = self._cached.get(block_hash)
+            if block is None and computing:
+                block = computing.get(block_hash)
             # from the tier only while the whole request would fit: a request left waiting
             # would bring blocks back for others to evict again
             if (block is None and self.tier is not None and spare > 0
@@ -338,6 +346,22 @@ class BlockManager:
                     live += 1
             hits.append(block)
         return hits
+
+    def blocks_computed(self, req_id: str, token_ids: list[int], end: int,
+                        root: BlockHash | None = None) -> dict[BlockHash, int]:
+        """The full blocks a chunk of the sequence ending at position `end` fills that the
+        cache does not hold yet: hash -> block. Published only after the step
+        (`cache_full_blocks`); within the step they are another sequence's to share, since
+        every layer writes the step's keys and values into the pool before any row attends."""
+        if not self.enable_prefix_caching:
+            return {}
+        table = self._tables[req_id]
+        start = self._num_published.get(req_id, 0)
+        stop = min(end // self.block_size, len(table), len(token_ids) // self.block_size)
+        if stop <= start:
+            return {}
+        hashes = self.block_hashes(req_id, token_ids, root)
+        return {hashes[i]: table[i] for i in range(start, stop) if hashes[i] not in self._cached}
 
     def _restore(self, block_hash: BlockHash) -> int | None:
         """A free block published again as `block_hash`, filled from the host (or disk) tier
