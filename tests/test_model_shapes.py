@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from kvfleet.shared import model_shapes
 from kvfleet.shared.model_shapes import SHAPES, shape_config
 from kvfleet.shared import models
-from kvfleet.shared.models import resolve_model_path
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
 from kvfleet.worker.engine.engine import Engine, EngineConfig
 from kvfleet.worker.engine.model.model_prep import load_pretrained
 
@@ -71,6 +71,9 @@ def tiny_shape(monkeypatch):
 
 def test_a_random_model_directory_is_made_once_with_seeded_weights(tiny_shape, tmp_path,
                                                                   monkeypatch):
+    # the default model (its tokenizer) as the usual cache holds it, not converted again here
+    (tmp_path / DEFAULT_MODEL).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / DEFAULT_MODEL).symlink_to(resolve_model_path(DEFAULT_MODEL))
     path = resolve_model_path(tiny_shape, tmp_path)
     config = json.loads((tmp_path / "random-tiny-llama" / "config.json").read_text())
     assert config["hidden_size"] == 64 and config["vocab_size"] == 49152
