@@ -373,9 +373,16 @@ void portable_product(const T* x, int64_t m, int64_t k, int64_t x_stride, const 
     const int64_t num_blocks = (n + kLanes - 1) / kLanes;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
     for (int64_t block = 0; block < num_blocks; ++block) {
+        // 6 rows at a time: 12 accumulators, the 2 weight vectors and a broadcast fill AVX2's 16
+        // registers; a row's sums are the same fused multiply-adds in the same order whatever
+        // rows share its tile, so the row count never changes a result
         int64_t row = 0;
-        for (; row + 4 <= m; row += 4)
-            portable_tile<T, kPer, 4>(x, x_stride, k, w, block, n, bias, y, y_stride, row);
+        for (; row + 6 <= m; row += 6)
+            portable_tile<T, kPer, 6>(x, x_stride, k, w, block, n, bias, y, y_stride, row);
+        if (m - row >= 3) {
+            portable_tile<T, kPer, 3>(x, x_stride, k, w, block, n, bias, y, y_stride, row);
+            row += 3;
+        }
         for (; row < m; ++row)
             portable_tile<T, kPer, 1>(x, x_stride, k, w, block, n, bias, y, y_stride, row);
     }
