@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvfleet.shared.wire import SamplingParams
 from kvfleet.worker.engine.attention import (CONTEXT_KWARG, paged_attention_forward,
                                      resolve_attention_backend)
+from kvfleet.worker.engine.attention.backend import AttentionBackend
 from kvfleet.worker.engine.memory.kv_cache import KVCachePool, KVLayout
 from kvfleet.worker.engine.memory.kv_format import resolve_kv_format
 from kvfleet.worker.engine.core.model_runner import ModelRunner, plan_step
@@ -44,8 +45,9 @@ class _Layer(torch.nn.Module):
 
 
 def run_case(case: PagedCase, device: torch.device,
-             backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
-    """(gather + SDPA output, `backend`'s output), each [T, H, D] in the model dtype."""
+             backend: str | AttentionBackend = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather + SDPA output, `backend`'s output), each [T, H, D] in the model dtype; `backend`:
+    a name to resolve, or a backend built by the test."""
     torch.manual_seed(case.seed)
     rng = random.Random(case.seed)
     num_heads = NUM_KV_HEADS * case.group
@@ -84,7 +86,8 @@ def run_case(case: PagedCase, device: torch.device,
     value = as_stored(pool, torch.randn(1, NUM_KV_HEADS, total, case.head_dim, device=device), dtype)
     outputs = []
     for name in ("sdpa", backend):
-        resolved = resolve_attention_backend(name, device, dtype, kv_format, case.head_dim)
+        resolved = name if isinstance(name, AttentionBackend) else resolve_attention_backend(
+            name, device, dtype, kv_format, case.head_dim)
         # the runner builds the metadata on the pool's device, wherever the model is
         runner = ModelRunner(model, pool, attention_backend=resolved)
         context = runner.prepare(plan_step(sched, pool.block_size)[0]).context

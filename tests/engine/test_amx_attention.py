@@ -137,7 +137,10 @@ def test_the_backend_takes_the_tiles_where_the_engine_is_invariant_on_amx():
                                         deterministic=True)
     assert backend.describe().endswith(
         "on AMX tiles: batch-invariant)" if cpu_linear.amx_tiles() is None
+        else "16 rows at a time: batch-invariant)" if "avx512_bf16" in cpu_features().flags
         else "in the decode kernel: batch-invariant)")
+    assert backend.prefill_rows is (cpu_linear.amx_tiles() is not None
+                                    and "avx512_bf16" in cpu_features().flags)
     loose = resolve_attention_backend("auto", torch.device("cpu"), torch.bfloat16, fmt, 64,
                                       deterministic=False)
     assert "AMX" not in loose.describe()

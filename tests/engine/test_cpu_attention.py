@@ -15,6 +15,7 @@ from tests.engine.paged_cases import CASES, NUM_KV_HEADS, ChunkSpec, PagedCase, 
 from tests.engine.tiny_models import VOCAB, greedy, random_prompt, run_to_completion
 from kvfleet.worker.engine.kernels import cpu_attention, cpu_kernels, cpu_linear
 from kvfleet.worker.engine.attention import resolve_attention_backend, resolve_backend_name
+from kvfleet.worker.engine.attention import cpu_backend
 from kvfleet.worker.engine.attention.cpu_backend import CpuBackend
 from kvfleet.worker.engine.attention.sdpa_backend import SdpaBackend
 from kvfleet.worker.engine.engine import Engine, EngineConfig
@@ -77,6 +78,45 @@ def test_cpu_kernels_match_gather_and_sdpa(name):
     assert torch.isfinite(actual).all()
     error = (actual.float() - expected.float()).abs().max().item()
     assert error < tolerance(case.model_dtype), f"{name}: max abs error {error:.2e}"
+
+
+ROW_FORM_CASES = sorted(name for name, case in ALL_CASES.items()
+                        if case.kv_dtype == "bf16" and case.model_dtype == torch.bfloat16
+                        and any(c.num_tokens > 1 for c in case.chunks))
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_features().flags,
+                    reason="the prefill kernel's row form needs AVX512-BF16")
+@pytest.mark.parametrize("name", ROW_FORM_CASES)
+def test_the_row_form_equals_the_decode_kernel_bit_for_bit(name, monkeypatch):
+    """Batch-invariant steps on AVX512-BF16 compute prefill chunks in the prefill kernel's row
+    form (pages of an even size): each row must be the decode kernel's for that row alone, bit
+    for bit, or a prompt computed in chunks, or from a cached prefix, or beside other rows, would
+    drift from the same tokens decoded one at a time. Every bf16 step shape of the kernels' cases:
+    group sizes 1-12, head dims 64 and 128, chunks from 1 to 150 tokens from position 0 and
+    after a cached prefix (16-row tiles full and partial), pages of 3 to 64 keys (odd pages: the
+    decode kernel row by row). Control: the prefill kernel's plain form, one running sum per
+    row, differs in some rows of the largest shape."""
+    case = ALL_CASES[name]
+    forms = []
+    real = cpu_backend.paged_prefill
+
+    def spy(*args, **kwargs):
+        forms.append(args[-1] if len(args) > 6 else kwargs.get("rows", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_backend, "paged_prefill", spy)
+    _, decode_rows = run_case(case, CPU, backend=CpuBackend(False, row_invariant=True))
+    assert forms == []  # every row in the decode kernel
+    _, row_form = run_case(case, CPU, backend=CpuBackend(False, row_invariant=True,
+                                                         prefill_rows=True))
+    assert forms == ([True] if case.block_size % 2 == 0 else [])
+    assert torch.equal(row_form, decode_rows)
+    if name == "bf16-prefill-g3-d64-bs64":  # the default model's shape
+        _, plain = run_case(case, CPU, backend=CpuBackend(True))
+        assert forms[-1] is False
+        assert not torch.equal(plain, decode_rows)
+        assert (plain.float() - decode_rows.float()).abs().max().item() < tolerance(torch.bfloat16)
 
 
 @pytest.mark.parametrize("kv_dtype, model_dtype, used", [
@@ -178,8 +218,9 @@ def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound
     (measured on a Zen 5: at most 0.004 through the kernel, 0.006 through SDPA), 1e-4 in float32;
     a chunk attending to the wrong keys or rows would be off by whole units. With
     `--no-deterministic` the chunks take the prefill kernel where it runs here; by default every
-    row takes the decode kernel, or in bf16 on AMX CPUs the tile kernel (batch-invariant), which
-    must follow HF as closely."""
+    row takes the decode kernel, in bf16 on AVX512-BF16 CPUs its order through the prefill
+    kernel's row form, on AMX CPUs the tile kernel (batch-invariant), which must follow HF as
+    closely."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
@@ -195,7 +236,11 @@ def test_prompt_logprobs_through_the_prefill_kernel_follow_hf(dtype, flag, bound
     has_kernel = flag in cpu_features().flags and not deterministic
     assert engine.attention_backend.prefill_kernel is has_kernel
     tiles = dtype == torch.bfloat16 and cpu_linear.amx_tiles() is None  # AMX CPUs: on tiles
+    # bf16 with AVX512-BF16: prefill chunks in the prefill kernel's row form
+    row_form = dtype == torch.bfloat16 and flag in cpu_features().flags and not tiles
     assert (("attention cpu (every query row on AMX tiles: batch-invariant);" if tiles else
+             "attention cpu (every query row in the decode kernel's order, prefill chunks 16 "
+             "rows at a time: batch-invariant);" if row_form else
              "attention cpu (every query row in the decode kernel: batch-invariant);")
             if deterministic else "attention cpu (decode and prefill kernels);" if has_kernel
             else "attention cpu (decode kernel; prefill chunks on SDPA);") in engine.device_report()

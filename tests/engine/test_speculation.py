@@ -232,6 +232,8 @@ class KernelRows:
 
     KERNELS = {"paged_decode": "decode kernel", "paged_prefill": "prefill kernel",
                "prefill_attention": "sdpa", "amx_attention": "amx tiles"}
+    ROW_FORM = "prefill kernel's row form"  # paged_prefill(..., rows=True)
+    LABELS = (*KERNELS.values(), ROW_FORM)
 
     def __init__(self, engine: Engine, monkeypatch):
         self.pool = engine.pool
@@ -245,7 +247,7 @@ class KernelRows:
                 if chunk.num_draft:
                     verified.update(range(row, row + chunk.num_tokens))
                 row += chunk.num_tokens
-            self.steps.append({"verified": verified, **{k: set() for k in self.KERNELS.values()}})
+            self.steps.append({"verified": verified, **{k: set() for k in self.LABELS}})
             return build(geometry, write_index, decodes, prefills)
 
         monkeypatch.setattr(backend, "build_metadata", build_metadata)
@@ -266,7 +268,8 @@ class KernelRows:
             computes(*args, **kwargs)
             written = ~torch.isnan(out).flatten(1).all(dim=1)
             out[~written] = kept[~written]
-            self.steps[-1][kernel].update(torch.nonzero(written).flatten().tolist())
+            label = self.ROW_FORM if arguments.get("rows") else kernel
+            self.steps[-1][label].update(torch.nonzero(written).flatten().tolist())
 
         return spy
 
@@ -279,8 +282,11 @@ class KernelRows:
 def test_without_deterministic_numerics_verified_rows_take_another_kernel(wide_llama, plain,
                                                                          monkeypatch):
     """The negative control, first half (what --deterministic changes, on every CPU): with the
-    default every row of every forward is computed by the decode kernel (on AMX CPUs in bf16 the
-    tile kernel), a verified row too, as plain decoding computes it, and the answers are plain decoding's; with
+    default every row of every forward is computed in the decode kernel's form (on AMX CPUs in
+    bf16 the tile kernel): decodes by the decode kernel, rows of several-token chunks by it too or,
+    in bf16 on AVX512-BF16 CPUs, by the prefill kernel's row form (the decode kernel's bits,
+    tests/engine/test_cpu_attention.py), a verified row too, as plain decoding computes it, and
+    the answers are plain decoding's; with
     --no-deterministic every verified row is computed by the prefill path instead: the prefill
     kernel where it runs (AVX-512 with AVX512-BF16), else SDPA; both are taken here. Either sums
     a row's q.k in another order than the decode kernel (cpu_prefill.cpp: a row's dimensions in
@@ -303,15 +309,22 @@ def test_without_deterministic_numerics_verified_rows_take_another_kernel(wide_l
         total = sum(len(step["verified"]) for step in spy.steps)
         # every verified chunk was seen (its last known token and its proposals), many of them
         assert total == stats.num_drafts + stats.num_draft_tokens > 10 * len(requests()), stats
-        verified = {kernel: spy.rows(kernel)[0] for kernel in KernelRows.KERNELS.values()}
-        computed = {kernel: spy.rows(kernel)[1] for kernel in KernelRows.KERNELS.values()}
+        verified = {kernel: spy.rows(kernel)[0] for kernel in KernelRows.LABELS}
+        computed = {kernel: spy.rows(kernel)[1] for kernel in KernelRows.LABELS}
         if deterministic:
             assert engine.invariance_gap is None, engine.invariance_gap
-            # the invariant form: the tile kernel on AMX CPUs, else the decode kernel
-            form = "amx tiles" if engine.attention_backend.amx_tiles else "decode kernel"
-            assert verified[form] == total, (label, verified)
+            # the invariant form: the tile kernel on AMX CPUs, else the decode kernel's (with the
+            # prefill kernel's row form where it runs)
+            backend = engine.attention_backend
+            forms = (["amx tiles"] if backend.amx_tiles else
+                     ["decode kernel", KernelRows.ROW_FORM] if backend.prefill_rows
+                     else ["decode kernel"])
+            assert sum(verified[form] for form in forms) == total, (label, verified)
+            if backend.prefill_rows:  # verification chunks are several rows: the row form's
+                assert verified[KernelRows.ROW_FORM] > 0, (label, verified)
             # nothing else runs at all: prompt rows are that form's rows too
-            assert sum(n for kernel, n in computed.items() if kernel != form) == 0, (label, computed)
+            assert sum(n for kernel, n in computed.items() if kernel not in forms) == 0, (
+                label, computed)
             assert got == plain["bfloat16"]
         else:
             assert engine.invariance_gap == "--no-deterministic"

@@ -4,12 +4,16 @@ with AVX512-BF16; head_dim 64 or 128), else gather + SDPA (sdpa_backend.py). The
 plain K/V in the model's dtype: the registry picks this backend only for such a pool.
 
 Batch-invariant (`--deterministic`, the default): every query row of the step, a decode's or a
-prefill chunk's, is one row of the decode kernel, over the keys its position sees. A row's
-result is then one function of its query and its keys, whatever else the step computes, however
-its prompt was chunked, whether its prefix came from the cache: the decode kernel sums every
-row's scores, normaliser and P.V in one order fixed by its context length alone. The prefill
-kernel sums in another order (queries across lanes), faster on long prompts, so it runs only
-with `--no-deterministic`."""
+prefill chunk's, is computed as one row of the decode kernel, over the keys its position sees.
+A row's result is then one function of its query and its keys, whatever else the step computes,
+however its prompt was chunked, whether its prefix came from the cache: the decode kernel sums
+every row's scores, normaliser and P.V in one order fixed by its context length alone. The
+prefill kernel's plain form sums in another order (one running sum per row), so it runs only
+with `--no-deterministic`; its row form (bf16 on AVX512-BF16, pages of an even size) sums in
+the decode kernel's order with 16 rows across a vector's lanes, its rows equal to the decode
+kernel's bit for bit: the invariant steps' prefill chunks take it where it runs, else each of
+their rows is a row of the decode kernel. AMX tiles (`amx_tiles`) are a third form, every row
+on tiles."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from kvfleet.worker.engine.kernels.cpu_attention import (CpuDecodePlan, CpuPrefi
 class CpuMetadata(AttentionMetadata):
     decode: CpuDecodePlan | None = None  # every decode row; None in a step without decodes
     prefill: CpuPrefillPlan | None = None  # every prefill chunk, where the prefill kernel runs
+    rows: bool = False  # `prefill` in the prefill kernel's row form (batch-invariant)
     prefills: list[PrefillChunk] = field(default_factory=list)  # else these, on SDPA
     tiles: CpuPrefillPlan | None = None  # every row, decodes and prefill chunks, on AMX tiles
 
@@ -36,18 +41,24 @@ class CpuBackend(AttentionBackend):
     name = "cpu"
     cpu_kernel = True
 
-    def __init__(self, prefill_kernel: bool, row_invariant: bool = False, amx_tiles: bool = False):
+    def __init__(self, prefill_kernel: bool, row_invariant: bool = False, amx_tiles: bool = False,
+                 prefill_rows: bool = False):
         # every query row through one form (batch-invariant): the AMX tile kernel where it runs
-        # here (`amx_tiles`), else the decode kernel; not invariant, prefill chunks take the
+        # here (`amx_tiles`), else the decode kernel's, prefill chunks in the prefill kernel's
+        # row form where it runs here (`prefill_rows`); not invariant, prefill chunks take the
         # prefill kernel where it runs here (no dense copy of cached prefixes, and SDPA's bf16
         # products run as converted fp32 sgemm on CPUs without AMX), else SDPA
         self.row_invariant = row_invariant
         self.amx_tiles = amx_tiles and row_invariant
+        self.prefill_rows = prefill_rows and row_invariant and not self.amx_tiles
         self.prefill_kernel = prefill_kernel and not row_invariant
 
     def describe(self) -> str:
         if self.amx_tiles:
             return "cpu (every query row on AMX tiles: batch-invariant)"
+        if self.prefill_rows:
+            return ("cpu (every query row in the decode kernel's order, prefill chunks 16 rows at "
+                    "a time: batch-invariant)")
         if self.row_invariant:
             return "cpu (every query row in the decode kernel: batch-invariant)"
         return ("cpu (decode and prefill kernels)" if self.prefill_kernel
@@ -59,6 +70,10 @@ class CpuBackend(AttentionBackend):
         if self.amx_tiles:  # a decode is a chunk of one row, first in the flattened order
             return CpuMetadata(self, geometry.pool, write_index, tiles=prefill_plan(
                 decodes + prefills, bs, q_start=0))
+        if self.prefill_rows and bs % 2 == 0:
+            return CpuMetadata(self, geometry.pool, write_index, decode=decode_plan(decodes, bs),
+                               prefill=prefill_plan(prefills, bs, q_start=len(decodes)),
+                               rows=True)
         if self.row_invariant:
             return CpuMetadata(self, geometry.pool, write_index,
                                decode=rows_plan(decodes, prefills, bs))
@@ -80,7 +95,7 @@ class CpuBackend(AttentionBackend):
         if metadata.decode is not None:
             paged_decode(query[0], pool, layer, metadata.decode, scale, out)
         if metadata.prefill is not None:
-            paged_prefill(query[0], pool, layer, metadata.prefill, scale, out)
+            paged_prefill(query[0], pool, layer, metadata.prefill, scale, out, metadata.rows)
         for chunk in metadata.prefills:
             prefill_attention(chunk, query, key, value, pool, layer, scaling, out)
 
@@ -96,7 +111,8 @@ class CpuBackend(AttentionBackend):
         if metadata.decode is not None:
             paged_decode(query.transpose(0, 1), pool, layer, metadata.decode, scaling, out)
         if metadata.prefill is not None:
-            paged_prefill(query.transpose(0, 1), pool, layer, metadata.prefill, scaling, out)
+            paged_prefill(query.transpose(0, 1), pool, layer, metadata.prefill, scaling, out,
+                          metadata.rows)
         if metadata.prefills:
             # [1, heads, T, D], as transformers hands them over
             q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))

@@ -71,4 +71,5 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
                                        f"kernel reads plain K/V")
     return CpuBackend(prefill_kernel=cpu_attention.prefill_supported(probe, dtype, head_dim),
                       row_invariant=deterministic,
-                      amx_tiles=cpu_attention.amx_attention_supported(probe, dtype, head_dim))
+                      amx_tiles=cpu_attention.amx_attention_supported(probe, dtype, head_dim),
+                      prefill_rows=cpu_attention.prefill_rows_supported(probe, dtype, head_dim))

@@ -179,10 +179,12 @@ inline float softmax_row_bf16(const float* scores, int ctx, uint16_t* probs) {
         sum = _mm512_mask_add_ps(sum, tail, sum, p);
         _mm256_mask_storeu_epi16(probs + full, tail, (__m256i)_mm512_cvtneps_pbh(p));
     }
-    return 1.f / _mm512_reduce_add_ps(sum);
+    return 1.f / sum_lanes(sum);  // the tree cpu_prefill.cpp's row form repeats across lanes
 }
 
-// s[j] = sum of the 16 lanes of v[j], j < 16.
+// s[j] = sum of the 16 lanes of v[j], j < 16, each in one tree: ((y_0 + y_1) + (y_2 + y_3)),
+// y_L = (x_4L + x_4L+2) + (x_4L+1 + x_4L+3) over its lanes x (cpu_prefill.cpp's row form repeats
+// it across lanes: change both together).
 inline __m512 transpose_sum16(__m512 v[16]) {
     __m512 t[8], u[4];
     for (int i = 0; i < 8; ++i)

@@ -19,7 +19,10 @@ build, keep SDPA.
 Batch-invariant steps (`--deterministic`) compute every query row, a decode's or a prompt's, in
 one form whose result for a row depends on that row alone: on CPUs with AMX-BF16 tiles, bf16,
 the tile kernel of cpu_amx.cpp (`amx_attention`: scores and P.V as TDPBF16PS sums, whole
-prompts' 16-row tiles at once); elsewhere the decode kernel row by row.
+prompts' 16-row tiles at once); with AVX512-BF16, bf16, decodes in the decode kernel and prefill
+chunks in the prefill kernel's row form (`paged_prefill(..., rows=True)`), which sums every
+row in the decode kernel's order, so its rows equal the decode kernel's bit for bit while 16 of
+them share each key read; elsewhere the decode kernel row by row.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from kvfleet.worker.engine.memory.kv_cache import KVCachePool
 from kvfleet.worker.engine.kernels.torch_private import named_while_profiling
 
 __all__ = ["DTYPE_CODES", "CpuDecodePlan", "CpuPrefillPlan", "KernelUnavailable", "amx_attention",
-           "amx_attention_supported", "paged_decode", "paged_prefill", "prefill_supported",
-           "supports", "unavailable_reason", "write_kv"]
+           "amx_attention_supported", "paged_decode", "paged_prefill", "prefill_rows_supported",
+           "prefill_supported", "supports", "unavailable_reason", "write_kv"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' `dtype` argument
 
@@ -103,6 +106,20 @@ def prefill_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> b
         return False
 
 
+def prefill_rows_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> bool:
+    """The prefill kernel's row form (rows equal to the decode kernel's) runs here for this pool:
+    bf16 K/V the decode kernel reads (`supports`), head_dim 64 or 128, a build for AVX512-BF16,
+    pages of an even number of keys (the decode kernel pairs keys for P.V within a page); the
+    pool's own page size where it has one, else any even one (the registry's one-slot probe)."""
+    if dtype != torch.bfloat16 or not supports(pool, dtype):
+        return False
+    block_size = pool.block_size if pool.block_size > 1 else 2
+    try:
+        return bool(prefill_kernel().kvfleet_prefill_rows_supported(head_dim, block_size))
+    except KernelUnavailable:
+        return False
+
+
 def amx_attention_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> bool:
     """The tile kernel computes this pool's rows here: bf16 K/V the decode kernel reads
     (`supports`), head_dim 32, 64, 96 or 128, and AMX tiles this process may use."""
@@ -156,24 +173,35 @@ def paged_decode(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuDe
 
 
 def paged_prefill(query: torch.Tensor, pool: KVCachePool, layer: int, plan: CpuPrefillPlan,
-                  scaling: float, out: torch.Tensor) -> None:
+                  scaling: float, out: torch.Tensor, rows: bool = False) -> None:
     """Causal attention of the step's prefill chunks over their keys in the pool (their own K/V
     already written): query [H, T, D] (last dim contiguous), out [T, H, D] contiguous; rows
-    outside the chunks are left as they are."""
+    outside the chunks are left as they are. `rows`: the row form (`prefill_rows_supported`),
+    every row equal to the decode kernel's for it."""
     if query.stride(-1) != 1:
         query = query.contiguous()
     num_heads, _, head_dim = query.shape
     kv = pool.layer(layer)  # [2, KVH, NB, bs, D], contiguous
-    with named_while_profiling("attention (cpu prefill kernel)"):
-        status = prefill_kernel().kvfleet_paged_prefill(
-            DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
-            kv.data_ptr(), out.data_ptr(), plan.block_tables.data_ptr(),
-            plan.block_tables.shape[1], plan.q_starts.data_ptr(), plan.q_lens.data_ptr(),
-            plan.ctx_ends.data_ptr(), plan.q_starts.shape[0], num_heads,
-            pool.layout.num_kv_heads, head_dim, pool.num_blocks, pool.block_size, scaling,
-            torch.get_num_threads())
+    tables, width, num_chunks = plan.block_tables.data_ptr(), plan.block_tables.shape[1], \
+        plan.q_starts.shape[0]
+    if rows:
+        with named_while_profiling("attention (cpu prefill kernel, row form)"):
+            status = prefill_kernel().kvfleet_paged_prefill_rows(
+                query.data_ptr(), query.stride(0), query.stride(1), kv.data_ptr(), out.data_ptr(),
+                tables, width, plan.q_starts.data_ptr(), plan.q_lens.data_ptr(),
+                plan.ctx_ends.data_ptr(), num_chunks, num_heads, pool.layout.num_kv_heads,
+                head_dim, pool.num_blocks, pool.block_size, scaling, torch.get_num_threads())
+    else:
+        with named_while_profiling("attention (cpu prefill kernel)"):
+            status = prefill_kernel().kvfleet_paged_prefill(
+                DTYPE_CODES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
+                kv.data_ptr(), out.data_ptr(), tables, width, plan.q_starts.data_ptr(),
+                plan.q_lens.data_ptr(), plan.ctx_ends.data_ptr(), num_chunks, num_heads,
+                pool.layout.num_kv_heads, head_dim, pool.num_blocks, pool.block_size, scaling,
+                torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"kvfleet_paged_prefill failed with status {status}")
+        raise RuntimeError(f"kvfleet_paged_prefill{'_rows' if rows else ''} failed with status "
+                           f"{status}")
 
 
 def write_kv(pool: KVCachePool, layer: int, key: torch.Tensor, value: torch.Tensor,

@@ -1,7 +1,7 @@
 // Scalar helpers shared by the CPU kernels (cpu_attention.cpp, cpu_prefill.cpp,
 // cpu_layer_ops.cpp): bf16 <-> fp32 and an exp in plain arithmetic, so that the loops calling
-// them vectorise; on AVX-512 the same exp on 16 lanes (exp512) for the kernels written in
-// intrinsics.
+// them vectorise; on AVX-512 the same exp on 16 lanes (exp512) and one summation tree
+// (sum_lanes, sum_vectors) for the kernels written in intrinsics.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -99,6 +99,26 @@ inline __m512 exp512(__m512 x) {
     const __m512i bits = _mm512_slli_epi32(
         _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);  // 2^n
     return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// The sum of v's 16 lanes in one fixed tree, written out so that no compiler's reduction decides
+// it: a_i = v_i + v_i+8, b_i = a_i + a_i+4, c_i = b_i + b_i+2, then c_0 + c_1 (the tree of GCC's
+// _mm512_reduce_add_ps). The decode kernel sums a softmax's normaliser with it; sum_vectors is
+// the same tree over 16 vectors lane by lane, for kernels whose rows lie across lanes.
+inline float sum_lanes(__m512 v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+// sum_lanes(v) of every lane at once: lane i of the result is the tree over v[0..15]'s lane i.
+inline __m512 sum_vectors(const __m512 (&v)[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; ++i) a[i] = _mm512_add_ps(v[i], v[i + 8]);
+    for (int i = 0; i < 4; ++i) b[i] = _mm512_add_ps(a[i], a[i + 4]);
+    return _mm512_add_ps(_mm512_add_ps(b[0], b[2]), _mm512_add_ps(b[1], b[3]));
 }
 #endif
 

@@ -24,6 +24,12 @@
 //      probabilities (bf16: the V rows of two keys interleaved per dimension, packed once per
 //      task, against the two keys' probabilities).
 // Each task is computed by one thread alone, so results do not depend on the thread count.
+//
+// The row form (kvfleet_paged_prefill_rows, bf16): the same steps with every sum in the decode
+// kernel's order (cpu_attention.cpp), so each row equals that kernel's for the row alone, bit
+// for bit: q.k as its 16 lane sums and their tree, the normaliser as its 16 lanes by key index
+// mod 16 and their tree (sum_vectors); P.V's pairs of keys are already its pairs where pages
+// hold an even number of keys. Batch-invariant engines compute prefill chunks with it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -117,7 +123,9 @@ void for_key_blocks(const T* k_head, const int32_t* table, int keys, int bs, T* 
 // softmax per row (lane) in fp32, the maximum over all keys first; emit(t, h, p_2t, p_2t+1)
 // takes each pair of keys' probabilities (unrounded, in key order); inv gets 1 / the
 // normalisers, summed from the unrounded probabilities.
-template <typename Emit>
+//    kRows (the row form): the normaliser in the decode kernel's order, 16 partial sums by key
+//    index mod 16 (its vector lanes) then sum_vectors (its sum_lanes), instead of one running sum.
+template <bool kRows, typename Emit>
 inline void masked_softmax(float* s, int rep, int keys, int padded, int diagonal, float* inv,
                            Emit&& emit) {
     const int width = rep * kTile;
@@ -137,16 +145,27 @@ inline void masked_softmax(float* s, int rep, int keys, int padded, int diagonal
         for (int t = 0; t < keys; ++t)
             mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + static_cast<int64_t>(t) * width));
         __m512 sum = _mm512_setzero_ps();
-        for (int t = 0; t < padded / 2; ++t) {
-            const __m512 se = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t) * width);
-            const __m512 so = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t + 1) * width);
-            const __m512 pe = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(se, minus_inf),
-                                                  exp512(_mm512_sub_ps(se, mx)));
-            const __m512 po = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(so, minus_inf),
-                                                  exp512(_mm512_sub_ps(so, mx)));
-            sum = _mm512_add_ps(_mm512_add_ps(sum, pe), po);
-            emit(t, h, pe, po);
+        __m512 part[16];  // kRows: by key index mod 16 (padded is a multiple of 8)
+        for (int i = 0; i < 16; ++i) part[i] = _mm512_setzero_ps();
+        for (int t8 = 0; t8 < padded / 2; t8 += 8) {
+            for (int u = 0; u < 8 && t8 + u < padded / 2; ++u) {
+                const int t = t8 + u;
+                const __m512 se = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t) * width);
+                const __m512 so = _mm512_loadu_ps(sh + static_cast<int64_t>(2 * t + 1) * width);
+                const __m512 pe = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(se, minus_inf),
+                                                      exp512(_mm512_sub_ps(se, mx)));
+                const __m512 po = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(so, minus_inf),
+                                                      exp512(_mm512_sub_ps(so, mx)));
+                if constexpr (kRows) {
+                    part[2 * u] = _mm512_add_ps(part[2 * u], pe);
+                    part[2 * u + 1] = _mm512_add_ps(part[2 * u + 1], po);
+                } else {
+                    sum = _mm512_add_ps(_mm512_add_ps(sum, pe), po);
+                }
+                emit(t, h, pe, po);
+            }
         }
+        if constexpr (kRows) sum = sum_vectors(part);
         _mm512_storeu_ps(inv + h * kTile, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
     }
 }
@@ -283,8 +302,8 @@ void prefill_task_f32(const float* q, const float* kv, float* out, const int32_t
     });
     buf.stats.resize(width);
     float* inv = buf.stats.data();
-    masked_softmax(s, rep, keys, padded, start + first, inv,
-                   [&](int t, int h, __m512 pe, __m512 po) {  // unrounded, back into S
+    masked_softmax<false>(s, rep, keys, padded, start + first, inv,
+                          [&](int t, int h, __m512 pe, __m512 po) {  // unrounded, back into S
         _mm512_storeu_ps(s + static_cast<int64_t>(2 * t) * width + h * kTile, pe);
         _mm512_storeu_ps(s + static_cast<int64_t>(2 * t + 1) * width + h * kTile, po);
     });
@@ -330,6 +349,47 @@ inline void score_block(const uint32_t* qp, int rep, const uint16_t* k, float* s
                              _mm512_mul_ps(acc[j][h], sc));  // scaled after the dot, as SDPA
 }
 
+// Step 1 in the row form, for query head h and kKeys keys: each score in the decode kernel's
+// order (cpu_attention.cpp, page_scores): 16 partial sums x_l, x_l over the 32-dimension chunks
+// in order of the pair product of word 16c + l, then ((y_0 + y_1) + (y_2 + y_3)) with
+// y_L = (x_4L + x_4L+2) + (x_4L+1 + x_4L+3) (its transpose_sum16), then the scale: the same
+// operations on the same operands, the query rows across lanes. 4 keys at a time.
+template <int kDim>
+inline void score_block_rows(const uint32_t* qp, int rep, int h, const uint16_t* k, float* s,
+                             float scale) {
+    constexpr int kChunks = kDim / 32, kGroup = 4;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int j0 = 0; j0 < kKeys; j0 += kGroup) {
+        __m512 z01[kGroup], y2[kGroup];
+        for (int L = 0; L < 4; ++L) {
+            __m512 x[kGroup][4];
+            for (int j = 0; j < kGroup; ++j)
+                for (int i = 0; i < 4; ++i) x[j][i] = _mm512_setzero_ps();
+            for (int c = 0; c < kChunks; ++c)
+                for (int i = 0; i < 4; ++i) {
+                    const int w = 16 * c + 4 * L + i;  // the 32-bit word of lane 4L + i, chunk c
+                    const __m512bh q = (__m512bh)_mm512_loadu_si512(
+                        qp + (static_cast<int64_t>(w) * rep + h) * kTile);
+                    for (int j = 0; j < kGroup; ++j) {
+                        int32_t pair;
+                        std::memcpy(&pair, k + (j0 + j) * kDim + 2 * w, 4);
+                        x[j][i] = _mm512_dpbf16_ps(x[j][i], q, (__m512bh)_mm512_set1_epi32(pair));
+                    }
+                }
+            for (int j = 0; j < kGroup; ++j) {
+                const __m512 y = _mm512_add_ps(_mm512_add_ps(x[j][0], x[j][2]),
+                                               _mm512_add_ps(x[j][1], x[j][3]));
+                if (L == 0) z01[j] = y;
+                else if (L == 1) z01[j] = _mm512_add_ps(z01[j], y);
+                else if (L == 2) y2[j] = y;
+                else
+                    _mm512_storeu_ps(s + (static_cast<int64_t>(j0 + j) * rep + h) * kTile,
+                                     _mm512_mul_ps(_mm512_add_ps(z01[j], _mm512_add_ps(y2[j], y)), sc));
+            }
+        }
+    }
+}
+
 // Step 3 for G query heads and kDims dimensions [d0, d0 + kDims): O over every key pair.
 template <int G, int kDims, int kDim>
 inline void pv_block(const uint32_t* pp, const uint32_t* vp, int rep, int key_pairs, int d0,
@@ -353,8 +413,8 @@ inline void pv_block(const uint32_t* pp, const uint32_t* vp, int rep, int key_pa
         for (int h = 0; h < G; ++h) _mm512_storeu_ps(o[h * kDim + d0 + j], acc[j][h]);
 }
 
-// One bf16 task: 16 tokens x rep heads of KV head `kvh` of one chunk.
-template <int kDim>
+// One bf16 task: 16 tokens x rep heads of KV head `kvh` of one chunk; kRows: the row form.
+template <int kDim, bool kRows>
 void prefill_task_bf16(const uint16_t* q, const uint16_t* kv, uint16_t* out, const int32_t* table,
                        int q_start, int n, int start, int first, int kvh,
                        const PrefillShape& shape, float scale, Buffers& buf) {
@@ -367,13 +427,21 @@ void prefill_task_bf16(const uint16_t* q, const uint16_t* kv, uint16_t* out, con
     buf.s.resize(static_cast<size_t>(padded) * width);
     buf.kbuf.resize(kKeys * kDim);
     float* s = buf.s.data();
-    for_head_blocks(rep, [&](auto g, int h0) {
-        for_key_blocks<kDim>(r.k_head, table, keys, bs, buf.kbuf.data(), s + h0 * kTile, width,
+    if constexpr (kRows) {
+        for_key_blocks<kDim>(r.k_head, table, keys, bs, buf.kbuf.data(), s, width,
                              [&](const uint16_t* rows, float* sb) {
-            score_block<decltype(g)::value, kDim>(buf.qw.data() + h0 * kTile, rep, rows, sb,
-                                                  scale);
+            for (int h = 0; h < rep; ++h)
+                score_block_rows<kDim>(buf.qw.data(), rep, h, rows, sb, scale);
         });
-    });
+    } else {
+        for_head_blocks(rep, [&](auto g, int h0) {
+            for_key_blocks<kDim>(r.k_head, table, keys, bs, buf.kbuf.data(), s + h0 * kTile,
+                                 width, [&](const uint16_t* rows, float* sb) {
+                score_block<decltype(g)::value, kDim>(buf.qw.data() + h0 * kTile, rep, rows, sb,
+                                                      scale);
+            });
+        });
+    }
 
     // 2. the probabilities as bf16 pairs of keys
     buf.stats.resize(width);
@@ -383,8 +451,8 @@ void prefill_task_bf16(const uint16_t* q, const uint16_t* kv, uint16_t* out, con
     const __m512i interleave = _mm512_set_epi16(
         31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    masked_softmax(s, rep, keys, padded, start + first, inv,
-                   [&](int t, int h, __m512 pe, __m512 po) {
+    masked_softmax<kRows>(s, rep, keys, padded, start + first, inv,
+                          [&](int t, int h, __m512 pe, __m512 po) {
         // cvtne2ps: lanes 0-15 from the second argument, 16-31 from the first (round to even)
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(po, pe);
         _mm512_storeu_si512(buf.pp.data() + static_cast<int64_t>(t) * width + h * kTile,
@@ -427,7 +495,7 @@ void prefill_task_bf16(const uint16_t* q, const uint16_t* kv, uint16_t* out, con
 
 }  // namespace
 
-// The arguments of both: cpu_prefill.h.
+// The arguments of all: cpu_prefill.h.
 extern "C" int kvfleet_prefill_supported(int dtype, int head_dim) {
     const bool shape = head_dim == 64 || head_dim == 128;
 #if KVFLEET_PREFILL_BF16
@@ -441,12 +509,23 @@ extern "C" int kvfleet_prefill_supported(int dtype, int head_dim) {
     return 0;
 }
 
-extern "C" int kvfleet_paged_prefill(
-        int dtype, const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv, void* out,
-        const int32_t* tables, int64_t table_width, const int32_t* q_starts, const int32_t* q_lens,
-        const int32_t* ctx_ends, int num_chunks, int num_heads, int num_kv_heads, int head_dim,
-        int64_t num_blocks, int block_size, float scale, int num_threads) {
-    if (!kvfleet_prefill_supported(dtype, head_dim)) return 1;
+extern "C" int kvfleet_prefill_rows_supported(int head_dim, int block_size) {
+    // the decode kernel pairs keys for P.V within a page: an even page size makes those pairs
+    // the row form's (keys 2t, 2t + 1)
+    return kvfleet_prefill_supported(1, head_dim) && block_size > 0 && block_size % 2 == 0;
+}
+
+namespace {
+
+// form 0: float32; 1: bf16; 2: bf16 in the row form.
+int paged_prefill(int form, const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv,
+                  void* out, const int32_t* tables, int64_t table_width, const int32_t* q_starts,
+                  const int32_t* q_lens, const int32_t* ctx_ends, int num_chunks, int num_heads,
+                  int num_kv_heads, int head_dim, int64_t num_blocks, int block_size, float scale,
+                  int num_threads) {
+    if (form == 2 ? !kvfleet_prefill_rows_supported(head_dim, block_size)
+                  : !kvfleet_prefill_supported(form, head_dim))
+        return 1;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return 2;
 #if KVFLEET_PREFILL_F32
     const PrefillShape shape{num_heads, num_kv_heads, head_dim, block_size,
@@ -471,36 +550,56 @@ extern "C" int kvfleet_paged_prefill(
             const int c = task.chunk;
             const int32_t* table = tables + c * table_width;
             const int start = ctx_ends[c] - q_lens[c];
-            if (dtype == 0) {
-                const auto* qf = static_cast<const float*>(q);
-                const auto* kvf = static_cast<const float*>(kv);
-                auto* of = static_cast<float*>(out);
-                if (head_dim == 64)
-                    prefill_task_f32<64>(qf, kvf, of, table, q_starts[c], q_lens[c], start,
-                                         task.first, task.kv_head, shape, scale, buf);
-                else
-                    prefill_task_f32<128>(qf, kvf, of, table, q_starts[c], q_lens[c], start,
-                                          task.first, task.kv_head, shape, scale, buf);
-                continue;
-            }
+            // form and head_dim as template arguments: run(std::integral_constant<int, D>, form)
+            auto run = [&](auto dim, auto form_c) {
+                constexpr int kDim = decltype(dim)::value, kForm = decltype(form_c)::value;
+                if constexpr (kForm == 0)
+                    prefill_task_f32<kDim>(static_cast<const float*>(q),
+                                           static_cast<const float*>(kv), static_cast<float*>(out),
+                                           table, q_starts[c], q_lens[c], start, task.first,
+                                           task.kv_head, shape, scale, buf);
 #if KVFLEET_PREFILL_BF16
-            const auto* qb = static_cast<const uint16_t*>(q);
-            const auto* kvb = static_cast<const uint16_t*>(kv);
-            auto* ob = static_cast<uint16_t*>(out);
-            if (head_dim == 64)
-                prefill_task_bf16<64>(qb, kvb, ob, table, q_starts[c], q_lens[c], start,
-                                      task.first, task.kv_head, shape, scale, buf);
-            else
-                prefill_task_bf16<128>(qb, kvb, ob, table, q_starts[c], q_lens[c], start,
-                                       task.first, task.kv_head, shape, scale, buf);
+                else
+                    prefill_task_bf16<kDim, kForm == 2>(
+                        static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(kv),
+                        static_cast<uint16_t*>(out), table, q_starts[c], q_lens[c], start,
+                        task.first, task.kv_head, shape, scale, buf);
 #endif
+            };
+            auto in_form = [&](auto dim) {
+                if (form == 0) run(dim, std::integral_constant<int, 0>{});
+                else if (form == 1) run(dim, std::integral_constant<int, 1>{});
+                else run(dim, std::integral_constant<int, 2>{});
+            };
+            if (head_dim == 64) in_form(std::integral_constant<int, 64>{});
+            else in_form(std::integral_constant<int, 128>{});
         }
     }
     return 0;
 #else
-    (void)q; (void)q_stride_h; (void)q_stride_t; (void)kv; (void)out; (void)tables;
-    (void)table_width; (void)q_starts; (void)q_lens; (void)ctx_ends; (void)num_chunks;
-    (void)num_blocks; (void)scale; (void)num_threads;
-    return 1;
+    return 1;  // no AVX-512: never reached (kvfleet_prefill_supported says 0)
 #endif
+}
+
+}  // namespace
+
+extern "C" int kvfleet_paged_prefill(
+        int dtype, const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv, void* out,
+        const int32_t* tables, int64_t table_width, const int32_t* q_starts, const int32_t* q_lens,
+        const int32_t* ctx_ends, int num_chunks, int num_heads, int num_kv_heads, int head_dim,
+        int64_t num_blocks, int block_size, float scale, int num_threads) {
+    if (dtype != 0 && dtype != 1) return 1;
+    return paged_prefill(dtype, q, q_stride_h, q_stride_t, kv, out, tables, table_width,
+                         q_starts, q_lens, ctx_ends, num_chunks, num_heads, num_kv_heads,
+                         head_dim, num_blocks, block_size, scale, num_threads);
+}
+
+extern "C" int kvfleet_paged_prefill_rows(
+        const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv, void* out,
+        const int32_t* tables, int64_t table_width, const int32_t* q_starts, const int32_t* q_lens,
+        const int32_t* ctx_ends, int num_chunks, int num_heads, int num_kv_heads, int head_dim,
+        int64_t num_blocks, int block_size, float scale, int num_threads) {
+    return paged_prefill(2, q, q_stride_h, q_stride_t, kv, out, tables, table_width, q_starts,
+                         q_lens, ctx_ends, num_chunks, num_heads, num_kv_heads, head_dim,
+                         num_blocks, block_size, scale, num_threads);
 }
