@@ -6,6 +6,8 @@ alternated.
 
     .venv/bin/python -m benchmarks.prefill_parts --tokens 2048 --rounds 5
 
+(`--dtype float32`: the engines in float32, as on CPUs without AVX512-BF16.)
+
 Each round adds --tokens / 256 seeded random prompts of 256 tokens to an engine and times the
 step that computes them all (max_batched_tokens = --tokens; nothing is found in the prefix
 cache: the prompts differ in every round), then lets them finish. The parts are timed by
@@ -74,7 +76,7 @@ class PartTimer:
         cpu_linear.KernelLinear.forward = forward
 
 
-def build(tokens: int, fuse: bool) -> Engine:
+def build(tokens: int, fuse: bool, dtype: str = "auto") -> Engine:
     """The default model's engine; without `fuse`, its layers' gate/up products are built plain
     (cpu_layers applies SiLU x up as its own pass) and their down products add into the residual
     with add_."""
@@ -84,7 +86,7 @@ def build(tokens: int, fuse: bool) -> Engine:
             linear, invariant, False)
     try:
         engine = Engine.from_pretrained(resolve_model_path(DEFAULT_MODEL), EngineConfig(
-            device="cpu", dtype="auto", max_batched_tokens=tokens, max_running=64))
+            device="cpu", dtype=dtype, max_batched_tokens=tokens, max_running=64))
     finally:
         cpu_layers.product = product
     if not fuse:
@@ -97,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens in the step")
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per engine")
+    parser.add_argument("--dtype", default="auto", help="the engines' --dtype")
     args = parser.parse_args()
     timer = PartTimer()
     timer.wrap_products()
@@ -104,8 +107,8 @@ def main() -> None:
                         ("fused_layer_attention", "attention (K/V write, kernel)"),
                         ("silu_mul", "SiLU x up (its own pass)")):
         timer.wrap(cpu_layers, name, label)
-    engines = {"fused epilogues": build(args.tokens, True),
-               "passes of their own": build(args.tokens, False)}
+    engines = {"fused epilogues": build(args.tokens, True, args.dtype),
+               "passes of their own": build(args.tokens, False, args.dtype)}
     fused = any(getattr(layer, "_silu_in_product", False)
                 or getattr(layer, "_add_in_product", False)
                 for layer in engines["fused epilogues"].model.model.layers)
@@ -132,7 +135,9 @@ def main() -> None:
             if round_:  # the first round warms up
                 steps[name].append(elapsed)
                 parts[name].append(dict(timer.seconds))
-    print(f"# {torch.get_num_threads()} threads; {args.tokens // PROMPT_LEN} prompts of "
+    print(f"# {torch.get_num_threads()} threads; --dtype {args.dtype}; "
+          f"{engines['fused epilogues'].device_report()}")
+    print(f"# {args.tokens // PROMPT_LEN} prompts of "
           f"{PROMPT_LEN} tokens a step; {args.rounds} rounds, alternated; medians, ms; "
           f"epilogues fused here: {'yes' if fused else 'no (both engines alike)'}")
     names = sorted({p for rounds in parts.values() for r in rounds for p in r})

@@ -49,7 +49,7 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 # ---- one round, in the revision's tree (imports kvfleet from there) ---------------------------
 
 
-def measure(steps: int, threads: int | None) -> dict:
+def measure(steps: int, threads: int | None, dtype: str = "auto") -> dict:
     """Step times of each scenario, in seconds: {"wall": {name: [...]}, "cpu": {...}}."""
     import torch
 
@@ -60,7 +60,7 @@ def measure(steps: int, threads: int | None) -> dict:
     if threads:
         torch.set_num_threads(threads)
     engine = Engine.from_pretrained(resolve_model_path(DEFAULT_MODEL), EngineConfig(
-        device="cpu", dtype="auto", max_batched_tokens=512, max_running=64))
+        device="cpu", dtype=dtype, max_batched_tokens=512, max_running=64))
     rng = random.Random(0)  # the same prompts in every round and revision
 
     def prompt(n: int) -> list[int]:
@@ -120,10 +120,11 @@ def export(revision: str, into: Path) -> Path:
     return into
 
 
-def run_round(tree: Path, steps: int, threads: int | None) -> dict:
+def run_round(tree: Path, steps: int, threads: int | None, dtype: str = "auto") -> dict:
     """One round in a process of its own that imports kvfleet from `tree`."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--steps", str(steps)]
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--steps", str(steps),
+               "--dtype", dtype]
     if threads:
         command += ["--threads", str(threads)]
     before = os.getloadavg()
@@ -154,10 +155,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds per revision, alternated")
     p.add_argument("--steps", type=int, default=10, help="timed decode steps per scenario")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="auto", help="the engine's --dtype (default: auto)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.steps, args.threads)))
+        print(json.dumps(measure(args.steps, args.threads, args.dtype)))
         return 0
     results: dict[str, list[dict]] = {r: [] for r in args.revisions}
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,7 +167,7 @@ def main(argv=None) -> int:
         print(f"# load averages at the start: {os.getloadavg()}", flush=True)
         for round_ in range(args.rounds):
             for revision in args.revisions:
-                result = run_round(trees[revision], args.steps, args.threads)
+                result = run_round(trees[revision], args.steps, args.threads, args.dtype)
                 results[revision].append(result)
                 loads = " -> ".join("/".join(f"{x:.2f}" for x in load) for load in result["load"])
                 steps = " / ".join(f"{statistics.median(result['wall'][name]) * 1e3:.1f}"
@@ -173,7 +175,8 @@ def main(argv=None) -> int:
                 print(f"# round {round_ + 1} {revision}: decode 1 / 32 / prefill 512 {steps} ms; "
                       f"load {loads}; tokens {result['tokens']}", flush=True)
     threads = results[args.revisions[0]][0]["threads"]
-    print(f"\n{args.rounds} rounds per revision, alternated; {threads} torch threads; medians, ms")
+    print(f"\n{args.rounds} rounds per revision, alternated; {threads} torch threads; --dtype "
+          f"{args.dtype}; medians, ms")
     print("| revision | time | decode 1 | decode 32 | prefill 512 | a (fixed) | b (per token) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for kind in ("wall", "cpu"):

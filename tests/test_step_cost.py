@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from benchmarks.step_cost import SCENARIOS, fit_line, medians
@@ -33,3 +37,17 @@ def test_medians_take_each_rounds_intercept():
     assert m["a"] == pytest.approx(12.0)
     assert m["b"] == pytest.approx(0.5)
     assert m["decode 1"] == pytest.approx(12.5)
+
+
+def test_the_march_wrapper_builds_for_the_named_cpu_kind():
+    """benchmarks/cxx_march.sh (CXX= for the kernels' build): the compiler's arguments with
+    -march=native, and only it, replaced by the CPU kind asked for (znver3 by default)."""
+    wrapper = str(Path(__file__).resolve().parent.parent / "benchmarks" / "cxx_march.sh")
+    env = dict(os.environ, KVFLEET_BENCH_CXX="echo")
+    env.pop("KVFLEET_BENCH_MARCH", None)
+    args = ["-O3", "-march=native", "-fopenmp", "x.cpp"]
+    out = subprocess.run([wrapper, *args], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["-O3", "-march=znver3", "-fopenmp", "x.cpp"]
+    env["KVFLEET_BENCH_MARCH"] = "haswell"
+    out = subprocess.run([wrapper, *args], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["-O3", "-march=haswell", "-fopenmp", "x.cpp"]

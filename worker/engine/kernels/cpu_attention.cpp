@@ -148,6 +148,77 @@ void attend(const T* q, const T* k_head, const T* v_head, T* out, const int32_t*
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// The same attention for float32 K/V with AVX2 and FMA, head_dim a multiple of 8: q.k of 8 keys
+// at a time, each key's sum over 8-float chunks of its row in order (one FMA chain per key, 8
+// chains in flight) then its 8 lanes in one tree, transpose_sum8's; P.V one query head at a time,
+// up to 64 dimensions of sums in registers, each summed over the keys in order. The loops above
+// left to the compiler spend a dependent chain of FMAs and a horizontal sum on every key and
+// query head. A row's sums depend on its keys alone (never on the rows beside it).
+
+// s[j] = v[j]'s 8 lanes summed as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), j < 8.
+inline __m256 transpose_sum8(const __m256 (&v)[8]) {
+    const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+    // keys 0-3 (a) and 4-7 (b): lanes 0-3 summed in the low half, lanes 4-7 in the high half
+    const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <int kHeadDim>
+void attend_f32(const float* q, const float* k_head, const float* v_head, float* out,
+                const int32_t* table, int ctx, const Shape& shape, float scale,
+                std::vector<float>& buf) {
+    const int dim = kHeadDim > 0 ? kHeadDim : shape.head_dim, chunks = dim / 8;
+    const int rep = shape.num_heads / shape.num_kv_heads, bs = shape.block_size;
+    buf.resize(static_cast<size_t>(rep) * (ctx + 1) + dim);
+    float* scores = buf.data();          // [rep, ctx]
+    float* inv = scores + rep * ctx;     // [rep]
+    float* zero = inv + rep;             // [dim]: the row of a key past the page's last
+    std::fill(zero, zero + dim, 0.f);
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int r = 0; r < rep; ++r) {
+        const float* qr = q + r * shape.q_stride_h;
+        float* sr = scores + r * ctx;
+        for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
+            const float* page = k_head + static_cast<int64_t>(table[b]) * bs * dim;
+            const int n = std::min(bs, ctx - t0);
+            if (r == 0) prefetch_page(k_head, table, ctx, bs, dim, b + 1);
+            for (int j0 = 0; j0 < n; j0 += 8) {
+                const int m = std::min(8, n - j0);
+                const float* rows[8];
+                for (int j = 0; j < 8; ++j) rows[j] = j < m ? page + (j0 + j) * dim : zero;
+                __m256 acc[8];
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+                for (int c = 0; c < chunks; ++c) {
+                    const __m256 qc = _mm256_loadu_ps(qr + 8 * c);
+                    for (int j = 0; j < 8; ++j)
+                        acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[j] + 8 * c), acc[j]);
+                }
+                alignas(32) float s8[8];
+                _mm256_store_ps(s8, _mm256_mul_ps(transpose_sum8(acc), sc));  // scaled after
+                std::memcpy(sr + t0 + j0, s8, sizeof(float) * m);
+            }
+        }
+        inv[r] = softmax_row(sr, ctx, [&](int t, float p) { sr[t] = p; });
+        for (int d0 = 0; d0 < chunks; d0 += 8) {  // P.V: 8 chunks of sums in registers at a time
+            const int g = std::min(8, chunks - d0);
+            __m256 acc[8];
+            for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+            for_each_row(v_head, table, ctx, bs, dim, [&](int t, const float* v) {
+                const __m256 p = _mm256_set1_ps(sr[t]);
+                for (int c = 0; c < 8; ++c)
+                    if (c < g) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * (d0 + c)), acc[c]);
+            });
+            const __m256 iv = _mm256_set1_ps(inv[r]);
+            for (int c = 0; c < g; ++c)
+                _mm256_storeu_ps(out + r * dim + 8 * (d0 + c), _mm256_mul_ps(acc[c], iv));
+        }
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // The same attention for bf16 K/V with AVX512-BF16's pair dot products (vdpbf16ps: two bf16
 // products summed into each fp32 lane, exact products, fp32 sums). q.k: the keys of a page are
@@ -379,6 +450,15 @@ void decode(const T* q, const T* kv, T* out, const int32_t* tables, const int32_
                 attend_bf16<kHeadDim / 32>(qs, kv + kvh * head_elems, values + kvh * head_elems,
                                            os, table, ctx_lens[seq], shape, scale, buf);
                 continue;
+            }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+            if constexpr (std::is_same_v<T, float>) {
+                if (shape.head_dim % 8 == 0) {
+                    attend_f32<kHeadDim>(qs, kv + kvh * head_elems, values + kvh * head_elems, os,
+                                         table, ctx_lens[seq], shape, scale, buf);
+                    continue;
+                }
             }
 #endif
             attend<kHeadDim>(qs, kv + kvh * head_elems, values + kvh * head_elems, os, table,

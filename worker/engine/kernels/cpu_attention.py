@@ -6,7 +6,8 @@ in place from the pool's blocks through its block table, with fp32 accumulation 
 softmax. Against the SDPA path it saves the dense copy of every group's K/V (`index_select`), the
 padding of length groups and their masks. Where the compiler targets AVX512-BF16 (`-march=native`
 on such a CPU), bf16 K/V take a path of pair dot products (vdpbf16ps) with the keys' sums reduced
-16 at a time, instead of one horizontal sum per key and query head. Without a compiler the worker
+16 at a time, instead of one horizontal sum per key and query head; float32 K/V, where it has AVX2
+and FMA, one of 8 keys at a time (8 FMA chains in flight, their sums reduced 8 at a time). Without a compiler the worker
 keeps gather + SDPA (`resolve_attention_backend` says why at start-up).
 
 Prefill chunks take the prefill kernel on CPUs with AVX-512 (bf16 with AVX512-BF16): each
