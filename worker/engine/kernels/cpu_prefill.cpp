@@ -122,9 +122,8 @@ void for_key_blocks(const T* k_head, const int32_t* table, int keys, int bs, T* 
 // Step 2 for every head: keys past a row's position (and past the last key) masked, an exact
 // softmax per row (lane) in fp32, the maximum over all keys first; emit(t, h, p_2t, p_2t+1)
 // takes each pair of keys' probabilities (unrounded, in key order); inv gets 1 / the
-// normalisers, summed from the unrounded probabilities.
-//    kRows (the row form): the normaliser in the decode kernel's order, 16 partial sums by key
-//    index mod 16 (its vector lanes) then sum_vectors (its sum_lanes), instead of one running sum.
+// normalisers, summed from the unrounded probabilities; kRows (the row form): in the decode
+// kernel's order, 16 sums by key index mod 16 (its lanes), then sum_vectors (its sum_lanes).
 template <bool kRows, typename Emit>
 inline void masked_softmax(float* s, int rep, int keys, int padded, int diagonal, float* inv,
                            Emit&& emit) {
@@ -145,8 +144,7 @@ inline void masked_softmax(float* s, int rep, int keys, int padded, int diagonal
         for (int t = 0; t < keys; ++t)
             mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + static_cast<int64_t>(t) * width));
         __m512 sum = _mm512_setzero_ps();
-        __m512 part[16];  // kRows: by key index mod 16 (padded is a multiple of 8)
-        for (int i = 0; i < 16; ++i) part[i] = _mm512_setzero_ps();
+        __m512 part[16] = {};  // kRows: by key index mod 16 (padded is a multiple of 8)
         for (int t8 = 0; t8 < padded / 2; t8 += 8) {
             for (int u = 0; u < 8 && t8 + u < padded / 2; ++u) {
                 const int t = t8 + u;
@@ -379,8 +377,7 @@ inline void score_block_rows(const uint32_t* qp, int rep, int h, const uint16_t*
             for (int j = 0; j < kGroup; ++j) {
                 const __m512 y = _mm512_add_ps(_mm512_add_ps(x[j][0], x[j][2]),
                                                _mm512_add_ps(x[j][1], x[j][3]));
-                if (L == 0) z01[j] = y;
-                else if (L == 1) z01[j] = _mm512_add_ps(z01[j], y);
+                if (L < 2) z01[j] = L == 0 ? y : _mm512_add_ps(z01[j], y);
                 else if (L == 2) y2[j] = y;
                 else
                     _mm512_storeu_ps(s + (static_cast<int64_t>(j0 + j) * rep + h) * kTile,
@@ -504,14 +501,12 @@ extern "C" int kvfleet_prefill_supported(int dtype, int head_dim) {
 #if KVFLEET_PREFILL_F32
     if (dtype == 0) return shape ? 1 : 0;
 #endif
-    (void)dtype;
-    (void)shape;
+    (void)dtype, (void)shape;
     return 0;
 }
 
 extern "C" int kvfleet_prefill_rows_supported(int head_dim, int block_size) {
-    // the decode kernel pairs keys for P.V within a page: an even page size makes those pairs
-    // the row form's (keys 2t, 2t + 1)
+    // the decode kernel pairs keys for P.V within a page: even pages make them keys 2t, 2t + 1
     return kvfleet_prefill_supported(1, head_dim) && block_size > 0 && block_size % 2 == 0;
 }
 
@@ -567,9 +562,9 @@ int paged_prefill(int form, const void* q, int64_t q_stride_h, int64_t q_stride_
 #endif
             };
             auto in_form = [&](auto dim) {
-                if (form == 0) run(dim, std::integral_constant<int, 0>{});
-                else if (form == 1) run(dim, std::integral_constant<int, 1>{});
-                else run(dim, std::integral_constant<int, 2>{});
+                if (form == 0) return run(dim, std::integral_constant<int, 0>{});
+                if (form == 1) return run(dim, std::integral_constant<int, 1>{});
+                run(dim, std::integral_constant<int, 2>{});
             };
             if (head_dim == 64) in_form(std::integral_constant<int, 64>{});
             else in_form(std::integral_constant<int, 128>{});
@@ -589,9 +584,9 @@ extern "C" int kvfleet_paged_prefill(
         const int32_t* ctx_ends, int num_chunks, int num_heads, int num_kv_heads, int head_dim,
         int64_t num_blocks, int block_size, float scale, int num_threads) {
     if (dtype != 0 && dtype != 1) return 1;
-    return paged_prefill(dtype, q, q_stride_h, q_stride_t, kv, out, tables, table_width,
-                         q_starts, q_lens, ctx_ends, num_chunks, num_heads, num_kv_heads,
-                         head_dim, num_blocks, block_size, scale, num_threads);
+    return paged_prefill(dtype, q, q_stride_h, q_stride_t, kv, out, tables, table_width, q_starts,
+                         q_lens, ctx_ends, num_chunks, num_heads, num_kv_heads, head_dim,
+                         num_blocks, block_size, scale, num_threads);
 }
 
 extern "C" int kvfleet_paged_prefill_rows(
