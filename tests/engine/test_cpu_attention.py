@@ -5,6 +5,7 @@ are built, cached and refused."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -95,8 +96,8 @@ def test_the_row_form_equals_the_decode_kernel_bit_for_bit(name, monkeypatch):
     drift from the same tokens decoded one at a time. Every bf16 step shape of the kernels' cases:
     group sizes 1-12, head dims 64 and 128, chunks from 1 to 150 tokens from position 0 and
     after a cached prefix (16-row tiles full and partial), pages of 3 to 64 keys (odd pages: the
-    decode kernel row by row). Control: the prefill kernel's plain form, one running sum per
-    row, differs in some rows of the largest shape."""
+    decode kernel row by row). The control, a row the plain form sums otherwise: the test
+    below."""
     case = ALL_CASES[name]
     forms = []
     real = cpu_backend.paged_prefill
@@ -112,11 +113,48 @@ def test_the_row_form_equals_the_decode_kernel_bit_for_bit(name, monkeypatch):
                                                          prefill_rows=True))
     assert forms == ([True] if case.block_size % 2 == 0 else [])
     assert torch.equal(row_form, decode_rows)
-    if name == "bf16-prefill-g3-d64-bs64":  # the default model's shape
-        _, plain = run_case(case, CPU, backend=CpuBackend(True))
-        assert forms[-1] is False
-        assert not torch.equal(plain, decode_rows)
-        assert (plain.float() - decode_rows.float()).abs().max().item() < tolerance(torch.bfloat16)
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_features().flags,
+                    reason="the prefill kernel's row form needs AVX512-BF16")
+def test_a_row_the_plain_form_sums_otherwise_the_row_form_sums_as_the_decode_kernel():
+    """The control, constructed so that no CPU's rounding decides it: a query of ones in
+    dimensions 0, 2 and 4 against a key of 2^25, 1 and -2^25 there (every product exact). The
+    plain form sums the dimension pairs in order: 2^25 + 1 rounds to 2^25 (half an ulp of 2^25
+    is 2), and the -2^25 after it leaves a score of 0. The decode kernel sums lane by lane (pairs
+    0, 1 and 2 in lanes of their own) and then its tree, (2^25 + -2^25) + (1 + 0) = 1, a score of
+    1/8 after the scale. Against a second key of score 0 (V: 1 for the first key, 0 for the
+    second in dimension 0), the second prompt row's output is exactly 0.5 in the plain form and
+    e^(1/8) / (e^(1/8) + 1) = 0.53 by the decode kernel, which the row form must equal."""
+    dim, block = 64, 16
+    pool = KVCachePool(KVLayout(1, 1, dim, resolve_kv_format("auto", torch.bfloat16)), 1, block,
+                       CPU)
+    kv = pool.layer(0)  # [2 (K, V), kv heads, blocks, block size, dim]
+    kv.zero_()
+    kv[0, 0, 0, 0, [0, 2, 4]] = torch.tensor([2.0 ** 25, 1.0, -2.0 ** 25], dtype=torch.bfloat16)
+    kv[1, 0, 0, 0, 0] = 1.0
+    query = torch.zeros(1, 2, dim, dtype=torch.bfloat16)  # [heads, rows, dim]: a 2-token prompt
+    query[0, :, [0, 2, 4]] = 1.0
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    plan = cpu_attention.CpuPrefillPlan(tables, torch.tensor([0], dtype=torch.int32),
+                                        torch.tensor([2], dtype=torch.int32),
+                                        torch.tensor([2], dtype=torch.int32))
+
+    def prefill(rows: bool) -> torch.Tensor:
+        out = torch.full((2, 1, dim), float("nan"), dtype=torch.bfloat16)  # [rows, heads, dim]
+        cpu_attention.paged_prefill(query, pool, 0, plan, dim ** -0.5, out, rows=rows)
+        return out[:, 0]
+
+    decode_rows = torch.full((2, 1, dim), float("nan"), dtype=torch.bfloat16)
+    cpu_attention.paged_decode(query, pool, 0, cpu_attention.CpuDecodePlan(
+        2, tables.repeat(2, 1), torch.tensor([1, 2], dtype=torch.int32)), dim ** -0.5, decode_rows)
+    plain, row_form, decode_rows = prefill(False), prefill(True), decode_rows[:, 0]
+    assert plain[1, 0].item() == 0.5
+    assert decode_rows[1, 0].item() == pytest.approx(math.exp(0.125) / (math.exp(0.125) + 1),
+                                                     abs=4e-3)
+    assert torch.equal(row_form, decode_rows)
+    assert torch.equal(plain[0], decode_rows[0])  # one key: nothing to sum in another order
+    assert not plain[:, 1:].any() and not decode_rows[:, 1:].any()
 
 
 @pytest.mark.parametrize("kv_dtype, model_dtype, used", [
