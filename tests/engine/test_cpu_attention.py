@@ -155,6 +155,12 @@ def test_a_row_the_plain_form_sums_otherwise_the_row_form_sums_as_the_decode_ker
     assert torch.equal(row_form, decode_rows)
     assert torch.equal(plain[0], decode_rows[0])  # one key: nothing to sum in another order
     assert not plain[:, 1:].any() and not decode_rows[:, 1:].any()
+    # pages of an odd number of keys: the decode kernel's key pairs are not the row form's, and
+    # the kernel refuses them (the backend gives such a pool's rows to the decode kernel)
+    odd = KVCachePool(KVLayout(1, 1, dim, resolve_kv_format("auto", torch.bfloat16)), 1, 5, CPU)
+    with pytest.raises(RuntimeError, match="kvfleet_paged_prefill_rows failed with status 1"):
+        cpu_attention.paged_prefill(query, odd, 0, plan, dim ** -0.5,
+                                    torch.empty(2, 1, dim, dtype=torch.bfloat16), rows=True)
 
 
 @pytest.mark.parametrize("kv_dtype, model_dtype, used", [

@@ -108,15 +108,14 @@ def prefill_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> b
 
 
 def prefill_rows_supported(pool: KVCachePool, dtype: torch.dtype, head_dim: int) -> bool:
-    """The prefill kernel's row form (rows equal to the decode kernel's) runs here for this pool:
-    bf16 K/V the decode kernel reads (`supports`), head_dim 64 or 128, a build for AVX512-BF16,
-    pages of an even number of keys (the decode kernel pairs keys for P.V within a page); the
-    pool's own page size where it has one, else any even one (the registry's one-slot probe)."""
+    """The prefill kernel's row form (rows equal to the decode kernel's) runs here for this pool's
+    format: bf16 K/V the decode kernel reads (`supports`), head_dim 64 or 128, a build for
+    AVX512-BF16. It also needs pages of an even number of keys (the decode kernel pairs keys for
+    P.V within a page): the backend checks each step's (cpu_backend.py)."""
     if dtype != torch.bfloat16 or not supports(pool, dtype):
         return False
-    block_size = pool.block_size if pool.block_size > 1 else 2
     try:
-        return bool(prefill_kernel().kvfleet_prefill_rows_supported(head_dim, block_size))
+        return bool(prefill_kernel().kvfleet_prefill_rows_supported(head_dim))
     except KernelUnavailable:
         return False
 

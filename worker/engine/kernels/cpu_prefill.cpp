@@ -505,9 +505,8 @@ extern "C" int kvfleet_prefill_supported(int dtype, int head_dim) {
     return 0;
 }
 
-extern "C" int kvfleet_prefill_rows_supported(int head_dim, int block_size) {
-    // the decode kernel pairs keys for P.V within a page: even pages make them keys 2t, 2t + 1
-    return kvfleet_prefill_supported(1, head_dim) && block_size > 0 && block_size % 2 == 0;
+extern "C" int kvfleet_prefill_rows_supported(int head_dim) {
+    return kvfleet_prefill_supported(1, head_dim);
 }
 
 namespace {
@@ -518,8 +517,9 @@ int paged_prefill(int form, const void* q, int64_t q_stride_h, int64_t q_stride_
                   const int32_t* q_lens, const int32_t* ctx_ends, int num_chunks, int num_heads,
                   int num_kv_heads, int head_dim, int64_t num_blocks, int block_size, float scale,
                   int num_threads) {
-    if (form == 2 ? !kvfleet_prefill_rows_supported(head_dim, block_size)
-                  : !kvfleet_prefill_supported(form, head_dim))
+    // the row form: the decode kernel pairs keys for P.V within a page: even pages, keys 2t, 2t+1
+    if (!kvfleet_prefill_supported(form == 2 ? 1 : form, head_dim) ||
+        (form == 2 && block_size % 2 != 0))
         return 1;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return 2;
 #if KVFLEET_PREFILL_F32

@@ -22,14 +22,14 @@ int kvfleet_paged_prefill(int dtype, const void* q, int64_t q_stride_h, int64_t 
                           int num_chunks, int num_heads, int num_kv_heads, int head_dim,
                           int64_t num_blocks, int block_size, float scale, int num_threads);
 
-// 1 where kvfleet_paged_prefill_rows runs on this build (bf16, head_dim 64 or 128) with pages of
-// block_size keys (even), else 0.
-int kvfleet_prefill_rows_supported(int head_dim, int block_size);
+// 1 where kvfleet_paged_prefill_rows runs on this build (bf16, head_dim 64 or 128), else 0.
+int kvfleet_prefill_rows_supported(int head_dim);
 
 // The row form of kvfleet_paged_prefill, bf16 only (same arguments but dtype): every row's output
 // is the decode kernel's (kvfleet_paged_decode) for that row alone over keys [0, its position],
 // bit for bit, whatever rows share its chunk or tile; the batch-invariant prefill (`--deterministic`).
-// Returns 0, or 1 where kvfleet_prefill_rows_supported says no, 2 for a bad shape.
+// Returns 0, or 1 where kvfleet_prefill_rows_supported says no or block_size is odd (the decode
+// kernel's key pairs are a page's), 2 for a bad shape.
 int kvfleet_paged_prefill_rows(const void* q, int64_t q_stride_h, int64_t q_stride_t,
                                const void* kv, void* out, const int32_t* tables,
                                int64_t table_width, const int32_t* q_starts,
