@@ -14,12 +14,14 @@ import copy
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from tests.engine.tiny_models import VOCAB, greedy, random_prompt, tokens_before_divergence
-from kvfleet.worker.engine.kernels.cpu_experts import PackedExperts
-from kvfleet.worker.engine.kernels.cpu_linear import packs
+from kvfleet.worker.engine.kernels.cpu_experts import PackedExperts, as_linear
+from kvfleet.worker.engine.kernels.cpu_linear import KernelLinear, packs
 from kvfleet.worker.engine.engine import Engine, EngineConfig
+from kvfleet.worker.engine.model.cpu_layers import FusedDecoderLayer
 
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.25,
@@ -127,8 +129,77 @@ def test_packed_experts_compute_what_transformers_experts_do(moe, dtype):
     assert (got - expected).abs().max().item() <= tolerance * expected.abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_compute_the_per_expert_products_bits(moe, dtype):
+    """One kvfleet_linear_groups call for every expert's gate/up product and one for the down
+    products give bit for bit what one kvfleet product per expert gives, for 1, 2 and 37 tokens
+    (the groups' rows from 0 to many, some experts hit by none). On a CPU without AVX-512 the
+    calls take the portable product, one group at a time: the same comparison."""
+    experts = copy.deepcopy(moe.model.layers[0].mlp.experts).to(dtype)
+    grouped = PackedExperts(experts, grouped=True)
+    loop = PackedExperts(experts, grouped=False)
+    # the loop over kvfleet's own product (KernelLinear), whatever products this CPU prefers
+    loop.gate_up = torch.nn.ModuleList(KernelLinear(as_linear(w)) for w in experts.gate_up_proj)
+    loop.down = torch.nn.ModuleList(KernelLinear(as_linear(w)) for w in experts.down_proj)
+    g = torch.Generator().manual_seed(5)
+    for tokens in (1, 2, 37):
+        hidden = torch.randn(tokens, experts.gate_up_proj.shape[2], generator=g).to(dtype)
+        index = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, 2, generator=g), dim=-1).to(dtype)
+        with torch.inference_mode():
+            got = copy.deepcopy(grouped)(hidden, index, weights)  # a copy: packed weights shared
+            want = loop(hidden, index, weights)
+        assert torch.equal(got, want), tokens
+    # control: two experts' packed weights swapped in the grouped call change its output
+    swapped = copy.deepcopy(grouped)
+    swapped._gate_up_at = swapped._gate_up_at[[1, 0, *range(2, grouped.num_experts)]]
+    index = torch.tensor([[0, 2], [1, 3]])
+    with torch.inference_mode():
+        assert not torch.equal(swapped(hidden[:2], index, weights[:2]),
+                               grouped(hidden[:2], index, weights[:2]))
+
+
 def test_an_engine_packs_the_experts_of_every_moe_layer(moe):
     engine = Engine(copy.deepcopy(moe), EngineConfig(device="cpu", dtype="float32", num_blocks=64,
                                                      block_size=4))
     kinds = {type(layer.mlp.experts) for layer in engine.model.model.layers}
     assert kinds == {PackedExperts}
+    # the layers around the experts are the fused CPU layer's (cpu_layers.py), so the float32
+    # and bf16 comparisons with `generate` above run through them
+    assert engine.prepared.num_fused_layers == moe.config.num_hidden_layers
+    assert all(type(layer) is FusedDecoderLayer for layer in engine.model.model.layers)
+    # the routers' products are F.linear's: no claim of batch invariance
+    assert "mixture-of-experts" in engine.invariance_gap
+
+
+def test_qwen3_dense_layers_fuse_with_their_head_norms():
+    """Qwen3's dense layers (an RMSNorm over each q and k head before RoPE) through the fused
+    layer: float32 greedy equal to `generate` token for token, batched and joined mid-flight."""
+    torch.manual_seed(98)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**_COMMON, "num_experts_per_tok": None}, head_dim=16,
+                                         intermediate_size=128)).eval()
+    model.set_attn_implementation("eager")
+    engine = Engine(copy.deepcopy(model), EngineConfig(device="cpu", dtype="float32",
+                                                       num_blocks=64, block_size=4))
+    assert engine.prepared.num_fused_layers == model.config.num_hidden_layers
+    prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate(LENGTHS)]
+    produced = serve(model, "float32", prompts, MAX_TOKENS)
+    for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS)):
+        assert produced[f"r{i}"] == reference(model, prompt, n), f"request r{i}"
+
+
+def test_a_negative_control_the_head_norms_matter():
+    """The Qwen3 comparison above can fail: the same model with its q norm's weights changed
+    after `generate`'s reference was taken answers differently."""
+    torch.manual_seed(98)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**_COMMON, "num_experts_per_tok": None}, head_dim=16,
+                                         intermediate_size=128)).eval()
+    model.set_attn_implementation("eager")
+    prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate(LENGTHS)]
+    expected = [reference(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in changed.model.layers:
+            layer.self_attn.q_norm.weight.mul_(3.0)
+    produced = serve(changed, "float32", prompts, MAX_TOKENS)
+    assert any(produced[f"r{i}"] != expected[i] for i in range(len(prompts)))

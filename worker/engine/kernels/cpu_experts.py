@@ -8,17 +8,31 @@ with each expert's two products packed once (`cpu_linear.product`: kvfleet's own
 oneDNN's): the tokens routed to an expert gathered, its gate/up product, SiLU-and-multiply, its
 down product, scaled by the routing weight and added to each token's output, experts in
 ascending order as transformers adds them.
+
+Where the experts' products are kvfleet's own in a form `kvfleet_linear` computes (not AMX tiles:
+cpu_matmul.cpp), every expert's weights are packed side by side and a forward makes one call for
+all the routed experts' gate/up products and one for their down products
+(`kvfleet_linear_groups`): every output is the one the per-expert product gives, and the few
+torch calls around them (the routed rows gathered, SiLU x up, the routing weights, each token's
+terms added in ascending expert order) take the whole step's rows at once. A decode step of one
+stream through Qwen3-30B-A3B's layer routes 8 experts a layer: the per-expert loop made a dozen
+torch calls and two product calls for each.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from kvfleet.worker.engine.kernels.cpu_linear import packs, product
+from kvfleet.worker.engine.kernels.cpu_attention import DTYPE_CODES
+from kvfleet.worker.engine.kernels.cpu_kernels import matmul_kernel
+from kvfleet.worker.engine.kernels.cpu_linear import (BF16_FORM_CODES, bf16_form, own_product,
+                                                      packs, product)
 
 
-def _experts_of(module: nn.Module) -> bool:
+def experts_of(module: nn.Module) -> bool:
     """`module` is a transformers experts block of the 3-D layout above (no biases)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
@@ -27,7 +41,7 @@ def _experts_of(module: nn.Module) -> bool:
             and hasattr(module, "act_fn") and not hasattr(module, "gate_up_proj_bias"))
 
 
-def _linear(weight: torch.Tensor) -> nn.Linear:
+def as_linear(weight: torch.Tensor) -> nn.Linear:
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype,
                        device="meta")
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
@@ -38,16 +52,40 @@ class PackedExperts(nn.Module):
     """An experts block's forward (hidden [tokens, hidden], top_k_index and top_k_weights
     [tokens, k]) over per-expert packed products."""
 
-    def __init__(self, experts: nn.Module):
+    def __init__(self, experts: nn.Module, grouped: bool | None = None):
         super().__init__()
         self.num_experts = experts.gate_up_proj.shape[0]
         self.intermediate = experts.down_proj.shape[2]
+        self.hidden = experts.down_proj.shape[1]
         self.act_fn = experts.act_fn
-        self.gate_up = nn.ModuleList(product(_linear(w)) for w in experts.gate_up_proj)
-        self.down = nn.ModuleList(product(_linear(w)) for w in experts.down_proj)
+        dtype = experts.gate_up_proj.dtype
+        # `grouped` (default: where the products are kvfleet_linear's) packs every expert's
+        # weights side by side for kvfleet_linear_groups; else one packed product per expert
+        self.grouped = grouped_products(dtype) if grouped is None else grouped
+        if self.grouped:
+            self._code = (BF16_FORM_CODES[bf16_form()] if dtype == torch.bfloat16
+                          else DTYPE_CODES[dtype])
+            self._kvfleet_linear_groups = matmul_kernel().kvfleet_linear_groups
+            self.gate_up_packed, self._gate_up_at = _pack_all(experts.gate_up_proj, self._code)
+            self.down_packed, self._down_at = _pack_all(experts.down_proj, self._code)
+        else:
+            self.gate_up = nn.ModuleList(product(as_linear(w)) for w in experts.gate_up_proj)
+            self.down = nn.ModuleList(product(as_linear(w)) for w in experts.down_proj)
+
+    def __deepcopy__(self, memo) -> PackedExperts:
+        """A copy sharing the packed weights (never written after packing), so the addresses
+        the grouped calls pass stay those of live tensors; the modules are copied (the
+        per-expert products share their packed weights as KernelLinear's copies do)."""
+        clone = copy.copy(self)
+        clone._parameters = {name: copy.deepcopy(p, memo) for name, p in self._parameters.items()}
+        clone._buffers = dict(self._buffers)
+        clone._modules = {name: copy.deepcopy(m, memo) for name, m in self._modules.items()}
+        return clone
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.grouped:
+            return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
@@ -63,9 +101,77 @@ class PackedExperts(nn.Module):
             gate, up = self.gate_up[expert](hidden_states[rows]).split(self.intermediate, dim=-1)
             update = self.down[expert](self.act_fn(gate) * up)
             update = update * weights[start:start + count, None]
-            out.index_add_(0, rows, update.to(out.dtype))
+            # a token comes to an expert once, so `rows` are distinct: out[rows] += update adds
+            # each row once, in the dtype's one rounding, as index_add_ does (whose CPU kernel,
+            # a sort and scatter for the general case, costs a millisecond for one row)
+            out.index_put_((rows,), update.to(out.dtype), accumulate=True)
             start += count
         return out
+
+
+    def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The loop's arithmetic, each product one call for every expert."""
+        num_tokens, k = top_k_index.shape
+        if num_tokens == 0:
+            return torch.zeros_like(hidden_states)
+        # each token's experts ascending: position t * k + j holds its j-th smallest expert
+        experts, slots = top_k_index.sort(dim=-1)
+        weights = top_k_weights.gather(-1, slots).reshape(-1)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, tokens in order within each
+        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+        torch.cumsum(torch.bincount(flat, minlength=self.num_experts)[:self.num_experts], 0,
+                     out=offsets[1:])
+        x = hidden_states.contiguous().index_select(0, order // k)  # [routed rows, hidden]
+        rows, dtype, threads = x.shape[0], x.dtype, torch.get_num_threads()
+        gate_up = torch.empty(rows, 2 * self.intermediate, dtype=dtype)
+        _check(self._kvfleet_linear_groups(
+            self._code, x.data_ptr(), self.hidden, self.hidden, offsets.data_ptr(),
+            self._gate_up_at.data_ptr(), self.num_experts, 2 * self.intermediate,
+            gate_up.data_ptr(), 2 * self.intermediate, threads), "kvfleet_linear_groups")
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        act = (self.act_fn(gate) * up).contiguous()
+        down = torch.empty(rows, self.hidden, dtype=dtype)
+        _check(self._kvfleet_linear_groups(
+            self._code, act.data_ptr(), self.intermediate, self.intermediate, offsets.data_ptr(),
+            self._down_at.data_ptr(), self.num_experts, self.hidden, down.data_ptr(),
+            self.hidden, threads), "kvfleet_linear_groups")
+        terms = torch.empty(num_tokens * k, self.hidden, dtype=dtype)
+        terms.index_copy_(0, order, (down * weights[order, None]).to(dtype))
+        terms = terms.view(num_tokens, k, self.hidden)
+        out = torch.zeros_like(hidden_states)
+        for j in range(k):  # each token's terms in ascending expert order, as the loop adds them
+            out += terms[:, j]
+        return out
+
+
+def grouped_products(dtype: torch.dtype) -> bool:
+    """An experts block of `dtype` computes through kvfleet_linear_groups here: its linears take
+    kvfleet's own product (cpu_linear.own_product), in a form other than AMX tiles."""
+    return (dtype in DTYPE_CODES and own_product(dtype)
+            and (dtype != torch.bfloat16 or bf16_form() != "amx"))
+
+
+def _pack_all(weights: torch.Tensor, code: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[experts, n, k] -> (each expert's weight packed for kvfleet_linear, side by side; the
+    address of each expert's packed weight, int64)."""
+    num, n, k = weights.shape
+    per = 2 if weights.dtype == torch.bfloat16 else 1
+    size = -(-n // 16) * 16 * (-(-k // per) * per)  # kvfleet_pack_linear's output, elements
+    packed = torch.empty(num, size, dtype=weights.dtype)
+    kvfleet_pack_linear = matmul_kernel().kvfleet_pack_linear
+    for e in range(num):
+        w = weights[e].detach().contiguous()
+        _check(kvfleet_pack_linear(code, w.data_ptr(), n, k, packed[e].data_ptr(),
+                                   torch.get_num_threads()), "kvfleet_pack_linear")
+    addresses = torch.tensor([packed[e].data_ptr() for e in range(num)], dtype=torch.int64)
+    return packed, addresses
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{name} failed with status {status}")
 
 
 def pack_cpu_experts(model: nn.Module) -> int:
@@ -73,7 +179,7 @@ def pack_cpu_experts(model: nn.Module) -> int:
     how many were replaced."""
     replaced = 0
     for name, module in list(model.named_modules()):
-        if _experts_of(module) and packs(module.gate_up_proj.dtype):
+        if experts_of(module) and packs(module.gate_up_proj.dtype):
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, attr,
                     PackedExperts(module))

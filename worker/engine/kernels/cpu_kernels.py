@@ -6,7 +6,7 @@ the loaded libraries, each built and loaded on its own.
 | decode    | cpu_attention.cpp | kvfleet_paged_decode                     | gather + SDPA         |
 | prefill   | cpu_prefill.cpp   | kvfleet_paged_prefill (AVX-512)          | SDPA prefill          |
 | layer_ops | cpu_layer_ops.cpp | RMSNorm, RoPE, SiLU * up, K/V writes, LoRA terms | HF's decoder layers; LoRA in products |
-| matmul    | cpu_matmul.cpp    | kvfleet_linear (AVX-512)                 | oneDNN or F.linear    |
+| matmul    | cpu_matmul.cpp    | kvfleet_linear (AVX-512), kvfleet_linear_groups | oneDNN or F.linear |
 | amx       | cpu_amx.cpp       | kvfleet_amx_linear (AMX tiles)           | matmul's bf16 forms   |
 
 Each kernel is its own library (kernel_build.py), typed from its own header (kernel_binding.py):

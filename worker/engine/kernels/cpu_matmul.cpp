@@ -257,6 +257,43 @@ void product(const Product<D>& p, int64_t m, int threads) {
     }
 }
 
+// kvfleet_linear_groups: each group's blocks in chunks as `product` makes them, every group's
+// chunks handed out from one list (a group's tile by its own rows, as `product` picks it)
+template <typename D>
+void product_groups(const typename D::X* x, int64_t k, int64_t x_stride, const int64_t* offsets,
+                    const int64_t* weights, int64_t count, int64_t n, typename D::Y* y,
+                    int64_t y_stride, int threads) {
+    const int64_t num_blocks = (n + kLanes - 1) / kLanes;
+    struct Task {
+        int64_t group, block, end;
+    };
+    std::vector<Task> tasks;
+    int64_t busy = 0;
+    for (int64_t g = 0; g < count; ++g) busy += offsets[g + 1] > offsets[g];
+    const int64_t target = (num_blocks * busy + 8 * threads - 1) / (8 * threads);
+    for (int64_t g = 0; g < count; ++g) {
+        const int64_t m = offsets[g + 1] - offsets[g];
+        if (m <= 0) continue;
+        const int group = m <= 4 ? 4 : D::kLargeBlocks;
+        const int64_t chunk = (target + group - 1) / group * group;
+        for (int64_t block = 0; block < num_blocks; block += chunk)
+            tasks.push_back({g, block, block + chunk < num_blocks ? block + chunk : num_blocks});
+    }
+    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tasks; ++t) {
+        const Task& task = tasks[t];
+        const int64_t first = offsets[task.group], m = offsets[task.group + 1] - first;
+        const Product<D> p{x + first * x_stride, x_stride, k,
+                           reinterpret_cast<const typename D::W*>(weights[task.group]), n, nullptr,
+                           y + first * y_stride, y_stride};
+        if (m <= 4)
+            range<D, 4, 4>(p, m, task.block, task.end);
+        else
+            range<D, D::kLargeRows, D::kLargeBlocks>(p, m, task.block, task.end);
+    }
+}
+
 template <typename D>
 void run(const void* x, int64_t m, int64_t k, int64_t x_stride, const void* packed, int64_t n,
          const float* bias, void* y, int64_t y_stride, int threads) {
@@ -459,6 +496,39 @@ int kvfleet_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_str
 #endif
     (void)x, (void)k, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride,
         (void)threads;
+    return 0;
+}
+
+int kvfleet_linear_groups(int dtype, const void* x, int64_t k, int64_t x_stride,
+                          const int64_t* offsets, const int64_t* weights, int64_t count, int64_t n,
+                          void* y, int64_t y_stride, int threads) {
+    if (!kvfleet_linear_supported(dtype)) return -1;
+    if (count <= 0 || n <= 0) return 0;
+#if defined(__AVX512F__)
+    if (dtype == 0) {
+        product_groups<F32>(static_cast<const float*>(x), k, x_stride, offsets, weights, count, n,
+                            static_cast<float*>(y), y_stride, threads);
+        return 0;
+    }
+#endif
+#if defined(KVFLEET_BF16_PRODUCT)
+    if (dtype == 1) {
+        product_groups<Bf16>(static_cast<const uint16_t*>(x), k, x_stride, offsets, weights,
+                             count, n, static_cast<uint16_t*>(y), y_stride, threads);
+        return 0;
+    }
+#endif
+    // the other forms (bf16 summed with FMAs, the portable product): one product per group
+    const int64_t size = dtype == 0 ? 4 : 2;
+    for (int64_t g = 0; g < count; ++g) {
+        const int64_t first = offsets[g], m = offsets[g + 1] - first;
+        if (m <= 0) continue;
+        const int status = kvfleet_linear(
+            dtype, static_cast<const char*>(x) + first * x_stride * size, m, k, x_stride,
+            reinterpret_cast<const void*>(weights[g]), n, nullptr,
+            static_cast<char*>(y) + first * y_stride * size, y_stride, threads);
+        if (status != 0) return status;
+    }
     return 0;
 }
 

@@ -23,4 +23,13 @@ int kvfleet_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_str
                    const void* packed, int64_t n, const float* bias, void* y, int64_t y_stride,
                    int threads);
 
+// For each group g < count: rows [offsets[g], offsets[g + 1]) of x against the weight packed at
+// address weights[g] (as kvfleet_pack_linear packs an [n, k] weight), into the same rows of y;
+// a group of no rows is skipped. Every output is the one kvfleet_linear computes for that group
+// alone (no bias); the groups' blocks share one parallel region (a mixture-of-experts layer's
+// experts: one call for all). Returns 0, -1 where this build has no products of that dtype.
+int kvfleet_linear_groups(int dtype, const void* x, int64_t k, int64_t x_stride,
+                          const int64_t* offsets, const int64_t* weights, int64_t count, int64_t n,
+                          void* y, int64_t y_stride, int threads);
+
 }  // extern "C"

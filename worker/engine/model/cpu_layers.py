@@ -1,4 +1,5 @@
-"""Decoder layers of Llama-family models (Llama, Qwen2, Mistral) on the CPU, fused (bf16, float32).
+"""Decoder layers of Llama-family models (Llama, Qwen2, Mistral, Qwen3, and the mixture-of-experts
+Qwen3-MoE and Mixtral) on the CPU, fused (bf16, float32).
 
 HF's eager layer runs about 30 small torch ops per layer around 7 matrix products; at decode sizes
 their per-op cost and the Python between them are a large share of a step. `FusedDecoderLayer` computes
@@ -11,6 +12,12 @@ eager bf16 layer rounds (float32 is plain float32: its greedy output still equal
 token for token in the tests). The products are oneDNN-packed where the dtype packs on this CPU
 (cpu_linear.py), else F.linear. `FusedRMSNorm` takes the final norm. Layers of another shape are
 left as they are, and so is everything under tensor parallelism (its ranks hold sharded layers).
+
+Qwen3's attention normalises each q and k head (RMSNorm over the head's dimensions) before RoPE:
+the same RMSNorm pass, one head a row. A mixture-of-experts layer's MLP half is the model's own
+sparse block (its router, then its experts, packed by cpu_experts.py), called once on the
+normalised rows; the rest of the layer is the fused one, so an MoE layer makes the same few
+calls around its experts as a dense one around its MLP.
 """
 
 from __future__ import annotations
@@ -21,9 +28,13 @@ from kvfleet.worker.engine.kernels import cpu_kernels
 from kvfleet.worker.engine.attention import CONTEXT_KWARG, fused_layer_attention
 from kvfleet.worker.engine.kernels.cpu_attention import DTYPE_CODES
 from kvfleet.worker.engine.kernels.cpu_kernels import layer_ops_kernel
+from kvfleet.worker.engine.kernels.cpu_experts import experts_of
 from kvfleet.worker.engine.kernels.cpu_linear import product
 
-FUSED_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
+FUSED_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer",
+                     "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
+# types HF gave a per-layer sliding window later: fused only where the layer has none
+_WINDOWED_TYPES = ("Qwen3DecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -99,12 +110,20 @@ class FusedDecoderLayer(torch.nn.Module):
         self.layer_idx = attn.layer_idx
         self.qkv = _concat(attn.q_proj, attn.k_proj, attn.v_proj, invariant=invariant)
         self.o_proj = product(attn.o_proj, invariant)
-        self.gate_up = _concat(mlp.gate_proj, mlp.up_proj, invariant=invariant, silu_pairs=True)
-        # AMX tiles: silu(gate) * up in the product's epilogue (same bits as silu_mul after it),
-        # and the down product added into the residual in its own (as residual.add_ rounds)
-        self._silu_in_product = getattr(self.gate_up, "silu_pairs", False)
-        self.down_proj = product(mlp.down_proj, invariant)
-        self._add_in_product = getattr(self.down_proj, "adds_in_place", False)
+        # Qwen3: an RMSNorm over each q and k head before RoPE
+        self.q_norm = FusedRMSNorm(attn.q_norm) if hasattr(attn, "q_norm") else None
+        self.k_norm = FusedRMSNorm(attn.k_norm) if hasattr(attn, "k_norm") else None
+        # a mixture-of-experts layer: the model's sparse block computes the MLP half
+        self.mlp = mlp if is_sparse_block(mlp) else None
+        if self.mlp is None:
+            self.gate_up = _concat(mlp.gate_proj, mlp.up_proj, invariant=invariant,
+                                   silu_pairs=True)
+            # AMX tiles: silu(gate) * up in the product's epilogue (same bits as silu_mul after
+            # it), and the down product added into the residual in its own (as residual.add_
+            # rounds)
+            self._silu_in_product = getattr(self.gate_up, "silu_pairs", False)
+            self.down_proj = product(mlp.down_proj, invariant)
+            self._add_in_product = getattr(self.down_proj, "adds_in_place", False)
         self.input_norm = FusedRMSNorm(layer.input_layernorm)
         self.post_norm = FusedRMSNorm(layer.post_attention_layernorm)
         # what every forward splits its q/k/v product by, computed once
@@ -121,12 +140,18 @@ class FusedDecoderLayer(torch.nn.Module):
         heads = self.qkv(h).view(num_tokens, self._num_heads_qkv, self.head_dim)
         q, k, v = heads.split(self._head_split, dim=1)
         cos, sin = _rope_tables(position_embeddings)  # [T, D] each
+        if self.q_norm is not None:  # each head normalised (one head a row), in its place
+            for part, norm in ((q, self.q_norm), (k, self.k_norm)):
+                rows = part.contiguous().view(-1, self.head_dim)
+                part.copy_(rms_norm(rows, norm.weight, norm.eps).view(part.shape))
         # q and k heads side by side in each row: one rotation pass for both
         rope_(heads[:, :self._num_heads_qk], cos, sin)
         attn = fused_layer_attention(self.layer_idx, q, k, v, kwargs[CONTEXT_KWARG],
                                      self.scaling)  # [T, H, D]
         residual = self.o_proj(attn.view(num_tokens, -1))  # becomes x + attention below
         h = rms_norm(x, self.post_norm.weight, self.post_norm.eps, residual=residual)
+        if self.mlp is not None:  # the sparse block: its router, then its experts
+            return residual.add_(self.mlp(h.unsqueeze(0))[0]).unsqueeze(0)
         # in place: the same bf16 (or float32) sum, without a new tensor
         # the epilogues only where no forward hook (an adapter's terms, lora/) adds to the
         # product's own output
@@ -158,23 +183,42 @@ def _rope_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
     return cached[1]
 
 
+def is_sparse_block(mlp: torch.nn.Module) -> bool:
+    """`mlp` is a transformers mixture-of-experts block: a router (`gate`) and an experts block
+    of the 3-D layout (cpu_experts.py), called on [1, T, hidden]."""
+    return hasattr(mlp, "gate") and experts_of(getattr(mlp, "experts", None))
+
+
 def can_fuse(layer: torch.nn.Module) -> bool:
-    """A Llama-family layer with plain CPU linears of one FUSED_DTYPES dtype, RMSNorms, SiLU and
-    full-width RoPE."""
-    if type(layer).__name__ not in FUSED_LAYER_TYPES:
+    """A Llama-family layer with plain CPU linears of one FUSED_DTYPES dtype, RMSNorms (Qwen3's
+    per-head q and k norms too), SiLU, full-width RoPE, and a dense MLP or a sparse block."""
+    name = type(layer).__name__
+    if name not in FUSED_LAYER_TYPES:
         return False
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    dtypes = {getattr(getattr(m, "weight", None), "dtype", None) for m in linears}
-    if not (all(type(m) is torch.nn.Linear and m.weight.is_cpu for m in linears)
+    weights = [getattr(m, "weight", None) for m in linears]
+    if mlp is not None and is_sparse_block(mlp):
+        weights += [mlp.experts.gate_up_proj, mlp.experts.down_proj]
+    else:
+        mlp_linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        linears += mlp_linears
+        weights += [getattr(m, "weight", None) for m in mlp_linears]
+    dtypes = {getattr(w, "dtype", None) for w in weights}
+    if not (all(type(m) is torch.nn.Linear for m in linears)
+            and all(w.is_cpu for w in weights)
             and len(dtypes) == 1 and dtypes <= set(FUSED_DTYPES)):
         return False
     config = getattr(attn, "config", None)
-    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    norms = [getattr(layer, "input_layernorm", None),
+             getattr(layer, "post_attention_layernorm", None)]
+    if name in _WINDOWED_TYPES and getattr(attn, "sliding_window", None) is not None:
+        return False
+    if hasattr(attn, "q_norm") != hasattr(attn, "k_norm"):
+        return False
+    norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
     return (getattr(config, "hidden_act", None) == "silu"
             and getattr(config, "partial_rotary_factor", 1.0) == 1.0
-            and not hasattr(attn, "q_norm")
             and all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms))
 
 

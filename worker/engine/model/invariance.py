@@ -34,6 +34,9 @@ def invariance_gap(prepared: PreparedModel, backend: AttentionBackend,
     # fused here, or already in the model it was handed (a prepared model run again)
     if layers is None or not all(isinstance(layer, FusedDecoderLayer) for layer in layers):
         return "decoder layers in HF's torch ops (not fused around kvfleet's kernels)"
+    if any(layer.mlp is not None for layer in layers):
+        return ("mixture-of-experts layers: their routers' products in F.linear, whose kernels "
+                "depend on the batch's shape")
     others = sorted({type(_computing(m)).__name__
                      for m in linear_products(prepared.module).values()
                      if not isinstance(_computing(m), KernelLinear)})
