@@ -267,6 +267,35 @@ def _fma_form_builds() -> bool:
             and matmul.kvfleet_linear_supported(2) == 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_products_equal_one_product_per_group(portable_matmuls, dtype):
+    """kvfleet_linear_groups (a mixture-of-experts layer's experts in one call) in both portable
+    forms: each group's rows equal kvfleet_linear's for that group alone; empty groups skipped."""
+    code = {torch.float32: 0, torch.bfloat16: 1}[dtype]
+    torch.manual_seed(9)
+    n, k, per = 40, 67, 2 if dtype == torch.bfloat16 else 1
+    size = math.ceil(n / 16) * 16 * math.ceil(k / per) * per
+    offsets = torch.tensor([0, 3, 3, 10, 11], dtype=torch.int64)  # group 1 has no rows
+    x = torch.randn(int(offsets[-1]), k).to(dtype)
+    for matmul in portable_matmuls:
+        packed = torch.empty(4, size, dtype=dtype)
+        for g in range(4):
+            weight = torch.randn(n, k).to(dtype)
+            assert matmul.kvfleet_pack_linear(code, weight.data_ptr(), n, k,
+                                              packed[g].data_ptr(), 1) == 0
+        addresses = torch.tensor([packed[g].data_ptr() for g in range(4)], dtype=torch.int64)
+        y = torch.full((x.shape[0], n), 7.0).to(dtype)
+        assert matmul.kvfleet_linear_groups(code, x.data_ptr(), k, k, offsets.data_ptr(),
+                                            addresses.data_ptr(), 4, n, y.data_ptr(), n, 2) == 0
+        for g in range(4):
+            first, last = int(offsets[g]), int(offsets[g + 1])
+            alone = torch.empty(last - first, n, dtype=dtype)
+            assert matmul.kvfleet_linear(code, x[first:last].data_ptr(), last - first, k, k,
+                                         packed[g].data_ptr(), n, None, alone.data_ptr(), n,
+                                         1) == 0
+            assert torch.equal(y[first:last], alone), g
+
+
 @pytest.mark.skipif(not _fma_form_builds(), reason="the bf16 FMA form needs AVX512-BF16")
 def test_the_bf16_fma_form_sums_as_the_portable_product_does(portable_matmuls):
     """kvfleet's bf16 product in its fp32-FMA form (dtype 2) computes the portable product's

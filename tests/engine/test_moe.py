@@ -18,7 +18,7 @@ from transformers import (MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3F
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from tests.engine.tiny_models import VOCAB, greedy, random_prompt, tokens_before_divergence
-from kvfleet.worker.engine.kernels.cpu_experts import PackedExperts, as_linear
+from kvfleet.worker.engine.kernels.cpu_experts import PackedExperts, PackedRouter, as_linear
 from kvfleet.worker.engine.kernels.cpu_linear import KernelLinear, packs
 from kvfleet.worker.engine.engine import Engine, EngineConfig
 from kvfleet.worker.engine.model.cpu_layers import FusedDecoderLayer
@@ -168,8 +168,8 @@ def test_an_engine_packs_the_experts_of_every_moe_layer(moe):
     # and bf16 comparisons with `generate` above run through them
     assert engine.prepared.num_fused_layers == moe.config.num_hidden_layers
     assert all(type(layer) is FusedDecoderLayer for layer in engine.model.model.layers)
-    # the routers' products are F.linear's: no claim of batch invariance
-    assert "mixture-of-experts" in engine.invariance_gap
+    # the routers' logits through a packed product too (cpu_experts.PackedRouter)
+    assert all(type(layer.mlp.gate) is PackedRouter for layer in engine.model.model.layers)
 
 
 def test_qwen3_dense_layers_fuse_with_their_head_norms():

@@ -52,7 +52,7 @@ class PackedExperts(nn.Module):
     """An experts block's forward (hidden [tokens, hidden], top_k_index and top_k_weights
     [tokens, k]) over per-expert packed products."""
 
-    def __init__(self, experts: nn.Module, grouped: bool | None = None):
+    def __init__(self, experts: nn.Module, grouped: bool | None = None, invariant: bool = False):
         super().__init__()
         self.num_experts = experts.gate_up_proj.shape[0]
         self.intermediate = experts.down_proj.shape[2]
@@ -61,7 +61,7 @@ class PackedExperts(nn.Module):
         dtype = experts.gate_up_proj.dtype
         # `grouped` (default: where the products are kvfleet_linear's) packs every expert's
         # weights side by side for kvfleet_linear_groups; else one packed product per expert
-        self.grouped = grouped_products(dtype) if grouped is None else grouped
+        self.grouped = grouped_products(dtype, invariant) if grouped is None else grouped
         if self.grouped:
             self._code = (BF16_FORM_CODES[bf16_form()] if dtype == torch.bfloat16
                           else DTYPE_CODES[dtype])
@@ -69,8 +69,9 @@ class PackedExperts(nn.Module):
             self.gate_up_packed, self._gate_up_at = _pack_all(experts.gate_up_proj, self._code)
             self.down_packed, self._down_at = _pack_all(experts.down_proj, self._code)
         else:
-            self.gate_up = nn.ModuleList(product(as_linear(w)) for w in experts.gate_up_proj)
-            self.down = nn.ModuleList(product(as_linear(w)) for w in experts.down_proj)
+            self.gate_up = nn.ModuleList(product(as_linear(w), invariant)
+                                         for w in experts.gate_up_proj)
+            self.down = nn.ModuleList(product(as_linear(w), invariant) for w in experts.down_proj)
 
     def __deepcopy__(self, memo) -> PackedExperts:
         """A copy sharing the packed weights (never written after packing), so the addresses
@@ -146,10 +147,46 @@ class PackedExperts(nn.Module):
         return out
 
 
-def grouped_products(dtype: torch.dtype) -> bool:
+# transformers' top-k routers this module computes (each: F.linear, a float softmax, top-k, the
+# chosen weights normalised to sum 1 where the router says so), and whether the router hands
+# the experts its weights in the logits' dtype (True) or in float32
+ROUTERS = {"Qwen3MoeTopKRouter": True, "Qwen2MoeTopKRouter": True, "MixtralTopKRouter": False}
+
+
+class PackedRouter(nn.Module):
+    """A transformers top-k router (ROUTERS) whose logits come from a packed product instead of
+    F.linear (which reorders a bf16 weight on every call); where `invariant`, kvfleet's product,
+    whose sums do not depend on the batch. The rest is the router's own arithmetic: softmax in
+    float32, top-k, the chosen weights divided by their sum (Mixtral always, Qwen's where
+    `norm_topk_prob`), cast to the logits' dtype where the router casts."""
+
+    def __init__(self, router: nn.Module, invariant: bool = False):
+        super().__init__()
+        self.top_k, self.hidden_dim = router.top_k, router.hidden_dim
+        self.normalize = getattr(router, "norm_topk_prob", True)
+        self.cast = ROUTERS[type(router).__name__]
+        self.product = product(as_linear(router.weight), invariant)
+
+    def forward(self, hidden_states: torch.Tensor):
+        logits = self.product(hidden_states.reshape(-1, self.hidden_dim))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            top /= top.sum(dim=-1, keepdim=True)
+        return logits, (top.to(logits.dtype) if self.cast else top), index
+
+
+def packs_router(router: nn.Module) -> bool:
+    return (type(router).__name__ in ROUTERS and isinstance(getattr(router, "weight", None),
+                                                            nn.Parameter)
+            and all(hasattr(router, a) for a in ("top_k", "hidden_dim")))
+
+
+def grouped_products(dtype: torch.dtype, invariant: bool = False) -> bool:
     """An experts block of `dtype` computes through kvfleet_linear_groups here: its linears take
-    kvfleet's own product (cpu_linear.own_product), in a form other than AMX tiles."""
-    return (dtype in DTYPE_CODES and own_product(dtype)
+    kvfleet's own product (cpu_linear.own_product; `invariant`: wherever it builds), in a form
+    other than AMX tiles."""
+    return (dtype in DTYPE_CODES and own_product(dtype, invariant)
             and (dtype != torch.bfloat16 or bf16_form() != "amx"))
 
 
@@ -174,14 +211,18 @@ def _check(status: int, name: str) -> None:
         raise RuntimeError(f"{name} failed with status {status}")
 
 
-def pack_cpu_experts(model: nn.Module) -> int:
-    """Replace every experts block of `model` whose dtype packs here with PackedExperts; returns
-    how many were replaced."""
+def pack_cpu_experts(model: nn.Module, invariant: bool = False) -> int:
+    """Replace every experts block of `model` whose dtype packs here with PackedExperts, and its
+    block's router (ROUTERS) with PackedRouter (kvfleet's product where `invariant`); returns how
+    many experts blocks were replaced."""
     replaced = 0
     for name, module in list(model.named_modules()):
-        if experts_of(module) and packs(module.gate_up_proj.dtype):
+        if experts_of(module) and packs(module.gate_up_proj.dtype, invariant):
             parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, attr,
-                    PackedExperts(module))
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, PackedExperts(module, invariant=invariant))
+            router = getattr(parent, "gate", None)
+            if router is not None and packs_router(router):
+                parent.gate = PackedRouter(router, invariant)
             replaced += 1
     return replaced

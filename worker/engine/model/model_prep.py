@@ -118,7 +118,7 @@ def pack_for_cpu(prepared: PreparedModel, fuse_layers: bool,
             and prepared.num_heads == module.config.num_attention_heads):
         num_fused = fuse_decoder_layers(module, invariant)
     fuse_sibling_linears(module, invariant)  # q/k/v and gate/up: one product each, where they pack
-    pack_cpu_experts(module)  # an MoE layer's experts: two packed products each
+    pack_cpu_experts(module, invariant)  # an MoE layer's router and experts, packed
     pack_cpu_linears(module, shared=True, invariant=invariant)  # the tied LM head too (a copy)
     return replace(prepared, module=module, num_fused_layers=num_fused)
 
