@@ -1,5 +1,6 @@
 """A step's fixed cost, before and after a change: two git revisions of the engine timed in
-alternated rounds (A, B, A, B, ...), each round a fresh process on the default model.
+alternated rounds (A, B, A, B, ...), each round a fresh process on the default model (or
+`--model`'s).
 
     OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 .venv/bin/python -m benchmarks.step_cost \\
         --revisions main HEAD --rounds 3
@@ -49,7 +50,7 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 # ---- one round, in the revision's tree (imports kvfleet from there) ---------------------------
 
 
-def measure(steps: int, threads: int | None, dtype: str = "auto") -> dict:
+def measure(steps: int, threads: int | None, dtype: str = "auto", model: str | None = None) -> dict:
     """Step times of each scenario, in seconds: {"wall": {name: [...]}, "cpu": {...}}."""
     import torch
 
@@ -59,7 +60,7 @@ def measure(steps: int, threads: int | None, dtype: str = "auto") -> dict:
 
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine.from_pretrained(resolve_model_path(DEFAULT_MODEL), EngineConfig(
+    engine = Engine.from_pretrained(resolve_model_path(model or DEFAULT_MODEL), EngineConfig(
         device="cpu", dtype=dtype, max_batched_tokens=512, max_running=64))
     rng = random.Random(0)  # the same prompts in every round and revision
 
@@ -120,11 +121,12 @@ def export(revision: str, into: Path) -> Path:
     return into
 
 
-def run_round(tree: Path, steps: int, threads: int | None, dtype: str = "auto") -> dict:
+def run_round(tree: Path, steps: int, threads: int | None, dtype: str = "auto",
+              model: str | None = None) -> dict:
     """One round in a process of its own that imports kvfleet from `tree`."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--steps", str(steps),
-               "--dtype", dtype]
+               "--dtype", dtype] + (["--model", model] if model else [])
     if threads:
         command += ["--threads", str(threads)]
     before = os.getloadavg()
@@ -156,10 +158,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed decode steps per scenario")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", default="auto", help="the engine's --dtype (default: auto)")
+    p.add_argument("--model", default=None,
+                   help="the model (default: the default model; `random:<shape>` for a shape)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.steps, args.threads, args.dtype)))
+        print(json.dumps(measure(args.steps, args.threads, args.dtype, args.model)))
         return 0
     results: dict[str, list[dict]] = {r: [] for r in args.revisions}
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +171,8 @@ def main(argv=None) -> int:
         print(f"# load averages at the start: {os.getloadavg()}", flush=True)
         for round_ in range(args.rounds):
             for revision in args.revisions:
-                result = run_round(trees[revision], args.steps, args.threads, args.dtype)
+                result = run_round(trees[revision], args.steps, args.threads, args.dtype,
+                                   args.model)
                 results[revision].append(result)
                 loads = " -> ".join("/".join(f"{x:.2f}" for x in load) for load in result["load"])
                 steps = " / ".join(f"{statistics.median(result['wall'][name]) * 1e3:.1f}"
