@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.shared.settings import WorkerSettings
-from kvfleet.worker.process.service import LOAD_BEAT_MIN_S, LOAD_BEAT_SHARE
+from kvfleet.worker.process.heartbeat_sender import LOAD_BEAT_MIN_S, LOAD_BEAT_SHARE
 from kvfleet.worker.sim.checks import check_sim_settings
 from kvfleet.worker.sim.host import SCALED_TIMINGS, scaled_timings
 
