@@ -26,8 +26,9 @@ gets none of these variables, nor any other OpenMP or allocator variable of this
 run a process of its own with its start-up. The table gives medians over the rounds and the
 ratios of the medians; with N > 1 also each round's tok/s, and each round's ratio of kvfleet at
 the row's dtype (the run it alternated with) to the row, with their median. HF at a dtype none
-of --dtypes names runs its N rounds after the others. The start-up and roofline sections are
-measured once (vLLM's in its first run).
+of --dtypes names runs its N rounds after the others. The start-up section is measured once;
+the roofline section's prefill and decode figures once a round for each engine (kvfleet's right
+after its run, vLLM's inside its run), the medians printed with every round's figure.
 
     OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 \\
       .venv/bin/python -m benchmarks.engine_throughput                # the full comparison
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -301,7 +303,8 @@ def main(argv=None) -> int:
         print(f"# vLLM setup {setup}: {describe_setup(vllm, setup)}", flush=True)
     outputs: dict[str, list[list[int]]] = {}  # each system's answers in its first round
     startups: dict[str, float] = {}
-    vllm_runs: dict[str, object] = {}
+    vllm_runs: dict[str, list] = {}  # dtype -> vLLM's offline runs with the measurements
+    kvfleet_runs: dict[str, list[dict]] = {}  # dtype -> kvfleet's measurements, one per round
     hf_name = resolve_name(args.hf_dtype)
     hf_systems = not (args.skip_hf and args.skip_cb)
     rows: list[Result] = []
@@ -317,8 +320,14 @@ def main(argv=None) -> int:
                 label, key = f"{name}, attention {backend}", f"kvfleet {name} attention {backend}"
             config = engine_config(args, name, backend)
             model, startups[key] = kvfleet_start(path, requests, config)
-            systems.append(System(key, kvfleet_runner(model, requests, config, label, key,
-                                                      outputs), reference))
+            measure = None
+            if name == auto and not args.skip_roofline and i == 0:
+                # the roofline section's measurements, once a round beside vLLM's
+                measure = functools.partial(kvfleet_extras, args, load_model(path, DTYPES[name]),
+                                            requests, config)
+            systems.append(System(key, kvfleet_runner(
+                model, requests, config, label, key, outputs, measure,
+                kvfleet_runs.setdefault(name, [])), reference))
         for j, setup in enumerate(setups if vllm is not None else ()):
             label = name if len(setups) == 1 else f"{name}, {setup}"
             systems.append(System(f"vLLM {label}", vllm_runner(
@@ -349,7 +358,8 @@ def main(argv=None) -> int:
     print("\nstart-up to the first token (engine built from the model directory, one token out): "
           + ", ".join(f"{k} {v:.1f} s" for k, v in startups.items()))
     if not args.skip_roofline:
-        report["roofline"] = roofline_section(args, path, requests, auto, vllm_runs.get(auto))
+        report["roofline"] = roofline_section(args, path, requests, auto,
+                                              vllm_runs.get(auto, []), kvfleet_runs.get(auto, []))
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
@@ -408,32 +418,48 @@ def combine(systems: list[System], runs: dict[str, list[Result]]) -> list[Result
 
 
 def kvfleet_runner(model, requests: list[Request], config: EngineConfig, label: str, key: str,
-                   outputs: dict) -> Callable[[int], Result]:
+                   outputs: dict, measure: Callable[[], dict] | None = None,
+                   measured: list[dict] | None = None) -> Callable[[int], Result]:
+    """kvfleet's run of a round; with `measure`, then the roofline section's measurements of
+    the round (kvfleet_extras), appended to `measured`."""
     def run(round_index: int) -> Result:
         result, answers, _ = run_kvfleet(model, requests, config)
         result.name = f"kvfleet, {label}"
         outputs.setdefault(key, answers)
         print(f"  {result.name}: {result.tokens_per_s:.1f} tok/s ({result.note})", flush=True)
+        if measure is not None:
+            measured.append(measure())
         return result
     return run
+
+
+def kvfleet_extras(args, model, requests: list[Request], config: EngineConfig) -> dict:
+    """One round's decode rates at each --decode-streams (with their mean contexts) and prefill
+    time of the --prefill-prompts, each on a fresh engine over `model`."""
+    out: dict = {"decode": {}, "context": {}, "prefill_seconds": None}
+    for streams in decode_streams(args):
+        out["decode"][streams], out["context"][streams] = decode_throughput(
+            model, requests, streams, args.decode_steps, config)
+    if args.prefill_prompts:
+        out["prefill_seconds"] = prefill_seconds(model, prefill_prompts(args), config)
+    return out
 
 
 def vllm_runner(args, vllm: Path, path: str, requests: list[Request], dtype: str, setup: str,
                 label: str, measured: bool, outputs: dict, startups: dict,
                 vllm_runs: dict) -> Callable[[int], Result]:
-    """vLLM's offline run (a process of its own each round, its start-up timed each time); the
-    decode and prefill measurements of the roofline section in the first round's when
-    `measured`."""
+    """vLLM's offline run (a process of its own each round, its start-up timed each time); with
+    `measured`, the decode and prefill measurements of the roofline section in every round's,
+    appended to `vllm_runs[dtype]` (as kvfleet's are, each round: kvfleet_runner)."""
     key, startup_s = f"vLLM {label}", []
 
     def run(round_index: int) -> Result:
-        extras = measured and round_index == 0
         done = run_offline(vllm, path, [r.prompt for r in requests],
                            [r.max_tokens for r in requests], dtype, args.max_running,
-                           tuple(decode_streams(args)) if extras else (), setup=setup,
-                           prefill_prompts=prefill_prompts(args) if extras else None)
-        if extras:
-            vllm_runs[dtype] = done
+                           tuple(decode_streams(args)) if measured else (), setup=setup,
+                           prefill_prompts=prefill_prompts(args) if measured else None)
+        if measured:
+            vllm_runs.setdefault(dtype, []).append(done)
         outputs.setdefault(key, done.outputs)
         startup_s.append(done.startup_s)
         startups[key] = statistics.median(startup_s)
@@ -507,9 +533,11 @@ def agreement_section(outputs: dict[str, list[list[int]]]) -> dict:
 
 
 def roofline_section(args, path: str, requests: list[Request], dtype: str,
-                     vllm_run) -> dict:
-    """kvfleet's prefill and decode against this CPU's ceilings, measured now (and vLLM's, from
-    its offline run at the same dtype, prompts and streams).
+                     vllm_runs: list, kvfleet_runs: list[dict]) -> dict:
+    """kvfleet's prefill and decode against this CPU's ceilings (and vLLM's, from its offline
+    runs at the same dtype, prompts and streams): the medians of the rounds' measurements, each
+    side measured once a round, alternated with the other (kvfleet_runs, vllm_runs); without
+    rounds' measurements, kvfleet's measured now.
 
     Prefill: prompt FLOPs per second (benchmarks/roofline.py's count) over the peak product rate
     measured at the model's largest linear shape, bf16 and float32: the best of every product
@@ -533,27 +561,35 @@ def roofline_section(args, path: str, requests: list[Request], dtype: str,
                     "products_skipped": {n: r.skipped for n, r in peaks.items() if r.skipped}}
     config = engine_config(args, dtype)
     peak, peak_by = peaks[dtype].peak, peaks[dtype].peak_by
+    ours_runs = kvfleet_runs or [kvfleet_extras(args, model, requests, config)]
     if args.prefill_prompts:
         prompts = prefill_prompts(args)
         flops = cost.prefill_flops([len(p) for p in prompts])
         tokens = sum(map(len, prompts))
-        ours = prefill_seconds(model, prompts, config)
+        seconds = [r["prefill_seconds"] for r in ours_runs]
+        ours = statistics.median(seconds)
         report["prefill"] = {"prompts": len(prompts), "tokens": tokens, "flops": flops,
                              "kvfleet_tokens_per_s": tokens / ours,
-                             "kvfleet_of_peak": flops / ours / peak}
+                             "kvfleet_of_peak": flops / ours / peak,
+                             "kvfleet_rounds_tokens_per_s": [tokens / t for t in seconds]}
         print(f"prefill of {len(prompts)} x {args.prefill_len} tokens, {dtype}: kvfleet "
               f"{tokens / ours:.0f} tok/s = {flops / ours / 1e9:.0f} GFLOP/s, "
-              f"{flops / ours / peak:.0%} of the peak ({peak / 1e9:.0f}, {peak_by})")
-        if vllm_run is not None and vllm_run.prefill_seconds:
-            theirs = vllm_run.prefill_seconds
+              f"{flops / ours / peak:.0%} of the peak ({peak / 1e9:.0f}, {peak_by})"
+              f"{rounds_note([tokens / t for t in seconds], '.0f')}")
+        theirs_s = [r.prefill_seconds for r in vllm_runs if r.prefill_seconds]
+        if theirs_s:
+            theirs = statistics.median(theirs_s)
             report["prefill"] |= {"vllm_tokens_per_s": tokens / theirs,
-                                  "vllm_of_peak": flops / theirs / peak}
+                                  "vllm_of_peak": flops / theirs / peak,
+                                  "vllm_rounds_tokens_per_s": [tokens / t for t in theirs_s]}
             print(f"prefill, vLLM: {tokens / theirs:.0f} tok/s, {flops / theirs / peak:.0%} of "
-                  f"the peak; kvfleet is {theirs / ours:.2f}x")
+                  f"the peak{rounds_note([tokens / t for t in theirs_s], '.0f')}; kvfleet is "
+                  f"{theirs / ours:.2f}x")
     report["decode"] = []
     elem = DTYPES[dtype].itemsize
     for streams in decode_streams(args):
-        tps, context = decode_throughput(model, requests, streams, args.decode_steps, config)
+        rates = [r["decode"][streams] for r in ours_runs]
+        tps, context = statistics.median(rates), ours_runs[0]["context"][streams]
         need = cost.decode_step_bytes(streams, context, elem)
         bandwidth = read_bandwidth(int(need["total"]))
         memory_roofline = streams * bandwidth / need["total"]
@@ -562,20 +598,31 @@ def roofline_section(args, path: str, requests: list[Request], dtype: str,
                "step_bytes": need, "read_gb_per_s": bandwidth / 1e9,
                "memory_roofline_tokens_per_s": memory_roofline,
                "roofline_tokens_per_s": streams / floor,
-               "kvfleet_of_memory_roofline": tps / memory_roofline}
+               "kvfleet_of_memory_roofline": tps / memory_roofline,
+               "kvfleet_rounds_tokens_per_s": rates}
         print(f"decode at {streams} streams (mean context {context:.0f}), {dtype}: kvfleet "
-              f"{tps:.1f} tok/s; a step reads {need['total'] / 1e6:.0f} MB (weights "
+              f"{tps:.1f} tok/s{rounds_note(rates, '.1f')}; a step reads {need['total'] / 1e6:.0f} MB (weights "
               f"{need['weights'] / 1e6:.0f}, K/V {need['kv'] / 1e6:.0f}) at {bandwidth / 1e9:.1f} "
               f"GB/s: memory roofline {memory_roofline:.1f} tok/s, kvfleet at "
               f"{tps / memory_roofline:.0%}; with the products at the peak rate: "
               f"{streams / floor:.1f} tok/s, kvfleet at {tps * floor / streams:.0%}")
-        theirs = vllm_run.decode_tokens_per_s.get(streams) if vllm_run is not None else None
-        if theirs:
-            row["vllm_tokens_per_s"] = theirs
-            print(f"  vLLM {theirs:.1f} tok/s ({theirs / memory_roofline:.0%} of the memory "
-                  f"roofline); kvfleet is {tps / theirs:.2f}x")
+        theirs_rates = [r.decode_tokens_per_s[streams] for r in vllm_runs
+                        if r.decode_tokens_per_s.get(streams)]
+        if theirs_rates:
+            theirs = statistics.median(theirs_rates)
+            row |= {"vllm_tokens_per_s": theirs, "vllm_rounds_tokens_per_s": theirs_rates}
+            print(f"  vLLM {theirs:.1f} tok/s{rounds_note(theirs_rates, '.1f')} "
+                  f"({theirs / memory_roofline:.0%} of the memory roofline); kvfleet is "
+                  f"{tps / theirs:.2f}x")
         report["decode"].append(row)
     return report
+
+
+def rounds_note(values: list[float], spec: str) -> str:
+    """' (the median of rounds a / b / c)' where there were several rounds, else ''."""
+    if len(values) < 2:
+        return ""
+    return f" (the median of rounds {' / '.join(format(v, spec) for v in values)})"
 
 
 def decode_streams(args) -> list[int]:

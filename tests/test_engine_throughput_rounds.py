@@ -100,3 +100,44 @@ def test_repeats_give_vllm_and_hf_as_many_rounds_alternated_with_kvfleet(monkeyp
     assert "| vLLM 0.32, bfloat16 | 8 | 0.2 | 40.0 | 2.00x | 2.00x | 40.0 / 40.0 / 40.0 | " \
            "2.00 / 2.00 / 2.00 (2.00x) |" in out
     assert "| HF generate, static batch 16, bfloat16 | 8 | 1.0 | 8.0 | 10.00x |" in out
+
+
+def test_the_roofline_measurements_alternate_a_round_each(monkeypatch, tmp_path):
+    """With the roofline section on, kvfleet measures its decode and prefill after each of its
+    rounds and vLLM inside each of its runs (it measured in its first run only, kvfleet once
+    after all rounds), so both sides' figures are medians of alternated rounds."""
+    calls = []
+    requests = [Request([1, 2, 3], 4), Request([4, 5], 4)]
+    monkeypatch.setattr(et, "run_kvfleet", lambda model, reqs, config: (
+        calls.append("kvfleet") or Result("kvfleet Engine", 8, 0.1), [[7] * 4 for _ in reqs],
+        None))
+    rates = iter([10.0, 30.0, 20.0])
+
+    def extras(args, model, reqs, config):
+        calls.append("kvfleet extras")
+        return {"decode": {1: next(rates)}, "context": {1: 5.0}, "prefill_seconds": 2.0}
+
+    def run_offline(python, path, prompts, max_tokens, dtype, max_num_seqs, decode_streams=(),
+                    setup="tuned", prefill_prompts=None, **_):
+        calls.append(f"vLLM decode {list(decode_streams)} prefill {prefill_prompts is not None}")
+        return SimpleNamespace(startup_s=60.0, seconds=0.2, outputs=[[7] * 4 for _ in prompts],
+                               version="0.32", decode_tokens_per_s={1: 12.0},
+                               prefill_seconds=3.0)
+
+    monkeypatch.setattr(et, "run_offline", run_offline)
+    args = et.parse_args(["--decode-streams", "1", "--prefill-prompts", "1"])
+    kvfleet_runs: list[dict] = []
+    vllm_runs: dict[str, list] = {}
+    systems = [
+        et.System("kvfleet bfloat16", et.kvfleet_runner(
+            object(), requests, None, "bfloat16", "kvfleet bfloat16", {},
+            lambda: extras(args, None, requests, None), kvfleet_runs), "kvfleet bfloat16"),
+        et.System("vLLM bfloat16", et.vllm_runner(
+            args, tmp_path / "python", str(tmp_path), requests, "bfloat16", "tuned", "bfloat16",
+            measured=True, outputs={}, startups={}, vllm_runs=vllm_runs), "kvfleet bfloat16")]
+    et.alternate(systems, 3)
+    assert calls == ["kvfleet", "kvfleet extras", "vLLM decode [1] prefill True"] * 3
+    assert [r["decode"][1] for r in kvfleet_runs] == [10.0, 30.0, 20.0]
+    assert len(vllm_runs["bfloat16"]) == 3
+    assert et.rounds_note([10.0, 30.0, 20.0], ".1f") == " (the median of rounds 10.0 / 30.0 / 20.0)"
+    assert et.rounds_note([10.0], ".1f") == ""
