@@ -66,14 +66,21 @@ def test_an_moe_request_gets_its_lone_answer_bit_for_bit(moe_reference, wide_moe
 
 def test_a_router_that_depends_on_the_batch_is_seen(moe_reference, wide_moe):
     """The control: the same checks fail when the routers' logits depend on how many rows came
-    with them (a constructed difference: a nudge only for steps of more than one row)."""
+    with them (a constructed difference, not a rounding: in steps of more than one row expert
+    0's logit is raised by 2, which moves tokens to it and changes their routing weights)."""
     dtype, _, hidden = moe_reference
     engine = make_engine(wide_moe, dtype)
     routers = [m for m in engine.model.modules() if isinstance(m, PackedRouter)]
     assert routers
     for router in routers:
         router.product.register_forward_hook(
-            lambda module, args, out: out + 0.05 if args[0].shape[0] > 1 else out)
+            lambda module, args, out: _raise_expert_0(out) if args[0].shape[0] > 1 else out)
     run(engine, requests())
     with pytest.raises(AssertionError, match="positions differ"):
         engine.hidden.assert_same_as(hidden, "a router that depends on the batch")
+
+
+def _raise_expert_0(logits: torch.Tensor) -> torch.Tensor:
+    raised = logits.clone()
+    raised[:, 0] += 2.0
+    return raised
