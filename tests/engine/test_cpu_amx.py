@@ -263,6 +263,41 @@ def test_an_amx_linear_packs_whole_tiles_and_the_fingerprint_names_it():
             product(x)
 
 
+# ---- grouped products (a mixture-of-experts layer's experts in one call) ---------------------
+
+def grouped(kernel: BoundKernel, weights: list, x: torch.Tensor, counts: list[int],
+            threads: int = 2) -> torch.Tensor:
+    """kvfleet_amx_linear_groups: rows of x taken `counts[g]` at a time against weights[g]."""
+    n, k = weights[0].shape
+    tiles = [packed(kernel, w) for w in weights]
+    at = torch.tensor([t.data_ptr() for t in tiles], dtype=torch.int64)
+    offsets = torch.tensor([0, *np.cumsum(counts)], dtype=torch.int64)
+    y = torch.full((x.shape[0], n), 7.0, dtype=torch.bfloat16)
+    assert kernel.kvfleet_amx_linear_groups(AMX, x.data_ptr(), k, x.stride(0), offsets.data_ptr(),
+                                            at.data_ptr(), len(weights), n, y.data_ptr(), n,
+                                            threads) == 0
+    return y
+
+
+@pytest.mark.parametrize("n, k", [(83, 301), (96, 64)])
+def test_grouped_products_are_each_groups_own_product(emulated, n, k):
+    """Each group's rows get the bits kvfleet_amx_linear gives them alone against its weight,
+    whatever the other groups hold: groups of none, one and more than a task's 256 rows, 1 and 2
+    threads. Control: the same rows against the weights in another order differ."""
+    weights = [operands(n, k, 1, seed=11 + g, bias=False)[0] for g in range(4)]
+    counts = [3, 0, 1, 260]
+    _, x, _ = operands(n, k, sum(counts), seed=17, bias=False)
+    expected, first = [], 0
+    for weight, count in zip(weights, counts):
+        if count:
+            expected.append(emulated_product(emulated, weight, x[first:first + count], None))
+        first += count
+    expected = torch.cat(expected)
+    for threads in (1, 2):
+        assert torch.equal(grouped(emulated, weights, x, counts, threads), expected), threads
+    assert not torch.equal(grouped(emulated, weights[::-1], x, counts), expected)
+
+
 # ---- on AMX: the real tiles against the emulation ------------------------------------------------
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16 tiles (amx_tile, amx_bf16)")
@@ -287,6 +322,11 @@ def test_the_real_tiles_compute_what_the_emulation_does(emulated, sequential):
             linear.weight.copy_(weight)
             linear.bias.copy_(bias)
         assert torch.equal(KernelLinear(linear, form="amx")(x), expected)
+    # the grouped call (the experts of an MoE layer) on the real tiles, as emulated
+    weights = [operands(83, 301, 1, seed=31 + g, bias=False)[0] for g in range(3)]
+    _, x, _ = operands(83, 301, 40, seed=37, bias=False)
+    for counts in ([1, 0, 39], [20, 19, 1]):
+        assert torch.equal(grouped(amx, weights, x, counts), grouped(emulated, weights, x, counts))
 
 
 # ---- the gate/up product with SiLU in its epilogue ---------------------------------------------

@@ -134,7 +134,8 @@ def test_grouped_experts_compute_the_per_expert_products_bits(moe, dtype):
     """One kvfleet_linear_groups call for every expert's gate/up product and one for the down
     products give bit for bit what one kvfleet product per expert gives, for 1, 2 and 37 tokens
     (the groups' rows from 0 to many, some experts hit by none). On a CPU without AVX-512 the
-    calls take the portable product, one group at a time: the same comparison."""
+    calls take the portable product, one group at a time, and on one with AMX tiles
+    kvfleet_amx_linear_groups in bf16: the same comparison."""
     experts = copy.deepcopy(moe.model.layers[0].mlp.experts).to(dtype)
     grouped = PackedExperts(experts, grouped=True)
     loop = PackedExperts(experts, grouped=False)

@@ -488,21 +488,39 @@ constexpr int64_t kTaskRows = 8 * 2 * kTileRows;
 // than chunks of twice that, the same at the 135M model's, whose chunks are smaller anyway)
 constexpr int64_t kChunkWeightBytes = int64_t(1) << 20;
 
-void product(const Job& j, int threads) {
-    const int64_t num_blocks = (j.n + kLanes - 1) / kLanes;
-    // Threads take tasks as they finish the last: 256 rows of x against a chunk of blocks (about
-    // 8 chunks per thread, an even number of blocks each: whole pairs of B tiles), the chunks of
-    // one rows' task in turn, as cpu_matmul.cpp's do; the split decides which thread computes an
-    // output, never how it is summed.
-    const int64_t target = (num_blocks + 8 * threads - 1) / (8 * threads);
-    // and at most kChunkWeightBytes of packed weight a chunk, so a chunk's blocks stay in L2
-    // while its 256 rows of x pass over them (at the 1B model's shapes 8 chunks a thread were
-    // 2 MiB each, all of L2, and came from memory again for every 32 rows)
-    const int64_t block_bytes = k_tiles(j.k) * kTileElems * 2;
+// blocks per chunk where `blocks` blocks (of all the products a call makes) are shared among
+// `threads`: about 8 chunks per thread, an even number of blocks each (whole pairs of B tiles),
+// and at most kChunkWeightBytes of packed weight a chunk, so a chunk's blocks stay in L2 while
+// its 256 rows of x pass over them (at the 1B model's shapes 8 chunks a thread were 2 MiB each,
+// all of L2, and came from memory again for every 32 rows)
+int64_t chunk_blocks(int64_t blocks, int64_t k, int threads) {
+    const int64_t target = (blocks + 8 * threads - 1) / (8 * threads);
+    const int64_t block_bytes = k_tiles(k) * kTileElems * 2;
     const int64_t cap = std::max<int64_t>(2, kChunkWeightBytes / block_bytes / 2 * 2);
-    const int64_t size = std::min(cap, (target + 1) / 2 * 2);
-    const int64_t num_chunks = (num_blocks + size - 1) / size;
-    const int64_t row_tasks = (j.m + kTaskRows - 1) / kTaskRows;
+    return std::min(cap, (target + 1) / 2 * 2);
+}
+
+// One product's task: rows [first, last) of x against blocks [block, end) of its weight.
+struct Task {
+    int64_t product, first, last, block, end;
+};
+
+// The tasks of `jobs` (products of the same k and n, each with its own rows and weight) in one
+// parallel region: threads take tasks as they finish the last, 256 rows of x against a chunk of
+// blocks, the chunks of one rows' task in turn, as cpu_matmul.cpp's do; the split decides which
+// thread computes an output, never how it is summed.
+void run_tasks(const std::vector<Job>& jobs, int threads) {
+    const int64_t num_blocks = (jobs[0].n + kLanes - 1) / kLanes;
+    int64_t busy = 0;
+    for (const Job& j : jobs) busy += j.m > 0;
+    const int64_t size = chunk_blocks(num_blocks * busy, jobs[0].k, threads);
+    std::vector<Task> tasks;
+    for (int64_t p = 0; p < static_cast<int64_t>(jobs.size()); ++p)
+        for (int64_t first = 0; first < jobs[p].m; first += kTaskRows)
+            for (int64_t block = 0; block < num_blocks; block += size)
+                tasks.push_back({p, first, std::min(first + kTaskRows, jobs[p].m), block,
+                                 std::min(block + size, num_blocks)});
+    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
     // each thread's sums between passes: 4 C tiles per pair of blocks of its chunk
     const int64_t partial_floats = size / 2 * 4 * kTileRows * kLanes;
 #pragma omp parallel num_threads(threads)
@@ -511,13 +529,14 @@ void product(const Job& j, int threads) {
         float* aligned = reinterpret_cast<float*>(
             (reinterpret_cast<uintptr_t>(partials.data()) + 63) & ~uintptr_t(63));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < row_tasks * num_chunks; ++task) {
-            const int64_t first = task / num_chunks * kTaskRows, block = task % num_chunks * size;
-            chunk(j, first, first + kTaskRows < j.m ? first + kTaskRows : j.m, block,
-                  block + size < num_blocks ? block + size : num_blocks, aligned);
+        for (int64_t t = 0; t < num_tasks; ++t) {
+            const Task& task = tasks[t];
+            chunk(jobs[task.product], task.first, task.last, task.block, task.end, aligned);
         }
     }
 }
+
+void product(const Job& j, int threads) { run_tasks({j}, threads); }
 
 // ---- Attention on tiles (cpu_attention.py's row-invariant path on AMX CPUs) ------------------
 //
@@ -963,6 +982,23 @@ int kvfleet_amx_linear_silu(int dtype, const void* x, int64_t m, int64_t k, int6
     if (kvfleet_amx_supported(dtype) && n % (2 * kLanes) != 0) return 1;
     return run_product(dtype, x, m, k, x_stride, packed, n, bias, y, y_stride, threads,
                        Epilogue::kSilu);
+}
+
+int kvfleet_amx_linear_groups(int dtype, const void* x, int64_t k, int64_t x_stride,
+                              const int64_t* offsets, const int64_t* weights, int64_t count,
+                              int64_t n, void* y, int64_t y_stride, int threads) {
+    if (!kvfleet_amx_supported(dtype)) return -1;
+    if (count <= 0 || n <= 0) return 0;
+    std::vector<Job> jobs;
+    for (int64_t g = 0; g < count; ++g) {
+        const int64_t first = offsets[g], m = offsets[g + 1] - first;
+        if (m <= 0) continue;
+        jobs.push_back(Job{static_cast<const uint16_t*>(x) + first * x_stride, m, k, x_stride,
+                           reinterpret_cast<const uint16_t*>(weights[g]), n, nullptr,
+                           static_cast<uint16_t*>(y) + first * y_stride, y_stride});
+    }
+    if (!jobs.empty()) run_tasks(jobs, threads);
+    return 0;
 }
 
 int kvfleet_amx_attention(const void* q, int64_t q_stride_h, int64_t q_stride_t, const void* kv,

@@ -43,6 +43,15 @@ int kvfleet_amx_linear_silu(int dtype, const void* x, int64_t m, int64_t k, int6
                             const void* packed, int64_t n, const float* bias, void* y,
                             int64_t y_stride, int threads);
 
+// For each group g < count: rows [offsets[g], offsets[g + 1]) of x against the weight packed at
+// address weights[g] (as kvfleet_amx_pack packs an [n, k] weight), into the same rows of y; a
+// group of no rows is skipped. Every output is the one kvfleet_amx_linear computes for that
+// group alone (no bias): the groups' tasks share one parallel region (a mixture-of-experts
+// layer's experts: one call for all). Returns as kvfleet_amx_linear.
+int kvfleet_amx_linear_groups(int dtype, const void* x, int64_t k, int64_t x_stride,
+                              const int64_t* offsets, const int64_t* weights, int64_t count,
+                              int64_t n, void* y, int64_t y_stride, int threads);
+
 // Causal attention on AMX tiles, bf16, for every row of a step (cpu_amx.cpp, "Attention on
 // tiles"): each row's result depends on its query and its sequence's keys and values [0, ctx)
 // only. Arguments as kvfleet_paged_prefill's (cpu_prefill.h): q [num_heads, T, head_dim] with

@@ -9,10 +9,10 @@ oneDNN's): the tokens routed to an expert gathered, its gate/up product, SiLU-an
 down product, scaled by the routing weight and added to each token's output, experts in
 ascending order as transformers adds them.
 
-Where the experts' products are kvfleet's own in a form `kvfleet_linear` computes (not AMX tiles:
-cpu_matmul.cpp), every expert's weights are packed side by side and a forward makes one call for
-all the routed experts' gate/up products and one for their down products
-(`kvfleet_linear_groups`): every output is the one the per-expert product gives, and the few
+Where the experts' products are kvfleet's own, every expert's weights are packed side by side
+and a forward makes one call for all the routed experts' gate/up products and one for their down
+products (`kvfleet_linear_groups`, cpu_matmul.cpp; on AMX tiles `kvfleet_amx_linear_groups`,
+cpu_amx.cpp): every output is the one the per-expert product gives, and the few
 torch calls around them (the routed rows gathered, SiLU x up, the routing weights, each token's
 terms added in ascending expert order) take the whole step's rows at once. A decode step of one
 stream through Qwen3-30B-A3B's layer routes 8 experts a layer: the per-expert loop made a dozen
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kvfleet.worker.engine.kernels.cpu_attention import DTYPE_CODES
-from kvfleet.worker.engine.kernels.cpu_kernels import matmul_kernel
+from kvfleet.worker.engine.kernels.cpu_kernels import amx_kernel, matmul_kernel
 from kvfleet.worker.engine.kernels.cpu_linear import (BF16_FORM_CODES, bf16_form, own_product,
                                                       packs, product)
 
@@ -59,13 +59,18 @@ class PackedExperts(nn.Module):
         self.hidden = experts.down_proj.shape[1]
         self.act_fn = experts.act_fn
         dtype = experts.gate_up_proj.dtype
-        # `grouped` (default: where the products are kvfleet_linear's) packs every expert's
-        # weights side by side for kvfleet_linear_groups; else one packed product per expert
+        # `grouped` (default: where the products are kvfleet's own) packs every expert's weights
+        # side by side for one call per product (kvfleet_linear_groups, or on AMX tiles
+        # kvfleet_amx_linear_groups); else one packed product per expert
         self.grouped = grouped_products(dtype, invariant) if grouped is None else grouped
         if self.grouped:
             self._code = (BF16_FORM_CODES[bf16_form()] if dtype == torch.bfloat16
                           else DTYPE_CODES[dtype])
-            self._kvfleet_linear_groups = matmul_kernel().kvfleet_linear_groups
+            self._tiles = self._code == BF16_FORM_CODES["amx"]
+            if self._tiles:
+                self._kvfleet_amx_linear_groups = amx_kernel().kvfleet_amx_linear_groups
+            else:
+                self._kvfleet_linear_groups = matmul_kernel().kvfleet_linear_groups
             self.gate_up_packed, self._gate_up_at = _pack_all(experts.gate_up_proj, self._code)
             self.down_packed, self._down_at = _pack_all(experts.down_proj, self._code)
         else:
@@ -127,17 +132,11 @@ class PackedExperts(nn.Module):
         x = hidden_states.contiguous().index_select(0, order // k)  # [routed rows, hidden]
         rows, dtype, threads = x.shape[0], x.dtype, torch.get_num_threads()
         gate_up = torch.empty(rows, 2 * self.intermediate, dtype=dtype)
-        _check(self._kvfleet_linear_groups(
-            self._code, x.data_ptr(), self.hidden, self.hidden, offsets.data_ptr(),
-            self._gate_up_at.data_ptr(), self.num_experts, 2 * self.intermediate,
-            gate_up.data_ptr(), 2 * self.intermediate, threads), "kvfleet_linear_groups")
+        self._groups(x, offsets, self._gate_up_at, gate_up)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         act = (self.act_fn(gate) * up).contiguous()
         down = torch.empty(rows, self.hidden, dtype=dtype)
-        _check(self._kvfleet_linear_groups(
-            self._code, act.data_ptr(), self.intermediate, self.intermediate, offsets.data_ptr(),
-            self._down_at.data_ptr(), self.num_experts, self.hidden, down.data_ptr(),
-            self.hidden, threads), "kvfleet_linear_groups")
+        self._groups(act, offsets, self._down_at, down)
         terms = torch.empty(num_tokens * k, self.hidden, dtype=dtype)
         terms.index_copy_(0, order, (down * weights[order, None]).to(dtype))
         terms = terms.view(num_tokens, k, self.hidden)
@@ -145,6 +144,19 @@ class PackedExperts(nn.Module):
         for j in range(k):  # each token's terms in ascending expert order, as the loop adds them
             out += terms[:, j]
         return out
+
+    def _groups(self, x: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+                y: torch.Tensor) -> None:
+        """y = each group's rows of x (contiguous) against its expert's packed weight."""
+        k, n, threads = x.shape[1], y.shape[1], torch.get_num_threads()
+        if self._tiles:
+            _check(self._kvfleet_amx_linear_groups(
+                self._code, x.data_ptr(), k, k, offsets.data_ptr(), weights.data_ptr(),
+                self.num_experts, n, y.data_ptr(), n, threads), "kvfleet_amx_linear_groups")
+        else:
+            _check(self._kvfleet_linear_groups(
+                self._code, x.data_ptr(), k, k, offsets.data_ptr(), weights.data_ptr(),
+                self.num_experts, n, y.data_ptr(), n, threads), "kvfleet_linear_groups")
 
 
 # transformers' top-k routers this module computes (each: F.linear, a float softmax, top-k, the
@@ -183,25 +195,32 @@ def packs_router(router: nn.Module) -> bool:
 
 
 def grouped_products(dtype: torch.dtype, invariant: bool = False) -> bool:
-    """An experts block of `dtype` computes through kvfleet_linear_groups here: its linears take
-    kvfleet's own product (cpu_linear.own_product; `invariant`: wherever it builds), in a form
-    other than AMX tiles."""
-    return (dtype in DTYPE_CODES and own_product(dtype, invariant)
-            and (dtype != torch.bfloat16 or bf16_form() != "amx"))
+    """An experts block of `dtype` computes through one grouped call per product here: its
+    linears take kvfleet's own product (cpu_linear.own_product; `invariant`: wherever it builds),
+    in any of its forms (AMX tiles included)."""
+    return dtype in DTYPE_CODES and own_product(dtype, invariant)
 
 
 def _pack_all(weights: torch.Tensor, code: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[experts, n, k] -> (each expert's weight packed for kvfleet_linear, side by side; the
-    address of each expert's packed weight, int64)."""
+    """[experts, n, k] -> (each expert's weight packed for kvfleet_linear, or for the tiles
+    where `code` is the amx form's, side by side; the address of each expert's packed weight,
+    int64)."""
     num, n, k = weights.shape
-    per = 2 if weights.dtype == torch.bfloat16 else 1
-    size = -(-n // 16) * 16 * (-(-k // per) * per)  # kvfleet_pack_linear's output, elements
+    tiles, threads = code == BF16_FORM_CODES["amx"], torch.get_num_threads()
+    if tiles:  # kvfleet_amx_pack's output: k padded to whole 32-column tiles
+        size = -(-n // 16) * 16 * (-(-k // 32) * 32)
+    else:  # kvfleet_pack_linear's: k rounded up to even for bf16
+        per = 2 if weights.dtype == torch.bfloat16 else 1
+        size = -(-n // 16) * 16 * (-(-k // per) * per)
     packed = torch.empty(num, size, dtype=weights.dtype)
-    kvfleet_pack_linear = matmul_kernel().kvfleet_pack_linear
     for e in range(num):
-        w = weights[e].detach().contiguous()
-        _check(kvfleet_pack_linear(code, w.data_ptr(), n, k, packed[e].data_ptr(),
-                                   torch.get_num_threads()), "kvfleet_pack_linear")
+        w, out = weights[e].detach().contiguous(), packed[e]
+        if tiles:
+            _check(amx_kernel().kvfleet_amx_pack(code, w.data_ptr(), n, k, out.data_ptr(),
+                                                 threads), "kvfleet_amx_pack")
+        else:
+            _check(matmul_kernel().kvfleet_pack_linear(code, w.data_ptr(), n, k, out.data_ptr(),
+                                                       threads), "kvfleet_pack_linear")
     addresses = torch.tensor([packed[e].data_ptr() for e in range(num)], dtype=torch.int64)
     return packed, addresses
 
