@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from kvfleet.worker.engine.kernels.cpu_attention import DTYPE_CODES
-from kvfleet.worker.engine.kernels.cpu_kernels import amx_kernel, matmul_kernel
+from kvfleet.worker.engine.kernels.cpu_kernels import (amx_kernel, layer_ops_kernel, matmul_kernel,
+                                                       unavailable_reason)
 from kvfleet.worker.engine.kernels.cpu_linear import (BF16_FORM_CODES, bf16_form, own_product,
                                                       packs, product)
 
@@ -71,6 +72,7 @@ class PackedExperts(nn.Module):
                 self._kvfleet_amx_linear_groups = amx_kernel().kvfleet_amx_linear_groups
             else:
                 self._kvfleet_linear_groups = matmul_kernel().kvfleet_linear_groups
+            self._kvfleet_moe_combine = layer_ops_kernel().kvfleet_moe_combine
             self.gate_up_packed, self._gate_up_at = _pack_all(experts.gate_up_proj, self._code)
             self.down_packed, self._down_at = _pack_all(experts.down_proj, self._code)
         else:
@@ -137,12 +139,15 @@ class PackedExperts(nn.Module):
         act = (self.act_fn(gate) * up).contiguous()
         down = torch.empty(rows, self.hidden, dtype=dtype)
         self._groups(act, offsets, self._down_at, down)
-        terms = torch.empty(num_tokens * k, self.hidden, dtype=dtype)
-        terms.index_copy_(0, order, (down * weights[order, None]).to(dtype))
-        terms = terms.view(num_tokens, k, self.hidden)
-        out = torch.zeros_like(hidden_states)
-        for j in range(k):  # each token's terms in ascending expert order, as the loop adds them
-            out += terms[:, j]
+        # each token's terms weighted and added in ascending expert order, as the loop adds
+        # them, in one pass: token t's j-th term is row at[t * k + j] of `down`
+        at = torch.empty_like(order)
+        at[order] = torch.arange(order.numel())
+        scale = weights.float().contiguous()  # held: the call reads it
+        out = torch.empty(num_tokens, self.hidden, dtype=dtype)
+        _check(self._kvfleet_moe_combine(
+            DTYPE_CODES[dtype], down.data_ptr(), at.data_ptr(), scale.data_ptr(), num_tokens, k,
+            self.hidden, out.data_ptr(), threads), "kvfleet_moe_combine")
         return out
 
     def _groups(self, x: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
@@ -197,8 +202,9 @@ def packs_router(router: nn.Module) -> bool:
 def grouped_products(dtype: torch.dtype, invariant: bool = False) -> bool:
     """An experts block of `dtype` computes through one grouped call per product here: its
     linears take kvfleet's own product (cpu_linear.own_product; `invariant`: wherever it builds),
-    in any of its forms (AMX tiles included)."""
-    return dtype in DTYPE_CODES and own_product(dtype, invariant)
+    in any of its forms (AMX tiles included), and the layer ops kernel builds."""
+    return (dtype in DTYPE_CODES and own_product(dtype, invariant)
+            and unavailable_reason("layer_ops") is None)  # its kvfleet_moe_combine adds the terms
 
 
 def _pack_all(weights: torch.Tensor, code: int) -> tuple[torch.Tensor, torch.Tensor]:

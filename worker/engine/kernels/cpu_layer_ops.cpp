@@ -75,6 +75,34 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads
     }
 }
 
+// An MoE layer's routed terms added per token: out[t] = the sum over j < k, in order, of
+// rows[at[t * k + j]] * weights[t * k + j], the product rounded to T and each partial sum rounded
+// to T, from +0 (transformers' loop: `out[tokens] += update * weight`, expert by expert). No
+// fused multiply-add: an eager op rounds the product before the sum, in float32 too.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void moe_combine(const T* rows, const int64_t* at, const float* weights, int64_t tokens, int k,
+                 int hidden, T* out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (tokens * k * hidden >= kParallelElements)
+    for (int64_t t = 0; t < tokens; ++t) {
+        T* ot = out + t * hidden;
+        for (int j = 0; j < k; ++j) {
+            const T* r = rows + at[t * k + j] * hidden;
+            const float w = weights[t * k + j];
+            if (j == 0) {
+#pragma omp simd
+                for (int d = 0; d < hidden; ++d) store(0.f + rounded<T>(load(r[d]) * w), ot + d);
+            } else {
+#pragma omp simd
+                for (int d = 0; d < hidden; ++d)
+                    store(load(ot[d]) + rounded<T>(load(r[d]) * w), ot + d);
+            }
+        }
+    }
+}
+#pragma GCC pop_options
+
 }  // namespace
 
 // The arguments of each: cpu_layer_ops.h.
@@ -366,6 +394,20 @@ extern "C" int kvfleet_lora_add(int dtype, const void* x, int64_t x_stride, int6
                  static_cast<const uint16_t*>(a), rank_total, static_cast<const uint16_t*>(b),
                  parts, width, part_start, part_len, b_offset, static_cast<uint16_t*>(out),
                  out_stride, num_threads);
+    else
+        return 1;
+    return 0;
+}
+
+extern "C" int kvfleet_moe_combine(int dtype, const void* rows, const int64_t* at,
+                                   const float* weights, int64_t tokens, int k, int hidden,
+                                   void* out, int num_threads) {
+    if (dtype == 0)
+        moe_combine(static_cast<const float*>(rows), at, weights, tokens, k, hidden,
+                    static_cast<float*>(out), num_threads);
+    else if (dtype == 1)
+        moe_combine(static_cast<const uint16_t*>(rows), at, weights, tokens, k, hidden,
+                    static_cast<uint16_t*>(out), num_threads);
     else
         return 1;
     return 0;

@@ -22,6 +22,13 @@ int kvfleet_rope(int dtype, void* x, int64_t rows, int heads, int64_t row_stride
 int kvfleet_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
                      int num_threads);
 
+// An MoE layer's output from its routed experts' terms: out [tokens, hidden] row t = the sum
+// over j < k, in order, of rows[at[t * k + j]] * weights[t * k + j] (rows [*, hidden] in `dtype`,
+// weights fp32), each product and each partial sum rounded to `dtype` as eager ops round them,
+// the sum from +0: transformers' per-expert `out[tokens] += update * weight`, experts ascending.
+int kvfleet_moe_combine(int dtype, const void* rows, const int64_t* at, const float* weights,
+                        int64_t tokens, int k, int hidden, void* out, int num_threads);
+
 // The step's new K and V rows into the pool, straight from the q/k/v product: k and v are
 // [tokens, num_kv_heads, head_dim] with `row_stride` elements between tokens (views into that
 // product); rows[h * tokens + t] is the pool row (h * slots + slot) of token t's head h, as
