@@ -13,10 +13,13 @@ Where the experts' products are kvfleet's own, every expert's weights are packed
 and a forward makes one call for all the routed experts' gate/up products and one for their down
 products (`kvfleet_linear_groups`, cpu_matmul.cpp; on AMX tiles `kvfleet_amx_linear_groups`,
 cpu_amx.cpp): every output is the one the per-expert product gives, and the few
-torch calls around them (the routed rows gathered, SiLU x up, the routing weights, each token's
-terms added in ascending expert order) take the whole step's rows at once. A decode step of one
-stream through Qwen3-30B-A3B's layer routes 8 experts a layer: the per-expert loop made a dozen
-torch calls and two product calls for each.
+torch calls around them (the routed rows gathered, SiLU x up) take the whole step's rows at
+once. Each token's terms are weighted and added in ascending expert order in one pass
+(`kvfleet_moe_combine`, cpu_layer_ops.cpp), rounded as the loop's eager ops round them: at a
+512-token step that pass replaced a multiply, an `index_copy_` and k strided adds that took
+longer than the per-expert loop's glue. A decode step of one stream through Qwen3-30B-A3B's
+layer routes 8 experts a layer: the per-expert loop made a dozen torch calls and two product
+calls for each.
 """
 
 from __future__ import annotations
