@@ -78,30 +78,36 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads
 // An MoE layer's routed terms added per token: out[t] = the sum over j < k, in order, of
 // rows[at[t * k + j]] * weights[t * k + j], the product rounded to T and each partial sum rounded
 // to T, from +0 (transformers' loop: `out[tokens] += update * weight`, expert by expert). No
-// fused multiply-add: an eager op rounds the product before the sum, in float32 too.
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
+// fused multiply-add: an eager op rounds the product before the sum, in float32 too, so each
+// term is made in its own pass into `term` and added in another (the compiler contracts a
+// product and a sum of one expression into an FMA; a pragma against it kept the helpers from
+// inlining, and the pass from vectorising).
 template <typename T>
 void moe_combine(const T* rows, const int64_t* at, const float* weights, int64_t tokens, int k,
                  int hidden, T* out, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (tokens * k * hidden >= kParallelElements)
-    for (int64_t t = 0; t < tokens; ++t) {
-        T* ot = out + t * hidden;
-        for (int j = 0; j < k; ++j) {
-            const T* r = rows + at[t * k + j] * hidden;
-            const float w = weights[t * k + j];
-            if (j == 0) {
+#pragma omp parallel num_threads(num_threads) if (tokens * k * hidden >= kParallelElements)
+    {
+        std::vector<float> buffer(hidden);
+        float* term = buffer.data();
+#pragma omp for
+        for (int64_t t = 0; t < tokens; ++t) {
+            T* ot = out + t * hidden;
+            for (int j = 0; j < k; ++j) {
+                const T* r = rows + at[t * k + j] * hidden;
+                const float w = weights[t * k + j];
 #pragma omp simd
-                for (int d = 0; d < hidden; ++d) store(0.f + rounded<T>(load(r[d]) * w), ot + d);
-            } else {
+                for (int d = 0; d < hidden; ++d) term[d] = rounded<T>(load(r[d]) * w);
+                if (j == 0) {
 #pragma omp simd
-                for (int d = 0; d < hidden; ++d)
-                    store(load(ot[d]) + rounded<T>(load(r[d]) * w), ot + d);
+                    for (int d = 0; d < hidden; ++d) store(0.f + term[d], ot + d);
+                } else {
+#pragma omp simd
+                    for (int d = 0; d < hidden; ++d) store(load(ot[d]) + term[d], ot + d);
+                }
             }
         }
     }
 }
-#pragma GCC pop_options
 
 }  // namespace
 
