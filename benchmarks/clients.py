@@ -6,6 +6,14 @@ client measure what theirs measure, and does kvfleet serve the request shapes th
     .venv/bin/python -m benchmarks.clients                           # kvfleet, then vLLM
     .venv/bin/python -m benchmarks.clients --no-vllm --clients guidellm,aiperf
     .venv/bin/python -m benchmarks.clients --num-prompts 48 --max-concurrency 32 --output-len 128
+    .venv/bin/python -m benchmarks.clients --simulated --no-vllm     # a server no client can slow
+
+With `--simulated` kvfleet serves from one simulated worker (`kvfleet up --workers 0
+--sim-workers 1 --sim-device h100`): the real gateway, Redis, scheduler and protocol, each step
+the time an H100 takes x `--sim-time-scale`. On a machine of few cores a client's own CPU is
+taken from a real worker, so each client measures a slower server than kvfleet bench does; a
+simulated worker's steps are the same whatever the client, so there the figures compare the
+clients themselves (docs/BENCHMARKS.md, "The clients agree with kvfleet bench ...").
 
 The clients, each from its own virtualenv (vLLM's, benchmarks/vllm_env.sh; GuideLLM's and
 AIPerf's, benchmarks/clients_env.sh), run from a scratch directory, not the checkout:
@@ -489,6 +497,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strict", action="store_true", help="a disagreement fails the run too")
     p.add_argument("--kvfleet-dtype", default="auto")
     p.add_argument("--kvfleet-args", default="", help="more arguments for `kvfleet up`")
+    p.add_argument("--simulated", action="store_true",
+                   help="kvfleet's fleet with one simulated worker instead of its real one "
+                        "(`--workers 0 --sim-workers 1 --sim-device h100`): the real gateway, "
+                        "Redis, scheduler and protocol, each step the time an H100 takes x "
+                        "--sim-time-scale, which no client's CPU can slow")
+    p.add_argument("--sim-time-scale", type=float, default=100,
+                   help="with --simulated: the steps' times x this (100: about 50 ms a decode "
+                        "step of 16 streams of the default model)")
     p.add_argument("--vllm-dtype", default="bfloat16")
     p.add_argument("--vllm-venv", default=None)
     p.add_argument("--guidellm-venv", default=None)
@@ -504,6 +520,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown := set(args.clients) - set(JOBS):
         p.error(f"--clients: unknown {sorted(unknown)}; choose from {', '.join(JOBS)}")
     args.served = args.served_model_name or HUB_IDS.get(args.model, served_model_id(args.model))
+    if args.simulated:  # `kvfleet up` takes the last of a repeated flag: --workers 0 wins
+        args.kvfleet_args = (f"--workers 0 --sim-workers 1 --sim-device h100 --sim-time-scale "
+                             f"{args.sim_time_scale:g} {args.kvfleet_args}").strip()
     return args
 
 

@@ -230,3 +230,17 @@ def test_unknown_clients_are_refused():
     assert args.clients == ["vllm-random", "vllm-prefix", "guidellm", "aiperf"]
     assert clients.parse_args(["--served-model-name", "x/y"]).served == "x/y"
     assert Path(clients.CACHE).name == "kvfleet"
+
+
+def test_simulated_serves_from_one_simulated_worker_and_no_real_one():
+    """`--simulated`: `kvfleet up` as benchmarks.http_peers starts it (`--workers 1`) with the
+    simulated worker's arguments after it, so the fleet has no real worker (a real one beside
+    the simulated one took half the requests at a quarter of the pace)."""
+    from kvfleet.cli import build_parser
+    args = clients.parse_args(["--simulated", "--sim-time-scale", "50", "--kvfleet-args=--x 1"])
+    up = ["up", "--port", "1", "--dtype", "auto", "--workers", "1", "--model", "m"]
+    parsed, rest = build_parser().parse_known_args(up + args.kvfleet_args.split())
+    assert (parsed.workers, parsed.sim_workers, parsed.sim_device, parsed.sim_time_scale) == (
+        0, 1, "h100", 50.0)
+    assert rest == ["--x", "1"]  # the caller's own arguments still reach it
+    assert clients.parse_args([]).kvfleet_args == ""  # off by default: the real worker
