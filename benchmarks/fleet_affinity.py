@@ -147,6 +147,9 @@ class ConfigSummary:
     # prompt tokens computed (not cached) by turn number, answered requests: where a fleet's
     # excess over one worker is (first turns: tenants' prompts; later: conversations' history)
     computed_by_turn: dict[int, int] = field(default_factory=dict)
+    # every sent turn (in the JSON output only): which worker answered, when it was sent, what it
+    # found cached: where an excess over one worker comes from, request by request
+    turns: list[dict] = field(default_factory=list)
 
     @property
     def computed_tokens(self) -> int:
@@ -218,7 +221,14 @@ def summarise(config: str, name: str, turns: list[Turn], num_unsent: int, durati
         loads=loads, num_unattributed=unattributed, load_skew=load_skew(loads),
         events=list(events or []), taken=dict(taken or {}), fetches=dict(fetches or {}),
         answers={f"{t.conversation}-{t.turn}": t.record.text for t in turns if t.record.ok},
-        computed_by_turn=computed_by_turn(turns))
+        computed_by_turn=computed_by_turn(turns), turns=[turn_row(t) for t in turns])
+
+
+def turn_row(t: Turn) -> dict:
+    r = t.record
+    return {"conversation": t.conversation, "tenant": t.tenant, "turn": t.turn,
+            "worker": t.worker, "response_id": r.response_id, "ok": r.ok, "sent_at_s": r.sent_at_s, "ttft_s": r.ttft_s,
+            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens}
 
 
 def answers_differing(summary: ConfigSummary, reference: ConfigSummary) -> tuple[int, int]:
@@ -436,7 +446,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout-s", type=float, default=600)
     p.add_argument("--log-dir", default=None,
                    help="keep the servers' logs here (default: a temporary directory, removed)")
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--json-out", default=None,
+                   help="write every configuration (each turn: worker, response id, tokens) "
+                        "and the ratios as JSON")
     return p.parse_args(argv)
 
 

@@ -133,6 +133,10 @@ def test_cached_share_counts_answered_turns_and_turns_2_on_apart():
     assert (s.num_sent, s.num_ok, s.num_unsent, s.num_lost) == (4, 3, 2, 3)
     assert s.output_tokens_per_s == pytest.approx(96 / 10.0)
     assert s.requests_per_s == pytest.approx(0.3)
+    # every sent turn, failed ones too, with where it went and what it found cached
+    assert [(r["turn"], r["worker"], r["ok"], r["prompt_tokens"], r["cached_tokens"])
+            for r in s.turns] == [(1, "a", True, 600, 0), (2, "a", True, 700, 600),
+                                  (3, "b", True, 800, 500), (2, "b", False, 900, 900)]
 
 
 def test_loads_list_idle_workers_and_count_requests_without_a_worker():
