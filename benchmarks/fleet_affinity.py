@@ -225,9 +225,11 @@ def summarise(config: str, name: str, turns: list[Turn], num_unsent: int, durati
 
 
 def turn_row(t: Turn) -> dict:
+    """One sent turn as the JSON output lists it."""
     r = t.record
     return {"conversation": t.conversation, "tenant": t.tenant, "turn": t.turn,
-            "worker": t.worker, "response_id": r.response_id, "ok": r.ok, "sent_at_s": r.sent_at_s, "ttft_s": r.ttft_s,
+            "worker": t.worker, "response_id": r.response_id, "ok": r.ok,
+            "sent_at_s": r.sent_at_s, "ttft_s": r.ttft_s,
             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens}
 
 
