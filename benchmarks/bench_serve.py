@@ -41,6 +41,7 @@ from pathlib import Path
 
 from benchmarks.http_peers import free_port, kvfleet_server, stop_session, wait_first_answer
 from benchmarks.peer_env import dropped_line, peer_env
+from benchmarks.serve_floor import Ceilings, Floor, Workload, measure, reachable
 from benchmarks.vllm_peer import REPO, SETUP_HINT, VllmServer, describe_setup, vllm_python
 from kvfleet.shared.cpu_features import cpu_features
 from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path, served_model_id
@@ -59,6 +60,9 @@ FIGURES = (("output_throughput", "output tok/s", 1.0), ("p50_ttft_ms", "TTFT p50
            ("p99_ttft_ms", "TTFT p99 (ms)", 1.0), ("p50_tpot_ms", "TPOT p50 (ms)", 1.0),
            ("p99_itl_ms", "ITL p99 (ms)", 1.0))
 HIGHER_IS_BETTER = {"output_throughput"}
+TARGET = 1.2  # issue 55: kvfleet's output tok/s at least this times vLLM's
+# the prefix workload's shape (workload_args): prompts share one of PREFIXES prefixes
+PREFIX_LEN, PREFIXES = 512, 4
 
 
 def workload_args(name: str, args) -> list[str]:
@@ -68,8 +72,10 @@ def workload_args(name: str, args) -> list[str]:
                 "--random-output-len", str(args.random_output_len)]
     if name == "prefix":
         return ["--dataset-name", "prefix_repetition",
-                "--prefix-repetition-prefix-len", "512", "--prefix-repetition-suffix-len", "64",
-                "--prefix-repetition-num-prefixes", "4", "--prefix-repetition-output-len", "96"]
+                "--prefix-repetition-prefix-len", str(PREFIX_LEN),
+                "--prefix-repetition-suffix-len", "64",
+                "--prefix-repetition-num-prefixes", str(PREFIXES),
+                "--prefix-repetition-output-len", "96"]
     raise SystemExit(f"--workloads: unknown {name!r}; choose from random, prefix")
 
 
@@ -82,6 +88,9 @@ class Run:
     failed: int
     first_error: str | None = None
     timelines: dict = field(default_factory=dict)  # kvfleet's, when asked for
+    # the requests as the client sent and counted them: prompt and output tokens each
+    input_lens: list[int] = field(default_factory=list)
+    output_lens: list[int] = field(default_factory=list)
 
 
 def run_client(vllm: Path, url: str, model_dir: str, served: str, workload: str, args,
@@ -94,7 +103,8 @@ def run_client(vllm: Path, url: str, model_dir: str, served: str, workload: str,
                "--num-prompts", str(args.num_prompts), "--max-concurrency",
                str(args.max_concurrency), "--ignore-eos", "--seed", str(args.seed),
                "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-               "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+               "--save-result", "--save-detailed", "--result-dir", str(out.parent),
+               "--result-filename", out.name]
     out.unlink(missing_ok=True)
     done = subprocess.run(command, env=peer_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
@@ -108,7 +118,9 @@ def to_run(server: str, workload: str, result: dict) -> Run:
     errors = [e for e in result.get("errors", []) if e]
     return Run(server, workload, {key: float(result[key]) for key, _, _ in FIGURES},
                int(result["completed"]), int(result["failed"]),
-               errors[0][:300] if errors else None)
+               errors[0][:300] if errors else None,
+               input_lens=[int(n) for n in result.get("input_lens", [])],
+               output_lens=[int(n) for n in result.get("output_lens", [])])
 
 
 def kvfleet_runs(args, vllm: Path, model_dir: str, tmp: Path, tag: str) -> list[Run]:
@@ -210,6 +222,52 @@ def table(rounds: list[list[Run]]) -> list[str]:
     return lines
 
 
+def workload_of(run: Run, concurrency: int) -> Workload | None:
+    """The requests of a run as the floor counts them: each one's prompt and output tokens as
+    the client counted them (completed requests only), in the prefix workload every prompt but
+    the first of each prefix holding its prefix in an ideal cache; None without them."""
+    lens = [(n, out) for n, out in zip(run.input_lens, run.output_lens) if n > 0 and out > 0]
+    if not lens:
+        return None
+    inputs, outputs = zip(*lens)
+    cached = [0] * len(inputs)
+    if run.workload == "prefix":
+        cached = [0] * PREFIXES + [PREFIX_LEN] * max(0, len(inputs) - PREFIXES)
+        cached = [min(c, n - 1) for c, n in zip(cached, inputs)]
+    return Workload(tuple(inputs), tuple(outputs), tuple(cached[:len(inputs)]), concurrency)
+
+
+def floor_lines(rounds: list[list[Run]], ceilings: Ceilings, concurrency: int,
+                target: float = TARGET) -> tuple[list[str], dict[str, dict]]:
+    """Per workload: its floor, each server's median throughput as a share of the ceiling, and
+    whether `target` times vLLM's median is within the ceiling. Lines and a report by workload."""
+    runs = [run for r in rounds for run in r]
+    lines = ["| workload | floor (s) | bound by | ceiling tok/s | kvfleet's share | vLLM's share "
+             f"| {target}x vLLM within the ceiling |", "|---|---:|---|---:|---:|---:|---|"]
+    report: dict[str, dict] = {}
+    for workload in dict.fromkeys(run.workload for run in runs):
+        mine = [run for run in runs if run.workload == workload]
+        shape = next((w for run in mine if (w := workload_of(run, concurrency))), None)
+        if shape is None:
+            continue
+        result: Floor = ceilings.floor(shape)
+        medians = {server: statistics.median(run.figures["output_throughput"] for run in mine
+                                             if run.server == server)
+                   for server in ("kvfleet", "vLLM") if any(r.server == server for r in mine)}
+        shares = {server: result.share(tps) for server, tps in medians.items()}
+        within = "" if "vLLM" not in shares else (
+            "yes" if reachable(target, shares["vLLM"]) else
+            f"no: {target}x vLLM is {target * shares['vLLM']:.0%} of the ceiling")
+        cells = " | ".join(f"{shares[s]:.0%}" if s in shares else "" for s in ("kvfleet", "vLLM"))
+        lines.append(f"| {workload} | {result.seconds:.1f} | {result.bound_by} | "
+                     f"{result.ceiling:.1f} | {cells} | {within} |")
+        report[workload] = {"floor_s": result.seconds, "compute_s": result.compute_s,
+                            "memory_s": result.memory_s, "ceiling_tokens_per_s": result.ceiling,
+                            "shares": shares, "target_within_ceiling":
+                            None if "vLLM" not in shares else reachable(target, shares["vLLM"])}
+    return lines, report
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -230,6 +288,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timelines", action="store_true",
                    help="after kvfleet's rows, where its requests' time went")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip measuring this machine's ceilings and each workload's floor")
     p.add_argument("--startup-timeout-s", type=float, default=600)
     p.add_argument("--json-out", default=None)
     p.add_argument("--log-dir", default=None,
@@ -256,6 +316,10 @@ def main(argv=None) -> int:
         print(f"# vLLM setup tuned: {describe_setup(vllm, 'tuned')}", flush=True)
     if dropped := dropped_line():
         print(dropped, flush=True)
+    ceilings = None
+    if not args.no_floor:  # measured first, on a quiet machine, before any server starts
+        ceilings = measure(args.model)
+        print(f"# this machine's ceilings for {args.model}:\n{ceilings.describe()}", flush=True)
     rounds: list[list[Run]] = []
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-serve-") as tmp_name:
         tmp = Path(args.log_dir or tmp_name)
@@ -270,9 +334,15 @@ def main(argv=None) -> int:
             rounds.append(runs)
     print()
     print("\n".join(table(rounds)))
+    floors: dict[str, dict] = {}
+    if ceilings is not None:
+        lines, floors = floor_lines(rounds, ceilings, args.max_concurrency)
+        print("\nthe floor of each workload on this machine (benchmarks/serve_floor.py):")
+        print("\n".join(lines))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
-            [[run.__dict__ for run in runs] for runs in rounds], indent=2))
+            {"rounds": [[run.__dict__ for run in runs] for runs in rounds], "floors": floors},
+            indent=2))
     failed = [run for runs in rounds for run in runs if run.failed]
     for run in failed:
         print(f"FAILED: {run.server}, {run.workload}: {run.failed} requests failed "

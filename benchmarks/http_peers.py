@@ -24,6 +24,13 @@ order, N rounds (kvfleet, vLLM, kvfleet, vLLM, ...): the table gives each system
 ratio of kvfleet's median to each system's, the median over the rounds of each round's ratio
 (the runs compared ran minutes apart, not N minutes apart) and every round's ratio.
 
+After the table, the trace's **floor** on this machine (benchmarks/serve_floor.py): the least time
+any server needs for these requests (their prompts as /v1/completions tokenises them, their
+max_tokens made, all in flight at once or `--concurrency` at a time), from the peak product rate
+and read bandwidth measured before the first round; each system's median throughput is given as
+its share of the ceiling that gives, with whether 1.5x vLLM's (issue 55's target for this trace)
+is within it at all. `--no-floor` skips it.
+
 Every request must succeed: the table counts each system's failed requests (over all rounds),
 and the run exits 1 after printing it when any failed (a server that cannot start or a client
 that cannot run stops the run at once).
@@ -47,11 +54,13 @@ from pathlib import Path
 import httpx
 
 from benchmarks.peer_env import dropped_line, peer_env
+from benchmarks.serve_floor import Ceilings, Workload, measure as measure_ceilings, reachable
 from benchmarks.vllm_peer import REPO, SETUP_HINT, SETUPS, VllmServer, describe_setup, vllm_python
 from kvfleet.shared.cpu_features import cpu_features
 from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path, served_model_id
 
 WORKLOAD = str(REPO / "benchmarks" / "data" / "chat-mix-64.jsonl")
+TARGET = 1.5  # issue 55: kvfleet's output tok/s on this trace at least this times vLLM's
 
 
 @dataclass
@@ -166,6 +175,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds; every system runs once per round, and the table gives "
                         "medians (of throughputs, and of each round's ratios)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip measuring this machine's ceilings and the trace's floor")
     p.add_argument("--startup-timeout-s", type=float, default=600)
     p.add_argument("--json-out", default=None)
     p.add_argument("--log-dir", default=None,
@@ -191,6 +202,10 @@ def main(argv=None) -> int:
     setups = [s for s in args.vllm_setups.split(",") if s]
     if unknown := set(setups) - set(SETUPS):
         raise SystemExit(f"--vllm-setups: unknown {sorted(unknown)}; choose from {SETUPS}")
+    ceilings = None
+    if not args.no_floor:  # measured first, on a quiet machine, before any server starts
+        ceilings = measure_ceilings(args.model)
+        print(f"# this machine's ceilings for {args.model}:\n{ceilings.describe()}", flush=True)
     rounds: list[list[HttpResult]] = []
     with tempfile.TemporaryDirectory(prefix="kvfleet-http-peers-") as tmp:
         if args.log_dir:
@@ -203,11 +218,45 @@ def main(argv=None) -> int:
             tag = f"-{round_index + 1}" if args.repeats > 1 else ""
             rounds.append(run_round(args, vllm, model_dir, setups, Path(tmp), tag))
     print_table(rounds)
+    if ceilings is not None:
+        print("\n".join(floor_lines(rounds, ceilings, trace_workload(args, model_dir))))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
             [[r.__dict__ for r in results] for results in rounds] if args.repeats > 1
             else [r.__dict__ for r in rounds[0]], indent=2))
     return report_failures(rounds)
+
+
+def trace_workload(args, model_dir: str) -> Workload:
+    """The requests the client sends, as the floor counts them: each prompt as /v1/completions
+    tokenises it, its max_tokens made (ignore_eos), no prompt cached, all in flight at once or
+    --concurrency at a time."""
+    from benchmarks.engine_throughput import load_requests  # the engine's imports: here only
+    from kvfleet.shared.models import load_tokenizer
+
+    requests = load_requests(args.workload, args.num_requests, load_tokenizer(model_dir), raw=True)
+    return Workload(tuple(len(r.prompt) for r in requests),
+                    tuple(r.max_tokens for r in requests), (0,) * len(requests),
+                    args.concurrency or len(requests))
+
+
+def floor_lines(rounds: list[list[HttpResult]], ceilings: Ceilings, workload: Workload,
+                target: float = TARGET) -> list[str]:
+    """The trace's floor, and each system's median throughput as its share of the ceiling;
+    whether `target` times the best vLLM system is within the ceiling."""
+    result = ceilings.floor(workload)
+    lines = [f"\nthe trace's {result.describe()}"]
+    names = dict.fromkeys(r.name for results in rounds for r in results)
+    shares = {name: result.share(statistics.median(
+        r.tokens_per_s for results in rounds for r in results if r.name == name))
+        for name in names}
+    lines += [f"  {name}: {share:.0%} of the ceiling" for name, share in shares.items()]
+    peers = [share for name, share in shares.items() if name.startswith("vLLM")]
+    if peers:
+        peer = max(peers)
+        lines.append(f"  {target}x vLLM's best would be {target * peer:.0%} of the ceiling: "
+                     + ("within it" if reachable(target, peer) else "beyond this machine"))
+    return lines
 
 
 def report_failures(rounds: list[list[HttpResult]]) -> int:

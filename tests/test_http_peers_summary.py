@@ -4,13 +4,20 @@ rounds); every failed request counted per system, and the run failed by any."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from argparse import Namespace
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from benchmarks import http_peers
 from benchmarks.http_peers import HttpResult, print_table, report_failures, summarize
+from benchmarks.roofline import ModelCost, ProductRates
+from benchmarks.serve_floor import Ceilings, Workload
+from kvfleet.shared.model_shapes import shape_config
+from kvfleet.shared.models import DEFAULT_MODEL, resolve_model_path
 
 
 def result(name: str, tokens_per_s: float, startup_s: float = 10.0,
@@ -106,3 +113,36 @@ def test_the_client_exiting_1_on_failed_requests_still_gives_its_summary(
             http_peers.run_client("http://x", args, tmp_path)
     else:
         assert http_peers.run_client("http://x", args, tmp_path) == {"num_errors": 2}
+
+
+def test_the_trace_is_counted_as_the_client_sends_it():
+    args = Namespace(workload=http_peers.WORKLOAD, num_requests=5, concurrency=0)
+    workload = http_peers.trace_workload(args, resolve_model_path(DEFAULT_MODEL))
+    rows = [json.loads(line) for line in open(http_peers.WORKLOAD)][:5]
+    assert workload.output_lengths == tuple(r["max_tokens"] for r in rows)
+    assert workload.concurrency == 5 and workload.cached == (0,) * 5
+    # a prompt's tokens: a few characters each, never more tokens than characters
+    assert all(len(r["prompt"]) / 8 < n <= len(r["prompt"])
+               for r, n in zip(rows, workload.prompt_lengths))
+    args.concurrency = 2
+    assert http_peers.trace_workload(args, resolve_model_path(DEFAULT_MODEL)).concurrency == 2
+
+
+def test_each_system_is_placed_under_the_traces_ceiling():
+    workload = Workload((100,) * 4, (50,) * 4, (0,) * 4, 4)
+    with torch.device("meta"):
+        cost = ModelCost.of(AutoModelForCausalLM.from_config(shape_config("llama-3.2-1b")))
+    # a peak that makes the floor 2 s: a ceiling of 100 output tok/s
+    rates = ProductRates(torch.bfloat16, 512, 2048, 8192, {"oneDNN": workload.flops(cost) / 2},
+                         "AVX512")
+    ceilings = Ceilings(cost, (rates,), bandwidth=1e15)
+    rounds = [[result("kvfleet, --dtype auto", 80.0), result("vLLM, --dtype bfloat16", 60.0)],
+              [result("kvfleet, --dtype auto", 70.0), result("vLLM, --dtype bfloat16", 50.0)]]
+    lines = http_peers.floor_lines(rounds, ceilings, workload)
+    assert "ceiling 100.0 output tok/s" in lines[0]
+    assert "  kvfleet, --dtype auto: 75% of the ceiling" in lines  # median of 80 and 70
+    assert "  vLLM, --dtype bfloat16: 55% of the ceiling" in lines
+    assert lines[-1].endswith("82% of the ceiling: within it")  # 1.5 x 55%
+    faster_peer = [[result("vLLM, --dtype bfloat16", 70.0)]]
+    assert http_peers.floor_lines(faster_peer, ceilings, workload)[-1].endswith(
+        "beyond this machine")
