@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import signal
 import socket
@@ -68,6 +69,18 @@ def build_engine(settings: WorkerSettings) -> Engine:
     return engine
 
 
+def freeze_startup_heap() -> None:
+    """Put the start-up heap (torch, transformers, the tokenizer, the model's modules: about half a
+    million objects with the default model) beyond the cyclic collector's reach, once the engine
+    is built. A full collection scanned all of it, 0.26-0.31 s on a 2-core Zen 4 (docs/
+    BENCHMARKS.md, "A workload's floor"): a pause inside a step, which every stream sees as one
+    long gap. It lives as long as the process anyway. The thresholds stay CPython's: collections
+    now scan only what serving made, and a finished request's objects are freed by reference
+    counting as before (the gateway does the same: gateway/app.py, tune_gc_for_serving)."""
+    gc.collect()
+    gc.freeze()
+
+
 def with_draft_model_path(config: EngineConfig, tokenizer, cache_dir) -> EngineConfig:
     """The draft model of `--speculative-config` resolved as `--model` is (a directory, the
     default model, an id in the local HF cache); a draft whose tokenizer differs from the
@@ -107,6 +120,7 @@ def run_worker(settings: WorkerSettings, stop: threading.Event | None = None,
     except ValueError as exc:
         raise SystemExit(f"kvfleet worker: {exc}") from None
     engine = build_engine(settings)
+    freeze_startup_heap()
     try:
         _serve(settings, engine, worker_id, stop, drain, provider)
     finally:
