@@ -4,7 +4,13 @@ at a fixed number of running streams (the first N chat-mix prompts, all prefille
     .venv/bin/python -m benchmarks.profile_decode --streams 32 --dtype auto --attention-backend cpu
 
 Prints the step time and the operators with the most self CPU time per step (the C++ decode
-kernel shows under `attention (cpu kernel)`, a record_function around its call).
+kernel shows under `attention (cpu kernel)`, a record_function around its call). torch.profiler
+sees torch's operators only, not kvfleet's products (called through their own binding); with
+`--no-torch-profiler` the steps run unprofiled, for a sampling profiler of the whole process:
+
+    perf record -g -- .venv/bin/python -m benchmarks.profile_decode --streams 32 --steps 400 \
+        --no-torch-profiler
+    perf report --no-children --sort dso,symbol
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--no-torch-profiler", action="store_true",
+                   help="time the steps without torch.profiler (for perf over the process)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -46,18 +54,23 @@ def main(argv=None) -> int:
     for _ in range(args.steps):  # warm-up
         engine.step()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    prof = None
+    if args.no_torch_profiler:
         for _ in range(args.steps):
             engine.step()
+    else:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                engine.step()
     per_step_ms = (time.perf_counter() - start) / args.steps * 1e3
     contexts = [s.num_tokens for s in engine.scheduler.running]
     print(f"# CPU {cpu_features().describe()}; {torch.get_num_threads()} threads; dtype "
           f"{engine.dtype}; attention {engine.attention_backend.name}; {len(contexts)} streams, "
           f"contexts {min(contexts)}-{max(contexts)} (mean {sum(contexts) / len(contexts):.0f})")
-    print(f"step {per_step_ms:.1f} ms under the profiler ({len(contexts) * 1e3 / per_step_ms:.0f} "
-          f"tok/s)")
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
-    print(table)
+    where = "without torch.profiler" if prof is None else "under the profiler"
+    print(f"step {per_step_ms:.1f} ms {where} ({len(contexts) * 1e3 / per_step_ms:.0f} tok/s)")
+    if prof is not None:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     return 0
 
 

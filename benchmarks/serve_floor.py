@@ -116,10 +116,10 @@ class Floor:
         return tokens_per_s / self.ceiling
 
     def describe(self) -> str:
-        return (f"floor {self.seconds:.1f} s ({self.bound_by}: compute {self.compute_s:.1f} s "
-                f"at {self.peak_flops / 1e9:.0f} GFLOP/s by {self.peak_by}, memory "
-                f"{self.memory_s:.1f} s at {self.bandwidth / 1e9:.1f} GB/s): ceiling "
-                f"{self.ceiling:.1f} output tok/s")
+        return (f"floor {self.seconds:.1f} s, bound by {self.bound_by} (its FLOPs "
+                f"{self.compute_s:.1f} s at {self.peak_flops / 1e9:.0f} GFLOP/s by {self.peak_by}, "
+                f"its fewest decode steps {self.memory_s:.1f} s at {self.bandwidth / 1e9:.1f} "
+                f"GB/s): ceiling {self.ceiling:.1f} output tok/s")
 
 
 def floor(workload: Workload, cost: ModelCost, peak_flops: float, bandwidth: float,
