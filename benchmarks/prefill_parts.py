@@ -6,13 +6,14 @@ alternated.
 
     .venv/bin/python -m benchmarks.prefill_parts --tokens 2048 --rounds 5
 
+(`--model random:llama-3.2-1b`: a model shape's engine in place of the default model's.)
 (`--dtype float32`: the engines in float32, as on CPUs without AVX512-BF16.)
 
 Each round adds --tokens / 256 seeded random prompts of 256 tokens to an engine and times the
 step that computes them all (max_batched_tokens = --tokens; nothing is found in the prefix
 cache: the prompts differ in every round), then lets them finish. The parts are timed by
 wrapping the fused layer's calls (cpu_layers.py: each product by its shape, RMSNorm, RoPE, the
-attention with its K/V write, SiLU x up) and summed over the step's 30 layers; the rest is the
+attention with its K/V write, SiLU x up) and summed over the step's layers; the rest is the
 step's time outside them (the residual add where it is a pass of its own, embedding, LM head
 rows, sampling, scheduling, Python). Medians over the rounds after the first (a warm-up). A
 step that fails stops the script. Where the engine fuses neither (no AMX tiles, or
@@ -76,16 +77,16 @@ class PartTimer:
         cpu_linear.KernelLinear.forward = forward
 
 
-def build(tokens: int, fuse: bool, dtype: str = "auto") -> Engine:
-    """The default model's engine; without `fuse`, its layers' gate/up products are built plain
-    (cpu_layers applies SiLU x up as its own pass) and their down products add into the residual
-    with add_."""
+def build(tokens: int, fuse: bool, dtype: str = "auto", model: str = DEFAULT_MODEL) -> Engine:
+    """`model`'s engine (the default model's unless given); without `fuse`, its layers' gate/up
+    products are built plain (cpu_layers applies SiLU x up as its own pass) and their down
+    products add into the residual with add_."""
     product = cpu_layers.product
     if not fuse:
         cpu_layers.product = lambda linear, invariant=False, silu_pairs=False: product(
             linear, invariant, False)
     try:
-        engine = Engine.from_pretrained(resolve_model_path(DEFAULT_MODEL), EngineConfig(
+        engine = Engine.from_pretrained(resolve_model_path(model), EngineConfig(
             device="cpu", dtype=dtype, max_batched_tokens=tokens, max_running=64))
     finally:
         cpu_layers.product = product
@@ -100,6 +101,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens in the step")
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per engine")
     parser.add_argument("--dtype", default="auto", help="the engines' --dtype")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="the model (default: the default model; `random:<shape>` for a shape)")
     args = parser.parse_args()
     timer = PartTimer()
     timer.wrap_products()
@@ -107,8 +110,8 @@ def main() -> None:
                         ("fused_layer_attention", "attention (K/V write, kernel)"),
                         ("silu_mul", "SiLU x up (its own pass)")):
         timer.wrap(cpu_layers, name, label)
-    engines = {"fused epilogues": build(args.tokens, True, args.dtype),
-               "passes of their own": build(args.tokens, False, args.dtype)}
+    engines = {"fused epilogues": build(args.tokens, True, args.dtype, args.model),
+               "passes of their own": build(args.tokens, False, args.dtype, args.model)}
     fused = any(getattr(layer, "_silu_in_product", False)
                 or getattr(layer, "_add_in_product", False)
                 for layer in engines["fused epilogues"].model.model.layers)

@@ -141,6 +141,11 @@ def test_a_rows_sums_do_not_depend_on_the_batch_or_the_threads(emulated):
     wide = torch.zeros(40, 320, dtype=torch.bfloat16)
     wide[:, :301] = x  # rows 320 apart: the stride is the caller's
     assert torch.equal(run(kernel, weight, tiles, wide[:, :301], bias), batch)
+    # more rows than one task takes (1,024): each row as in the batch of 40, whichever task it is in
+    many = x.repeat(26, 1)  # 1,040 rows
+    for threads in (1, 2):
+        out = run(kernel, weight, tiles, many, bias, threads)
+        assert torch.equal(out, batch.repeat(26, 1)), threads
 
 
 # ---- the two models of TDPBF16PS against cpu_matmul.cpp's `fma` form ----------------------------
@@ -282,10 +287,10 @@ def grouped(kernel: BoundKernel, weights: list, x: torch.Tensor, counts: list[in
 @pytest.mark.parametrize("n, k", [(83, 301), (96, 64)])
 def test_grouped_products_are_each_groups_own_product(emulated, n, k):
     """Each group's rows get the bits kvfleet_amx_linear gives them alone against its weight,
-    whatever the other groups hold: groups of none, one and more than a task's 256 rows, 1 and 2
-    threads. Control: the same rows against the weights in another order differ."""
+    whatever the other groups hold: groups of none, one and more than a task's 1,024 rows, 1 and
+    2 threads. Control: the same rows against the weights in another order differ."""
     weights = [operands(n, k, 1, seed=11 + g, bias=False)[0] for g in range(4)]
-    counts = [3, 0, 1, 260]
+    counts = [3, 0, 1, 1030]
     _, x, _ = operands(n, k, sum(counts), seed=17, bias=False)
     expected, first = [], 0
     for weight, count in zip(weights, counts):
