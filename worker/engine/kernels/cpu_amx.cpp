@@ -461,8 +461,13 @@ KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t first, int64_t last, int64_t
                             tail_cols * 2);
             padded = tail;
         }
-        for (int64_t t0 = 0; t0 < tiles_k; t0 += pass_tiles) {
-            const int64_t t1 = t0 + pass_tiles < tiles_k ? t0 + pass_tiles : tiles_k;
+        // a task of at most 32 rows (a decode step's) in one pass over k: its A tiles are few,
+        // and each block's weight then streams from memory in order (passes read a chunk's
+        // blocks a pass's 8 KiB at a time, a new stream for the prefetchers at each; at the
+        // 135M model's decode shapes, weights cycled past the cache: 1.10-1.20x)
+        const int64_t step = last - first <= 2 * kTileRows ? tiles_k : pass_tiles;
+        for (int64_t t0 = 0; t0 < tiles_k; t0 += step) {
+            const int64_t t1 = t0 + step < tiles_k ? t0 + step : tiles_k;
             for (int64_t b = block; b < end; b += 2) {
                 const bool two_b = b + 1 < end;
                 float* partial = partials + (b - block) / 2 * 4 * kTileRows * kLanes;
@@ -631,15 +636,37 @@ KVFLEET_AMX_TARGET inline void transpose16(const uint32_t* const rows[16], uint3
 
 // the values' rows [0, n) of one KV head (pool: [num_blocks, block_size, dim]) as B tiles of
 // 16 key pairs x 16 dimensions: [n32 / 32][dim / 16][16 key pairs][16 dims][2], rows past n zero
-KVFLEET_AMX_TARGET void pack_values(const uint16_t* values, const int32_t* table, int n,
-                                    const Shape& shape, uint16_t* v_tiles) {
+//
+// While it reads a key's value it prefetches that key's row of keys, which the scores read next
+// (tile loads, which no prefetcher runs ahead of), and the value a page ahead: the pages of a
+// sequence lie anywhere in the pool, so the hardware's prefetchers start again at each. (On a
+// Xeon with AMX, 30 layers of 32 decoding sequences of ~285 keys: 19.6 -> 17.4 ms a step.)
+KVFLEET_AMX_TARGET void pack_values(const uint16_t* values, const uint16_t* keys,
+                                    const int32_t* table, int n, const Shape& shape,
+                                    uint16_t* v_tiles) {
     const int dim = shape.head_dim, bs = shape.block_size;
-    const int n32 = (n + 31) / 32 * 32;
-    auto row = [&](int t) { return static_cast<int64_t>(table[t / bs]) * bs + t % bs; };
+    const int n32 = (n + 31) / 32 * 32, pages = (n + bs - 1) / bs;
+    int page = 0, slot = 0;  // key t's place, walked page by page as t goes up by one
+    auto next_row = [&](int t) -> const uint16_t* {
+        const uint16_t* at = nullptr;
+        if (t < n) {
+            const int64_t row = static_cast<int64_t>(table[page]) * bs + slot;
+            at = values + row * dim;
+            const char* key = reinterpret_cast<const char*>(keys + row * dim);
+            for (int l = 0; l < dim * 2; l += 64) __builtin_prefetch(key + l, 0, 3);
+            if (page + 1 < pages) {
+                const char* ahead = reinterpret_cast<const char*>(
+                    values + (static_cast<int64_t>(table[page + 1]) * bs + slot) * dim);
+                for (int l = 0; l < dim * 2; l += 64) __builtin_prefetch(ahead + l, 0, 2);
+            }
+        }
+        if (++slot == bs) slot = 0, ++page;
+        return at;
+    };
     for (int t0 = 0; t0 < n32; t0 += 2) {  // a key pair's rows side by side per dimension
         uint32_t* vt = reinterpret_cast<uint32_t*>(v_tiles) + static_cast<int64_t>(t0 / 32) * dim * 16 + (t0 % 32 / 2) * 16;
-        const uint16_t* v0 = t0 < n ? values + row(t0) * dim : nullptr;
-        const uint16_t* v1 = t0 + 1 < n ? values + row(t0 + 1) * dim : nullptr;
+        const uint16_t* v0 = next_row(t0);
+        const uint16_t* v1 = next_row(t0 + 1);
 #if defined(__AVX512F__)
         for (int d = 0; d < dim; d += 16) {
             const __m512i a = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)))
@@ -824,7 +851,7 @@ KVFLEET_AMX_TARGET void task(const uint16_t* q, const uint16_t* keys, const uint
     uint16_t* p = Buffers::aligned(b.p, static_cast<size_t>(16) * n32);
     uint32_t* qt = reinterpret_cast<uint32_t*>(Buffers::aligned(b.q, static_cast<size_t>(kDimTiles) * 512));
     float* c = Buffers::aligned(b.c, 2 * 256 + 16);
-    pack_values(values, table, n, shape, vt);
+    pack_values(values, keys, table, n, shape, vt);
     if (!in_place)
         for (int t = 0; t < n32; ++t) {
             if (t < n) std::memcpy(dense + t * dim, keys + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * dim, dim * 2);
