@@ -76,6 +76,16 @@ class PartTimer:
 
         cpu_linear.KernelLinear.forward = forward
 
+    def wrap_layers(self) -> None:
+        """Every part of the fused CPU layers (cpu_layers.py): the products by their shapes,
+        RMSNorm, RoPE, the attention with its K/V write, SiLU x up where it is a pass of its
+        own. For the rest of the process: a script that splits steps calls it once."""
+        self.wrap_products()
+        for name, label in (("rms_norm", "RMSNorm"), ("rope_", "RoPE"),
+                            ("fused_layer_attention", "attention (K/V write, kernel)"),
+                            ("silu_mul", "SiLU x up (its own pass)")):
+            self.wrap(cpu_layers, name, label)
+
 
 def build(tokens: int, fuse: bool, dtype: str = "auto", model: str = DEFAULT_MODEL) -> Engine:
     """`model`'s engine (the default model's unless given); without `fuse`, its layers' gate/up
@@ -105,11 +115,7 @@ def main() -> None:
                         help="the model (default: the default model; `random:<shape>` for a shape)")
     args = parser.parse_args()
     timer = PartTimer()
-    timer.wrap_products()
-    for name, label in (("rms_norm", "RMSNorm"), ("rope_", "RoPE"),
-                        ("fused_layer_attention", "attention (K/V write, kernel)"),
-                        ("silu_mul", "SiLU x up (its own pass)")):
-        timer.wrap(cpu_layers, name, label)
+    timer.wrap_layers()
     engines = {"fused epilogues": build(args.tokens, True, args.dtype, args.model),
                "passes of their own": build(args.tokens, False, args.dtype, args.model)}
     fused = any(getattr(layer, "_silu_in_product", False)
