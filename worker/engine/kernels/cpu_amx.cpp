@@ -464,7 +464,7 @@ KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t first, int64_t last, int64_t
         // a task of at most 32 rows (a decode step's) in one pass over k: its A tiles are few,
         // and each block's weight then streams from memory in order (passes read a chunk's
         // blocks a pass's 8 KiB at a time, a new stream for the prefetchers at each; at the
-        // 135M model's decode shapes, weights cycled past the cache: 1.10-1.20x)
+        // 135M model's decode shapes, weights cycled past the cache: 1.08-1.16x)
         const int64_t step = last - first <= 2 * kTileRows ? tiles_k : pass_tiles;
         for (int64_t t0 = 0; t0 < tiles_k; t0 += step) {
             const int64_t t1 = t0 + step < tiles_k ? t0 + step : tiles_k;
@@ -486,10 +486,10 @@ KVFLEET_AMX_TARGET void chunk(const Job& j, int64_t first, int64_t last, int64_t
 // rows of x per task: each task reads its chunk of packed weight from memory once (the weights
 // of a model's layers outgrow every cache: a layer's are not there again when the next step comes
 // back to them), so a weight is read once for every kTaskRows rows; x's rows are read again for
-// each chunk, from L2 or the last-level cache. Measured on a Sapphire Rapids class Xeon (2 cores,
-// 16 distinct weights a shape, as an engine's layers): 1024-row tasks against 256-row ones 1.10-
-// 1.20x at the 1B model's MLP shapes with 512 and 1024 rows (the level of oneDNN's packed
-// product), the same within the noise at the 135M model's 2048-row prefill shapes
+// each chunk, from L2 or the last-level cache. Measured on a Xeon with AMX (2 cores, 16
+// distinct weights a shape, as an engine's layers): 1024-row tasks against 256-row ones 1.13-
+// 1.26x at the 1B model's MLP shapes with 512 and 1024 rows (the level of oneDNN's packed
+// product), 0.95-1.13x at the 135M model's 2048-row prefill shapes (the host's noise)
 constexpr int64_t kTaskRows = 32 * 2 * kTileRows;
 
 // packed weight per chunk, at most: half the 2 MiB L2 of a Sapphire Rapids core, the rest for
