@@ -54,9 +54,10 @@ def test_parts_split_the_step_and_name_each_product(tiny_model, restored, monkey
     # a batch-invariant engine (the default) computes its linears in kvfleet's product on
     # every CPU: each timed by its shape (q/k/v 256 x 512, o 256 x 256, ...)
     assert {"product 256 x 512", "product 256 x 256"} <= set(parts), rows
-    assert all(ms >= 0 for ms in parts.values()) and parts["RMSNorm"] > 0
-    # the parts and the rest are the step (the rest is the step less the parts: not negative)
-    assert sum(parts.values()) <= step + 0.05
+    assert all(ms >= 0 for ms in parts.values()) and parts["RMSNorm"] > 0 and step > 0
+    # each step's rest is that step less its parts, which it contains: never negative (a part
+    # counted twice, or outside the step, would make it so); the medians of parts and steps come
+    # from different steps, so their sums are not compared
     assert float(rows["the rest"]) >= 0
 
 
