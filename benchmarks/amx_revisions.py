@@ -49,17 +49,18 @@ SHAPES = ((2048, 576, 960), (2048, 576, 576), (2048, 576, 3072), (2048, 1536, 57
 AMX = BF16_FORM_CODES["amx"]
 
 
-def kernel_at(revision: str, directory: Path) -> BoundKernel:
-    """cpu_amx.cpp of `revision`, built and bound."""
+def kernel_at(revision: str, directory: Path, files: tuple[str, ...] = FILES) -> BoundKernel:
+    """files[0] (a kernel's source; files[1] its interface, the rest headers it includes) of
+    `revision`, built as the engine builds it and bound."""
     folder = directory / revision.replace("/", "_")
     folder.mkdir()
-    for name in FILES:
+    for name in files:
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:{KERNELS}/{name}"],
                               check=True, capture_output=True).stdout
         (folder / name).write_bytes(text)
-    library = build(folder / FILES[0], tuple(folder / n for n in FILES[1:]),
+    library = build(folder / files[0], tuple(folder / n for n in files[1:]),
                     compiler=cpu_kernels.compiler_name(), cache_dir=folder)
-    return BoundKernel(ctypes.CDLL(str(library)), read_header(folder / FILES[1]))
+    return BoundKernel(ctypes.CDLL(str(library)), read_header(folder / files[1]))
 
 
 def product(kernel: BoundKernel, weights: list[torch.Tensor], x: torch.Tensor, threads: int):
