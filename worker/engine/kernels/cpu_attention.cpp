@@ -9,7 +9,17 @@
 // summed from the unrounded ones, as SDPA's CPU flash kernel does, so bf16 results follow
 // HF's SDPA closely. Work is split over (sequence, KV head) pairs with OpenMP; each pair is
 // computed by one thread alone, so the result does not depend on the thread count.
+//
+// A step's keys and values come from memory (every layer's pool outgrows the caches), in pages at
+// random places, so the kernel is bound by how many cache lines are in flight, not by its
+// arithmetic: it requests the lines it will read next into L2 (a prefetch with locality 2), ahead
+// of the loads, and each thread takes its next pair before computing this one so that the next
+// pair's first page is requested too. On a Zen 4 (docs/BENCHMARKS.md, "The decode attention's
+// keys and values requested into L2"), L1 requests kept too few lines in flight: a step's
+// attention read them at 16 GB/s, the requests into L2 at 24 (pages of 8 KB read at random
+// places reach 25 on that machine).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,15 +38,16 @@ namespace {
 using namespace kvfleet;  // load, store, rounded, exp_approx, exp512 (cpu_kernels.h)
 
 // Pages sit at random places in the pool, so the hardware prefetcher stalls at each page's start:
-// while one page is read, its successor's row `j` is requested (every cache line of it).
-template <typename T>
+// while one page is read, its successor's row `j` is requested (every cache line of it). kL2:
+// into L2 (lines read a page or more later, from memory); else into L1 (lines already in L2).
+template <typename T, bool kL2 = true>
 inline void prefetch_row(const T* row, int dim) {
     const char* p = reinterpret_cast<const char*>(row);
     for (int offset = 0; offset < dim * static_cast<int>(sizeof(T)); offset += 64)
-        __builtin_prefetch(p + offset);
+        __builtin_prefetch(p + offset, 0, kL2 ? 2 : 3);
 }
 
-// Every row of page `b` of one KV head (if the context reaches it) requested into the cache.
+// Every row of page `b` of one KV head (if the context reaches it) requested into L2.
 template <typename T>
 inline void prefetch_page(const T* head, const int32_t* table, int ctx, int bs, int dim, int b) {
     const int rows = std::min(bs, ctx - b * bs);
@@ -184,7 +195,10 @@ void attend_f32(const float* q, const float* k_head, const float* v_head, float*
         for (int t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
             const float* page = k_head + static_cast<int64_t>(table[b]) * bs * dim;
             const int n = std::min(bs, ctx - t0);
-            if (r == 0) prefetch_page(k_head, table, ctx, bs, dim, b + 1);
+            if (r == 0) {  // the next page's keys, and this page's values for P.V below
+                prefetch_page(k_head, table, ctx, bs, dim, b + 1);
+                prefetch_page(v_head, table, ctx, bs, dim, b);
+            }
             for (int j0 = 0; j0 < n; j0 += 8) {
                 const int m = std::min(8, n - j0);
                 const float* rows[8];
@@ -277,7 +291,7 @@ inline __m512 transpose_sum16(__m512 v[16]) {
 // of 16 rows requests the same rows of the next page (`next`, n_next rows): a steady distance of
 // one page ahead keeps the threads reading random pages from DRAM faster than requesting the
 // whole next page at each page's start (the same in P.V below). `values` (or null): this page's
-// V rows, requested beside their K rows so that P.V finds them in the cache.
+// V rows, requested into L2 beside their K rows so that P.V finds them there.
 template <int kChunks>
 inline void page_scores(const __m512bh* qv, int rep, const uint16_t* page, int n, int t0,
                         float scale, float* scores, int ctx, const uint16_t* next, int n_next,
@@ -345,11 +359,11 @@ void pv_rows(const uint16_t* v_head, const int32_t* table, int ctx, int bs, cons
                                           : page;
         int j = 0;
         for (; j + 1 < n; j += 2) {
-            if (j + 1 < n_next) {
-                prefetch_row(next + j * dim, dim);
-                prefetch_row(next + (j + 1) * dim, dim);
+            if (j + 1 < n_next) {  // into L1: q.k above requested every value into L2
+                prefetch_row<uint16_t, false>(next + j * dim, dim);
+                prefetch_row<uint16_t, false>(next + (j + 1) * dim, dim);
             } else if (j < n_next) {
-                prefetch_row(next + j * dim, dim);
+                prefetch_row<uint16_t, false>(next + j * dim, dim);
             }
             pv_pair<kChunks, kRep>(page + j * dim, page + (j + 1) * dim, probs, stride, t0 + j,
                                    0xFFFFFFFFu, acc);
@@ -436,11 +450,22 @@ void decode(const T* q, const T* kv, T* out, const int32_t* tables, const int32_
     const int64_t head_elems = shape.num_blocks * shape.block_size * shape.head_dim;
     const T* values = kv + shape.num_kv_heads * head_elems;
     const int tasks = num_seqs * shape.num_kv_heads;
+    std::atomic<int> claimed{0};  // pairs taken one at a time, as OpenMP's schedule(dynamic, 1)
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> buf;  // per thread, reused across its pairs
-#pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < tasks; ++task) {
+        int task = claimed.fetch_add(1);
+        for (int following; task < tasks; task = following) {
+            following = claimed.fetch_add(1);  // taken now: its first page requested meanwhile
+            if (following < tasks) {
+                const int seq = following / shape.num_kv_heads;
+                const int64_t kvh = following % shape.num_kv_heads;
+                const int32_t* table = tables + seq * shape.table_width;
+                prefetch_page(kv + kvh * head_elems, table, ctx_lens[seq], shape.block_size,
+                              shape.head_dim, 0);
+                prefetch_page(values + kvh * head_elems, table, ctx_lens[seq], shape.block_size,
+                              shape.head_dim, 0);
+            }
             const int seq = task / shape.num_kv_heads, kvh = task % shape.num_kv_heads;
             const T* qs = q + kvh * rep * shape.q_stride_h + seq * shape.q_stride_t;
             T* os = out + (static_cast<int64_t>(seq) * shape.num_heads + kvh * rep) * shape.head_dim;
