@@ -1,4 +1,4 @@
-"""Where a prefill step's time goes on the CPU, part by part, and what the AMX product's fused
+"""Where a prefill step's time goes on the CPU, part by part, and what kvfleet's product's fused
 epilogues save (SiLU x up in the gate/up product, the residual add in the down product): one
 process, two engines on the default model (the fused layers as the engine builds them, and the
 same with both left as passes of their own after plain products), their prefill steps
@@ -16,8 +16,9 @@ wrapping the fused layer's calls (cpu_layers.py: each product by its shape, RMSN
 attention with its K/V write, SiLU x up) and summed over the step's layers; the rest is the
 step's time outside them (the residual add where it is a pass of its own, embedding, LM head
 rows, sampling, scheduling, Python). Medians over the rounds after the first (a warm-up). A
-step that fails stops the script. Where the engine fuses neither (no AMX tiles, or
-`--no-deterministic`), both engines are the same and the ratio is ~1: the script says so.
+step that fails stops the script. On AMX tiles the engine fuses both; with AVX-512 (no AMX)
+SiLU x up alone; where it fuses neither (kvfleet's portable product, or `--no-deterministic`
+without AMX), both engines are the same and the ratio is ~1: the script says so.
 """
 
 from __future__ import annotations

@@ -384,21 +384,25 @@ def test_the_silu_epilogue_needs_its_pairs(emulated):
     assert not y.any()
 
 
-def test_the_fused_layer_takes_the_silu_epilogue_only_on_tiles(monkeypatch):
-    """A KernelLinear with silu_pairs is built only in the `amx` form over whole pairs of blocks;
-    cpu_linear.product gives it for a gate/up stack only where the tiles compute, else the plain
-    product (and the layer applies SiLU itself)."""
+def test_the_fused_layer_takes_the_silu_epilogue_where_the_product_fuses_it(monkeypatch):
+    """A KernelLinear with silu_pairs is built in the `amx` form, or in a form kvfleet's AVX-512
+    product computes here (`fuses_silu`: not its portable product), over whole pairs of blocks;
+    cpu_linear.product gives it for a gate/up stack only there, else the plain product (and the
+    layer applies SiLU itself)."""
     linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="silu_pairs"):
-        KernelLinear(linear, form="fma", silu_pairs=True)
+    if cpu_linear.fuses_silu(torch.bfloat16, "fma"):
+        assert KernelLinear(linear, form="fma", silu_pairs=True).silu_pairs
+    else:
+        with pytest.raises(ValueError, match="silu_pairs"):
+            KernelLinear(linear, form="fma", silu_pairs=True)
     with pytest.raises(ValueError, match="silu_pairs"):
         KernelLinear(torch.nn.Linear(64, 80).to(torch.bfloat16), form="amx", silu_pairs=True)
     fused = KernelLinear(linear, form="amx", silu_pairs=True)
     assert fused.silu_pairs and fused.out_features == 96
     built = cpu_linear.product(linear, invariant=True, silu_pairs=True)
-    takes_tiles = (cpu_linear.own_product(torch.bfloat16, True)
-                   and cpu_linear.bf16_form() == "amx")
-    assert getattr(built, "silu_pairs", False) == takes_tiles
+    fuses = (cpu_linear.own_product(torch.bfloat16, True)
+             and cpu_linear.fuses_silu(torch.bfloat16))
+    assert getattr(built, "silu_pairs", False) == fuses
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16 tiles (amx_tile, amx_bf16)")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kvfleet.shared.cpu_features import CpuFeatures, cpu_features
 from tests.engine.tiny_models import MODEL_FACTORIES
 from kvfleet.worker.engine.kernels import cpu_kernels, cpu_linear
+from kvfleet.worker.engine.model import cpu_layers
 from kvfleet.worker.engine.kernels.cpu_linear import (
     KernelLinear, PackedLinear, SiblingLinear, fuse_sibling_linears, own_product,
     pack_cpu_linears, packing_available)
@@ -170,6 +171,16 @@ def test_own_product_follows_the_exact_product(out_features, in_features, bias, 
         assert ((got.double() - expected).abs() <= (f_linear - expected).abs() + step).all()
 
 
+def on_one_thread(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) computed with torch's threads set to 1 (then set back)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return module(x)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", OWN_DTYPES)
 def test_own_product_of_a_row_does_not_depend_on_the_batch_or_the_threads(dtype):
     """Each output is summed in one order: a row's result is bit-identical alone, in any batch and
@@ -182,12 +193,42 @@ def test_own_product_of_a_row_does_not_depend_on_the_batch_or_the_threads(dtype)
     for i in range(x.shape[0]):
         assert torch.equal(product(x[i:i + 1]), batch[i:i + 1])
     assert torch.equal(product(x[7:12]), batch[7:12])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(product(x), batch)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(on_one_thread(product, x), batch)
+
+
+# the forms kvfleet's AVX-512 product computes: float32, bf16 with vdpbf16ps, bf16 with FMAs
+FUSING_FORMS = [pytest.param(dtype, form, marks=pytest.mark.skipif(
+    not _FAST[dtype], reason="kvfleet's product with AVX-512 (bf16: AVX512-BF16)"))
+    for dtype, form in ((torch.float32, None), (torch.bfloat16, "dot"), (torch.bfloat16, "fma"))]
+
+
+@pytest.mark.parametrize("dtype, form", FUSING_FORMS)
+def test_silu_in_the_products_epilogue_is_the_product_then_the_silu_pass(dtype, form):
+    """A SiLU MLP's [gate; up] with silu(gate) * up in the AVX-512 product's epilogue: bit for
+    bit the plain product followed by the layer ops' SiLU pass, through every tile (up to 4 rows
+    against 4 blocks; 6 rows, or 8 with FMAs, against whole gate/up pairs; the rows and the pair
+    left over), with a bias or none, an odd k; a row alone, in a batch, on 1 or 2 threads alike;
+    without SiLU, the plain [gate | up] output; outputs not whole pairs of blocks refused."""
+    torch.manual_seed(21)
+    for inter, k, bias in ((96, 64, True), (1536, 576, False), (32, 33, True)):
+        linear = torch.nn.Linear(k, 2 * inter, bias=bias).to(dtype)
+        plain = KernelLinear(linear, form=form)
+        fused = KernelLinear(linear, form=form, silu_pairs=True)
+        assert fused.silu_pairs and cpu_linear.fuses_silu(dtype, form)
+        x = (2 * torch.randn(40, k)).to(dtype)
+        for rows in (1, 3, 4, 5, 6, 7, 13, 40):
+            product = plain(x[:rows])
+            assert torch.equal(fused(x[:rows]), cpu_layers.silu_mul(product)), (inter, rows)
+        batch = fused(x)
+        exact = float64_reference(linear, x)
+        silu = F.silu(exact[:, :inter]) * exact[:, inter:]
+        assert (batch.double() - silu).abs().max() <= 4 * OWN_TOLERANCE[dtype] * silu.abs().max()
+        for i in (0, 17, 39):
+            assert torch.equal(fused(x[i:i + 1]), batch[i:i + 1])
+        assert torch.equal(on_one_thread(fused, x), batch)
+        assert torch.equal(fused(x, silu=False), plain(x))
+    with pytest.raises(ValueError, match="silu_pairs"):
+        KernelLinear(torch.nn.Linear(64, 80).to(dtype), form=form, silu_pairs=True)
 
 
 @pytest.mark.parametrize("dtype", OWN_DTYPES)

@@ -144,15 +144,35 @@ def product(linear: torch.nn.Linear, invariant: bool = False,
     """The module that computes `linear` fastest here (batch-invariantly where `invariant`):
     KernelLinear where own_product, else PackedLinear where its dtype packs, else the linear
     itself (F.linear: MKL's own path for float32, no reorder). `silu_pairs`: `linear` is a SiLU
-    MLP's gate and up projections stacked ([gate; up]); where its product is on AMX tiles and
-    the outputs are whole tiles' worth (a multiple of 32), the KernelLinear returned computes
-    silu(gate) * up in the product's epilogue (its `silu_pairs` is then true); otherwise the
-    plain product is returned, and the caller applies the activation."""
+    MLP's gate and up projections stacked ([gate; up]); where its product is kvfleet's on AMX
+    tiles or with AVX-512 (`fuses_silu`) and the outputs are whole pairs of 16-output blocks (a
+    multiple of 32), the KernelLinear returned computes silu(gate) * up in the product's
+    epilogue (its `silu_pairs` is then true); otherwise the plain product is returned, and the
+    caller applies the activation."""
     if linear.weight.is_cpu and own_product(linear.weight.dtype, invariant):
-        fused = (silu_pairs and linear.weight.dtype == torch.bfloat16 and bf16_form() == "amx"
+        fused = (silu_pairs and fuses_silu(linear.weight.dtype)
                  and linear.out_features % 32 == 0)
         return KernelLinear(linear, silu_pairs=fused)
     return PackedLinear(linear) if packing_available(linear.weight.dtype) else linear
+
+
+def fuses_silu(dtype: torch.dtype, form: str | None = None) -> bool:
+    """kvfleet's product of this dtype (bf16: in `form`, default `bf16_form()`) computes a SiLU
+    MLP's silu(gate) * up in its epilogue here: on AMX tiles (cpu_amx.cpp), or with AVX-512
+    (cpu_matmul.cpp; not its portable product)."""
+    if dtype == torch.bfloat16:
+        form = form or bf16_form()
+        if form == "amx":
+            return True
+        code = BF16_FORM_CODES[form]
+    elif dtype == torch.float32:
+        code = DTYPE_CODES[dtype]
+    else:
+        return False
+    try:
+        return matmul_kernel().kvfleet_linear_supported(code) == 1
+    except KernelUnavailable:
+        return False
 
 
 def products_report(dtype: torch.dtype, invariant: bool = False) -> str:
@@ -176,12 +196,13 @@ class KernelLinear(torch.nn.Module):
     added in fp32, one rounding to the output dtype; every output summed in one order whatever
     the thread count or the batch. `form`: the bf16 form (default `bf16_form()`).
 
-    `silu_pairs` (the `amx` form, an even number of 16-output blocks): `linear` is [gate; up] of
-    a SiLU MLP and the module returns silu(gate) * up, [..., out_features / 2], computed in the
-    product's epilogue (cpu_amx.cpp, kvfleet_amx_linear_silu): the same bits as the product
-    followed by the layer ops' SiLU pass, without writing the gate/up output to memory and
-    reading it back. Its weight is packed with the gate's and up's blocks of 16 outputs
-    alternating, so each pair of B tiles the product takes together is one gate/up pair."""
+    `silu_pairs` (where `fuses_silu`, an even number of 16-output blocks): `linear` is [gate; up]
+    of a SiLU MLP and the module returns silu(gate) * up, [..., out_features / 2], computed in
+    the product's epilogue (cpu_amx.cpp's kvfleet_amx_linear_silu, cpu_matmul.cpp's
+    kvfleet_linear_silu): the same bits as the product followed by the layer ops' SiLU pass,
+    without writing the gate/up output to memory and reading it back. Its weight is packed with
+    the gate's and up's blocks of 16 outputs alternating, so each pair of blocks the product
+    takes together is one gate/up pair."""
 
     def __init__(self, linear: torch.nn.Linear, form: str | None = None,
                  silu_pairs: bool = False):
@@ -190,8 +211,10 @@ class KernelLinear(torch.nn.Module):
         self.dtype = linear.weight.dtype
         self.form = (form or bf16_form()) if self.dtype == torch.bfloat16 else "float32"
         self.silu_pairs = silu_pairs
-        if silu_pairs and (self.form != "amx" or self.out_features % 32):
-            raise ValueError("silu_pairs needs the amx form and outputs in whole pairs of blocks")
+        if silu_pairs and (not fuses_silu(self.dtype, self.form if self.dtype == torch.bfloat16
+                                          else None) or self.out_features % 32):
+            raise ValueError("silu_pairs needs a product that fuses SiLU here (AMX tiles or "
+                             "AVX-512) and outputs in whole pairs of blocks")
         weight = linear.weight.detach().contiguous()
         bias = None if linear.bias is None else linear.bias.detach()
         if silu_pairs:  # [gate; up] -> gate block 0, up block 0, gate block 1, ...
@@ -221,6 +244,7 @@ class KernelLinear(torch.nn.Module):
                 DTYPE_CODES[self.dtype], weight.data_ptr(), self.out_features, self.in_features,
                 self.packed_weight.data_ptr(), torch.get_num_threads()), "kvfleet_pack_linear")
             self._kvfleet_linear = matmul.kvfleet_linear
+            self._kvfleet_linear_silu = matmul.kvfleet_linear_silu
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(),
                                                                         requires_grad=False)
         self._bias32 = None if bias is None else bias.float().contiguous()
@@ -266,17 +290,19 @@ class KernelLinear(torch.nn.Module):
             return add_to
         if self.silu_pairs and not silu:
             out = torch.empty((num_rows, self.out_features), dtype=self.dtype)
-            _check(self._kvfleet_amx_linear(
+            plain = self._kvfleet_amx_linear if self._amx else self._kvfleet_linear
+            _check(plain(
                 self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
                 self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
-                self.out_features, torch.get_num_threads()), "kvfleet_amx_linear")
+                self.out_features, torch.get_num_threads()), plain.__name__)
             # blocks of 16 alternating (gate, up, gate, ...) -> gate's columns, then up's
             out = out.view(num_rows, -1, 2, 16).transpose(1, 2).reshape(num_rows, -1)
             return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         columns = self.out_features // 2 if self.silu_pairs else self.out_features
         out = torch.empty((num_rows, columns), dtype=self.dtype)
         if self.silu_pairs:
-            status = self._kvfleet_amx_linear_silu(
+            fused = self._kvfleet_amx_linear_silu if self._amx else self._kvfleet_linear_silu
+            status = fused(
                 self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
                 self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
                 columns, torch.get_num_threads())
@@ -291,7 +317,8 @@ class KernelLinear(torch.nn.Module):
                 self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
                 self.out_features, torch.get_num_threads())
         _check(status, ("kvfleet_amx_linear_silu" if self.silu_pairs else "kvfleet_amx_linear")
-               if self._amx else "kvfleet_linear")
+               if self._amx else
+               "kvfleet_linear_silu" if self.silu_pairs else "kvfleet_linear")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], columns)
 
 

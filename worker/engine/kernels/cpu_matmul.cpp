@@ -21,6 +21,13 @@
 // are what costs), else 8 rows against 3 blocks (24 sums in registers: the products are; Bf16Fma
 // 8 against 2, its even and odd columns taking registers of their own).
 //
+// SiLU in the epilogue (kvfleet_linear_silu): a SiLU MLP's gate and up projections packed with
+// their blocks of 16 outputs alternating (gate, up, gate, ...) and computed in tiles of whole
+// pairs; each pair's outputs are made as a plain product makes them (fp32 sums, the bias, one
+// rounding to the output dtype) into 16-element scratch, then silu(gate) * up of those values
+// by silu_mul_row (cpu_kernels.h), as the layer ops' kvfleet_silu_mul makes it: the same bits as
+// the product followed by that pass, without the [m, 2 * inter] output's trip through memory.
+//
 // Where the CPU has no AVX-512 (float32) or no AVX512-BF16 (bf16), or in a build with
 // KVFLEET_MATMUL_PORTABLE (as a test makes one), a portable product of the same packed weights
 // takes that dtype: AVX2 intrinsics (plain C++ without AVX2), each output summed over the
@@ -56,6 +63,7 @@ struct F32 {  // one column per step
     static constexpr int kPer = 1;
     static constexpr int kSub = 1;
     static constexpr int kLargeRows = 8, kLargeBlocks = 3;
+    static constexpr int kPairRows = 6, kPairBlocks = 4;  // SiLU's tile: whole gate/up pairs
     static __m512 load(const float* at) { return _mm512_loadu_ps(at); }
     static __m512 value(const float* row, int64_t q, int) { return _mm512_set1_ps(row[q]); }
     static __m512 last(const float* row, int64_t q, int64_t, int s) { return value(row, q, s); }
@@ -72,6 +80,7 @@ struct Bf16 {  // one column pair per step (vdpbf16ps)
     static constexpr int kPer = 2;
     static constexpr int kSub = 1;
     static constexpr int kLargeRows = 8, kLargeBlocks = 3;
+    static constexpr int kPairRows = 6, kPairBlocks = 4;  // SiLU's tile: whole gate/up pairs
     static __m512 load(const uint16_t* at) { return _mm512_castsi512_ps(_mm512_loadu_si512(at)); }
     // the row's column pair q as one 32-bit word broadcast
     static __m512 value(const uint16_t* row, int64_t q, int) {
@@ -107,6 +116,7 @@ struct Bf16Fma {
     static constexpr int kPer = 2;
     static constexpr int kSub = 2;
     static constexpr int kLargeRows = 8, kLargeBlocks = 2;  // 16 sums + 4 weight vectors
+    static constexpr int kPairRows = 8, kPairBlocks = 2;
     static __m512i load(const uint16_t* at) { return _mm512_loadu_si512(at); }
     // column s (0 even, 1 odd) of the loaded pairs as fp32
     static __m512 sub(__m512i raw, int s) {
@@ -135,6 +145,7 @@ struct Product {
     const float* bias;  // n floats, or null
     typename D::Y* y;
     int64_t y_stride;
+    bool silu = false;  // blocks 2i, 2i + 1: a gate's and an up's outputs; y gets silu(gate) * up
 };
 
 // rows [row, row + R) of x against blocks [block, block + B)
@@ -193,6 +204,23 @@ void tile(const Product<D>& p, int64_t row, int64_t block) {
             }
         }
     }
+    if constexpr (B % 2 == 0) {
+        if (p.silu) {  // block is even: each (b, b + 1) a gate/up pair, whole (n: whole pairs)
+            for (int b = 0; b < B; b += 2) {
+                const int64_t col = (block + b) * kLanes;
+                const __m512 zero = _mm512_setzero_ps();
+                const __m512 gate_bias = p.bias ? _mm512_loadu_ps(p.bias + col) : zero;
+                const __m512 up_bias = p.bias ? _mm512_loadu_ps(p.bias + col + kLanes) : zero;
+                for (int r = 0; r < R; ++r) {
+                    typename D::Y gate[kLanes], up[kLanes];
+                    D::store(_mm512_add_ps(acc[r][b], gate_bias), gate, 0xFFFF);
+                    D::store(_mm512_add_ps(acc[r][b + 1], up_bias), up, 0xFFFF);
+                    kvfleet::silu_mul_row(gate, up, p.y + (row + r) * p.y_stride + col / 2, kLanes);
+                }
+            }
+            return;
+        }
+    }
     for (int b = 0; b < B; ++b) {
         const int64_t col = (block + b) * kLanes;
         const int64_t valid = p.n - col < kLanes ? p.n - col : kLanes;
@@ -227,11 +255,15 @@ void blocks(const Product<D>& p, int64_t m, int64_t* block, int64_t end) {
     for (; *block + B <= end; *block += B) rows<D, R, B>(p, m, *block);
 }
 
-// blocks [block, end): groups of B (B: the tile's), then what is left one block at a time
+// blocks [block, end): groups of B (B: the tile's), then what is left one block at a time (with
+// SiLU, one gate/up pair at a time: block and end are even)
 template <typename D, int R, int B>
 void range(const Product<D>& p, int64_t m, int64_t block, int64_t end) {
     blocks<D, R, B>(p, m, &block, end);
-    blocks<D, R, 1>(p, m, &block, end);
+    if (p.silu)
+        blocks<D, R, 2>(p, m, &block, end);
+    else
+        blocks<D, R, 1>(p, m, &block, end);
 }
 
 template <typename D>
@@ -242,9 +274,9 @@ void product(const Product<D>& p, int64_t m, int threads) {
     // memory bandwidth, another process on its core) the other takes more chunks instead of
     // waiting for it (faster than halves fixed in advance at decode sizes, the same at 16-64
     // rows).
-    const int group = m <= 4 ? 4 : D::kLargeBlocks;
+    const int group = m <= 4 ? 4 : p.silu ? D::kPairBlocks : D::kLargeBlocks;
     const int64_t target = (num_blocks + 8 * threads - 1) / (8 * threads);
-    const int64_t chunk = (target + group - 1) / group * group;
+    const int64_t chunk = (target + group - 1) / group * group;  // with SiLU: whole pairs
     const int64_t num_chunks = (num_blocks + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t c = 0; c < num_chunks; ++c) {
@@ -252,6 +284,8 @@ void product(const Product<D>& p, int64_t m, int threads) {
         const int64_t end = block + chunk < num_blocks ? block + chunk : num_blocks;
         if (m <= 4)
             range<D, 4, 4>(p, m, block, end);
+        else if (p.silu)
+            range<D, D::kPairRows, D::kPairBlocks>(p, m, block, end);
         else
             range<D, D::kLargeRows, D::kLargeBlocks>(p, m, block, end);
     }
@@ -296,10 +330,10 @@ void product_groups(const typename D::X* x, int64_t k, int64_t x_stride, const i
 
 template <typename D>
 void run(const void* x, int64_t m, int64_t k, int64_t x_stride, const void* packed, int64_t n,
-         const float* bias, void* y, int64_t y_stride, int threads) {
+         const float* bias, void* y, int64_t y_stride, int threads, bool silu = false) {
     product(Product<D>{static_cast<const typename D::X*>(x), x_stride, k,
                        static_cast<const typename D::W*>(packed), n, bias,
-                       static_cast<typename D::Y*>(y), y_stride},
+                       static_cast<typename D::Y*>(y), y_stride, silu},
             m, threads);
 }
 #endif
@@ -308,7 +342,8 @@ void run(const void* x, int64_t m, int64_t k, int64_t x_stride, const void* pack
 // Bf16Fma's x: the m rows widened to fp32, each k rounded up to even with a zero pad (the packed
 // weight's pad column is zero too), in this thread's buffer.
 void run_bf16_fma(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const void* packed,
-                  int64_t n, const float* bias, void* y, int64_t y_stride, int threads) {
+                  int64_t n, const float* bias, void* y, int64_t y_stride, int threads,
+                  bool silu = false) {
     static thread_local std::vector<float> wide;
     const int64_t width = k + k % 2;
     if (static_cast<int64_t>(wide.size()) < m * width) wide.resize(m * width);
@@ -323,7 +358,7 @@ void run_bf16_fma(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, con
         }
         if (width > k) to[k] = 0.f;
     }
-    run<Bf16Fma>(out, m, k, width, packed, n, bias, y, y_stride, threads);
+    run<Bf16Fma>(out, m, k, width, packed, n, bias, y, y_stride, threads, silu);
 }
 #endif
 
@@ -493,6 +528,26 @@ int kvfleet_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_str
         portable_product<uint16_t, 2>(static_cast<const uint16_t*>(x), m, k, x_stride,
                                       static_cast<const uint16_t*>(packed), n, bias,
                                       static_cast<uint16_t*>(y), y_stride, threads);
+#endif
+    (void)x, (void)k, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride,
+        (void)threads;
+    return 0;
+}
+
+int kvfleet_linear_silu(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                        const void* packed, int64_t n, const float* bias, void* y,
+                        int64_t y_stride, int threads) {
+    if (kvfleet_linear_supported(dtype) != 1) return -1;
+    if (n % (2 * kLanes) != 0) return -2;
+    if (m <= 0 || n <= 0) return 0;
+#if defined(__AVX512F__)
+    if (dtype == 0) run<F32>(x, m, k, x_stride, packed, n, bias, y, y_stride, threads, true);
+#endif
+#if defined(KVFLEET_BF16_PRODUCT)
+    if (dtype == 1) run<Bf16>(x, m, k, x_stride, packed, n, bias, y, y_stride, threads, true);
+    if (dtype == 2)
+        run_bf16_fma(static_cast<const uint16_t*>(x), m, k, x_stride, packed, n, bias, y,
+                     y_stride, threads, true);
 #endif
     (void)x, (void)k, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride,
         (void)threads;

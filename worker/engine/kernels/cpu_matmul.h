@@ -23,6 +23,15 @@ int kvfleet_linear(int dtype, const void* x, int64_t m, int64_t k, int64_t x_str
                    const void* packed, int64_t n, const float* bias, void* y, int64_t y_stride,
                    int threads);
 
+// kvfleet_linear of [gate; up] packed with their blocks of 16 outputs alternating (gate block 0,
+// up block 0, gate block 1, ...: n / 2 outputs each, n a multiple of 32): y[i, c] for c < n / 2
+// is silu(gate) * up, each of them rounded as kvfleet_linear rounds it and the result as
+// kvfleet_silu_mul (cpu_layer_ops.h) rounds it, from them. Returns 0, -1 where this build has
+// no AVX-512 products of that dtype, -2 where n is not a multiple of 32.
+int kvfleet_linear_silu(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride,
+                        const void* packed, int64_t n, const float* bias, void* y,
+                        int64_t y_stride, int threads);
+
 // For each group g < count: rows [offsets[g], offsets[g + 1]) of x against the weight packed at
 // address weights[g] (as kvfleet_pack_linear packs an [n, k] weight), into the same rows of y;
 // a group of no rows is skipped. Every output is the one kvfleet_linear computes for that group

@@ -118,9 +118,9 @@ class FusedDecoderLayer(torch.nn.Module):
         if self.mlp is None:
             self.gate_up = _concat(mlp.gate_proj, mlp.up_proj, invariant=invariant,
                                    silu_pairs=True)
-            # AMX tiles: silu(gate) * up in the product's epilogue (same bits as silu_mul after
-            # it), and the down product added into the residual in its own (as residual.add_
-            # rounds)
+            # kvfleet's product on AMX tiles or with AVX-512: silu(gate) * up in the product's
+            # epilogue (same bits as silu_mul after it); on AMX tiles also the down product
+            # added into the residual in its own (as residual.add_ rounds)
             self._silu_in_product = getattr(self.gate_up, "silu_pairs", False)
             self.down_proj = product(mlp.down_proj, invariant)
             self._add_in_product = getattr(self.down_proj, "adds_in_place", False)
