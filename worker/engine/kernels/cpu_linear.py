@@ -290,19 +290,29 @@ class KernelLinear(torch.nn.Module):
             return add_to
         if self.silu_pairs and not silu:
             out = torch.empty((num_rows, self.out_features), dtype=self.dtype)
-            plain = self._kvfleet_amx_linear if self._amx else self._kvfleet_linear
-            _check(plain(
-                self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
-                self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
-                self.out_features, torch.get_num_threads()), plain.__name__)
+            if self._amx:
+                status = self._kvfleet_amx_linear(
+                    self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
+                    self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
+                    self.out_features, torch.get_num_threads())
+            else:
+                status = self._kvfleet_linear(
+                    self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
+                    self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
+                    self.out_features, torch.get_num_threads())
+            _check(status, "kvfleet_amx_linear" if self._amx else "kvfleet_linear")
             # blocks of 16 alternating (gate, up, gate, ...) -> gate's columns, then up's
             out = out.view(num_rows, -1, 2, 16).transpose(1, 2).reshape(num_rows, -1)
             return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         columns = self.out_features // 2 if self.silu_pairs else self.out_features
         out = torch.empty((num_rows, columns), dtype=self.dtype)
-        if self.silu_pairs:
-            fused = self._kvfleet_amx_linear_silu if self._amx else self._kvfleet_linear_silu
-            status = fused(
+        if self.silu_pairs and self._amx:
+            status = self._kvfleet_amx_linear_silu(
+                self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
+                self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
+                columns, torch.get_num_threads())
+        elif self.silu_pairs:
+            status = self._kvfleet_linear_silu(
                 self._code, rows.data_ptr(), num_rows, self.in_features, rows.stride(0),
                 self._weight_ptr, self.out_features, self._bias_ptr, out.data_ptr(),
                 columns, torch.get_num_threads())
