@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.amx_revisions import kernel_at
+from kvfleet.worker.engine.kernels.cpu_attention import DTYPE_CODES
+from kvfleet.worker.engine.memory.device import CPU_BF16_BLOCK_SIZE, DEFAULT_BLOCK_SIZE
 
 FILES = ("cpu_attention.cpp", "cpu_attention.h", "cpu_kernels.h")
-# rows per pool page: the CPU's bf16 pools' and its float32 pools' (worker/engine/memory/device.py)
-BLOCK_SIZES = {torch.bfloat16: 64, torch.float32: 16}
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# rows per pool page: the CPU's bf16 pools' and its float32 pools' (the engine's defaults)
+BLOCK_SIZES = {torch.bfloat16: CPU_BF16_BLOCK_SIZE, torch.float32: DEFAULT_BLOCK_SIZE}
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
